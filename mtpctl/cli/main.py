@@ -1,0 +1,77 @@
+"""The ``mtpctl`` entry point: the command group and the one place where errors become a line on
+stderr and an exit code (see :mod:`mtpctl.errors`)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import List, Optional
+
+import click
+
+from mtpctl import __version__
+from mtpctl.cli.generate import generate_cmd
+from mtpctl.cli.models import models_group
+from mtpctl.errors import MtpctlError
+
+INTERNAL_ERROR, INTERRUPTED = 3, 130
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="mtpctl")
+@click.option("--debug", is_flag=True, help="Show the full traceback of an error.")
+def cli(debug: bool) -> None:
+    """mtpctl: multi-token prediction heads and speculative decoding for LLMs.
+
+    stdout carries the product (text or JSON), stderr carries progress and logs.
+    Exit codes: 0 ok, 1 a gate failed, 2 bad input or missing resource, 3 internal error.
+
+    \b
+    Examples:
+      mtpctl generate "Write a haiku about caches."
+      mtpctl generate --speculate ngram --stats --prompt-file notes.txt
+      mtpctl models list
+    """
+
+
+cli.add_command(generate_cmd)
+cli.add_command(models_group)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run the CLI; return its exit code. ``--debug`` (or ``MTPCTL_DEBUG=1``) re-raises errors."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args or os.environ.get("MTPCTL_DEBUG") == "1"
+    try:
+        result = cli.main(args=args, prog_name="mtpctl", standalone_mode=False)
+        return result if isinstance(result, int) else 0
+    except click.exceptions.Abort:
+        return INTERRUPTED
+    except click.ClickException as err:
+        if debug:
+            raise
+        return _fail(err.format_message(), err.exit_code)
+    except MtpctlError as err:
+        if debug:
+            raise
+        return _fail(str(err), err.exit_code)
+    except KeyboardInterrupt:
+        return _fail("interrupted", INTERRUPTED)
+    except BrokenPipeError:  # stdout closed early (e.g. `| head`): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except Exception as err:  # a bug: one line, the traceback with --debug
+        if debug:
+            raise
+        return _fail(f"internal error: {type(err).__name__}: {err} (rerun with --debug for the traceback)",
+                     INTERNAL_ERROR)
+
+
+def _fail(message: str, code: int) -> int:
+    click.echo(f"mtpctl: error: {' '.join(message.split())}", err=True)
+    return code
+
+
+def entry() -> None:
+    """Console-script entry point."""
+    sys.exit(main())

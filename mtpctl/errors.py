@@ -1,0 +1,42 @@
+"""Every error mtpctl reports to a user, with its exit code, in one place.
+
+The CLI turns an :class:`MtpctlError` into one line on stderr and its ``exit_code``; anything else
+that escapes is a bug (exit code 3, traceback with ``--debug``).
+
+Exit codes: 0 ok, 1 a gate failed, 2 bad input or a missing resource, 3 internal error,
+130 interrupted.
+"""
+
+from __future__ import annotations
+
+
+class MtpctlError(Exception):
+    """Base class: a problem the user can fix; ``str(err)`` says what went wrong and how to fix it."""
+
+    exit_code = 2
+
+
+class BadInput(MtpctlError):
+    """An argument, prompt or option value is not usable (empty prompt, prompt too long, ...)."""
+
+
+class ModelNotFound(MtpctlError):
+    """An alias, folder or file named by ``--model`` does not exist or is not installed."""
+
+
+class HubUnreachable(MtpctlError):
+    """A hub repo id was given but the Hugging Face hub could not be reached."""
+
+
+class CorruptModel(MtpctlError):
+    """A weights, config, GGUF or tokenizer file is truncated, malformed or inconsistent."""
+
+
+class UnsupportedModel(MtpctlError):
+    """The checkpoint is well formed but uses an architecture or feature the runtime lacks."""
+
+
+class GateFailed(MtpctlError):
+    """A benchmark gate (speedup, latency) was missed."""
+
+    exit_code = 1

@@ -1,0 +1,117 @@
+"""The torch engine: the small interface every backend implements for the decoding loop.
+
+``prefill(prompt)`` fills the KV cache and returns the last position's logits; ``verify(tokens,
+parents)`` scores a chain or a draft tree of N tokens in one forward pass without committing it;
+``commit(offsets)`` keeps the KV entries of the accepted tokens. The loop, drafters and acceptors
+are backend-free and only use this interface.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence
+
+import torch
+
+from mtpctl.runtime.model import Decoder
+
+
+@dataclass
+class StepOutput:
+    """What one forward pass returns for the rows asked for."""
+
+    logits: torch.Tensor  # [N, vocab] float32
+    hidden_states: torch.Tensor  # [N, hidden], after the final norm
+
+
+def tree_positions(parents: Sequence[int]) -> tuple:
+    """Depths ``[N]`` and ancestor mask ``tree_mask [N, N]`` (True where j is i or an ancestor of i)
+    of a draft tree given each node's parent index (-1 for the root; parents precede children).
+
+    Raises:
+        ValueError: a parent index does not precede its child.
+    """
+    n = len(parents)
+    depth = [0] * n
+    tree_mask = torch.eye(n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p < 0:
+            continue
+        if p >= i:
+            raise ValueError(f"draft tree node {i} has parent {p}: parents must precede children")
+        depth[i] = depth[p] + 1
+        tree_mask[i] |= tree_mask[p]
+    return torch.tensor(depth, dtype=torch.long), tree_mask
+
+
+def attention_masks(windows, length: int, depth: torch.Tensor, tree_mask: Optional[torch.Tensor]
+                    ) -> Dict[Optional[int], Optional[torch.Tensor]]:
+    """Bool masks ``[1, 1, N, length + N]`` per attention window for N new tokens at positions
+    ``length + depth`` over ``length`` committed slots (slot j holds position j). ``tree_mask`` None
+    means a chain (causal). A mask that would allow every slot is returned as None."""
+    n = depth.shape[0]
+    pos = length + depth
+    new_allowed = tree_mask if tree_mask is not None else torch.ones(n, n, dtype=torch.bool).tril()
+    full = torch.cat((torch.ones(n, length, dtype=torch.bool), new_allowed), dim=1)
+    slot_pos = torch.cat((torch.arange(length), pos))
+    masks: Dict[Optional[int], Optional[torch.Tensor]] = {}
+    for window in set(windows):
+        allowed = full
+        if window is not None:
+            allowed = full & ((pos[:, None] - slot_pos[None, :]) < window)
+        masks[window] = None if bool(allowed.all()) else allowed[None, None]
+    return masks
+
+
+class TorchEngine:
+    """Runs a :class:`Decoder` on one sequence (batch 1) with its own KV cache.
+
+    Args:
+        model: the target decoder.
+        capacity: KV cache slots (tokens) to allocate: prompt + new tokens + the largest draft.
+    """
+
+    def __init__(self, model: Decoder, capacity: int):
+        self.model = model
+        self.cache = model.new_cache(capacity)
+
+    @property
+    def length(self) -> int:
+        """Committed tokens in the KV cache."""
+        return self.cache.length
+
+    @property
+    def capacity(self) -> int:
+        """KV cache slots allocated (tokens)."""
+        return self.cache.capacity
+
+    @torch.inference_mode()
+    def _forward(self, tokens: Sequence[int], parents: Optional[Sequence[int]], last_only: bool) -> StepOutput:
+        if parents is None:
+            depth, tree_mask = torch.arange(len(tokens)), None
+        else:
+            depth, tree_mask = tree_positions(parents)
+        masks = attention_masks(self.model.cfg.layer_windows, self.length, depth, tree_mask)
+        ids = torch.tensor([list(tokens)], dtype=torch.long)
+        hidden = self.model(ids, (self.length + depth)[None], self.cache, masks)[0]
+        if last_only:
+            hidden = hidden[-1:]
+        return StepOutput(self.model.logits(hidden), hidden)
+
+    def prefill(self, prompt_ids: Sequence[int]) -> StepOutput:
+        """Reset the cache, run and commit the prompt; returns the last position's ``logits [1, vocab]``."""
+        self.cache.reset()
+        out = self._forward(prompt_ids, None, last_only=True)
+        self.cache.advance(len(prompt_ids))
+        return out
+
+    def verify(self, tokens: Sequence[int], parents: Optional[Sequence[int]] = None) -> StepOutput:
+        """Score N tokens (a chain, or a draft tree given ``parents``) after the committed ones.
+
+        ``logits[i]`` is the target's prediction for the token following node i. Nothing is committed.
+        """
+        return self._forward(tokens, parents, last_only=False)
+
+    def commit(self, offsets: Sequence[int]) -> None:
+        """Keep the KV of the verified nodes at ``offsets`` (root first, in path order)."""
+        self.cache.keep(offsets)

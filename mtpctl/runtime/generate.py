@@ -1,0 +1,137 @@
+"""The decoding loop: prefill, then draft -> verify -> accept -> commit until a stop.
+
+One loop serves plain decoding (no drafter, or a drafter that proposes nothing) and every kind of
+speculation; only the drafter differs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, List, Optional, Sequence
+
+from mtpctl.runtime.acceptance import accept_greedy, accept_rejection_sampling
+from mtpctl.runtime.drafters import Draft, Drafter
+from mtpctl.runtime.sampling import SamplingParams, next_token
+from mtpctl.runtime.stopping import CONTEXT, StopChecker
+
+
+@dataclass
+class GenerationStats:
+    """Figures of one generation; every count is of committed tokens only.
+
+    ``tau`` (mean accepted length) is committed tokens per decode step, the bonus/recovered token
+    counted, so plain decoding has tau = 1. ``acceptance_rate`` is accepted draft tokens over draft
+    tokens verified (None when nothing was drafted). Times are in ms, rates in tokens/s; TTFT covers
+    prefill and the first token; ``tokens_per_s`` is new tokens over the whole generation time.
+    """
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    decode_steps: int = 0  # verify passes after prefill
+    draft_tokens: int = 0  # draft tokens verified
+    accepted_tokens: int = 0  # draft tokens accepted and committed
+    ttft_ms: float = 0.0
+    total_ms: float = 0.0
+    accepted_per_step: List[int] = field(default_factory=list)  # accept length (bonus counted) per step
+    step_ms: List[float] = field(default_factory=list)  # wall time of each decode step
+
+    @property
+    def tau(self) -> Optional[float]:
+        return sum(self.accepted_per_step) / self.decode_steps if self.decode_steps else None
+
+    @property
+    def acceptance_rate(self) -> Optional[float]:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / (self.total_ms / 1e3) if self.total_ms > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        """All figures, derived ones included, as plain JSON-ready values."""
+        out = asdict(self)
+        out.update(tau=self.tau, acceptance_rate=self.acceptance_rate, tokens_per_s=self.tokens_per_s)
+        return out
+
+
+@dataclass
+class GenerationResult:
+    """Generated token ids (EOS included when it ended the output), text and statistics."""
+
+    token_ids: List[int]
+    text: str
+    finish_reason: str  # eos | stop | length | context
+    stats: GenerationStats
+
+
+def generate(engine, prompt_ids: Sequence[int], stop: StopChecker, sampling: SamplingParams,
+             drafter: Optional[Drafter] = None, draft_len: int = 0,
+             on_text: Optional[Callable[[str], None]] = None) -> GenerationResult:
+    """Generate from ``prompt_ids`` until ``stop`` says so, speculating with ``drafter``.
+
+    Lossless: greedy output equals plain greedy decoding token for token; sampled output follows the
+    target's distribution (speculative rejection sampling).
+
+    Args:
+        engine: a backend with ``prefill``, ``verify``, ``commit``, ``length``, ``capacity``
+            (:class:`mtpctl.runtime.engine.TorchEngine`); its capacity bounds prompt + output.
+        prompt_ids: prompt token ids ``[T]``, T >= 1.
+        stop: stop conditions (EOS, stop strings, max new tokens), checked on every committed token.
+        sampling: greedy or sampling settings.
+        drafter: proposes draft tokens; None for plain decoding.
+        draft_len: the most draft tokens per step (k).
+        on_text: called with each piece of text as soon as it is final (streaming).
+
+    Raises:
+        ValueError: empty prompt, or a prompt that leaves no room in the engine's capacity.
+    """
+    if not prompt_ids:
+        raise ValueError("the prompt has no tokens")
+    if len(prompt_ids) >= engine.capacity:
+        raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context holds {engine.capacity}")
+    generator = sampling.generator()
+    stats = GenerationStats(prompt_tokens=len(prompt_ids))
+    start = time.perf_counter()
+    pending = next_token(engine.prefill(prompt_ids).logits[-1], sampling, generator)
+    stats.ttft_ms = (time.perf_counter() - start) * 1e3
+    done = _commit([pending], stop, on_text)
+    while not done:
+        if engine.length + 1 > engine.capacity:
+            stop.end(CONTEXT)
+            break
+        step_start = time.perf_counter()
+        room = min(draft_len, stop.max_new_tokens - len(stop.tokens) - 1, engine.capacity - engine.length - 1)
+        draft = drafter.propose(list(prompt_ids) + stop.tokens, room) if drafter and room > 0 else Draft([])
+        out = engine.verify([pending] + draft.tokens)
+        if sampling.greedy:
+            result = accept_greedy(draft.tokens, out.logits)
+        else:
+            result = accept_rejection_sampling(draft.tokens, out.logits, sampling, generator, draft.probs)
+        engine.commit(range(1 + len(result.accepted)))
+        pending = result.next_token
+        before = len(stop.tokens)
+        done = _commit(result.tokens, stop, on_text)
+        committed = len(stop.tokens) - before
+        stats.decode_steps += 1
+        stats.draft_tokens += len(draft.tokens)
+        stats.accepted_tokens += min(len(result.accepted), committed)
+        stats.accepted_per_step.append(committed)
+        stats.step_ms.append((time.perf_counter() - step_start) * 1e3)
+    stats.total_ms = (time.perf_counter() - start) * 1e3
+    stats.new_tokens = len(stop.tokens)
+    if on_text:
+        on_text(stop.stream())
+    return GenerationResult(list(stop.tokens), stop.text, stop.finish_reason, stats)
+
+
+def _commit(tokens: Sequence[int], stop: StopChecker, on_text) -> bool:
+    """Push tokens one by one until a stop; stream what became final. True when generation ended."""
+    for token in tokens:
+        if stop.push(token):
+            return True
+    if on_text:
+        piece = stop.stream()
+        if piece:
+            on_text(piece)
+    return False

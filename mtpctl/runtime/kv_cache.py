@@ -1,0 +1,73 @@
+"""A preallocated KV cache indexed by position (the gpt-fast layout).
+
+Slots ``[0, length)`` hold committed tokens; a forward pass writes its N candidate tokens' keys and
+values to slots ``[length, length + N)`` without committing them. :meth:`KVCache.advance` then keeps a
+prefix of those (a chain draft: nothing to copy, rejected entries are simply overwritten later) and
+:meth:`KVCache.keep` keeps an arbitrary subset (an accepted path of a draft tree: copied into place).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+class KVCache:
+    """Keys and values of every layer.
+
+    Attributes:
+        k, v: ``[layers, batch, kv_heads, capacity, head_dim]``.
+        length: number of committed slots (tokens whose KV is final), the same for every batch row.
+        capacity: slots allocated (tokens).
+    """
+
+    def __init__(self, layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype = torch.float32, device="cpu"):
+        shape = (layers, batch, kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0
+        self.capacity = capacity
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held by keys and values, in bytes."""
+        return self.k.numel() * self.k.element_size() * 2
+
+    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
+        """Store ``k_new``/``v_new`` ``[batch, kv_heads, N, head_dim]`` at slots ``[length, length+N)``
+        of ``layer`` and return views of all slots up to there, ``[batch, kv_heads, length+N, head_dim]``.
+
+        Raises:
+            ValueError: the N new slots do not fit in ``capacity``.
+        """
+        end = self.length + k_new.shape[2]
+        if end > self.capacity:
+            raise ValueError(f"KV cache overflow: {end} slots needed, {self.capacity} allocated")
+        self.k[layer, :, :, self.length:end] = k_new
+        self.v[layer, :, :, self.length:end] = v_new
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def advance(self, n: int) -> None:
+        """Commit the first ``n`` uncommitted slots (``length += n``)."""
+        if n < 0 or self.length + n > self.capacity:
+            raise ValueError(f"cannot advance the KV cache by {n} from {self.length} of {self.capacity}")
+        self.length += n
+
+    def keep(self, offsets: Sequence[int]) -> None:
+        """Commit the uncommitted slots ``length + offsets[i]`` (increasing) as slots ``length + i``.
+
+        Used for the accepted path of a draft tree; a prefix ``0..n-1`` costs no copy.
+        """
+        offsets = list(offsets)
+        if offsets != list(range(len(offsets))):
+            src = torch.tensor(offsets, dtype=torch.long, device=self.k.device) + self.length
+            dst = slice(self.length, self.length + len(offsets))
+            self.k[:, :, :, dst] = self.k.index_select(3, src)
+            self.v[:, :, :, dst] = self.v.index_select(3, src)
+        self.advance(len(offsets))
+
+    def reset(self) -> None:
+        """Forget every committed slot (``length = 0``); memory is kept for reuse."""
+        self.length = 0

@@ -1,0 +1,221 @@
+"""A Llama-family decoder (llama, SmolLM2, mistral, qwen2, qwen3) that scores N candidate tokens
+against a position-indexed KV cache in one forward pass.
+
+Written for mtpctl from the published architecture (Touvron et al. 2023, "LLaMA"; RMSNorm, SwiGLU MLP,
+rotary embeddings, grouped-query attention) and the Hugging Face checkpoint layout. Q/K/V and
+gate/up projections are fused at load time so a step runs one matmul where the checkpoint has three
+or two. Positions and the attention mask are explicit, so a chain or a tree of draft tokens is
+verified in one call.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtpctl.runtime.config import DecoderConfig, RopeConfig
+from mtpctl.runtime.kv_cache import KVCache
+from mtpctl.runtime.weights import load_tensors, safetensors_files
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def expected_tensors(cfg: DecoderConfig) -> Dict[str, tuple]:
+    """Tensor name -> shape of a Hugging Face checkpoint of this config."""
+    h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q_out, kv_out = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,),
+              "lm_head.weight": (cfg.vocab_size, h)}
+    for n in range(cfg.num_hidden_layers):
+        p = f"model.layers.{n}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q_out, h), p + "self_attn.k_proj.weight": (kv_out, h),
+            p + "self_attn.v_proj.weight": (kv_out, h), p + "self_attn.o_proj.weight": (h, q_out),
+            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+        })
+        if cfg.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q_out,), p + "self_attn.k_proj.bias": (kv_out,),
+                           p + "self_attn.v_proj.bias": (kv_out,)})
+        if cfg.mlp_bias:
+            shapes.update({p + "mlp.gate_proj.bias": (i,), p + "mlp.up_proj.bias": (i,),
+                           p + "mlp.down_proj.bias": (h,)})
+        if cfg.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+    return shapes
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim / 2]`` (float32), with linear or Llama 3 scaling applied."""
+    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.rope_type == "linear":
+        inv = inv / rope.factor
+    elif rope.rope_type == "llama3":
+        low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
+        high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / rope.factor, inv)
+        smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm (Zhang & Sennrich 2019) computed in float32, returned in ``x``'s dtype."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype) * weight
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Apply rotary embedding to ``x`` ``[batch, N, heads, head_dim]``; cos/sin ``[batch, N, 1, head_dim]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm transformer block: attention (GQA) then SwiGLU MLP, each with a residual."""
+
+    def __init__(self, cfg: DecoderConfig, index: int, dtype: torch.dtype):
+        super().__init__()
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.cfg, self.index = cfg, index
+        self.q_size, self.kv_size = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+
+        def param(*shape):
+            return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+
+        self.input_norm = param(h)
+        self.post_attention_norm = param(h)
+        self.qkv = param(self.q_size + 2 * self.kv_size, h)
+        self.qkv_bias = param(self.q_size + 2 * self.kv_size) if cfg.attention_bias else None
+        self.o_proj = param(h, self.q_size)
+        self.gate_up = param(2 * cfg.intermediate_size, h)
+        self.gate_up_bias = param(2 * cfg.intermediate_size) if cfg.mlp_bias else None
+        self.down = param(h, cfg.intermediate_size)
+        self.down_bias = param(h) if cfg.mlp_bias else None
+        self.q_norm = param(hd) if cfg.qk_norm else None
+        self.k_norm = param(hd) if cfg.qk_norm else None
+
+    def forward(self, x, cos, sin, cache: KVCache, mask: Optional[torch.Tensor]):
+        """x ``[batch, N, hidden]`` -> ``[batch, N, hidden]``; writes this layer's N new KV slots."""
+        cfg = self.cfg
+        b, n, _ = x.shape
+        hd = cfg.head_dim
+        qkv = F.linear(_rms_norm(x, self.input_norm, cfg.rms_norm_eps), self.qkv, self.qkv_bias)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(b, n, cfg.num_attention_heads, hd)
+        k = k.view(b, n, cfg.num_key_value_heads, hd)
+        if self.q_norm is not None:
+            q = _rms_norm(q, self.q_norm, cfg.rms_norm_eps)
+            k = _rms_norm(k, self.k_norm, cfg.rms_norm_eps)
+        q = _rotate(q, cos, sin).transpose(1, 2)
+        k = _rotate(k, cos, sin).transpose(1, 2)
+        v = v.view(b, n, cfg.num_key_value_heads, hd).transpose(1, 2)
+        keys, values = cache.write(self.index, k, v)
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        x = x + F.linear(attn.transpose(1, 2).reshape(b, n, self.q_size), self.o_proj)
+        gate, up = F.linear(_rms_norm(x, self.post_attention_norm, cfg.rms_norm_eps),
+                            self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down, self.down_bias)
+
+
+class Decoder(nn.Module):
+    """The target model: embeddings, ``num_hidden_layers`` blocks, final norm and lm_head.
+
+    Weights are frozen (``requires_grad=False``); build with :meth:`from_folder`.
+    """
+
+    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.cfg, self.dtype = cfg, dtype
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
+        self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32),
+                            rope_inv_freq(cfg.rope, cfg.head_dim))
+        angles = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
+        self.register_buffer("rope_cos", angles.cos().to(dtype), persistent=False)
+        self.register_buffer("rope_sin", angles.sin().to(dtype), persistent=False)
+
+    @classmethod
+    def from_folder(cls, folder: Path, dtype: torch.dtype = torch.float32) -> "Decoder":
+        """Load ``config.json`` and ``*.safetensors`` from a Hugging Face checkpoint folder, strictly.
+
+        Raises:
+            CorruptModel: missing/unexpected/mis-shaped/NaN tensors, unreadable files.
+            UnsupportedModel: an architecture outside the Llama family.
+        """
+        cfg = DecoderConfig.from_folder(Path(folder))
+        model = cls(cfg, dtype)
+        optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
+        model.load_hf_tensors(load_tensors(safetensors_files(Path(folder)), expected_tensors(cfg), optional))
+        return model
+
+    def load_hf_tensors(self, t: Dict[str, torch.Tensor]) -> None:
+        """Copy checkpoint tensors (already checked by name and shape) into the fused parameters."""
+        def put(param, *names):
+            param.data.copy_(torch.cat([t[n] for n in names]) if len(names) > 1 else t[names[0]])
+
+        put(self.embed, "model.embed_tokens.weight")
+        put(self.norm, "model.norm.weight")
+        if not self.cfg.tie_word_embeddings:
+            put(self.lm_head, "lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            put(layer.input_norm, p + "input_layernorm.weight")
+            put(layer.post_attention_norm, p + "post_attention_layernorm.weight")
+            put(layer.qkv, *(p + f"self_attn.{x}_proj.weight" for x in "qkv"))
+            put(layer.o_proj, p + "self_attn.o_proj.weight")
+            put(layer.gate_up, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+            put(layer.down, p + "mlp.down_proj.weight")
+            if layer.qkv_bias is not None:
+                put(layer.qkv_bias, *(p + f"self_attn.{x}_proj.bias" for x in "qkv"))
+            if layer.gate_up_bias is not None:
+                put(layer.gate_up_bias, p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias")
+                put(layer.down_bias, p + "mlp.down_proj.bias")
+            if layer.q_norm is not None:
+                put(layer.q_norm, p + "self_attn.q_norm.weight")
+                put(layer.k_norm, p + "self_attn.k_norm.weight")
+
+    def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
+        """An empty KV cache for ``capacity`` tokens in this model's dtype."""
+        c = self.cfg
+        return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, c.head_dim, capacity, self.dtype)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
+                masks: Dict[Optional[int], Optional[torch.Tensor]]) -> torch.Tensor:
+        """Run N new tokens per row against the cache; their KV go to slots ``[length, length+N)``.
+
+        Args:
+            input_ids: ``[batch, N]`` token ids.
+            position_ids: ``[batch, N]`` positions (a token's depth in a draft tree adds to ``length``).
+            cache: the KV cache; not advanced here (the caller commits accepted slots).
+            masks: attention window (None = full) -> bool mask ``[batch|1, 1, N, length+N]``
+                (True = may attend), or None to attend to every slot.
+
+        Returns:
+            hidden_states after the final norm, ``[batch, N, hidden]``.
+        """
+        x = F.embedding(input_ids, self.embed)
+        cos = self.rope_cos[position_ids].unsqueeze(2)
+        sin = self.rope_sin[position_ids].unsqueeze(2)
+        for layer, window in zip(self.layers, self.cfg.layer_windows):
+            x = layer(x, cos, sin, cache, masks[window])
+        return _rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+
+    def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """lm_head: ``[..., hidden]`` -> float32 logits ``[..., vocab]``."""
+        return F.linear(hidden_states, self.lm_head).float()

@@ -1,0 +1,65 @@
+"""Stop checks on every committed token, and incremental detokenization for streaming."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, List, Optional, Sequence
+
+EOS, STOP, LENGTH, CONTEXT = "eos", "stop", "length", "context"  # finish reasons
+
+
+class StopChecker:
+    """Receives committed tokens one by one and says when generation ends.
+
+    Args:
+        eos_ids: token ids that end generation (kept in ``tokens``, not in ``text``).
+        stop_strings: strings that end generation; the text is cut before the first one.
+        max_new_tokens: the most tokens to accept (>= 1).
+        decode: token ids -> text (special tokens skipped).
+    """
+
+    def __init__(self, eos_ids: Iterable[int], stop_strings: Sequence[str], max_new_tokens: int,
+                 decode: Callable[[List[int]], str]):
+        self.eos_ids = set(eos_ids)
+        self.stop_strings = [s for s in stop_strings if s]
+        self.max_new_tokens = max_new_tokens
+        self.decode = decode
+        self.tokens: List[int] = []
+        self.text = ""
+        self.finish_reason: Optional[str] = None
+        self._streamed = 0
+
+    def push(self, token: int) -> bool:
+        """Add one committed token; return True when generation must end (``finish_reason`` set)."""
+        if self.finish_reason is not None:
+            raise RuntimeError("push() after generation ended")
+        self.tokens.append(token)
+        self.text = self.decode(self.tokens)
+        if token in self.eos_ids:
+            self.finish_reason = EOS
+        else:
+            cut = min((i for i in (self.text.find(s) for s in self.stop_strings) if i >= 0), default=-1)
+            if cut >= 0:
+                self.text = self.text[:cut]
+                self.finish_reason = STOP
+            elif len(self.tokens) >= self.max_new_tokens:
+                self.finish_reason = LENGTH
+        return self.finish_reason is not None
+
+    def end(self, reason: str) -> None:
+        """End generation for a reason found outside (e.g. the context is full)."""
+        if self.finish_reason is None:
+            self.finish_reason = reason
+
+    def stream(self) -> str:
+        """Text not yet streamed that can no longer change: holds back a possible stop-string
+        prefix and an incomplete UTF-8 character until generation ends."""
+        end = len(self.text)
+        if self.finish_reason is None:
+            if self.stop_strings:
+                end -= max(len(s) for s in self.stop_strings) - 1
+            while end > 0 and self.text[end - 1] == "\ufffd":
+                end -= 1
+        if end <= self._streamed:
+            return ""
+        delta, self._streamed = self.text[self._streamed:end], end
+        return delta
