@@ -51,12 +51,12 @@ class StopChecker:
             self.finish_reason = reason
 
     def stream(self) -> str:
-        """Text not yet streamed that can no longer change: holds back a possible stop-string
-        prefix and an incomplete UTF-8 character until generation ends."""
+        """Text not yet streamed that can no longer change: holds back a tail that may begin a
+        stop string and an incomplete UTF-8 character until generation ends."""
         end = len(self.text)
         if self.finish_reason is None:
-            if self.stop_strings:
-                end -= max(len(s) for s in self.stop_strings) - 1
+            end -= max((h for s in self.stop_strings for h in range(1, len(s))
+                        if self.text.endswith(s[:h])), default=0)
             while end > 0 and self.text[end - 1] == "\ufffd":
                 end -= 1
         if end <= self._streamed:

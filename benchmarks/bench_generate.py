@@ -1,0 +1,464 @@
+"""Greedy decoding speed of mtpctl against HF transformers, on the same prompts, in one run.
+
+Methods (all greedy, batch 1, CPU):
+
+* ``hf``         -- transformers ``model.generate(do_sample=False)``, float32 (the reference);
+* ``hf-pld``     -- the same with prompt lookup (``prompt_lookup_num_tokens=K``), float32;
+* ``plain``      -- mtpctl's runtime without speculation, per dtype;
+* ``ngram``      -- mtpctl's runtime with n-gram (prompt lookup) speculation, per dtype.
+
+Every method runs every prompt; the methods are interleaved per prompt (their order rotated from
+prompt to prompt) so that drift of the machine affects all of them alike. One warm-up generation per
+method comes first. Tokens/s is total new tokens over total wall time per method, prefill included.
+
+Usage::
+
+    python benchmarks/bench_generate.py [--model smollm2-135m] [--max-new-tokens 128]
+        [--draft-len 4] [--dtypes float32,bfloat16] [--prompts benchmarks/prompts.jsonl]
+        [--limit N] [--threads N] [--write BENCHMARKS.md]
+
+Progress goes to stderr, the markdown report to stdout; ``--write FILE`` also puts the report in
+FILE between the ``bench_generate`` markers (replacing the old section, or appended).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+START_MARK = "<!-- bench_generate:start -->"
+END_MARK = "<!-- bench_generate:end -->"
+WARMUP_TOKENS = 32
+
+
+# ----------------------------------------------------------------------------- data
+
+
+@dataclass
+class Run:
+    """One generation of one method on one prompt."""
+
+    tokens: List[int]  # new token ids, the EOS that ended the output included
+    seconds: float  # wall time of the generate call
+    steps: Optional[int] = None  # target forward passes that committed tokens after the prefill
+    committed: Optional[int] = None  # tokens committed by those steps
+    drafted: Optional[int] = None  # draft tokens verified
+    accepted: Optional[int] = None  # draft tokens accepted
+
+
+@dataclass
+class Method:
+    """A way to generate: ``run(prompt_ids, max_new_tokens) -> Run``."""
+
+    key: str  # unique id, e.g. "ngram/bfloat16"
+    label: str  # row label in the table
+    dtype: str
+    run: Callable[[Sequence[int], int], Run]
+    speculative: bool = False
+    runs: List[Run] = field(default_factory=list)
+
+
+@dataclass
+class Prompt:
+    category: str
+    text: str
+    ids: List[int] = field(default_factory=list)
+
+
+def load_prompts(path: Path, limit: Optional[int]) -> List[Prompt]:
+    """The ``{"category", "prompt"}`` records of a JSONL file, the first ``limit`` of them."""
+    prompts = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            record = json.loads(line)
+            prompts.append(Prompt(record["category"], record["prompt"]))
+    return prompts[:limit] if limit else prompts
+
+
+# ----------------------------------------------------------------------------- methods
+
+
+def mtpctl_method(session, dtype: str, draft_len: int, speculative: bool) -> Method:
+    """mtpctl greedy decoding, plain or with the n-gram drafter."""
+    from mtpctl.runtime.drafters import NgramDrafter
+    from mtpctl.runtime.sampling import SamplingParams
+
+    def run(ids: Sequence[int], max_new: int) -> Run:
+        drafter = NgramDrafter(ngram_max=3, ngram_min=1) if speculative else None
+        start = time.perf_counter()
+        r = session.generate(ids, max_new, SamplingParams(), drafter=drafter,
+                             draft_len=draft_len if speculative else 0)
+        seconds = time.perf_counter() - start
+        st = r.stats
+        return Run(list(r.token_ids), seconds, st.decode_steps, sum(st.accepted_per_step),
+                   st.draft_tokens, st.accepted_tokens)
+
+    name = "ngram" if speculative else "plain"
+    label = f"mtpctl + n-gram (k={draft_len})" if speculative else "mtpctl plain"
+    return Method(f"{name}/{dtype}", label, dtype, run, speculative)
+
+
+class LookupCounter:
+    """Counts the verify steps and draft tokens of HF prompt lookup decoding.
+
+    Wraps ``PromptLookupCandidateGenerator.get_candidates`` (called once per target forward pass
+    of assisted decoding); the benchmark only reads the counts, generation is unchanged.
+    """
+
+    def __init__(self):
+        from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+
+        self.steps = self.drafted = 0
+        original = PromptLookupCandidateGenerator.get_candidates
+        counter = self
+
+        def counted(generator, input_ids, *args, **kwargs):
+            candidates, logits = original(generator, input_ids, *args, **kwargs)
+            counter.steps += 1
+            counter.drafted += candidates.shape[1] - input_ids.shape[1]
+            return candidates, logits
+
+        PromptLookupCandidateGenerator.get_candidates = counted
+
+    def reset(self) -> None:
+        self.steps = self.drafted = 0
+
+
+def trim_at_eos(tokens: List[int], eos_ids) -> List[int]:
+    """``tokens`` up to and including the first EOS (HF may keep accepted tokens past it)."""
+    for i, t in enumerate(tokens):
+        if t in eos_ids:
+            return tokens[:i + 1]
+    return tokens
+
+
+def hf_method(model, eos_ids, lookup: int, counter: Optional[LookupCounter]) -> Method:
+    """HF transformers greedy ``generate``; prompt lookup when ``lookup`` > 0 (needs ``counter``)."""
+    eos = sorted(eos_ids)
+
+    def run(ids: Sequence[int], max_new: int) -> Run:
+        input_ids = torch.tensor([list(ids)], dtype=torch.long)
+        kwargs = dict(do_sample=False, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=eos[0],
+                      attention_mask=torch.ones_like(input_ids))
+        if lookup:
+            kwargs["prompt_lookup_num_tokens"] = lookup
+            counter.reset()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids, **kwargs)
+        seconds = time.perf_counter() - start
+        tokens = trim_at_eos(out[0, input_ids.shape[1]:].tolist(), eos_ids)
+        if not lookup:
+            return Run(tokens, seconds)
+        # HF's first forward pass both prefills and verifies; every pass commits accepted + 1
+        steps = counter.steps
+        return Run(tokens, seconds, steps, len(tokens), counter.drafted, max(0, len(tokens) - steps))
+
+    if lookup:
+        return Method("hf-pld/float32", f"HF generate + prompt lookup (K={lookup})", "float32", run, True)
+    return Method("hf/float32", "HF generate (reference)", "float32", run)
+
+
+def build_methods(folder: Path, dtypes: Sequence[str], draft_len: int):
+    """The tokenizer (of the mtpctl sessions) and all methods: HF first, then mtpctl per dtype."""
+    from transformers import AutoModelForCausalLM
+
+    from mtpctl.runtime.session import Session
+
+    sessions = {dtype: Session(folder, dtype=dtype) for dtype in dtypes}
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    codec = next(iter(sessions.values())).codec
+    methods = [hf_method(model, codec.eos_ids, 0, None),
+               hf_method(model, codec.eos_ids, draft_len, LookupCounter())]
+    for dtype, session in sessions.items():
+        methods.append(mtpctl_method(session, dtype, draft_len, speculative=False))
+        methods.append(mtpctl_method(session, dtype, draft_len, speculative=True))
+    return codec, methods
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_all(methods: List[Method], prompts: List[Prompt], max_new: int) -> List[float]:
+    """Warm up every method, then run every method on every prompt, interleaved.
+
+    Returns the 1-minute load averages sampled after each prompt.
+    """
+    log(f"warm-up: {len(methods)} methods x {WARMUP_TOKENS} tokens")
+    for m in methods:
+        m.run(prompts[0].ids, min(WARMUP_TOKENS, max_new))
+    loads = []
+    for i, prompt in enumerate(prompts):
+        shift = i % len(methods)
+        for m in methods[shift:] + methods[:shift]:
+            m.runs.append(m.run(prompt.ids, max_new))
+        loads.append(os.getloadavg()[0])
+        speeds = ", ".join(f"{m.key} {len(m.runs[-1].tokens) / m.runs[-1].seconds:.1f}" for m in methods)
+        log(f"[{i + 1}/{len(prompts)}] {prompt.category}: {speeds} tok/s (load {loads[-1]:.2f})")
+    return loads
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+def tokens_per_s(runs: Sequence[Run]) -> float:
+    seconds = sum(r.seconds for r in runs)
+    return sum(len(r.tokens) for r in runs) / seconds if seconds else 0.0
+
+
+def tau(runs: Sequence[Run]) -> Optional[float]:
+    """Tokens committed per target forward pass after the prefill (HF: including the first pass)."""
+    steps = sum(r.steps or 0 for r in runs)
+    return sum(r.committed or 0 for r in runs) / steps if steps else None
+
+
+def acceptance(runs: Sequence[Run]) -> Optional[float]:
+    drafted = sum(r.drafted or 0 for r in runs)
+    return sum(r.accepted or 0 for r in runs) / drafted if drafted else None
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
+    """Index of the first differing token (a length difference counts), None when equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def compare(runs: Sequence[Run], reference: Sequence[Run]) -> tuple:
+    """(prompts equal, prompts, first divergences ``(prompt number, token index)``)."""
+    diffs = [(i + 1, d) for i, (r, ref) in enumerate(zip(runs, reference))
+             if (d := first_divergence(r.tokens, ref.tokens)) is not None]
+    return len(runs) - len(diffs), len(runs), diffs
+
+
+def check_text(equal: int, total: int, diffs, what: str) -> str:
+    text = f"{equal}/{total} = {what}"
+    if diffs:
+        text += "; first divergence " + ", ".join(f"p{p}@{d}" for p, d in diffs[:3])
+        text += " ..." if len(diffs) > 3 else ""
+    return text
+
+
+def lossless_column(methods: Dict[str, Method]) -> Dict[str, str]:
+    """The check shown in each method's row."""
+    out = {}
+    hf = methods["hf/float32"].runs
+    out["hf/float32"] = "reference"
+    out["hf-pld/float32"] = check_text(*compare(methods["hf-pld/float32"].runs, hf), "HF greedy")
+    for key, m in methods.items():
+        if key.startswith("plain/"):
+            if m.dtype == "float32":
+                out[key] = check_text(*compare(m.runs, hf), "HF greedy")
+            elif "plain/float32" in methods:
+                out[key] = check_text(*compare(m.runs, methods["plain/float32"].runs), "mtpctl fp32")
+            else:
+                out[key] = ""
+        elif key.startswith("ngram/"):
+            out[key] = check_text(*compare(m.runs, methods[f"plain/{m.dtype}"].runs), f"plain {m.dtype}")
+    return out
+
+
+def fmt(x: Optional[float], digits: int = 2) -> str:
+    return "—" if x is None else f"{x:.{digits}f}"
+
+
+def main_table(methods: List[Method]) -> str:
+    by_key = {m.key: m for m in methods}
+    checks = lossless_column(by_key)
+    base = tokens_per_s(by_key["hf/float32"].runs)
+    rows = ["| method | dtype | new tokens | tokens/s | vs HF | tau | acceptance | lossless check (prompts) |",
+            "|---|---|---:|---:|---:|---:|---:|---|"]
+    for m in methods:
+        tps = tokens_per_s(m.runs)
+        t = tau(m.runs) if m.speculative else 1.0
+        rows.append(f"| {m.label} | {m.dtype} | {sum(len(r.tokens) for r in m.runs)} | {tps:.1f} | "
+                    f"{tps / base:.2f}x | {fmt(t)} | {fmt(acceptance(m.runs))} | {checks[m.key]} |")
+    return "\n".join(rows)
+
+
+def category_table(methods: List[Method], prompts: List[Prompt]) -> str:
+    """Tokens/s per category and method; tau in brackets for speculative methods."""
+    categories = list(dict.fromkeys(p.category for p in prompts))
+    heads = [f"{m.label.split(' (')[0]} {m.dtype}" for m in methods]
+    rows = ["| category (prompts) | " + " | ".join(heads) + " |", "|---|" + "---:|" * len(methods)]
+    for cat in categories:
+        idx = [i for i, p in enumerate(prompts) if p.category == cat]
+        cells = []
+        for m in methods:
+            runs = [m.runs[i] for i in idx]
+            cell = f"{tokens_per_s(runs):.1f}"
+            if m.speculative:
+                cell += f" ({fmt(tau(runs))})"
+            cells.append(cell)
+        rows.append(f"| {cat} ({len(idx)}) | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def speedup_notes(methods: List[Method], prompts: List[Prompt]) -> List[str]:
+    """Data-driven notes: where n-gram speculation pays off and where it does not."""
+    by_key = {m.key: m for m in methods}
+    notes = []
+    for m in methods:
+        if not m.key.startswith("ngram/"):
+            continue
+        plain = by_key[f"plain/{m.dtype}"]
+        ratios = []
+        for cat in dict.fromkeys(p.category for p in prompts):
+            idx = [i for i, p in enumerate(prompts) if p.category == cat]
+            ratios.append((tokens_per_s([m.runs[i] for i in idx]) / tokens_per_s([plain.runs[i] for i in idx]), cat))
+        best, worst = max(ratios), min(ratios)
+        notes.append(f"n-gram vs plain mtpctl ({m.dtype}): {tokens_per_s(m.runs) / tokens_per_s(plain.runs):.2f}x "
+                     f"overall; best on {best[1]} ({best[0]:.2f}x), worst on {worst[1]} ({worst[0]:.2f}x).")
+    if "plain/bfloat16" in by_key and "plain/float32" in by_key:
+        r = tokens_per_s(by_key["plain/bfloat16"].runs) / tokens_per_s(by_key["plain/float32"].runs)
+        notes.append(f"bfloat16 plain runs at {r:.2f}x the float32 speed on this CPU; bfloat16 greedy output "
+                     "may legitimately differ from float32 (rounding), and speculative verification of several "
+                     "tokens at once can round differently from one-token steps, so bfloat16 mismatches are "
+                     "numerics, not lost tokens.")
+    return notes
+
+
+def report(args, methods: List[Method], prompts: List[Prompt], loads: List[float], folder: Path) -> str:
+    import transformers
+
+    command = "python benchmarks/bench_generate.py " + shlex.join(sys.argv[1:])
+    threads = torch.get_num_threads()
+    peak = max(loads) if loads else 0.0
+    lines = [
+        "## Greedy decoding speed: mtpctl vs HF transformers",
+        "",
+        f"Command: `{command.strip()}`",
+        "",
+        f"- Date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- Machine: {cpu_model()}, {os.cpu_count()} logical CPUs, torch threads {threads}, "
+        f"torch {torch.__version__}, transformers {transformers.__version__}, Python {platform.python_version()}",
+        f"- Model: `{args.model}` ({folder.name}); {len(prompts)} prompts from `{args.prompts}`, "
+        f"up to {args.max_new_tokens} new tokens each, batch 1, greedy; draft length {args.draft_len}",
+        f"- 1-minute load average during the run: {min(loads or [0]):.2f} to {peak:.2f} "
+        f"(the benchmark itself accounts for about {threads})",
+        "",
+        main_table(methods),
+        "",
+        "Tokens/s per category (tau in brackets for speculative methods):",
+        "",
+        category_table(methods, prompts),
+        "",
+        "Notes:",
+        "",
+    ]
+    notes = [
+        "Tokens/s = all new tokens / all wall time of the generate calls, per method; prefill, KV-cache "
+        "setup and the EOS token included alike. Outputs stop at EOS or the token limit, so methods that "
+        "agree token for token also produce the same number of tokens.",
+        "tau = tokens committed per target forward pass after the prefill (plain decoding: 1). For HF prompt "
+        "lookup the first pass both prefills and verifies drafts, so it is counted as a step; its steps and "
+        "draft counts come from wrapping `PromptLookupCandidateGenerator.get_candidates` (read-only). "
+        "Acceptance = accepted draft tokens / draft tokens verified.",
+        "HF prompt lookup uses its defaults (n-gram sizes 2..1, K draft tokens); mtpctl's drafter matches "
+        "n-grams of 3..1, so the two propose slightly different drafts.",
+        "Lossless check: `pN@i` = prompt N first differs at new token i. mtpctl n-gram rows are compared with "
+        "mtpctl plain in the same dtype (greedy speculation must not change the output); mtpctl plain float32 "
+        "and HF prompt lookup are compared with HF greedy.",
+        "The checkpoint is a GGUF Q4_1 file dequantized to float32, so its weights are float32 values on the "
+        "4-bit grid; speed is that of a float32 model of this size.",
+        "Methods are interleaved per prompt with their order rotated each prompt; one warm-up generation "
+        f"({WARMUP_TOKENS} tokens) per method first. A single run: differences of a few percent are noise.",
+    ]
+    notes += speedup_notes(methods, prompts)
+    if peak > threads + 1:
+        notes.append(f"The load average reached {peak:.2f} with {threads} benchmark threads: other processes "
+                     "competed for the CPU during part of the run, so absolute figures are pessimistic.")
+    lines += [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def write_section(path: Path, body: str) -> None:
+    """Replace the marked section of ``path`` with ``body`` (append it when there is none)."""
+    section = f"{START_MARK}\n{body}{END_MARK}\n"
+    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    start, end = text.find(START_MARK), text.find(END_MARK)
+    if start != -1 and end > start:
+        text = text[:start] + section + text[end + len(END_MARK):].lstrip("\n")
+    else:
+        text = text + ("\n" if text and not text.endswith("\n\n") else "") + section
+    path.write_text(text, encoding="utf-8")
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m", help="alias, checkpoint folder, .gguf file or hub id")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--draft-len", type=int, default=4, help="mtpctl draft length k = HF prompt_lookup_num_tokens")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="dtypes of the mtpctl runs (float32 is required)")
+    p.add_argument("--prompts", default="benchmarks/prompts.jsonl",
+                   help="JSONL of {category, prompt}; a relative path is tried from here, then the repo root")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--write", default=None, metavar="FILE", help="put the report in FILE's marked section")
+    args = p.parse_args(argv)
+    args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if "float32" not in args.dtypes:
+        p.error("--dtypes must include float32 (the lossless checks compare against it)")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    sys.path.insert(0, str(HERE.parent))
+    from mtpctl.convert.sources import resolve_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompts_path = Path(args.prompts)
+    if not prompts_path.exists() and not prompts_path.is_absolute():
+        prompts_path = HERE.parent / prompts_path
+    prompts = load_prompts(prompts_path, args.limit)
+    folder = resolve_model(args.model)
+    log(f"model {folder}; {len(prompts)} prompts; threads {torch.get_num_threads()}")
+    codec, methods = build_methods(folder, args.dtypes, args.draft_len)
+    for prompt in prompts:
+        prompt.ids = codec.encode_prompt(prompt.text, chat=True)
+    loads = run_all(methods, prompts, args.max_new_tokens)
+    body = report(args, methods, prompts, loads, folder)
+    print(body)
+    if args.write:
+        write_section(Path(args.write), body)
+        log(f"wrote the report to {args.write}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

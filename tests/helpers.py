@@ -1,0 +1,125 @@
+"""Builders shared by the tests: tiny random models (in memory and as checkpoint folders), drafters
+with known behaviour, and the lossless comparison used on real models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List, Sequence
+
+import torch
+
+from mtpctl.runtime.config import DecoderConfig
+from mtpctl.runtime.drafters import Draft
+from mtpctl.runtime.engine import TorchEngine
+from mtpctl.runtime.model import Decoder
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def tiny_config_dict(vocab: int = 259, max_pos: int = 128, **overrides) -> dict:
+    """A Llama config small enough to run in milliseconds."""
+    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab,
+           "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": max_pos,
+           "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True, "hidden_act": "silu",
+           "bos_token_id": 257, "eos_token_id": 258, "initializer_range": 0.3}
+    cfg.update(overrides)
+    return cfg
+
+
+def random_state_dict(cfg: DecoderConfig, seed: int = 0, scale: float = 0.3) -> dict:
+    """HF-named random tensors for ``cfg`` (norm weights near 1) so logits are well separated."""
+    from mtpctl.runtime.model import expected_tensors
+
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in expected_tensors(cfg).items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if name.endswith("norm.weight"):
+            out[name] = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        else:
+            out[name] = scale * torch.randn(shape, generator=g)
+    return out
+
+
+def random_decoder(seed: int = 0, dtype=torch.float32, **overrides) -> Decoder:
+    """A tiny in-memory decoder with random weights."""
+    cfg = DecoderConfig.from_dict(tiny_config_dict(**overrides))
+    model = Decoder(cfg, dtype)
+    model.load_hf_tensors(random_state_dict(cfg, seed))
+    return model
+
+
+def write_tiny_checkpoint(folder: Path, seed: int = 0, **overrides) -> Path:
+    """A complete HF checkpoint folder: config.json, model.safetensors, byte-level BPE tokenizer with
+    a chat template. Token ids: 0..255 bytes, 256 <|endoftext|>, 257 <|im_start|>, 258 <|im_end|> (EOS)."""
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg_dict = tiny_config_dict(**overrides)
+    (folder / "config.json").write_text(json.dumps(cfg_dict))
+    cfg = DecoderConfig.from_dict(cfg_dict)
+    save_file({k: v.contiguous() for k, v in random_state_dict(cfg, seed).items()},
+              str(folder / "model.safetensors"), metadata={"format": "pt"})
+    vocab = {ch: i for i, ch in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    vocab = {ch: i for i, ch in enumerate(sorted(vocab, key=lambda c: ord(c)))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   unk_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(folder))
+    return folder
+
+
+def greedy_reference(model: Decoder, prompt: Sequence[int], n: int) -> List[int]:
+    """Plain greedy decoding, one token per forward pass (the definition speculation must match)."""
+    engine = TorchEngine(model, len(prompt) + n + 1)
+    token = int(engine.prefill(prompt).logits[-1].argmax())
+    out = [token]
+    while len(out) < n:
+        logits = engine.verify([token]).logits[-1]
+        engine.commit([0])
+        token = int(logits.argmax())
+        out.append(token)
+    return out
+
+
+class ScriptedDrafter:
+    """Proposes a known continuation (e.g. plain greedy output), with every ``corrupt_every``-th
+    proposal changed, so tests exercise both accepted and rejected draft tokens."""
+
+    def __init__(self, prompt_len: int, continuation: Sequence[int], vocab: int, corrupt_every: int = 0):
+        self.prompt_len, self.continuation, self.vocab = prompt_len, list(continuation), vocab
+        self.corrupt_every, self.calls = corrupt_every, 0
+
+    def propose(self, context: Sequence[int], max_tokens: int) -> Draft:
+        done = len(context) - self.prompt_len
+        tokens = self.continuation[done: done + max_tokens]
+        self.calls += 1
+        if self.corrupt_every and tokens and self.calls % self.corrupt_every == 0:
+            i = self.calls % len(tokens)
+            tokens[i] = (tokens[i] + 1) % self.vocab
+        return Draft(tokens)
+
+
+def top2_gap(logits: torch.Tensor) -> float:
+    """Difference between the two largest logits of ``logits [vocab]``."""
+    top = torch.topk(logits.float(), 2).values
+    return float(top[0] - top[1])
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int:
+    """Index of the first differing token, or -1 when one sequence is a prefix of the other."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return -1

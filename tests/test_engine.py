@@ -1,0 +1,103 @@
+"""The decoder and engine on tiny random models: one pass over a block or a tree gives the same
+logits as token-by-token decoding, and committing a tree path leaves the cache as a chain would."""
+
+import pytest
+import torch
+
+from helpers import random_decoder
+from mtpctl.runtime.engine import TorchEngine, attention_masks, tree_positions
+
+# fp32 results differ by ~1e-6 relative between a block pass and single-token passes
+# (matmuls are not batch-invariant); logits here reach ~10, hence atol 1e-4.
+PROMPT = [5, 17, 42, 99, 3, 250, 7]
+
+
+def stepwise_logits(model, tokens):
+    """Logits after each token when tokens are fed one per pass."""
+    engine = TorchEngine(model, len(tokens) + 1)
+    rows = []
+    for t in tokens:
+        rows.append(engine.verify([t]).logits[-1])
+        engine.commit([0])
+    return torch.stack(rows)
+
+
+def test_block_pass_equals_token_by_token():
+    model = random_decoder()
+    block = TorchEngine(model, 16).verify(PROMPT).logits
+    torch.testing.assert_close(block, stepwise_logits(model, PROMPT), atol=1e-4, rtol=0)
+
+
+def test_prefill_then_verify_matches_full_pass():
+    model = random_decoder()
+    full = TorchEngine(model, 16).verify(PROMPT + [11, 12, 13]).logits
+    engine = TorchEngine(model, 16)
+    last = engine.prefill(PROMPT).logits
+    assert engine.length == len(PROMPT)
+    torch.testing.assert_close(last[0], full[len(PROMPT) - 1], atol=1e-4, rtol=0)
+    torch.testing.assert_close(engine.verify([11, 12, 13]).logits, full[len(PROMPT):], atol=1e-4, rtol=0)
+
+
+def test_tree_nodes_score_like_their_paths_and_commit_compacts_the_cache():
+    model = random_decoder()
+    #        0
+    #      /   \
+    #     1     2
+    #    / \     \
+    #   3   4     5
+    tokens, parents = [10, 20, 30, 40, 50, 60], [-1, 0, 0, 1, 1, 2]
+    engine = TorchEngine(model, 32)
+    engine.prefill(PROMPT)
+    tree = engine.verify(tokens, parents).logits
+    paths = {3: [0, 1, 3], 4: [0, 1, 4], 5: [0, 2, 5]}
+    for leaf, path in paths.items():
+        chain = TorchEngine(model, 32)
+        chain.prefill(PROMPT)
+        chain_logits = chain.verify([tokens[i] for i in path]).logits
+        torch.testing.assert_close(tree[path], chain_logits, atol=1e-4, rtol=0)
+    # keep path 0 -> 2 -> 5 (offsets not a prefix: entries are copied into place)
+    engine.commit([0, 2, 5])
+    after_tree = engine.verify([77]).logits
+    chain = TorchEngine(model, 32)
+    chain.prefill(PROMPT + [10, 30, 60])
+    torch.testing.assert_close(after_tree, chain.verify([77]).logits, atol=1e-4, rtol=0)
+
+
+def test_tree_positions_depths_and_mask():
+    depth, mask = tree_positions([-1, 0, 0, 1])
+    assert depth.tolist() == [0, 1, 1, 2]
+    assert mask.int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
+    with pytest.raises(ValueError):
+        tree_positions([-1, 2, 0])
+
+
+def test_attention_masks_full_chain_and_sliding_window():
+    masks = attention_masks([None, 2], length=3, depth=torch.arange(2), tree_mask=None)
+    assert masks[None].int()[0, 0].tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    # window 2: position 3 sees positions 2 and 3; position 4 sees 3 and 4
+    assert masks[2].int()[0, 0].tolist() == [[0, 0, 1, 1, 0], [0, 0, 0, 1, 1]]
+    single = attention_masks([None], length=3, depth=torch.arange(1), tree_mask=None)
+    assert single[None] is None  # attends to every slot: no mask needed
+
+
+def test_sliding_window_model_matches_stepwise():
+    model = random_decoder(sliding_window=3, model_type="mistral")
+    assert model.cfg.layer_windows == (3, 3)
+    block = TorchEngine(model, 16).verify(PROMPT).logits
+    torch.testing.assert_close(block, stepwise_logits(model, PROMPT), atol=1e-4, rtol=0)
+    full = random_decoder(model_type="mistral")
+    assert not torch.allclose(block, TorchEngine(full, 16).verify(PROMPT).logits, atol=1e-3)
+
+
+def test_kv_cache_overflow_is_an_error():
+    engine = TorchEngine(random_decoder(), 4)
+    engine.prefill([1, 2, 3])
+    with pytest.raises(ValueError, match="overflow"):
+        engine.verify([4, 5])
+
+
+def test_bfloat16_runs_close_to_float32():
+    f32 = TorchEngine(random_decoder(), 16).verify(PROMPT).logits
+    bf16 = TorchEngine(random_decoder(dtype=torch.bfloat16), 16).verify(PROMPT).logits
+    assert bf16.dtype == torch.float32  # logits are always returned in float32
+    assert (bf16.argmax(-1) == f32.argmax(-1)).float().mean() >= 0.7

@@ -1,0 +1,168 @@
+"""The decoding loop on tiny random models: lossless greedy speculation for every draft length,
+stops inside accepted blocks, max-new-tokens, statistics, and the sampled distribution."""
+
+import itertools
+from collections import Counter
+
+import pytest
+import torch
+
+from helpers import ScriptedDrafter, greedy_reference, random_decoder
+from mtpctl.runtime.drafters import Draft, NgramDrafter
+from mtpctl.runtime.engine import TorchEngine
+from mtpctl.runtime.generate import generate
+from mtpctl.runtime.sampling import SamplingParams, probs_from_logits
+from mtpctl.runtime.stopping import StopChecker
+from stats_util import chi_square_rejects
+
+PROMPT = [5, 17, 42, 99, 3, 250, 7, 5, 17]
+GREEDY = SamplingParams()
+
+
+def decode(ids):
+    """Each id as one letter: text positions equal token positions."""
+    return "".join(chr(ord("a") + t % 26) for t in ids)
+
+
+def run(model, drafter=None, draft_len=0, max_new=40, eos=(), stops=(), sampling=GREEDY, prompt=PROMPT):
+    engine = TorchEngine(model, len(prompt) + max_new + draft_len + 1)
+    return generate(engine, prompt, StopChecker(eos, stops, max_new, decode), sampling, drafter, draft_len)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_decoder(seed=3)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return greedy_reference(model, PROMPT, 40)
+
+
+def test_plain_loop_equals_reference(model, reference):
+    result = run(model)
+    assert result.token_ids == reference
+    assert result.stats.decode_steps == 39 and result.stats.tau == 1.0
+    assert result.stats.acceptance_rate is None
+
+
+@pytest.mark.parametrize("draft_len", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("corrupt_every", [0, 2, 3])
+def test_greedy_speculation_is_lossless(model, reference, draft_len, corrupt_every):
+    drafter = ScriptedDrafter(len(PROMPT), reference, model.cfg.vocab_size, corrupt_every)
+    result = run(model, drafter, draft_len)
+    assert result.token_ids == reference
+    if corrupt_every == 0:  # a perfect drafter: every step commits draft_len + 1 tokens but the last
+        assert result.stats.decode_steps == -(-39 // (draft_len + 1))
+        assert result.stats.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("draft_len", [1, 4, 7])
+def test_ngram_speculation_is_lossless(model, reference, draft_len):
+    assert run(model, NgramDrafter(3, 1), draft_len).token_ids == reference
+
+
+def test_wrong_drafts_only_cost_steps(model, reference):
+    class Wrong:
+        def propose(self, context, max_tokens):
+            return Draft([(context[-1] + 1) % model.cfg.vocab_size] * max_tokens)
+
+    result = run(model, Wrong(), 4)
+    assert result.token_ids == reference
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 3, 4, 7])
+def test_max_new_tokens_is_never_exceeded(model, reference, max_new):
+    drafter = ScriptedDrafter(len(PROMPT), reference, model.cfg.vocab_size)
+    result = run(model, drafter, draft_len=5, max_new=max_new)  # includes draft-len - 1 = 4
+    assert result.token_ids == reference[:max_new]
+    assert result.finish_reason == "length"
+    assert result.stats.new_tokens == max_new
+
+
+def test_eos_inside_an_accepted_block_ends_there(model, reference):
+    eos = reference[10]
+    cut = reference.index(eos) + 1
+    drafter = ScriptedDrafter(len(PROMPT), reference, model.cfg.vocab_size)
+    spec = run(model, drafter, draft_len=6, eos={eos})
+    plain = run(model, eos={eos})
+    assert spec.token_ids == plain.token_ids == reference[:cut]
+    assert spec.finish_reason == "eos"
+    assert spec.stats.new_tokens == cut
+    assert 1 + sum(spec.stats.accepted_per_step) == spec.stats.new_tokens
+
+
+def test_stop_string_inside_an_accepted_block_ends_there(model, reference):
+    text = decode(reference)
+    stop = text[12:14]
+    at = text.index(stop)
+    drafter = ScriptedDrafter(len(PROMPT), reference, model.cfg.vocab_size)
+    spec = run(model, drafter, draft_len=6, stops=[stop])
+    plain = run(model, stops=[stop])
+    assert spec.token_ids == plain.token_ids == reference[:at + 2]
+    assert spec.text == plain.text == text[:at]
+    assert spec.finish_reason == "stop"
+
+
+def test_statistics_count_committed_tokens(model, reference):
+    drafter = ScriptedDrafter(len(PROMPT), reference, model.cfg.vocab_size, corrupt_every=2)
+    s = run(model, drafter, 4).stats
+    assert s.new_tokens == 40
+    assert 1 + sum(s.accepted_per_step) == s.new_tokens  # first token comes from prefill
+    assert s.tau == pytest.approx(39 / s.decode_steps)
+    assert 0 < s.acceptance_rate < 1
+    assert s.accepted_tokens == sum(s.accepted_per_step) - s.decode_steps
+    assert len(s.step_ms) == s.decode_steps
+
+
+def test_context_full_ends_generation(model):
+    engine = TorchEngine(model, len(PROMPT) + 5)
+    result = generate(engine, PROMPT, StopChecker((), (), 100, decode), GREEDY, NgramDrafter(), 4)
+    assert result.finish_reason == "context"
+    assert len(result.token_ids) == 6  # 5 in cache + the last sampled token
+
+
+def test_same_seed_same_output(model):
+    sampling = SamplingParams(temperature=1.0, seed=11)
+    first, second = (run(model, NgramDrafter(), 4, sampling=sampling).token_ids for _ in range(2))
+    assert first == second
+    assert run(model, NgramDrafter(), 4, sampling=SamplingParams(temperature=1.0, seed=12)).token_ids != first
+
+
+class RandomDrafter:
+    """Samples drafts from a fixed distribution q and reports q (a stochastic drafter)."""
+
+    def __init__(self, q: torch.Tensor, seed: int):
+        self.q, self.g = q, torch.Generator().manual_seed(seed)
+
+    def propose(self, context, max_tokens):
+        tokens = torch.multinomial(self.q, max_tokens, replacement=True, generator=self.g).tolist()
+        return Draft(tokens, self.q.repeat(max_tokens, 1))
+
+
+def exact_sequence_probs(model, prompt, n, params):
+    """P(first n generated tokens) under plain sampling, by enumeration (small vocab)."""
+    vocab = model.cfg.vocab_size
+    probs = {}
+    for seq in itertools.product(range(vocab), repeat=n):
+        logits = TorchEngine(model, len(prompt) + n).verify(list(prompt) + list(seq)).logits
+        rows = probs_from_logits(logits[len(prompt) - 1:-1], params)
+        probs[seq] = float(torch.prod(rows[torch.arange(n), torch.tensor(seq)]))
+    return probs
+
+
+@pytest.mark.parametrize("drafter_kind", ["ngram", "random"])
+def test_speculative_sampling_matches_plain_distribution(drafter_kind):
+    model = random_decoder(seed=5, vocab=5, max_pos=32)
+    prompt, n = [1, 2, 1, 2, 1], 3
+    params = SamplingParams(temperature=1.0, top_k=4)
+    expected = exact_sequence_probs(model, prompt, n, params)
+    counts = Counter()
+    for seed in range(3000):
+        drafter = NgramDrafter(2, 1) if drafter_kind == "ngram" else RandomDrafter(
+            torch.tensor([0.4, 0.3, 0.1, 0.1, 0.1]), seed + 100_000)  # independent of the sampler
+        sampling = SamplingParams(temperature=1.0, top_k=4, seed=seed)
+        counts[tuple(run(model, drafter, 3, max_new=n, sampling=sampling, prompt=prompt).token_ids)] += 1
+    assert not chi_square_rejects(counts, expected)
+    # power: a different temperature's distribution is rejected by the same check
+    assert chi_square_rejects(counts, exact_sequence_probs(model, prompt, n, SamplingParams(temperature=0.5)))
