@@ -195,23 +195,49 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def run_all(methods: List[Method], prompts: List[Prompt], max_new: int) -> List[float]:
+class OtherCpu:
+    """CPU time used by other processes (in cores) between samples: all busy time in /proc/stat
+    minus this process's own. Returns None where /proc/stat is unavailable."""
+
+    def __init__(self):
+        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.last = self._read()
+
+    def _read(self):
+        try:
+            fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        except (OSError, ValueError):
+            return None
+        busy = sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)  # minus idle, iowait
+        own = os.times()
+        return busy / self.tick, own.user + own.system, time.monotonic()
+
+    def sample(self) -> Optional[float]:
+        now, before = self._read(), self.last
+        self.last = now
+        if now is None or before is None or now[2] <= before[2]:
+            return None
+        return max(0.0, (now[0] - before[0]) - (now[1] - before[1])) / (now[2] - before[2])
+
+
+def run_all(methods: List[Method], prompts: List[Prompt], max_new: int) -> List[Optional[float]]:
     """Warm up every method, then run every method on every prompt, interleaved.
 
-    Returns the 1-minute load averages sampled after each prompt.
+    Returns, per prompt, the CPU (in cores) that other processes used meanwhile.
     """
     log(f"warm-up: {len(methods)} methods x {WARMUP_TOKENS} tokens")
     for m in methods:
         m.run(prompts[0].ids, min(WARMUP_TOKENS, max_new))
-    loads = []
+    others, meter = [], OtherCpu()
     for i, prompt in enumerate(prompts):
         shift = i % len(methods)
         for m in methods[shift:] + methods[:shift]:
             m.runs.append(m.run(prompt.ids, max_new))
-        loads.append(os.getloadavg()[0])
+        others.append(meter.sample())
         speeds = ", ".join(f"{m.key} {len(m.runs[-1].tokens) / m.runs[-1].seconds:.1f}" for m in methods)
-        log(f"[{i + 1}/{len(prompts)}] {prompt.category}: {speeds} tok/s (load {loads[-1]:.2f})")
-    return loads
+        log(f"[{i + 1}/{len(prompts)}] {prompt.category}: {speeds} tok/s "
+            f"(other processes: {fmt(others[-1])} cores)")
+    return others
 
 
 # ----------------------------------------------------------------------------- figures
@@ -348,12 +374,27 @@ def speedup_notes(methods: List[Method], prompts: List[Prompt]) -> List[str]:
     return notes
 
 
-def report(args, methods: List[Method], prompts: List[Prompt], loads: List[float], folder: Path) -> str:
+def contention_notes(others: List[Optional[float]], threads: int) -> List[str]:
+    """A note on CPU used by other processes during the timed runs, when it was noticeable."""
+    known = [(o, i + 1) for i, o in enumerate(others) if o is not None]
+    if not known:
+        return ["CPU use of other processes could not be measured (/proc/stat unavailable)."]
+    busy = [f"p{i} ({o:.2f})" for o, i in known if o >= 0.2]
+    if not busy:
+        return []
+    return [f"Other processes used CPU during the timed runs of {len(busy)}/{len(known)} prompts "
+            f"(cores in use, mean over the prompt: {', '.join(busy)}) on a machine with {os.cpu_count()} "
+            f"CPUs and {threads} benchmark threads; all methods of a prompt shared that contention, but "
+            "absolute figures are pessimistic and ratios noisier."]
+
+
+def report(args, methods: List[Method], prompts: List[Prompt], others: List[Optional[float]],
+           folder: Path) -> str:
     import transformers
 
     command = "python benchmarks/bench_generate.py " + shlex.join(sys.argv[1:])
     threads = torch.get_num_threads()
-    peak = max(loads) if loads else 0.0
+    known = [o for o in others if o is not None]
     lines = [
         "## Greedy decoding speed: mtpctl vs HF transformers",
         "",
@@ -364,8 +405,9 @@ def report(args, methods: List[Method], prompts: List[Prompt], loads: List[float
         f"torch {torch.__version__}, transformers {transformers.__version__}, Python {platform.python_version()}",
         f"- Model: `{args.model}` ({folder.name}); {len(prompts)} prompts from `{args.prompts}`, "
         f"up to {args.max_new_tokens} new tokens each, batch 1, greedy; draft length {args.draft_len}",
-        f"- 1-minute load average during the run: {min(loads or [0]):.2f} to {peak:.2f} "
-        f"(the benchmark itself accounts for about {threads})",
+        f"- CPU used by other processes during the timed runs: "
+        f"{fmt(sum(known) / len(known) if known else None)} cores on average, "
+        f"{fmt(max(known) if known else None)} at most (per-prompt means)",
         "",
         main_table(methods),
         "",
@@ -395,9 +437,7 @@ def report(args, methods: List[Method], prompts: List[Prompt], loads: List[float
         f"({WARMUP_TOKENS} tokens) per method first. A single run: differences of a few percent are noise.",
     ]
     notes += speedup_notes(methods, prompts)
-    if peak > threads + 1:
-        notes.append(f"The load average reached {peak:.2f} with {threads} benchmark threads: other processes "
-                     "competed for the CPU during part of the run, so absolute figures are pessimistic.")
+    notes += contention_notes(others, threads)
     lines += [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
 
@@ -451,8 +491,8 @@ def main(argv=None) -> int:
     codec, methods = build_methods(folder, args.dtypes, args.draft_len)
     for prompt in prompts:
         prompt.ids = codec.encode_prompt(prompt.text, chat=True)
-    loads = run_all(methods, prompts, args.max_new_tokens)
-    body = report(args, methods, prompts, loads, folder)
+    others = run_all(methods, prompts, args.max_new_tokens)
+    body = report(args, methods, prompts, others, folder)
     print(body)
     if args.write:
         write_section(Path(args.write), body)
