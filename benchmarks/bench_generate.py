@@ -10,12 +10,14 @@ Methods (all greedy, batch 1, CPU):
 Every method runs every prompt; the methods are interleaved per prompt (their order rotated from
 prompt to prompt) so that drift of the machine affects all of them alike. One warm-up generation per
 method comes first. Tokens/s is total new tokens over total wall time per method, prefill included.
+The CPU time other processes use during each generation is measured (/proc/stat); a generation that
+shared the CPU with them is repeated once the CPU is quiet again (``--quiet-threshold``, ``--retries``).
 
 Usage::
 
     python benchmarks/bench_generate.py [--model smollm2-135m] [--max-new-tokens 128]
         [--draft-len 4] [--dtypes float32,bfloat16] [--prompts benchmarks/prompts.jsonl]
-        [--limit N] [--threads N] [--write BENCHMARKS.md]
+        [--limit N] [--threads N] [--quiet-threshold CORES] [--retries N] [--write BENCHMARKS.md]
 
 Progress goes to stderr, the markdown report to stdout; ``--write FILE`` also puts the report in
 FILE between the ``bench_generate`` markers (replacing the old section, or appended).
@@ -249,10 +251,11 @@ def timed_run(m: Method, ids: Sequence[int], max_new: int, meter: OtherCpu, thre
 
 def run_all(methods: List[Method], prompts: List[Prompt], max_new: int, threshold: float, retries: int) -> None:
     """Warm up every method, then run every method on every prompt, interleaved (order rotated)."""
+    meter = OtherCpu()
+    wait_until_quiet(meter, threshold / 2 if threshold > 0 else float("inf"))
     log(f"warm-up: {len(methods)} methods x {WARMUP_TOKENS} tokens")
     for m in methods:
         m.run(prompts[0].ids, min(WARMUP_TOKENS, max_new))
-    meter = OtherCpu()
     for i, prompt in enumerate(prompts):
         shift = i % len(methods)
         for m in methods[shift:] + methods[:shift]:
@@ -459,7 +462,9 @@ def report(args, methods: List[Method], prompts: List[Prompt], folder: Path) -> 
         "The checkpoint is a GGUF Q4_1 file dequantized to float32, so its weights are float32 values on the "
         "4-bit grid; speed is that of a float32 model of this size.",
         "Methods are interleaved per prompt with their order rotated each prompt; one warm-up generation "
-        f"({WARMUP_TOKENS} tokens) per method first. A single run: differences of a few percent are noise.",
+        f"({WARMUP_TOKENS} tokens) per method first. A generation during which other processes used "
+        f"{args.quiet_threshold} cores or more is repeated once the CPU is quiet (at most {args.retries} times). "
+        "A single run: differences of a few percent are noise.",
     ]
     notes += speedup_notes(methods, prompts)
     notes += contention_notes(methods, args.quiet_threshold)
