@@ -123,3 +123,27 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int:
         if x != y:
             return i
     return -1
+
+
+def gguf_grid_decoder(seed: int = 0) -> Decoder:
+    """A tiny decoder whose linear weights lie on GGUF grids (Q4_1 layers, Q8_0 embeddings), as a
+    dequantized GGUF import does, loaded with ``packed=True`` (bfloat16, int4 kernel)."""
+    cfg = DecoderConfig.from_dict(tiny_config_dict(vocab=272))
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, value in random_state_dict(cfg, seed).items():
+        if value.dim() == 2 and value.shape[1] % 32 == 0:
+            n, k = value.shape
+            if "embed" in name:
+                q = torch.randint(-127, 128, (n, k // 32, 32), generator=g).float()
+                q[..., 0] = 127
+                value = (q * torch.rand(n, k // 32, 1, generator=g).half().float() * 0.01).reshape(n, k)
+            else:
+                q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
+                q[..., 0], q[..., 1] = 0, 15
+                d = torch.rand(n, k // 32, 1, generator=g).half().float() * 0.08
+                value = (q * d - 7.5 * d).reshape(n, k)
+        tensors[name] = value
+    model = Decoder(cfg, torch.bfloat16)
+    model.load_hf_tensors(tensors, packed=True)
+    return model

@@ -72,12 +72,13 @@ def test_tree_positions_depths_and_mask():
 
 
 def test_attention_masks_full_chain_and_sliding_window():
-    masks = attention_masks([None, 2], length=3, depth=torch.arange(2), tree_mask=None)
-    assert masks[None].int()[0, 0].tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
-    # window 2: position 3 sees positions 2 and 3; position 4 sees 3 and 4
-    assert masks[2].int()[0, 0].tolist() == [[0, 0, 1, 1, 0], [0, 0, 0, 1, 1]]
-    single = attention_masks([None], length=3, depth=torch.arange(1), tree_mask=None)
-    assert single[None] is None  # attends to every slot: no mask needed
+    masks = attention_masks([None, 2], length=3, depth=torch.arange(2), tree_mask=None, capacity=6)
+    assert masks[None].int()[0, 0].tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0]]
+    # window 2: position 3 sees positions 2 and 3; position 4 sees 3 and 4; slot 5 is unused
+    assert masks[2].int()[0, 0].tolist() == [[0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 0]]
+    tree = attention_masks([None], length=1, depth=torch.tensor([0, 1, 1]),
+                           tree_mask=tree_positions([-1, 0, 0])[1], capacity=4)
+    assert tree[None].int()[0, 0].tolist() == [[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 0, 1]]
 
 
 def test_sliding_window_model_matches_stepwise():

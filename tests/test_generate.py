@@ -166,3 +166,24 @@ def test_speculative_sampling_matches_plain_distribution(drafter_kind):
     assert not chi_square_rejects(counts, expected)
     # power: a different temperature's distribution is rejected by the same check
     assert chi_square_rejects(counts, exact_sequence_probs(model, prompt, n, SamplingParams(temperature=0.5)))
+
+
+def test_int4_packed_model_verifies_bit_for_bit():
+    """With every linear on the int4 kernel, a verify pass equals plain steps exactly, so greedy
+    speculation reproduces plain greedy with no near-tie allowance at all."""
+    from helpers import gguf_grid_decoder
+
+    model = gguf_grid_decoder()
+    assert len(model.packed_weights) == 2 * 4 + 1  # every layer linear and the lm_head
+    block = TorchEngine(model, 32)
+    block.prefill(PROMPT)
+    logits = block.verify([1, 2, 3, 4, 5]).logits
+    step = TorchEngine(model, 32)
+    step.prefill(PROMPT)
+    for i, token in enumerate([1, 2, 3, 4, 5]):
+        assert torch.equal(step.verify([token]).logits[0], logits[i])
+        step.commit([0])
+    reference = greedy_reference(model, PROMPT, 40)
+    for draft_len in (2, 5):
+        drafter = ScriptedDrafter(len(PROMPT), reference, model.cfg.vocab_size, corrupt_every=3)
+        assert run(model, drafter, draft_len).token_ids == reference

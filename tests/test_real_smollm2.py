@@ -105,3 +105,22 @@ def test_max_new_tokens_with_speculation(smollm2, plain_outputs, max_new):
     result = smollm2.generate(ids, max_new, GREEDY, drafter, 6)
     assert result.token_ids == plain_outputs[PROMPTS[0]][:max_new]
     assert result.finish_reason == "length"
+
+
+@pytest.fixture(scope="module")
+def smollm2_int4(smollm2_folder):
+    from mtpctl.runtime.session import Session
+
+    return Session(smollm2_folder, dtype="bfloat16", weights="int4")
+
+
+@pytest.mark.parametrize("prompt", PROMPTS[:3], ids=["repeat", "code", "list"])
+def test_int4_ngram_greedy_is_bit_exact(smollm2_int4, prompt):
+    """bfloat16 + int4 weights: every kernel on the path is batch-invariant, so speculation must
+    reproduce plain greedy exactly (no near-tie allowance)."""
+    assert len(smollm2_int4.model.packed_weights) == 30 * 4 + 1
+    ids = smollm2_int4.encode(prompt)
+    plain = smollm2_int4.generate(ids, 64, GREEDY).token_ids
+    for draft_len in (3, 6):
+        spec = smollm2_int4.generate(ids, 64, GREEDY, NgramDrafter(3, 1), draft_len)
+        assert spec.token_ids == plain

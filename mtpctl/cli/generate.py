@@ -40,6 +40,7 @@ Examples:
   mtpctl generate --speculate ngram --draft-len 6 --stats --prompt-file article.txt
   echo "Summarize: ..." | mtpctl generate --json - | jq .stats.tau
   mtpctl generate --temperature 0.8 --top-p 0.95 --seed 1 --stop "\\n\\n" "Once upon a time"
+  mtpctl generate --dtype bfloat16 --weights int4 --speculate ngram "Repeat: a b c"
 """)
 @click.argument("prompt", required=False)
 @click.option("--prompt-file", type=click.Path(dir_okay=False), help="Read the prompt from a file.")
@@ -62,13 +63,15 @@ Examples:
 @click.option("--stop", "stop_strings", multiple=True, help="Stop string (repeatable); not included in the output.")
 @click.option("--no-chat", is_flag=True, help="Send the raw prompt, without the chat template.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@click.option("--weights", type=click.Choice(["dense", "int4"]), default="dense", show_default=True,
+              help="int4: keep GGUF Q4_1/Q8_0 weights packed for torch's int4 kernel (needs --dtype bfloat16).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: torch's).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, ids, stats) instead of text.")
 @click.option("--stats", is_flag=True, help="Print speculation and speed figures to stderr.")
 @click.option("--debug", is_flag=True, help="Show the full traceback of an error.")
 def generate_cmd(prompt, prompt_file, model, speculate, draft_len, ngram_max, ngram_min, max_new_tokens,
-                 temperature, top_k, top_p, seed, stop_strings, no_chat, dtype, threads, as_json, stats,
-                 debug) -> None:
+                 temperature, top_k, top_p, seed, stop_strings, no_chat, dtype, weights, threads, as_json,
+                 stats, debug) -> None:
     """Generate text from PROMPT ('-' reads stdin), streaming it to stdout.
 
     With --speculate, a drafter proposes up to --draft-len tokens that the model verifies in one
@@ -79,7 +82,7 @@ def generate_cmd(prompt, prompt_file, model, speculate, draft_len, ngram_max, ng
     if ngram_min > ngram_max:
         raise BadInput(f"--ngram-min ({ngram_min}) is larger than --ngram-max ({ngram_max})")
     set_threads(threads)
-    session = Session(resolve_model(model), dtype)
+    session = Session(resolve_model(model), dtype, weights)
     prompt_ids = session.encode(text, chat=not no_chat)
     drafter = NgramDrafter(ngram_max, ngram_min) if speculate == "ngram" else None
     sampling = SamplingParams(temperature, top_k, top_p, seed)
@@ -90,7 +93,7 @@ def generate_cmd(prompt, prompt_file, model, speculate, draft_len, ngram_max, ng
         click.echo(json.dumps({
             "text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
             "model": str(session.folder), "speculate": speculate, "draft_len": draft_len if drafter else 0,
-            "dtype": dtype, "stats": result.stats.to_dict(),
+            "dtype": dtype, "weights": weights, "stats": result.stats.to_dict(),
         }))
     else:
         click.echo("")

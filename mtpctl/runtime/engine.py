@@ -44,22 +44,28 @@ def tree_positions(parents: Sequence[int]) -> tuple:
     return torch.tensor(depth, dtype=torch.long), tree_mask
 
 
-def attention_masks(windows, length: int, depth: torch.Tensor, tree_mask: Optional[torch.Tensor]
-                    ) -> Dict[Optional[int], Optional[torch.Tensor]]:
-    """Bool masks ``[1, 1, N, length + N]`` per attention window for N new tokens at positions
-    ``length + depth`` over ``length`` committed slots (slot j holds position j). ``tree_mask`` None
-    means a chain (causal). A mask that would allow every slot is returned as None."""
+def attention_masks(windows, length: int, depth: torch.Tensor, tree_mask: Optional[torch.Tensor],
+                    capacity: int) -> Dict[Optional[int], torch.Tensor]:
+    """Bool masks ``[1, 1, N, capacity]`` (True = may attend) per attention window, for N new tokens
+    at positions ``length + depth`` written to slots ``[length, length + N)`` after ``length``
+    committed slots (slot j holds position j). ``tree_mask [N, N]`` None means a chain (causal).
+
+    Every pass attends over all ``capacity`` slots, the unused ones masked out, so a token's
+    attention sums run over the same slots whether it is scored alone (plain decoding) or inside a
+    verify pass: on kernels whose matmuls are batch-invariant (bfloat16 here) the two agree bit for bit.
+    """
     n = depth.shape[0]
     pos = length + depth
     new_allowed = tree_mask if tree_mask is not None else torch.ones(n, n, dtype=torch.bool).tril()
-    full = torch.cat((torch.ones(n, length, dtype=torch.bool), new_allowed), dim=1)
-    slot_pos = torch.cat((torch.arange(length), pos))
-    masks: Dict[Optional[int], Optional[torch.Tensor]] = {}
+    allowed = torch.zeros(n, capacity, dtype=torch.bool)
+    allowed[:, :length] = True
+    allowed[:, length:length + n] = new_allowed
+    slot_pos = torch.arange(capacity)
+    slot_pos[length:length + n] = pos
+    masks: Dict[Optional[int], torch.Tensor] = {}
     for window in set(windows):
-        allowed = full
-        if window is not None:
-            allowed = full & ((pos[:, None] - slot_pos[None, :]) < window)
-        masks[window] = None if bool(allowed.all()) else allowed[None, None]
+        windowed = allowed if window is None else allowed & ((pos[:, None] - slot_pos[None, :]) < window)
+        masks[window] = windowed[None, None]
     return masks
 
 
@@ -87,11 +93,13 @@ class TorchEngine:
 
     @torch.inference_mode()
     def _forward(self, tokens: Sequence[int], parents: Optional[Sequence[int]], last_only: bool) -> StepOutput:
+        if self.length + len(tokens) > self.capacity:
+            raise ValueError(f"KV cache overflow: {self.length + len(tokens)} slots needed, {self.capacity} allocated")
         if parents is None:
             depth, tree_mask = torch.arange(len(tokens)), None
         else:
             depth, tree_mask = tree_positions(parents)
-        masks = attention_masks(self.model.cfg.layer_windows, self.length, depth, tree_mask)
+        masks = attention_masks(self.model.cfg.layer_windows, self.length, depth, tree_mask, self.capacity)
         ids = torch.tensor([list(tokens)], dtype=torch.long)
         hidden = self.model(ids, (self.length + depth)[None], self.cache, masks)[0]
         if last_only:

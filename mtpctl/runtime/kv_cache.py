@@ -37,7 +37,8 @@ class KVCache:
 
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
         """Store ``k_new``/``v_new`` ``[batch, kv_heads, N, head_dim]`` at slots ``[length, length+N)``
-        of ``layer`` and return views of all slots up to there, ``[batch, kv_heads, length+N, head_dim]``.
+        of ``layer`` and return views of all slots, ``[batch, kv_heads, capacity, head_dim]`` (slots
+        past ``length + N`` hold stale values; the attention mask excludes them).
 
         Raises:
             ValueError: the N new slots do not fit in ``capacity``.
@@ -47,7 +48,7 @@ class KVCache:
             raise ValueError(f"KV cache overflow: {end} slots needed, {self.capacity} allocated")
         self.k[layer, :, :, self.length:end] = k_new
         self.v[layer, :, :, self.length:end] = v_new
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        return self.k[layer], self.v[layer]
 
     def advance(self, n: int) -> None:
         """Commit the first ``n`` uncommitted slots (``length += n``)."""

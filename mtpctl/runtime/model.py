@@ -18,11 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtpctl.errors import UnsupportedModel
 from mtpctl.runtime.config import DecoderConfig, RopeConfig
 from mtpctl.runtime.kv_cache import KVCache
+from mtpctl.runtime.quant import PackedLinear, pack_exact
 from mtpctl.runtime.weights import load_tensors, safetensors_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+LINEARS = ("qkv", "o_proj", "gate_up", "down", "lm_head")  # weights that may be held packed
 
 
 def expected_tensors(cfg: DecoderConfig) -> Dict[str, tuple]:
@@ -70,10 +73,48 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm (Zhang & Sennrich 2019) computed in float32, returned in ``x``'s dtype."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)
-    return F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype) * weight
+    """RMSNorm (Zhang & Sennrich 2019) computed in float32, returned in ``x``'s dtype.
+
+    Written out rather than ``F.rms_norm``: the fused CPU kernel reduces a lone row in a different
+    order than a row inside a block, which would make a verify pass disagree with plain decoding.
+    """
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _linear(x: torch.Tensor, weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for a float weight or a :class:`PackedLinear`."""
+    if isinstance(weight, PackedLinear):
+        y = weight(x)
+        return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
+
+
+def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention in float32 over every cache slot.
+
+    q ``[batch, heads, N, head_dim]``; keys/values ``[batch, kv_heads, capacity, head_dim]``; mask
+    ``[1|batch, 1, N, capacity]`` bool (True = may attend). Returns ``[batch, heads, N, head_dim]``.
+
+    Tokens are attended one at a time with identical shapes (their query heads of one KV group
+    against all slots), so a token's result does not depend on how many tokens share the pass: a
+    verify pass gives bit for bit what plain decoding gives wherever the matmuls are batch-invariant
+    (bfloat16 and int4 weights here). ``F.scaled_dot_product_attention``'s CPU kernel lacks that
+    property. Prefill (large N) takes the same path; its cost is small next to the linear layers.
+    """
+    b, heads, n, d = q.shape
+    kv_heads, capacity = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    qg = q.reshape(b, kv_heads, group, n, d).float()  # query heads of one KV group, batched on K/V
+    keys_t, values = keys.float().transpose(-1, -2), values.float()
+    allowed = mask.reshape(mask.shape[0], 1, 1, n, capacity)
+    rows = []
+    for i in range(n):  # one token at a time: the same shapes, hence the same sums, for any N
+        scores = torch.matmul(qg[:, :, :, i], keys_t) * (d ** -0.5)  # [b, kv_heads, group, capacity]
+        probs = torch.softmax(scores.masked_fill(~allowed[..., i, :], float("-inf")), dim=-1)
+        rows.append(torch.matmul(probs, values))
+    return torch.stack(rows, dim=3).reshape(b, heads, n, d).to(q.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -112,7 +153,7 @@ class DecoderLayer(nn.Module):
         cfg = self.cfg
         b, n, _ = x.shape
         hd = cfg.head_dim
-        qkv = F.linear(_rms_norm(x, self.input_norm, cfg.rms_norm_eps), self.qkv, self.qkv_bias)
+        qkv = _linear(_rms_norm(x, self.input_norm, cfg.rms_norm_eps), self.qkv, self.qkv_bias)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(b, n, cfg.num_attention_heads, hd)
         k = k.view(b, n, cfg.num_key_value_heads, hd)
@@ -123,11 +164,11 @@ class DecoderLayer(nn.Module):
         k = _rotate(k, cos, sin).transpose(1, 2)
         v = v.view(b, n, cfg.num_key_value_heads, hd).transpose(1, 2)
         keys, values = cache.write(self.index, k, v)
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-        x = x + F.linear(attn.transpose(1, 2).reshape(b, n, self.q_size), self.o_proj)
-        gate, up = F.linear(_rms_norm(x, self.post_attention_norm, cfg.rms_norm_eps),
-                            self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down, self.down_bias)
+        attn = _attention(q, keys, values, mask)
+        x = x + _linear(attn.transpose(1, 2).reshape(b, n, self.q_size), self.o_proj)
+        gate, up = _linear(_rms_norm(x, self.post_attention_norm, cfg.rms_norm_eps),
+                           self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
+        return x + _linear(F.silu(gate) * up, self.down, self.down_bias)
 
 
 class Decoder(nn.Module):
@@ -142,6 +183,7 @@ class Decoder(nn.Module):
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.packed_weights: list = []  # names of the weights held packed (see load_hf_tensors)
         self.lm_head = self.embed if cfg.tie_word_embeddings else nn.Parameter(
             torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
         freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32),
@@ -151,44 +193,65 @@ class Decoder(nn.Module):
         self.register_buffer("rope_sin", angles.sin().to(dtype), persistent=False)
 
     @classmethod
-    def from_folder(cls, folder: Path, dtype: torch.dtype = torch.float32) -> "Decoder":
+    def from_folder(cls, folder: Path, dtype: torch.dtype = torch.float32, packed: bool = False) -> "Decoder":
         """Load ``config.json`` and ``*.safetensors`` from a Hugging Face checkpoint folder, strictly.
+
+        Args:
+            packed: keep the linear weights that are 4-bit/8-bit group-quantized (GGUF Q4_1 / Q8_0
+                imports) packed for the int4 CPU kernel (:mod:`mtpctl.runtime.quant`); bfloat16 only.
 
         Raises:
             CorruptModel: missing/unexpected/mis-shaped/NaN tensors, unreadable files.
-            UnsupportedModel: an architecture outside the Llama family.
+            UnsupportedModel: an architecture outside the Llama family, or ``packed`` without bfloat16.
         """
         cfg = DecoderConfig.from_folder(Path(folder))
+        if packed and dtype != torch.bfloat16:
+            raise UnsupportedModel("int4 weights run with bfloat16 activations: add --dtype bfloat16")
         model = cls(cfg, dtype)
         optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
-        model.load_hf_tensors(load_tensors(safetensors_files(Path(folder)), expected_tensors(cfg), optional))
+        model.load_hf_tensors(load_tensors(safetensors_files(Path(folder)), expected_tensors(cfg), optional), packed)
         return model
 
-    def load_hf_tensors(self, t: Dict[str, torch.Tensor]) -> None:
-        """Copy checkpoint tensors (already checked by name and shape) into the fused parameters."""
-        def put(param, *names):
-            param.data.copy_(torch.cat([t[n] for n in names]) if len(names) > 1 else t[names[0]])
+    def load_hf_tensors(self, t: Dict[str, torch.Tensor], packed: bool = False) -> None:
+        """Copy checkpoint tensors (already checked by name and shape) into the fused parameters.
 
-        put(self.embed, "model.embed_tokens.weight")
-        put(self.norm, "model.norm.weight")
-        if not self.cfg.tie_word_embeddings:
-            put(self.lm_head, "lm_head.weight")
+        With ``packed``, each linear weight on a Q4_1/Q8_0 grid (detected on the checkpoint's float32
+        values, see :func:`pack_exact`) is held as a :class:`PackedLinear` instead; their names are
+        listed in ``packed_weights``.
+        """
+        def put(owner, attr, *names):
+            value = torch.cat([t[n] for n in names]) if len(names) > 1 else t[names[0]]
+            packing = pack_exact(value, self.dtype) if packed and attr in LINEARS else None
+            if packing is None:
+                getattr(owner, attr).data.copy_(value)
+                return
+            owner._parameters.pop(attr, None)  # a Parameter slot cannot hold a module
+            setattr(owner, attr, packing)
+            self.packed_weights.append(f"{getattr(owner, 'index', 'model')}.{attr}")
+
+        put(self, "embed", "model.embed_tokens.weight")
+        put(self, "norm", "model.norm.weight")
+        head = "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
+        if packed or not self.cfg.tie_word_embeddings:
+            if self.cfg.tie_word_embeddings:  # untie: the embedding stays dense, the head may pack
+                self.lm_head = nn.Parameter(torch.empty_like(self.embed), requires_grad=False)
+            put(self, "lm_head", head)
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            put(layer.input_norm, p + "input_layernorm.weight")
-            put(layer.post_attention_norm, p + "post_attention_layernorm.weight")
-            put(layer.qkv, *(p + f"self_attn.{x}_proj.weight" for x in "qkv"))
-            put(layer.o_proj, p + "self_attn.o_proj.weight")
-            put(layer.gate_up, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
-            put(layer.down, p + "mlp.down_proj.weight")
+            put(layer, "input_norm", p + "input_layernorm.weight")
+            put(layer, "post_attention_norm", p + "post_attention_layernorm.weight")
+            put(layer, "qkv", *(p + f"self_attn.{x}_proj.weight" for x in "qkv"))
+            put(layer, "o_proj", p + "self_attn.o_proj.weight")
+            put(layer, "gate_up", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+            put(layer, "down", p + "mlp.down_proj.weight")
             if layer.qkv_bias is not None:
-                put(layer.qkv_bias, *(p + f"self_attn.{x}_proj.bias" for x in "qkv"))
+                put(layer, "qkv_bias", *(p + f"self_attn.{x}_proj.bias" for x in "qkv"))
             if layer.gate_up_bias is not None:
-                put(layer.gate_up_bias, p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias")
-                put(layer.down_bias, p + "mlp.down_proj.bias")
+                put(layer, "gate_up_bias", p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias")
+                put(layer, "down_bias", p + "mlp.down_proj.bias")
             if layer.q_norm is not None:
-                put(layer.q_norm, p + "self_attn.q_norm.weight")
-                put(layer.k_norm, p + "self_attn.k_norm.weight")
+                put(layer, "q_norm", p + "self_attn.q_norm.weight")
+                put(layer, "k_norm", p + "self_attn.k_norm.weight")
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
         """An empty KV cache for ``capacity`` tokens in this model's dtype."""
@@ -218,4 +281,4 @@ class Decoder(nn.Module):
 
     def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """lm_head: ``[..., hidden]`` -> float32 logits ``[..., vocab]``."""
-        return F.linear(hidden_states, self.lm_head).float()
+        return _linear(hidden_states, self.lm_head).float()

@@ -17,6 +17,8 @@ from mtpctl.runtime.sampling import SamplingParams
 from mtpctl.runtime.stopping import StopChecker
 from mtpctl.runtime.tokenizer import TextCodec
 
+WEIGHTS = ("dense", "int4")
+
 
 class Session:
     """Target model + tokenizer of a checkpoint folder.
@@ -24,17 +26,25 @@ class Session:
     Args:
         folder: Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer files).
         dtype: ``"float32"`` (default) or ``"bfloat16"``: weights, activations and KV cache.
+        weights: ``"dense"`` (default), or ``"int4"`` to keep 4-/8-bit group-quantized weights (GGUF
+            Q4_1/Q8_0 imports) packed for the int4 CPU kernel (needs bfloat16; see
+            :mod:`mtpctl.runtime.quant`).
 
     Raises:
         CorruptModel, UnsupportedModel: see :meth:`Decoder.from_folder` and :class:`TextCodec`.
     """
 
-    def __init__(self, folder: Path, dtype: str = "float32"):
+    def __init__(self, folder: Path, dtype: str = "float32", weights: str = "dense"):
         if dtype not in DTYPES:
             raise UnsupportedModel(f"dtype {dtype!r} is not supported (choose from {', '.join(DTYPES)})")
+        if weights not in WEIGHTS:
+            raise UnsupportedModel(f"weights {weights!r} is not supported (choose from {', '.join(WEIGHTS)})")
         self.folder = Path(folder)
         self.codec = TextCodec(self.folder)
-        self.model = Decoder.from_folder(self.folder, DTYPES[dtype])
+        self.model = Decoder.from_folder(self.folder, DTYPES[dtype], packed=weights == "int4")
+        if weights == "int4" and not self.model.packed_weights:
+            raise UnsupportedModel(f"no weight of {self.folder} is 4-/8-bit group-quantized (GGUF Q4_1/Q8_0): "
+                                   "use --weights dense")
 
     @property
     def context_length(self) -> int:

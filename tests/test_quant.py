@@ -1,0 +1,58 @@
+"""Exact int4 packing of weights that lie on a Q4_1 or Q8_0 grid."""
+
+import torch
+import torch.nn.functional as F
+
+from mtpctl.runtime.quant import pack_exact
+
+
+def q4_1_grid(n=64, k=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15  # ggml's Q4_1 puts each group's min at q = 0 and max at q = 15
+    d = torch.rand(n, k // 32, 1, generator=g).half().float() * 0.05
+    m = -torch.rand(n, k // 32, 1, generator=g).half().float() * 0.4
+    return (q * d + m).reshape(n, k)
+
+
+def q8_0_grid(n=64, k=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (n, k // 32, 32), generator=g).float()
+    q[..., 0] = 127  # ggml's Q8_0 puts each group's largest |x| at |q| = 127
+    d = torch.rand(n, k // 32, 1, generator=g).half().float() * 0.01
+    return (q * d).reshape(n, k)
+
+
+def test_q4_1_grid_packs_exactly():
+    w = q4_1_grid()
+    packed = pack_exact(w, torch.float32)  # float32 scales: the file's weights exactly
+    assert packed is not None and len(packed.parts) == 1
+    x = torch.randn(5, 96)
+    torch.testing.assert_close(packed(x), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    fast = pack_exact(w)  # bfloat16 scales and activations: the fast path
+    torch.testing.assert_close(fast(x.bfloat16()).float(), F.linear(x, w), atol=0.05, rtol=0.02)
+
+
+def test_q8_0_grid_packs_as_two_int4_parts():
+    w = q8_0_grid()
+    packed = pack_exact(w, torch.float32)
+    assert packed is not None and len(packed.parts) == 2
+    x = torch.randn(3, 2, 96)
+    torch.testing.assert_close(packed(x), F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+def test_packed_rows_do_not_depend_on_the_block():
+    """The property lossless verification rests on: a row alone equals that row inside a block."""
+    packed = pack_exact(q4_1_grid(n=256, k=512))
+    x = torch.randn(8, 512).bfloat16()
+    block = packed(x)
+    for i in range(8):
+        assert torch.equal(block[i], packed(x[i:i + 1])[0])
+
+
+def test_weights_off_the_grid_are_left_alone():
+    assert pack_exact(torch.randn(64, 96)) is None
+    nudged = q4_1_grid()
+    nudged[3, 7] += 1e-3
+    assert pack_exact(nudged) is None
+    assert pack_exact(q4_1_grid()[:, :80].contiguous()) is None  # K not a multiple of the group size
