@@ -37,50 +37,52 @@ class Acceptance:
         return self.accepted + [self.next_token]
 
 
-def accept_greedy(draft: Sequence[int], logits: torch.Tensor) -> Acceptance:
+def accept_greedy(draft: Sequence[int], logits) -> Acceptance:
     """Greedy verification of a chain.
 
     Args:
         draft: k draft token ids.
-        logits: ``[k + 1, vocab]``; row i is the target's prediction after the i-th verified token
-            (row 0 follows the last committed token).
+        logits: ``[k + 1, vocab]`` (a tensor, or a :class:`~mtpctl.runtime.engine.StepOutput` that
+            computes rows on demand); row i is the target's prediction after the i-th verified token
+            (row 0 follows the last committed token). Rows after the first rejection are not read.
     """
-    targets = logits.argmax(-1).tolist()
     a = 0
-    while a < len(draft) and draft[a] == targets[a]:
+    target = int(logits[0].argmax())
+    while a < len(draft) and draft[a] == target:
         a += 1
-    return Acceptance(list(draft[:a]), targets[a])
+        target = int(logits[a].argmax())
+    return Acceptance(list(draft[:a]), target)
 
 
-def accept_rejection_sampling(draft: Sequence[int], logits: torch.Tensor, params: SamplingParams,
+def accept_rejection_sampling(draft: Sequence[int], logits, params: SamplingParams,
                               generator: torch.Generator,
                               draft_probs: Optional[torch.Tensor] = None) -> Acceptance:
     """Speculative rejection sampling of a chain (Leviathan et al. 2023, Algorithm 1).
 
     Args:
         draft: k draft token ids.
-        logits: ``[k + 1, vocab]`` target logits (as in :func:`accept_greedy`).
+        logits: ``[k + 1, vocab]`` target logits, read row by row (as in :func:`accept_greedy`).
         params: sampling settings; the target distribution p is ``probs_from_logits(logits, params)``.
         generator: drives every random draw.
         draft_probs: ``[k, vocab]`` the drafter's distribution q per position, or None for a
             deterministic drafter (q is the one-hot of the draft token, e.g. prompt lookup).
     """
-    p = probs_from_logits(logits, params)
     accepted: List[int] = []
     for i, token in enumerate(draft):
+        p = probs_from_logits(logits[i], params)
         q_row = draft_probs[i] if draft_probs is not None else None
         q_tok = float(q_row[token]) if q_row is not None else 1.0
-        p_tok = float(p[i, token])
+        p_tok = float(p[token])
         u = float(torch.rand((), generator=generator))
         if q_tok > 0 and u < min(1.0, p_tok / q_tok):
             accepted.append(int(token))
             continue
         if q_row is None:
-            residual = p[i].clone()
+            residual = p.clone()
             residual[token] = 0.0
         else:
-            residual = torch.clamp(p[i] - q_row, min=0.0)
+            residual = torch.clamp(p - q_row, min=0.0)
         total = float(residual.sum())
         # residual is zero only when p == q, in which case rejection has probability zero.
-        return Acceptance(accepted, sample(residual / total if total > 0 else p[i], generator))
-    return Acceptance(accepted, sample(p[len(draft)], generator))
+        return Acceptance(accepted, sample(residual / total if total > 0 else p, generator))
+    return Acceptance(accepted, sample(probs_from_logits(logits[len(draft)], params), generator))

@@ -8,7 +8,6 @@ are backend-free and only use this interface.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Dict, Optional, Sequence
 
 import torch
@@ -16,12 +15,42 @@ import torch
 from mtpctl.runtime.model import Decoder
 
 
-@dataclass
 class StepOutput:
-    """What one forward pass returns for the rows asked for."""
+    """One forward pass: hidden states of its N tokens and their logits, computed on demand.
 
-    logits: torch.Tensor  # [N, vocab] float32
-    hidden_states: torch.Tensor  # [N, hidden], after the final norm
+    ``out[i]`` is row i's logits ``[vocab]`` (float32); ``out.logits`` all rows ``[N, vocab]``.
+    With an int4 lm_head, rows are computed one at a time as they are read (an acceptor stops at the
+    first rejection, and the int4 kernel's cost grows with the rows of a call); otherwise all rows are
+    computed together at the first read (a dense lm_head costs about the same for N rows as for one).
+    """
+
+    def __init__(self, model: Decoder, hidden_states: torch.Tensor):
+        self.model = model
+        self.hidden_states = hidden_states  # [N, hidden], after the final norm
+        self._rows: Dict[int, torch.Tensor] = {}
+        self._all: Optional[torch.Tensor] = None
+
+    def __len__(self) -> int:
+        return self.hidden_states.shape[0]
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        i = i % len(self)
+        if self._all is not None:
+            return self._all[i]
+        if not self.model.logits_by_row:
+            return self.logits[i]
+        if i not in self._rows:
+            with torch.inference_mode():
+                self._rows[i] = self.model.logits(self.hidden_states[i:i + 1])[0]
+        return self._rows[i]
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """All rows' logits ``[N, vocab]`` float32."""
+        if self._all is None:
+            with torch.inference_mode():
+                self._all = self.model.logits(self.hidden_states)
+        return self._all
 
 
 def tree_positions(parents: Sequence[int]) -> tuple:
@@ -102,12 +131,10 @@ class TorchEngine:
         masks = attention_masks(self.model.cfg.layer_windows, self.length, depth, tree_mask, self.capacity)
         ids = torch.tensor([list(tokens)], dtype=torch.long)
         hidden = self.model(ids, (self.length + depth)[None], self.cache, masks)[0]
-        if last_only:
-            hidden = hidden[-1:]
-        return StepOutput(self.model.logits(hidden), hidden)
+        return StepOutput(self.model, hidden[-1:] if last_only else hidden)
 
     def prefill(self, prompt_ids: Sequence[int]) -> StepOutput:
-        """Reset the cache, run and commit the prompt; returns the last position's ``logits [1, vocab]``."""
+        """Reset the cache, run and commit the prompt; returns the last position's output (one row)."""
         self.cache.reset()
         out = self._forward(prompt_ids, None, last_only=True)
         self.cache.advance(len(prompt_ids))
@@ -116,7 +143,8 @@ class TorchEngine:
     def verify(self, tokens: Sequence[int], parents: Optional[Sequence[int]] = None) -> StepOutput:
         """Score N tokens (a chain, or a draft tree given ``parents``) after the committed ones.
 
-        ``logits[i]`` is the target's prediction for the token following node i. Nothing is committed.
+        Row i of the output is the target's prediction for the token following node i. Nothing is
+        committed.
         """
         return self._forward(tokens, parents, last_only=False)
 

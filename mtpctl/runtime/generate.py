@@ -93,7 +93,7 @@ def generate(engine, prompt_ids: Sequence[int], stop: StopChecker, sampling: Sam
     generator = sampling.generator()
     stats = GenerationStats(prompt_tokens=len(prompt_ids))
     start = time.perf_counter()
-    pending = next_token(engine.prefill(prompt_ids).logits[-1], sampling, generator)
+    pending = next_token(engine.prefill(prompt_ids)[-1], sampling, generator)
     stats.ttft_ms = (time.perf_counter() - start) * 1e3
     done = _commit([pending], stop, on_text)
     while not done:
@@ -105,9 +105,9 @@ def generate(engine, prompt_ids: Sequence[int], stop: StopChecker, sampling: Sam
         draft = drafter.propose(list(prompt_ids) + stop.tokens, room) if drafter and room > 0 else Draft([])
         out = engine.verify([pending] + draft.tokens)
         if sampling.greedy:
-            result = accept_greedy(draft.tokens, out.logits)
+            result = accept_greedy(draft.tokens, out)
         else:
-            result = accept_rejection_sampling(draft.tokens, out.logits, sampling, generator, draft.probs)
+            result = accept_rejection_sampling(draft.tokens, out, sampling, generator, draft.probs)
         engine.commit(range(1 + len(result.accepted)))
         pending = result.next_token
         before = len(stop.tokens)

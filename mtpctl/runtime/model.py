@@ -254,9 +254,10 @@ class Decoder(nn.Module):
                 put(layer, "k_norm", p + "self_attn.k_norm.weight")
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
-        """An empty KV cache for ``capacity`` tokens in this model's dtype."""
+        """An empty float32 KV cache for ``capacity`` tokens (attention runs in float32 in every
+        dtype, so keys and values are stored in it rather than converted at every step)."""
         c = self.cfg
-        return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, c.head_dim, capacity, self.dtype)
+        return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, c.head_dim, capacity, torch.float32)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
                 masks: Dict[Optional[int], Optional[torch.Tensor]]) -> torch.Tensor:
@@ -278,6 +279,11 @@ class Decoder(nn.Module):
         for layer, window in zip(self.layers, self.cfg.layer_windows):
             x = layer(x, cos, sin, cache, masks[window])
         return _rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+
+    @property
+    def logits_by_row(self) -> bool:
+        """True when scoring rows one at a time beats scoring them together (an int4 lm_head)."""
+        return isinstance(self.lm_head, PackedLinear)
 
     def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """lm_head: ``[..., hidden]`` -> float32 logits ``[..., vocab]``."""
