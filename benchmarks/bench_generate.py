@@ -17,7 +17,8 @@ Usage::
 
     python benchmarks/bench_generate.py [--model smollm2-135m] [--max-new-tokens 128]
         [--draft-len 4] [--dtypes float32,bfloat16] [--prompts benchmarks/prompts.jsonl]
-        [--limit N] [--threads N] [--quiet-threshold CORES] [--retries N] [--write BENCHMARKS.md]
+        [--limit N] [--threads N] [--quiet-threshold CORES] [--retries N]
+        [--save-runs FILE] [--write BENCHMARKS.md]
 
 Progress goes to stderr, the markdown report to stdout; ``--write FILE`` also puts the report in
 FILE between the ``bench_generate`` markers (replacing the old section, or appended).
@@ -514,6 +515,15 @@ def write_section(path: Path, body: str) -> None:
     path.write_text(text, encoding="utf-8")
 
 
+def save_runs(path: Path, methods: List[Method], prompts: List[Prompt]) -> None:
+    """Every kept generation as a JSON line (method, prompt number, tokens, timing) for later study."""
+    with path.open("w", encoding="utf-8") as out:
+        for m in methods:
+            for i, (run, prompt) in enumerate(zip(m.runs, prompts)):
+                record = dict(method=m.key, prompt=i + 1, category=prompt.category, **vars(run))
+                out.write(json.dumps(record) + "\n")
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -530,6 +540,7 @@ def parse_args(argv=None):
     p.add_argument("--quiet-threshold", type=float, default=0.25, metavar="CORES",
                    help="rerun a generation during which other processes used this many cores (0: never)")
     p.add_argument("--retries", type=int, default=3, help="most reruns of one contended generation")
+    p.add_argument("--save-runs", default=None, metavar="FILE", help="write every generation to a JSONL file")
     p.add_argument("--write", default=None, metavar="FILE", help="put the report in FILE's marked section")
     args = p.parse_args(argv)
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
@@ -557,6 +568,8 @@ def main(argv=None) -> int:
     run_all(methods, prompts, args.max_new_tokens, args.quiet_threshold, args.retries)
     body = report(args, methods, prompts, folder, model)
     print(body)
+    if args.save_runs:
+        save_runs(Path(args.save_runs), methods, prompts)
     if args.write:
         write_section(Path(args.write), body)
         log(f"wrote the report to {args.write}")
