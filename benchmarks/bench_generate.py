@@ -16,7 +16,7 @@ shared the CPU with them is repeated once the CPU is quiet again (``--quiet-thre
 Usage::
 
     python benchmarks/bench_generate.py [--model smollm2-135m] [--max-new-tokens 128]
-        [--draft-len 4] [--dtypes float32,bfloat16] [--prompts benchmarks/prompts.jsonl]
+        [--draft-len 4] [--dtypes float32,bfloat16[,bfloat16-int4]] [--prompts benchmarks/prompts.jsonl]
         [--limit N] [--threads N] [--quiet-threshold CORES] [--retries N]
         [--save-runs FILE] [--write BENCHMARKS.md]
 
@@ -183,7 +183,10 @@ def build_methods(folder: Path, dtypes: Sequence[str], draft_len: int):
 
     from mtpctl.runtime.session import Session
 
-    sessions = {dtype: Session(folder, dtype=dtype) for dtype in dtypes}
+    sessions = {}
+    for variant in dtypes:  # "float32", "bfloat16" or "bfloat16-int4" (int4-packed GGUF weights)
+        dtype, _, weights = variant.partition("-")
+        sessions[variant] = Session(folder, dtype=dtype, weights=weights or "dense")
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     codec = next(iter(sessions.values())).codec
     methods = [hf_method(model, codec.eos_ids, 0, None),
@@ -335,7 +338,7 @@ def check_text(diffs: List[tuple], total: int, what: str) -> str:
         text += " ..." if len(diffs) > 3 else ""
         gaps = [g for _, _, g in diffs if g is not None]
         if gaps:
-            text += f"; fp32 logit gap there <= {max(gaps):.2f}"
+            text += f"; fp32 logit gap there <= {max(gaps):.2g}"
     return text
 
 
@@ -443,6 +446,22 @@ def contention_notes(methods: List[Method], threshold: float) -> List[str]:
     return notes
 
 
+def source_version() -> str:
+    """The repository's commit, and whether mtpctl/ had uncommitted changes when the run ended."""
+    import subprocess
+
+    def git(*cmd):
+        return subprocess.run(["git", "-C", str(HERE.parent), *cmd], capture_output=True, text=True,
+                              timeout=30).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--", "mtpctl")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no git)"
+    return f"git {commit or 'unknown'}" + (", with uncommitted changes in mtpctl/" if dirty else "")
+
+
 def report(args, methods: List[Method], prompts: List[Prompt], folder: Path, model) -> str:
     """The markdown section; ``model`` (HF float32) measures logit gaps at divergences."""
     import transformers
@@ -458,6 +477,7 @@ def report(args, methods: List[Method], prompts: List[Prompt], folder: Path, mod
         f"- Date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
         f"- Machine: {cpu_model()}, {os.cpu_count()} logical CPUs, torch threads {threads}, "
         f"torch {torch.__version__}, transformers {transformers.__version__}, Python {platform.python_version()}",
+        f"- mtpctl source: {source_version()}",
         f"- Model: `{args.model}` ({folder.name}); {len(prompts)} prompts from `{args.prompts}`, "
         f"up to {args.max_new_tokens} new tokens each, batch 1, greedy; draft length {args.draft_len}",
         f"- CPU used by other processes during the timed runs: "
@@ -532,7 +552,9 @@ def parse_args(argv=None):
     p.add_argument("--model", default="smollm2-135m", help="alias, checkpoint folder, .gguf file or hub id")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--draft-len", type=int, default=4, help="mtpctl draft length k = HF prompt_lookup_num_tokens")
-    p.add_argument("--dtypes", default="float32,bfloat16", help="dtypes of the mtpctl runs (float32 is required)")
+    p.add_argument("--dtypes", default="float32,bfloat16",
+                   help="dtypes of the mtpctl runs, float32 required; bfloat16-int4 = bfloat16 with int4-packed "
+                        "GGUF weights (mtpctl --weights int4)")
     p.add_argument("--prompts", default="benchmarks/prompts.jsonl",
                    help="JSONL of {category, prompt}; a relative path is tried from here, then the repo root")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")

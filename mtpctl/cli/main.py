@@ -10,6 +10,7 @@ from typing import List, Optional
 import click
 
 from mtpctl import __version__
+from mtpctl.cli.bench import bench_cmd
 from mtpctl.cli.generate import generate_cmd
 from mtpctl.cli.models import models_group
 from mtpctl.errors import MtpctlError
@@ -30,11 +31,13 @@ def cli(debug: bool) -> None:
     Examples:
       mtpctl generate "Write a haiku about caches."
       mtpctl generate --speculate ngram --stats --prompt-file notes.txt
+      mtpctl bench --methods plain,ngram --fail-below-speedup 1.1
       mtpctl models list
     """
 
 
 cli.add_command(generate_cmd)
+cli.add_command(bench_cmd)
 cli.add_command(models_group)
 
 

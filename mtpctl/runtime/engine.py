@@ -130,7 +130,8 @@ class TorchEngine:
             depth, tree_mask = tree_positions(parents)
         masks = attention_masks(self.model.cfg.layer_windows, self.length, depth, tree_mask, self.capacity)
         ids = torch.tensor([list(tokens)], dtype=torch.long)
-        hidden = self.model(ids, (self.length + depth)[None], self.cache, masks)[0]
+        # prefill (last_only) feeds plain and speculative decoding alike: it may use the fast kernel
+        hidden = self.model(ids, (self.length + depth)[None], self.cache, masks, invariant=not last_only)[0]
         return StepOutput(self.model, hidden[-1:] if last_only else hidden)
 
     def prefill(self, prompt_ids: Sequence[int]) -> StepOutput:

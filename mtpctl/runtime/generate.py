@@ -31,9 +31,10 @@ class GenerationStats:
     decode_steps: int = 0  # verify passes after prefill
     draft_tokens: int = 0  # draft tokens verified
     accepted_tokens: int = 0  # draft tokens accepted and committed
-    ttft_ms: float = 0.0
+    ttft_ms: Optional[float] = 0.0  # None where not observable (peers' runs)
     total_ms: float = 0.0
     accepted_per_step: List[int] = field(default_factory=list)  # accept length (bonus counted) per step
+    drafted_per_step: List[int] = field(default_factory=list)  # draft tokens verified per step
     step_ms: List[float] = field(default_factory=list)  # wall time of each decode step
 
     @property
@@ -117,6 +118,7 @@ def generate(engine, prompt_ids: Sequence[int], stop: StopChecker, sampling: Sam
         stats.draft_tokens += len(draft.tokens)
         stats.accepted_tokens += min(len(result.accepted), committed)
         stats.accepted_per_step.append(committed)
+        stats.drafted_per_step.append(len(draft.tokens))
         stats.step_ms.append((time.perf_counter() - step_start) * 1e3)
     stats.total_ms = (time.perf_counter() - start) * 1e3
     stats.new_tokens = len(stop.tokens)

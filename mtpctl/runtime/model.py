@@ -148,8 +148,12 @@ class DecoderLayer(nn.Module):
         self.q_norm = param(hd) if cfg.qk_norm else None
         self.k_norm = param(hd) if cfg.qk_norm else None
 
-    def forward(self, x, cos, sin, cache: KVCache, mask: Optional[torch.Tensor]):
-        """x ``[batch, N, hidden]`` -> ``[batch, N, hidden]``; writes this layer's N new KV slots."""
+    def forward(self, x, cos, sin, cache: KVCache, mask: torch.Tensor, invariant: bool = True):
+        """x ``[batch, N, hidden]`` -> ``[batch, N, hidden]``; writes this layer's N new KV slots.
+
+        ``invariant`` selects the batch-invariant attention (decode and verify passes); without it
+        (prefill) the fused SDPA kernel attends over the used slots only, which is faster for long N.
+        """
         cfg = self.cfg
         b, n, _ = x.shape
         hd = cfg.head_dim
@@ -164,7 +168,12 @@ class DecoderLayer(nn.Module):
         k = _rotate(k, cos, sin).transpose(1, 2)
         v = v.view(b, n, cfg.num_key_value_heads, hd).transpose(1, 2)
         keys, values = cache.write(self.index, k, v)
-        attn = _attention(q, keys, values, mask)
+        if invariant:
+            attn = _attention(q, keys, values, mask)
+        else:
+            used = cache.length + n
+            attn = F.scaled_dot_product_attention(q.float(), keys[:, :, :used], values[:, :, :used],
+                                                  attn_mask=mask[..., :used], enable_gqa=True).to(x.dtype)
         x = x + _linear(attn.transpose(1, 2).reshape(b, n, self.q_size), self.o_proj)
         gate, up = _linear(_rms_norm(x, self.post_attention_norm, cfg.rms_norm_eps),
                            self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
@@ -260,15 +269,17 @@ class Decoder(nn.Module):
         return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, c.head_dim, capacity, torch.float32)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
-                masks: Dict[Optional[int], Optional[torch.Tensor]]) -> torch.Tensor:
+                masks: Dict[Optional[int], torch.Tensor], invariant: bool = True) -> torch.Tensor:
         """Run N new tokens per row against the cache; their KV go to slots ``[length, length+N)``.
 
         Args:
             input_ids: ``[batch, N]`` token ids.
             position_ids: ``[batch, N]`` positions (a token's depth in a draft tree adds to ``length``).
             cache: the KV cache; not advanced here (the caller commits accepted slots).
-            masks: attention window (None = full) -> bool mask ``[batch|1, 1, N, length+N]``
-                (True = may attend), or None to attend to every slot.
+            masks: attention window (None = full) -> bool mask ``[batch|1, 1, N, capacity]``
+                (True = may attend), from :func:`mtpctl.runtime.engine.attention_masks`.
+            invariant: compute each token exactly as it would be computed alone (decode and verify
+                passes); False for prefill, where only speed matters.
 
         Returns:
             hidden_states after the final norm, ``[batch, N, hidden]``.
@@ -277,7 +288,7 @@ class Decoder(nn.Module):
         cos = self.rope_cos[position_ids].unsqueeze(2)
         sin = self.rope_sin[position_ids].unsqueeze(2)
         for layer, window in zip(self.layers, self.cfg.layer_windows):
-            x = layer(x, cos, sin, cache, masks[window])
+            x = layer(x, cos, sin, cache, masks[window], invariant)
         return _rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     @property

@@ -43,12 +43,22 @@ class TextCodec:
         if not text.strip():
             raise BadInput("the prompt is empty")
         if chat and self.has_chat_template:
-            out = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                     add_generation_prompt=True, tokenize=True)
-            ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
-        else:
-            ids = self.tokenizer(text)["input_ids"]
-        return [int(i) for i in ids]
+            return self.encode_messages([{"role": "user", "content": text}])
+        return [int(i) for i in self.tokenizer(text)["input_ids"]]
+
+    def encode_messages(self, messages: List[dict]) -> List[int]:
+        """A conversation (``[{"role": ..., "content": ...}, ...]``) -> prompt ids through the chat
+        template, generation prompt added; without a template, the contents joined by newlines.
+
+        Raises:
+            BadInput: no message, or every message empty.
+        """
+        if not messages or not any(str(m.get("content", "")).strip() for m in messages):
+            raise BadInput("the conversation is empty")
+        if not self.has_chat_template:
+            return self.encode_prompt("\n".join(m["content"] for m in messages), chat=False)
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return [int(i) for i in (out["input_ids"] if hasattr(out, "keys") else out)]
 
     def decode(self, ids: List[int]) -> str:
         """Token ids -> text, special tokens skipped."""

@@ -1,0 +1,216 @@
+"""``mtpctl bench``: latency figures of decoding methods, side by side, with gates for pipelines."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import click
+
+from mtpctl.convert.sources import DEFAULT_MODEL, resolve_model
+from mtpctl.errors import BadInput, GateFailed
+from mtpctl.runtime.bench import load_prompts, run_interleaved, summarize, transformers_runner
+from mtpctl.runtime.drafters import NgramDrafter
+from mtpctl.runtime.sampling import SamplingParams
+from mtpctl.runtime.session import Session, set_threads
+
+METHODS = ("plain", "ngram")
+NOT_YET = {"heads": "MTP heads (mtpctl add-heads)", "draft": "draft models (mtpctl pair)"}
+
+
+def parse_methods(text: str) -> List[str]:
+    """``plain,ngram`` -> the list, ``plain`` first (the speedup baseline); BadInput on an unknown name."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    for name in names:
+        if name in NOT_YET:
+            raise BadInput(f"method {name!r} needs {NOT_YET[name]}, which this version does not have yet")
+        if name not in METHODS:
+            raise BadInput(f"unknown method {name!r} (choose from {', '.join(METHODS)})")
+    return ["plain"] + [n for n in dict.fromkeys(names) if n != "plain"]
+
+
+@click.command("bench", epilog="""\b
+Examples:
+  mtpctl bench --methods plain,ngram --max-new-tokens 64
+  mtpctl bench --dtype bfloat16 --weights int4 --methods plain,ngram --json bench.json --plot bench.png
+  mtpctl bench --methods plain,ngram --fail-below-speedup 1.1 --fail-above-p99-ms 80 || exit $?
+  mtpctl bench --baseline transformers --categories code,summarization --limit 3
+""")
+@click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True, help="Alias, folder, .gguf or hub id.")
+@click.option("--methods", default="plain,ngram", show_default=True, help="Comma-separated: plain, ngram.")
+@click.option("--prompts", "prompts_path", type=click.Path(dir_okay=False), help="JSONL prompt set (default: built-in).")
+@click.option("--categories", default=None, help="Only these categories (comma-separated).")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="At most N prompts per category.")
+@click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True, help="Rounds over the prompts.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--draft-len", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@click.option("--weights", type=click.Choice(["dense", "int4"]), default="dense", show_default=True)
+@click.option("--threads", type=click.IntRange(min=1), default=None)
+@click.option("--baseline", type=click.Choice(["none", "transformers"]), default="none", show_default=True,
+              help="Add HF transformers' generate (plain and prompt lookup) as peers.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write every figure to this JSON file.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Draw tokens/s and accept lengths (PNG).")
+@click.option("--fail-below-speedup", type=float, default=None, help="Exit 1 if a method's speedup is below X.")
+@click.option("--fail-above-p99-ms", type=float, default=None, help="Exit 1 if a method's p99 ITL is above Y ms.")
+@click.option("--debug", is_flag=True, help="Show the full traceback of an error.")
+def bench_cmd(model, methods, prompts_path, categories, limit, repeats, max_new_tokens, temperature, seed,
+              draft_len, dtype, weights, threads, baseline, json_path, plot_path, fail_below_speedup,
+              fail_above_p99_ms, debug) -> None:
+    """Run decoding methods on the same prompts in one process and compare them.
+
+    Methods are interleaved over --repeats rounds after a warm-up. The table goes to stdout,
+    progress to stderr. Gates exit with code 1 naming the methods that missed them.
+    """
+    names = parse_methods(methods)
+    if baseline == "transformers" and temperature > 0:
+        raise BadInput("--baseline transformers compares greedy decoding: use --temperature 0")
+    prompts = select_prompts(load_prompts(Path(prompts_path) if prompts_path else None), categories, limit)
+    set_threads(threads)
+    session = Session(resolve_model(model), dtype, weights)
+    encoded = [session.codec.encode_messages(list(p.messages)) for p in prompts]
+    index = {id(p): i for i, p in enumerate(prompts)}
+    sampling = SamplingParams(temperature, seed=seed)
+
+    def method(drafter, k):
+        return lambda p: session.generate(encoded[index[id(p)]], max_new_tokens, sampling, drafter, k)
+
+    runners = {"plain": method(None, 0), "ngram": method(NgramDrafter(), draft_len)}
+    runners = {n: runners[n] for n in names}
+    if baseline == "transformers":
+        for name, lookup in (("hf", 0), ("hf-prompt-lookup", draft_len)):
+            run = transformers_runner(session.folder, session.codec.eos_ids, max_new_tokens, lookup)
+            runners[name] = (lambda r: lambda p: r(encoded[index[id(p)]]))(run)
+    runs = run_interleaved(runners, prompts, repeats, progress=lambda line: click.echo(line, err=True))
+    report = build_report(runs, prompts, {
+        "model": str(session.folder), "dtype": dtype, "weights": weights, "max_new_tokens": max_new_tokens,
+        "temperature": temperature, "draft_len": draft_len, "repeats": repeats, "prompts": len(prompts)})
+    click.echo(format_table(report))
+    if json_path:
+        write_json(Path(json_path), report)
+    if plot_path:
+        plot(Path(plot_path), report, runs)
+    check_gates(report, fail_below_speedup, fail_above_p99_ms)
+
+
+def select_prompts(prompts, categories: Optional[str], limit: Optional[int]):
+    """Keep the listed categories (all when None), at most ``limit`` prompts each."""
+    wanted = [c.strip() for c in categories.split(",")] if categories else None
+    known = {p.category for p in prompts}
+    for c in wanted or []:
+        if c not in known:
+            raise BadInput(f"no prompt in category {c!r} (have: {', '.join(sorted(known))})")
+    kept, counts = [], {}
+    for p in prompts:
+        if (wanted is None or p.category in wanted) and counts.get(p.category, 0) < (limit or 1 << 30):
+            counts[p.category] = counts.get(p.category, 0) + 1
+            kept.append(p)
+    return kept
+
+
+def build_report(runs, prompts, settings: dict) -> dict:
+    """Every figure: per method overall, per category tokens/s, the settings and the machine."""
+    import torch
+
+    plain = runs["plain"]
+    methods = [summarize(r, plain if name != "plain" else None) for name, r in runs.items()]
+    categories: Dict[str, Dict[str, float]] = {}
+    for name, r in runs.items():
+        for result, i in zip(r.results, r.prompt_index):
+            cat = categories.setdefault(prompts[i].category, {}).setdefault(name, [0, 0.0])
+            cat[0] += result.stats.new_tokens
+            cat[1] += result.stats.total_ms
+    per_category = {c: {n: t / (ms / 1e3) if ms else 0.0 for n, (t, ms) in m.items()} for c, m in categories.items()}
+    machine = {"cpu": cpu_model(), "logical_cpus": os.cpu_count(), "threads": torch.get_num_threads(),
+               "torch": torch.__version__, "python": platform.python_version()}
+    return {"format_version": 1, "settings": settings, "machine": machine, "methods": methods,
+            "tokens_per_s_by_category": per_category}
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (or platform's answer)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(report: dict) -> str:
+    """The methods as a markdown table (the same numbers as the JSON, rounded)."""
+    lines = ["| method | tokens/s | speedup (p10-p90) | TTFT p50 ms | ITL p50 / p90 / p99 ms | tau | acceptance | by position |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for m in report["methods"]:
+        speed = "1.00 (baseline)" if m["method"] == "plain" else (
+            f"{_fmt(m.get('speedup'), '.2f')} ({_fmt(m.get('speedup_p10'), '.2f')}-{_fmt(m.get('speedup_p90'), '.2f')})")
+        itl = " / ".join(_fmt(m[k], ".1f") for k in ("itl_ms_p50", "itl_ms_p90", "itl_ms_p99"))
+        positions = " ".join(f"{a:.2f}" for a in m["acceptance_by_position"]) or "-"
+        lines.append(f"| {m['method']} | {m['tokens_per_s']:.1f} | {speed} | {_fmt(m['ttft_ms_p50'], '.1f')} | {itl} "
+                     f"| {_fmt(m['tau'], '.2f')} | {_fmt(m['acceptance_rate'], '.2f')} | {positions} |")
+    cats = report["tokens_per_s_by_category"]
+    names = [m["method"] for m in report["methods"]]
+    lines += ["", "| category | " + " | ".join(f"{n} tokens/s" for n in names) + " |",
+              "|---|" + "---:|" * len(names)]
+    for c, row in cats.items():
+        lines.append(f"| {c} | " + " | ".join(f"{row.get(n, 0.0):.1f}" for n in names) + " |")
+    return "\n".join(lines)
+
+
+def write_json(path: Path, report: dict) -> None:
+    """Write the report atomically (temporary file, then rename)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(report, indent=2))
+    os.replace(tmp, path)
+
+
+def plot(path: Path, report: dict, runs) -> None:
+    """tokens/s per method and the accept-length histogram of the speculative ones (matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise BadInput("--plot needs matplotlib: pip install 'mtpctl[plot]'") from err
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    names = [m["method"] for m in report["methods"]]
+    left.bar(names, [m["tokens_per_s"] for m in report["methods"]])
+    left.set_ylabel("tokens/s")
+    left.set_title("decoding speed")
+    for m in report["methods"]:
+        hist = m["accept_length_histogram"]
+        if m["method"] != "plain" and hist:
+            right.bar([int(k) for k in hist], list(hist.values()), alpha=0.6, label=m["method"])
+    right.set_xlabel("accept length per step (bonus counted)")
+    right.set_ylabel("decode steps")
+    right.set_title("accepted length")
+    if right.get_legend_handles_labels()[0]:
+        right.legend()
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def check_gates(report: dict, min_speedup: Optional[float], max_p99_ms: Optional[float]) -> None:
+    """Raise GateFailed (exit 1) naming each method that misses a gate (``plain`` has no speedup gate)."""
+    misses = []
+    for m in report["methods"]:
+        if min_speedup is not None and m["method"] != "plain" and m.get("speedup") is not None \
+                and m["speedup"] < min_speedup:
+            misses.append(f"{m['method']} speedup {m['speedup']:.2f} < {min_speedup}")
+        if max_p99_ms is not None and m["itl_ms_p99"] is not None and m["itl_ms_p99"] > max_p99_ms:
+            misses.append(f"{m['method']} p99 ITL {m['itl_ms_p99']:.1f} ms > {max_p99_ms}")
+    if misses:
+        raise GateFailed("gate missed: " + "; ".join(misses))

@@ -1,0 +1,83 @@
+"""``mtpctl bench`` on the tiny checkpoint: figures, table/JSON agreement, gates, prompt sets."""
+
+import json
+
+import pytest
+
+from mtpctl.cli.main import main
+from mtpctl.runtime.bench import acceptance_by_position, load_prompts, percentile
+from mtpctl.runtime.generate import GenerationResult, GenerationStats
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    records = [{"category": "copy", "prompt": "abc abc abc abc"},
+               {"category": "copy", "prompt": "xyz xyz xyz"},
+               {"category": "chat", "messages": [{"role": "user", "content": "hi"},
+                                                 {"role": "assistant", "content": "hello"},
+                                                 {"role": "user", "content": "more"}]}]
+    path.write_text("\n".join(json.dumps(r) for r in records))
+    return path
+
+
+def bench(capsys, tiny_folder, prompt_file, tmp_path, *extra):
+    code = main(["bench", "--model", str(tiny_folder), "--prompts", str(prompt_file), "--max-new-tokens", "12",
+                 "--repeats", "2", "--json", str(tmp_path / "b.json"), *extra])
+    out, err = capsys.readouterr()
+    return code, out, err, json.loads((tmp_path / "b.json").read_text()) if code in (0, 1) else None
+
+
+def test_table_and_json_agree(capsys, tiny_folder, prompt_file, tmp_path):
+    code, out, err, report = bench(capsys, tiny_folder, prompt_file, tmp_path, "--plot", str(tmp_path / "b.png"))
+    assert code == 0, err
+    assert [m["method"] for m in report["methods"]] == ["plain", "ngram"]
+    for m in report["methods"]:
+        assert m["runs"] == 2 * 3  # repeats x prompts
+        row = next(line for line in out.splitlines() if line.startswith(f"| {m['method']} |"))
+        assert f"| {m['tokens_per_s']:.1f} |" in row
+        assert f"{m['itl_ms_p99']:.1f}" in row
+    plain, ngram = report["methods"]
+    assert plain["tau"] == 1.0 and plain["acceptance_rate"] is None
+    assert ngram["speedup"] is not None and ngram["speedup_p10"] <= ngram["speedup"] <= ngram["speedup_p90"]
+    assert set(report["tokens_per_s_by_category"]) == {"copy", "chat"}
+    assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
+    assert "round 2/2" in err  # progress on stderr
+
+
+def test_gates_exit_1_naming_the_method(capsys, tiny_folder, prompt_file, tmp_path):
+    code, out, err, report = bench(capsys, tiny_folder, prompt_file, tmp_path, "--fail-below-speedup", "100",
+                                   "--fail-above-p99-ms", "0.001")
+    assert code == 1
+    line = err.strip().splitlines()[-1]
+    assert "ngram speedup" in line and "plain p99 ITL" in line
+    code, *_ = bench(capsys, tiny_folder, prompt_file, tmp_path, "--fail-below-speedup", "0.0001")
+    assert code == 0
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--methods", "plain,heads"], "needs MTP heads"),
+    (["--methods", "plain,bogus"], "unknown method"),
+    (["--categories", "poetry"], "no prompt in category"),
+])
+def test_bad_bench_arguments(capsys, tiny_folder, prompt_file, args, fragment):
+    code = main(["bench", "--model", str(tiny_folder), "--prompts", str(prompt_file), *args])
+    err = capsys.readouterr().err
+    assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1
+
+
+def test_builtin_prompt_set_has_seven_categories_of_ten():
+    prompts = load_prompts()
+    counts = {}
+    for p in prompts:
+        counts[p.category] = counts.get(p.category, 0) + 1
+    assert counts == {c: 10 for c in ("chat", "translation", "summarization", "qa", "math", "rag", "code")}
+    assert all(len(p.messages) == 3 for p in prompts if p.category == "chat")  # multi-turn
+
+
+def test_percentile_and_acceptance_by_position():
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([5], 99) == 5 and percentile([], 50) is None
+    stats = GenerationStats(accepted_per_step=[3, 1, 2], drafted_per_step=[3, 2, 0])
+    result = GenerationResult([], "", "length", stats)
+    # step 1: positions 0, 1 accepted, 2 rejected; step 2: position 0 rejected, 1 not reached
+    assert acceptance_by_position([result]) == [0.5, 0.5, 0.0]
