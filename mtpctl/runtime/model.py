@@ -157,16 +157,15 @@ class DecoderLayer(nn.Module):
         cfg = self.cfg
         b, n, _ = x.shape
         hd = cfg.head_dim
+        heads = cfg.num_attention_heads
         qkv = _linear(_rms_norm(x, self.input_norm, cfg.rms_norm_eps), self.qkv, self.qkv_bias)
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.view(b, n, cfg.num_attention_heads, hd)
-        k = k.view(b, n, cfg.num_key_value_heads, hd)
+        qk = qkv[..., :self.q_size + self.kv_size].unflatten(-1, (heads + cfg.num_key_value_heads, hd))
         if self.q_norm is not None:
-            q = _rms_norm(q, self.q_norm, cfg.rms_norm_eps)
-            k = _rms_norm(k, self.k_norm, cfg.rms_norm_eps)
-        q = _rotate(q, cos, sin).transpose(1, 2)
-        k = _rotate(k, cos, sin).transpose(1, 2)
-        v = v.view(b, n, cfg.num_key_value_heads, hd).transpose(1, 2)
+            qk = torch.cat((_rms_norm(qk[:, :, :heads], self.q_norm, cfg.rms_norm_eps),
+                            _rms_norm(qk[:, :, heads:], self.k_norm, cfg.rms_norm_eps)), dim=2)
+        qk = _rotate(qk, cos, sin).transpose(1, 2)  # queries and keys rotated in one go
+        q, k = qk[:, :heads], qk[:, heads:]
+        v = qkv[..., self.q_size + self.kv_size:].unflatten(-1, (cfg.num_key_value_heads, hd)).transpose(1, 2)
         keys, values = cache.write(self.index, k, v)
         if invariant:
             attn = _attention(q, keys, values, mask)
