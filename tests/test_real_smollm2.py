@@ -124,3 +124,19 @@ def test_int4_ngram_greedy_is_bit_exact(smollm2_int4, prompt):
     for draft_len in (3, 6):
         spec = smollm2_int4.generate(ids, 64, GREEDY, NgramDrafter(3, 1), draft_len)
         assert spec.token_ids == plain
+
+
+@pytest.mark.parametrize("keep_bytes", [3000, 50_000_000])
+def test_truncated_real_gguf_fails_cleanly(tmp_path, monkeypatch, capsys, keep_bytes):
+    from mtpctl.cli.main import main
+    from mtpctl.convert.sources import alias_gguf_path
+
+    monkeypatch.setenv("MTPCTL_HOME", str(tmp_path / "home"))
+    truncated = tmp_path / "cut.gguf"
+    with open(alias_gguf_path("smollm2-135m"), "rb") as src:
+        truncated.write_bytes(src.read(keep_bytes))
+    assert main(["generate", "--model", str(truncated), "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a readable GGUF file" in err
+    assert list((tmp_path / "home" / "models").glob("*")) == []  # no half-written import
+    assert truncated.stat().st_size == keep_bytes
