@@ -40,6 +40,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from mtpctl.runtime.bench import cpu_model
+
 HERE = Path(__file__).resolve().parent
 START_MARK = "<!-- bench_generate:start -->"
 END_MARK = "<!-- bench_generate:end -->"
@@ -77,6 +79,8 @@ class Method:
 
 @dataclass
 class Prompt:
+    """A benchmark prompt: its category, text, and token ids (chat template applied)."""
+
     category: str
     text: str
     ids: List[int] = field(default_factory=list)
@@ -201,6 +205,7 @@ def build_methods(folder: Path, dtypes: Sequence[str], draft_len: int):
 
 
 def log(msg: str) -> None:
+    """Progress, to stderr (stdout carries the report)."""
     print(msg, file=sys.stderr, flush=True)
 
 
@@ -274,6 +279,7 @@ def run_all(methods: List[Method], prompts: List[Prompt], max_new: int, threshol
 
 
 def tokens_per_s(runs: Sequence[Run]) -> float:
+    """All new tokens over all wall time."""
     seconds = sum(r.seconds for r in runs)
     return sum(len(r.tokens) for r in runs) / seconds if seconds else 0.0
 
@@ -285,6 +291,7 @@ def tau(runs: Sequence[Run]) -> Optional[float]:
 
 
 def acceptance(runs: Sequence[Run]) -> Optional[float]:
+    """Accepted draft tokens over draft tokens verified (None when nothing was drafted)."""
     drafted = sum(r.drafted or 0 for r in runs)
     return sum(r.accepted or 0 for r in runs) / drafted if drafted else None
 
@@ -359,10 +366,12 @@ def lossless_column(methods: List[Method], prompts: List[Prompt], model) -> Dict
 
 
 def fmt(x: Optional[float], digits: int = 2) -> str:
+    """A figure for the tables, a dash when there is none."""
     return "—" if x is None else f"{x:.{digits}f}"
 
 
 def main_table(methods: List[Method], checks: Dict[str, str]) -> str:
+    """One row per method: tokens/s, ratio to HF greedy, tau, acceptance, the lossless check."""
     by_key = {m.key: m for m in methods}
     base = tokens_per_s(by_key["hf/float32"].runs)
     rows = ["| method | dtype | new tokens | tokens/s | vs HF | tau | acceptance | lossless check (prompts) |",
@@ -396,14 +405,19 @@ def category_table(methods: List[Method], prompts: List[Prompt]) -> str:
 # ----------------------------------------------------------------------------- report
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+def same_output_note(m: Method, plain: Method) -> List[str]:
+    """Where speculation changed the output, its speed was measured on other text: say so, and give
+    the ratio over the prompts whose outputs are identical."""
+    same = [i for i, (a, b) in enumerate(zip(m.runs, plain.runs)) if a.tokens == b.tokens]
+    if len(same) == len(m.runs):
+        return []
+    note = (f"The {m.dtype} n-gram outputs differ from plain on {len(m.runs) - len(same)}/{len(m.runs)} prompts "
+            f"({sum(len(r.tokens) for r in m.runs)} vs {sum(len(r.tokens) for r in plain.runs)} tokens), "
+            "so on those prompts the two rows time different text")
+    if same:
+        ratio = tokens_per_s([m.runs[i] for i in same]) / tokens_per_s([plain.runs[i] for i in same])
+        note += f"; over the {len(same)} prompts with identical outputs, n-gram runs at {ratio:.2f}x plain"
+    return [note + "."]
 
 
 def speedup_notes(methods: List[Method], prompts: List[Prompt]) -> List[str]:
@@ -421,6 +435,7 @@ def speedup_notes(methods: List[Method], prompts: List[Prompt]) -> List[str]:
         best, worst = max(ratios), min(ratios)
         notes.append(f"n-gram vs plain mtpctl ({m.dtype}): {tokens_per_s(m.runs) / tokens_per_s(plain.runs):.2f}x "
                      f"overall; best on {best[1]} ({best[0]:.2f}x), worst on {worst[1]} ({worst[0]:.2f}x).")
+        notes += same_output_note(m, plain)
     if "plain/bfloat16" in by_key and "plain/float32" in by_key:
         r = tokens_per_s(by_key["plain/bfloat16"].runs) / tokens_per_s(by_key["plain/float32"].runs)
         notes.append(f"bfloat16 plain runs at {r:.2f}x the float32 speed on this CPU.")
@@ -447,7 +462,8 @@ def contention_notes(methods: List[Method], threshold: float) -> List[str]:
 
 
 def source_version() -> str:
-    """The repository's commit, and whether mtpctl/ had uncommitted changes when the run ended."""
+    """The repository's commit, and whether mtpctl/ has uncommitted changes (call it before the run:
+    the code is imported once, later edits do not affect it)."""
     import subprocess
 
     def git(*cmd):
@@ -477,7 +493,7 @@ def report(args, methods: List[Method], prompts: List[Prompt], folder: Path, mod
         f"- Date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
         f"- Machine: {cpu_model()}, {os.cpu_count()} logical CPUs, torch threads {threads}, "
         f"torch {torch.__version__}, transformers {transformers.__version__}, Python {platform.python_version()}",
-        f"- mtpctl source: {source_version()}",
+        f"- mtpctl source at the start of the run: {args.source}",
         f"- Model: `{args.model}` ({folder.name}); {len(prompts)} prompts from `{args.prompts}`, "
         f"up to {args.max_new_tokens} new tokens each, batch 1, greedy; draft length {args.draft_len}",
         f"- CPU used by other processes during the timed runs: "
@@ -575,6 +591,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    args.source = source_version()
     sys.path.insert(0, str(HERE.parent))
     from mtpctl.convert.sources import resolve_model
 

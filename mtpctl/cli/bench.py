@@ -12,7 +12,7 @@ import click
 
 from mtpctl.convert.sources import DEFAULT_MODEL, resolve_model
 from mtpctl.errors import BadInput, GateFailed
-from mtpctl.runtime.bench import load_prompts, run_interleaved, summarize, transformers_runner
+from mtpctl.runtime.bench import cpu_model, load_prompts, run_interleaved, summarize, transformers_runner
 from mtpctl.runtime.drafters import NgramDrafter
 from mtpctl.runtime.sampling import SamplingParams
 from mtpctl.runtime.session import Session, set_threads
@@ -130,17 +130,6 @@ def build_report(runs, prompts, settings: dict) -> dict:
                "torch": torch.__version__, "python": platform.python_version()}
     return {"format_version": 1, "settings": settings, "machine": machine, "methods": methods,
             "tokens_per_s_by_category": per_category}
-
-
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (or platform's answer)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _fmt(value, spec: str) -> str:
