@@ -29,7 +29,7 @@ test: install
 	$(BIN)/python -m pytest -q
 
 bench: install
-	$(BIN)/python benchmarks/bench_generate.py --write BENCHMARKS.md
+	$(BIN)/python benchmarks/bench_generate.py --dtypes float32,bfloat16,bfloat16-int4 --write BENCHMARKS.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

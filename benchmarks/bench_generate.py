@@ -16,7 +16,7 @@ shared the CPU with them is repeated once the CPU is quiet again (``--quiet-thre
 Usage::
 
     python benchmarks/bench_generate.py [--model smollm2-135m] [--max-new-tokens 128]
-        [--draft-len 4] [--dtypes float32,bfloat16[,bfloat16-int4]] [--prompts benchmarks/prompts.jsonl]
+        [--draft-len 3] [--dtypes float32,bfloat16[,bfloat16-int4]] [--prompts benchmarks/prompts.jsonl]
         [--limit N] [--threads N] [--quiet-threshold CORES] [--retries N]
         [--save-runs FILE] [--write BENCHMARKS.md]
 
@@ -105,7 +105,7 @@ def mtpctl_method(session, dtype: str, draft_len: int, speculative: bool) -> Met
     from mtpctl.runtime.sampling import SamplingParams
 
     def run(ids: Sequence[int], max_new: int) -> Run:
-        drafter = NgramDrafter(ngram_max=3, ngram_min=1) if speculative else None
+        drafter = NgramDrafter() if speculative else None  # the CLI's defaults (n-grams 3..2)
         start = time.perf_counter()
         r = session.generate(ids, max_new, SamplingParams(), drafter=drafter,
                              draft_len=draft_len if speculative else 0)
@@ -518,22 +518,23 @@ def report(args, methods: List[Method], prompts: List[Prompt], folder: Path, mod
         "draft counts come from wrapping `PromptLookupCandidateGenerator.get_candidates` (read-only). "
         "Acceptance = accepted draft tokens / draft tokens verified.",
         "HF prompt lookup uses its defaults (n-gram sizes 2..1, K draft tokens); mtpctl's drafter matches "
-        "n-grams of 3..1, so the two propose slightly different drafts.",
+        "n-grams of 3..2, so the two propose slightly different drafts.",
         "Lossless check: `pN@i` = prompt N first differs at new token i. mtpctl n-gram rows are compared with "
         "mtpctl plain of the same dtype (greedy speculation must not change the output); mtpctl plain float32 "
         "and HF prompt lookup with HF greedy; mtpctl plain of other dtypes with mtpctl plain float32 "
         "(rounding may legitimately change those). The gap is |logit(a) - logit(b)| of the two diverging "
-        "tokens under HF's float32 model on the common prefix. Kernels that compute a row differently alone "
-        "and inside a block (a one-token step vs a verify of several) can flip an argmax only at a near-tie: "
-        "around 1e-5 in float32, up to about 0.1 at bfloat16's 8-bit precision. A divergence at a large gap "
-        "would be a bug.",
+        "tokens under HF's float32 model on the common prefix, a proxy for how close the tie was. Kernels that "
+        "compute a row differently alone and inside a block (a one-token step vs a verify of several) can flip "
+        "an argmax only at a near-tie: gaps around 1e-5 in float32, a few tenths at most in bfloat16 (8 "
+        "significant bits; its logits stray that far from float32's). For n-gram vs plain of the same dtype, a "
+        "divergence at a large gap would be a bug.",
         "The checkpoint is a GGUF Q4_1 import dequantized to float32 (weights on the 4-bit grid). The float32 "
         "and bfloat16 rows run it as dense matrices; bfloat16-int4 rows (if any) keep the 4-bit codes "
         "(mtpctl `--weights int4`).",
         "Methods are interleaved per prompt with their order rotated each prompt; one warm-up generation "
         f"({WARMUP_TOKENS} tokens) per method first. A generation during which other processes used "
         f"{args.quiet_threshold} cores or more is repeated once the CPU is quiet (at most {args.retries} times). "
-        "A single run: differences of a few percent are noise.",
+        "This is a single run; on a 2-CPU machine, repeated runs moved the ratios by up to about 10%.",
     ]
     notes += speedup_notes(methods, prompts)
     notes += contention_notes(methods, args.quiet_threshold)
@@ -569,7 +570,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="alias, checkpoint folder, .gguf file or hub id")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--draft-len", type=int, default=4, help="mtpctl draft length k = HF prompt_lookup_num_tokens")
+    p.add_argument("--draft-len", type=int, default=3, help="mtpctl draft length k = HF prompt_lookup_num_tokens")
     p.add_argument("--dtypes", default="float32,bfloat16",
                    help="dtypes of the mtpctl runs, float32 required; bfloat16-int4 = bfloat16 with int4-packed "
                         "GGUF weights (mtpctl --weights int4)")

@@ -48,7 +48,7 @@ Examples:
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--draft-len", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--draft-len", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
 @click.option("--weights", type=click.Choice(["dense", "int4"]), default="dense", show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=None)

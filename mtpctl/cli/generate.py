@@ -48,11 +48,11 @@ Examples:
               help="Alias, checkpoint folder, .gguf file or hub repo id.")
 @click.option("--speculate", type=click.Choice(SPECULATE), default="none", show_default=True,
               help="Drafter: none (plain decoding) or ngram (prompt lookup).")
-@click.option("--draft-len", type=click.IntRange(min=1), default=4, show_default=True,
+@click.option("--draft-len", type=click.IntRange(min=1), default=3, show_default=True,
               help="Most draft tokens verified per step.")
 @click.option("--ngram-max", type=click.IntRange(min=1), default=3, show_default=True,
               help="Longest n-gram the prompt-lookup drafter matches.")
-@click.option("--ngram-min", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--ngram-min", type=click.IntRange(min=1), default=2, show_default=True,
               help="Shortest n-gram the prompt-lookup drafter matches.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,

@@ -21,7 +21,8 @@ class StepOutput:
     ``out[i]`` is row i's logits ``[vocab]`` (float32); ``out.logits`` all rows ``[N, vocab]``.
     With an int4 lm_head, rows are computed one at a time as they are read (an acceptor stops at the
     first rejection, and the int4 kernel's cost grows with the rows of a call); otherwise all rows are
-    computed together at the first read (a dense lm_head costs about the same for N rows as for one).
+    computed together at the first read (a dense lm_head reads its weights once for all N rows, far
+    cheaper than N one-row calls).
     """
 
     def __init__(self, model: Decoder, hidden_states: torch.Tensor):
