@@ -4,7 +4,7 @@ The CLI turns an :class:`MtpctlError` into one line on stderr and its ``exit_cod
 that escapes is a bug (exit code 3, traceback with ``--debug``).
 
 Exit codes: 0 ok, 1 a gate failed, 2 bad input or a missing resource, 3 internal error,
-130 interrupted.
+130 interrupted, 141 stdout closed early (as a Unix tool killed by SIGPIPE).
 """
 
 from __future__ import annotations
@@ -40,3 +40,9 @@ class GateFailed(MtpctlError):
     """A benchmark gate (speedup, latency) was missed."""
 
     exit_code = 1
+
+
+class OutputClosed(Exception):
+    """stdout was closed by its reader (e.g. ``| head``): stop quietly, exit code 141."""
+
+    exit_code = 141

@@ -149,3 +149,14 @@ def test_console_entry_point_exit_codes(tiny_folder, tmp_path):
     assert ok.returncode == 0 and json.loads(ok.stdout)["stats"]["new_tokens"] <= 4
     bad = subprocess.run(env_cmd + ["--top-p", "2", "hi"], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stdout == "" and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_closed_stdout_stops_quietly_with_141(tiny_folder):
+    """`mtpctl generate ... | head -c 1`: no traceback, exit code 141 like a Unix tool on SIGPIPE."""
+    proc = subprocess.Popen([sys.executable, "-m", "mtpctl", "generate", "--model", str(tiny_folder), "--no-chat",
+                             "--max-new-tokens", "100", "hello"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.read(1)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait() == 141
+    assert "Traceback" not in err

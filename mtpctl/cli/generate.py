@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Optional
 
 import click
 
 from mtpctl.convert.sources import DEFAULT_MODEL, resolve_model
-from mtpctl.errors import BadInput
+from mtpctl.errors import BadInput, OutputClosed
 from mtpctl.runtime.drafters import NgramDrafter
 from mtpctl.runtime.sampling import SamplingParams
 from mtpctl.runtime.session import Session, set_threads
@@ -90,20 +91,25 @@ def generate_cmd(prompt, prompt_file, model, speculate, draft_len, ngram_max, ng
     result = session.generate(prompt_ids, max_new_tokens, sampling, drafter,
                               draft_len if drafter else 0, stop_strings, on_text)
     if as_json:
-        click.echo(json.dumps({
+        _stream(json.dumps({
             "text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
             "model": str(session.folder), "speculate": speculate, "draft_len": draft_len if drafter else 0,
             "dtype": dtype, "weights": weights, "stats": result.stats.to_dict(),
-        }))
+        }) + "\n")
     else:
-        click.echo("")
+        _stream("\n")
     if stats:
         click.echo(format_stats(result.stats.to_dict()), err=True)
 
 
 def _stream(piece: str) -> None:
-    sys.stdout.write(piece)
-    sys.stdout.flush()
+    """Write a piece of the product to stdout now; OutputClosed when the reader has gone."""
+    try:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    except BrokenPipeError as err:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # later flushes go nowhere
+        raise OutputClosed() from err
 
 
 def format_stats(s: dict) -> str:

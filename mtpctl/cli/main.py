@@ -13,7 +13,7 @@ from mtpctl import __version__
 from mtpctl.cli.bench import bench_cmd
 from mtpctl.cli.generate import generate_cmd
 from mtpctl.cli.models import models_group
-from mtpctl.errors import MtpctlError
+from mtpctl.errors import MtpctlError, OutputClosed
 
 INTERNAL_ERROR, INTERRUPTED = 3, 130
 
@@ -60,9 +60,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _fail(str(err), err.exit_code)
     except KeyboardInterrupt:
         return _fail("interrupted", INTERRUPTED)
-    except BrokenPipeError:  # stdout closed early (e.g. `| head`): not an error of ours
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+    except OutputClosed as err:  # stdout's reader went away (e.g. `| head`): stop quietly
+        return err.exit_code
     except Exception as err:  # a bug: one line, the traceback with --debug
         if debug:
             raise
