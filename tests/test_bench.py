@@ -81,3 +81,16 @@ def test_percentile_and_acceptance_by_position():
     result = GenerationResult([], "", "length", stats)
     # step 1: positions 0, 1 accepted, 2 rejected; step 2: position 0 rejected, 1 not reached
     assert acceptance_by_position([result]) == [0.5, 0.5, 0.0]
+
+
+def test_peak_memory_is_weights_plus_largest_kv_cache(capsys, tiny_folder, prompt_file, tmp_path):
+    from mtpctl.runtime.model import Decoder
+
+    code, out, err, report = bench(capsys, tiny_folder, prompt_file, tmp_path)
+    assert code == 0, err
+    weights = Decoder.from_folder(tiny_folder).weight_bytes
+    assert weights == 259 * 64 * 4 + sum(  # tied embedding once, then per layer: norms, qkv, o, gate_up, down
+        (64 + 64 + 128 * 64 + 64 * 64 + 256 * 64 + 64 * 128) * 4 for _ in range(2)) + 64 * 4
+    for m in report["methods"]:
+        kv = m["peak_memory_bytes"] - weights
+        assert kv > 0 and kv % (2 * 2 * 2 * 16 * 4) == 0  # k and v, layers, kv heads, head_dim, float32

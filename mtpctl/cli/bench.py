@@ -87,7 +87,8 @@ def bench_cmd(model, methods, prompts_path, categories, limit, repeats, max_new_
             run = transformers_runner(session.folder, session.codec.eos_ids, max_new_tokens, lookup)
             runners[name] = (lambda r: lambda p: r(encoded[index[id(p)]]))(run)
     runs = run_interleaved(runners, prompts, repeats, progress=lambda line: click.echo(line, err=True))
-    report = build_report(runs, prompts, {
+    weights_bytes = {name: session.model.weight_bytes for name in names}  # n-gram drafting holds no weights
+    report = build_report(runs, prompts, weights_bytes, {
         "model": str(session.folder), "dtype": dtype, "weights": weights, "max_new_tokens": max_new_tokens,
         "temperature": temperature, "draft_len": draft_len, "repeats": repeats, "prompts": len(prompts)})
     click.echo(format_table(report))
@@ -113,12 +114,13 @@ def select_prompts(prompts, categories: Optional[str], limit: Optional[int]):
     return kept
 
 
-def build_report(runs, prompts, settings: dict) -> dict:
-    """Every figure: per method overall, per category tokens/s, the settings and the machine."""
+def build_report(runs, prompts, weight_bytes: Dict[str, int], settings: dict) -> dict:
+    """Every figure: per method overall, per category tokens/s, the settings and the machine.
+    ``weight_bytes``: method -> bytes of the weights it runs (peers unknown: omitted)."""
     import torch
 
     plain = runs["plain"]
-    methods = [summarize(r, plain if name != "plain" else None) for name, r in runs.items()]
+    methods = [summarize(r, plain if name != "plain" else None, weight_bytes.get(name)) for name, r in runs.items()]
     categories: Dict[str, Dict[str, float]] = {}
     for name, r in runs.items():
         for result, i in zip(r.results, r.prompt_index):
@@ -138,15 +140,17 @@ def _fmt(value, spec: str) -> str:
 
 def format_table(report: dict) -> str:
     """The methods as a markdown table (the same numbers as the JSON, rounded)."""
-    lines = ["| method | tokens/s | speedup (p10-p90) | TTFT p50 ms | ITL p50 / p90 / p99 ms | tau | acceptance | by position |",
-             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| method | tokens/s | speedup (p10-p90) | TTFT p50 ms | ITL p50 / p90 / p99 ms | tau | acceptance "
+             "| by position | peak memory MiB |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     for m in report["methods"]:
         speed = "1.00 (baseline)" if m["method"] == "plain" else (
             f"{_fmt(m.get('speedup'), '.2f')} ({_fmt(m.get('speedup_p10'), '.2f')}-{_fmt(m.get('speedup_p90'), '.2f')})")
         itl = " / ".join(_fmt(m[k], ".1f") for k in ("itl_ms_p50", "itl_ms_p90", "itl_ms_p99"))
         positions = " ".join(f"{a:.2f}" for a in m["acceptance_by_position"]) or "-"
         lines.append(f"| {m['method']} | {m['tokens_per_s']:.1f} | {speed} | {_fmt(m['ttft_ms_p50'], '.1f')} | {itl} "
-                     f"| {_fmt(m['tau'], '.2f')} | {_fmt(m['acceptance_rate'], '.2f')} | {positions} |")
+                     f"| {_fmt(m['tau'], '.2f')} | {_fmt(m['acceptance_rate'], '.2f')} | {positions} "
+                     f"| {_fmt(m['peak_memory_bytes'] and m['peak_memory_bytes'] / 2**20, '.1f')} |")
     cats = report["tokens_per_s_by_category"]
     names = [m["method"] for m in report["methods"]]
     lines += ["", "| category | " + " | ".join(f"{n} tokens/s" for n in names) + " |",

@@ -118,8 +118,13 @@ def acceptance_by_position(results: Sequence[GenerationResult]) -> List[float]:
     return [a / p for a, p in zip(accepted, proposed)]
 
 
-def summarize(runs: MethodRuns, plain: Optional[MethodRuns]) -> dict:
-    """Figures of one method (see the module docstring); ``plain`` pairs runs for the speedup."""
+def summarize(runs: MethodRuns, plain: Optional[MethodRuns], weight_bytes: Optional[int] = None) -> dict:
+    """Figures of one method (see the module docstring); ``plain`` pairs runs for the speedup.
+
+    ``weight_bytes``: memory of the weights the method runs (target + drafter), bytes; with it the
+    summary gives ``peak_memory_bytes`` = weights + the largest KV cache a run allocated (the memory
+    the method needs, not the process's RSS, which is shared by every method of the run).
+    """
     results = runs.results
     new_tokens = sum(r.stats.new_tokens for r in results)
     total_ms = sum(r.stats.total_ms for r in results)
@@ -136,6 +141,8 @@ def summarize(runs: MethodRuns, plain: Optional[MethodRuns]) -> dict:
         "acceptance_rate": sum(r.stats.accepted_tokens for r in results) / drafted if drafted else None,
         "acceptance_by_position": acceptance_by_position(results),
         "accept_length_histogram": _histogram([n for r in results for n in r.stats.accepted_per_step]),
+        "peak_memory_bytes": (weight_bytes + max(r.stats.kv_cache_bytes for r in results)
+                              if weight_bytes is not None and results else None),
     }
     if plain is not None:
         ratios = [_ms_per_token(p) / _ms_per_token(m) for p, m in zip(plain.results, results)

@@ -117,6 +117,11 @@ class TorchEngine:
         return self.cache.length
 
     @property
+    def kv_cache_bytes(self) -> int:
+        """Memory held by the KV cache, bytes."""
+        return self.cache.nbytes
+
+    @property
     def capacity(self) -> int:
         """KV cache slots allocated (tokens)."""
         return self.cache.capacity

@@ -36,6 +36,7 @@ class GenerationStats:
     accepted_per_step: List[int] = field(default_factory=list)  # accept length (bonus counted) per step
     drafted_per_step: List[int] = field(default_factory=list)  # draft tokens verified per step
     step_ms: List[float] = field(default_factory=list)  # wall time of each decode step
+    kv_cache_bytes: int = 0  # memory of the KV cache allocated for this generation
 
     @property
     def tau(self) -> Optional[float]:
@@ -92,7 +93,7 @@ def generate(engine, prompt_ids: Sequence[int], stop: StopChecker, sampling: Sam
     if len(prompt_ids) >= engine.capacity:
         raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context holds {engine.capacity}")
     generator = sampling.generator()
-    stats = GenerationStats(prompt_tokens=len(prompt_ids))
+    stats = GenerationStats(prompt_tokens=len(prompt_ids), kv_cache_bytes=engine.kv_cache_bytes)
     start = time.perf_counter()
     pending = next_token(engine.prefill(prompt_ids)[-1], sampling, generator)
     stats.ttft_ms = (time.perf_counter() - start) * 1e3

@@ -291,6 +291,14 @@ class Decoder(nn.Module):
         return _rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     @property
+    def weight_bytes(self) -> int:
+        """Memory held by the weights (dense parameters and packed int4 codes with their scales), bytes."""
+        dense = {id(p): p.numel() * p.element_size() for p in self.parameters()}
+        packed = sum(t.numel() * t.element_size() for m in self.modules() if isinstance(m, PackedLinear)
+                     for part in m.parts for t in part)
+        return sum(dense.values()) + packed
+
+    @property
     def logits_by_row(self) -> bool:
         """True when scoring rows one at a time beats scoring them together (an int4 lm_head)."""
         return isinstance(self.lm_head, PackedLinear)
