@@ -94,3 +94,24 @@ def test_peak_memory_is_weights_plus_largest_kv_cache(capsys, tiny_folder, promp
     for m in report["methods"]:
         kv = m["peak_memory_bytes"] - weights
         assert kv > 0 and kv % (2 * 2 * 2 * 16 * 4) == 0  # k and v, layers, kv heads, head_dim, float32
+
+
+@pytest.mark.parametrize("content, fragment", [
+    ("[]", "JSON object with 'prompt' or 'messages'"),
+    ('{"category": "x"}', "JSON object with 'prompt' or 'messages'"),
+    ('{"messages": "hi"}', "'messages' must be a list"),
+    ("{not json", "not JSON"),
+])
+def test_bad_prompt_files(capsys, tiny_folder, tmp_path, content, fragment):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(content)
+    code = main(["bench", "--model", str(tiny_folder), "--prompts", str(bad)])
+    err = capsys.readouterr().err
+    assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1
+
+
+def test_unwritable_outputs_fail_before_any_work(capsys, tiny_folder, prompt_file, tmp_path):
+    code = main(["bench", "--model", str(tiny_folder), "--prompts", str(prompt_file),
+                 "--json", str(tmp_path / "missing" / "b.json")])
+    out, err = capsys.readouterr()
+    assert code == 2 and "cannot write" in err and out == "" and "round" not in err

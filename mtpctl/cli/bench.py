@@ -68,6 +68,9 @@ def bench_cmd(model, methods, prompts_path, categories, limit, repeats, max_new_
     progress to stderr. Gates exit with code 1 naming the methods that missed them.
     """
     names = parse_methods(methods)
+    for target in (json_path, plot_path):
+        if target:
+            check_writable(Path(target))
     if baseline == "transformers" and temperature > 0:
         raise BadInput("--baseline transformers compares greedy decoding: use --temperature 0")
     prompts = select_prompts(load_prompts(Path(prompts_path) if prompts_path else None), categories, limit)
@@ -160,11 +163,22 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def check_writable(path: Path) -> None:
+    """BadInput unless ``path`` can be written (its folder exists and is writable; not a folder)."""
+    folder = path.parent
+    if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise BadInput(f"cannot write {path}: its folder does not exist or is not writable")
+
+
 def write_json(path: Path, report: dict) -> None:
-    """Write the report atomically (temporary file, then rename)."""
+    """Write the report atomically (temporary file, then rename). BadInput if it cannot be written."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(report, indent=2))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(report, indent=2))
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise BadInput(f"cannot write {path}: {err.strerror}") from err
 
 
 def plot(path: Path, report: dict, runs) -> None:

@@ -55,10 +55,14 @@ def load_prompts(path: Optional[Path] = None) -> List[BenchPrompt]:
             continue
         try:
             record = json.loads(line)
-            messages = record.get("messages") or [{"role": "user", "content": record["prompt"]}]
-            prompts.append(BenchPrompt(str(record.get("category", "default")), tuple(messages)))
-        except (json.JSONDecodeError, KeyError, AttributeError, TypeError) as err:
-            raise BadInput(f"{path}:{number}: not a prompt record ({err})") from err
+        except json.JSONDecodeError as err:
+            raise BadInput(f"{path}:{number}: not JSON ({err})") from err
+        if not isinstance(record, dict) or not (record.get("prompt") or record.get("messages")):
+            raise BadInput(f"{path}:{number}: each line must be a JSON object with 'prompt' or 'messages'")
+        messages = record.get("messages") or [{"role": "user", "content": str(record["prompt"])}]
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "content" in m for m in messages):
+            raise BadInput(f"{path}:{number}: 'messages' must be a list of {{role, content}} objects")
+        prompts.append(BenchPrompt(str(record.get("category", "default")), tuple(messages)))
     if not prompts:
         raise BadInput(f"{path} holds no prompt")
     return prompts
