@@ -205,9 +205,14 @@ def plot(path: Path, report: dict, runs) -> None:
         right.legend()
     fig.tight_layout()
     tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        fig.savefig(tmp)
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise BadInput(f"cannot write {path}: {err.strerror}") from err
+    finally:
+        plt.close(fig)
 
 
 def check_gates(report: dict, min_speedup: Optional[float], max_p99_ms: Optional[float]) -> None:
