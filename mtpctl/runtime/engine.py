@@ -1,7 +1,8 @@
 """The torch engine: the small interface every backend implements for the decoding loop.
 
-``prefill(prompt)`` fills the KV cache and returns the last position's logits; ``verify(tokens,
-parents)`` scores a chain or a draft tree of N tokens in one forward pass without committing it;
+``prefill(prompt)`` fills the KV cache and returns the last position's output; ``verify(tokens,
+parents)`` scores a chain or a draft tree of N tokens in one forward pass without committing it
+(both return a :class:`StepOutput`: hidden states, logits by row);
 ``commit(offsets)`` keeps the KV entries of the accepted tokens. The loop, drafters and acceptors
 are backend-free and only use this interface.
 """
