@@ -152,11 +152,15 @@ def test_console_entry_point_exit_codes(tiny_folder, tmp_path):
 
 
 def test_closed_stdout_stops_quietly_with_141(tiny_folder):
-    """`mtpctl generate ... | head -c 1`: no traceback, exit code 141 like a Unix tool on SIGPIPE."""
+    """`mtpctl generate ... | head -c 1`: no traceback, exit code 141 like a Unix tool on SIGPIPE.
+    The pipe's read end is closed before the child writes, so its first write fails."""
+    import os
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
     proc = subprocess.Popen([sys.executable, "-m", "mtpctl", "generate", "--model", str(tiny_folder), "--no-chat",
-                             "--max-new-tokens", "100", "hello"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    proc.stdout.read(1)
-    proc.stdout.close()
+                             "--max-new-tokens", "20", "hello"], stdout=write_end, stderr=subprocess.PIPE)
+    os.close(write_end)
     err = proc.stderr.read().decode()
     assert proc.wait() == 141
-    assert "Traceback" not in err
+    assert "Traceback" not in err and err == ""

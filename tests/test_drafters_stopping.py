@@ -76,3 +76,12 @@ def test_streaming_waits_for_complete_characters():
     assert stop.stream() == "a"
     stop.push(2)
     assert stop.stream() == "é"
+
+
+def test_invalid_utf8_is_held_at_most_four_tokens():
+    stop = StopChecker([], [], 10, lambda ids: "\ufffd" * len(ids))  # bytes that never form a character
+    for _ in range(3):
+        stop.push(0)
+    assert stop.text == ""
+    stop.push(0)
+    assert stop.text == "\ufffd" * 4

@@ -65,8 +65,18 @@ def test_64_token_greedy_matches_transformers_generate(smollm2, smollm2_folder):
 
 
 @pytest.fixture(scope="module")
-def plain_outputs(smollm2):
-    return {p: smollm2.generate(smollm2.encode(p), 64, GREEDY).token_ids for p in PROMPTS}
+def plain_results(smollm2):
+    return {p: smollm2.generate(smollm2.encode(p), 64, GREEDY) for p in PROMPTS}
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(plain_results):
+    return {p: r.token_ids for p, r in plain_results.items()}
+
+
+def test_incremental_text_equals_a_full_decode(smollm2, plain_results):
+    for result in plain_results.values():
+        assert result.text == smollm2.codec.decode(result.token_ids)
 
 
 @pytest.mark.parametrize("draft_len", [1, 3, 6])
