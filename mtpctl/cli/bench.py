@@ -77,21 +77,19 @@ def bench_cmd(model, methods, prompts_path, categories, limit, repeats, max_new_
     set_threads(threads)
     session = Session(resolve_model(model), dtype, weights)
     encoded = [session.codec.encode_messages(list(p.messages)) for p in prompts]
-    index = {id(p): i for i, p in enumerate(prompts)}
     sampling = SamplingParams(temperature, seed=seed)
 
     def method(drafter, k):
-        return lambda p: session.generate(encoded[index[id(p)]], max_new_tokens, sampling, drafter, k)
+        return lambda ids: session.generate(ids, max_new_tokens, sampling, drafter, k)
 
     runners = {"plain": method(None, 0), "ngram": method(NgramDrafter(), draft_len)}
     runners = {n: runners[n] for n in names}
     if baseline == "transformers":
         for name, lookup in (("hf", 0), ("hf-prompt-lookup", draft_len)):
-            run = transformers_runner(session.folder, session.codec.eos_ids, max_new_tokens, lookup)
-            runners[name] = (lambda r: lambda p: r(encoded[index[id(p)]]))(run)
-    runs = run_interleaved(runners, prompts, repeats, progress=lambda line: click.echo(line, err=True))
-    weights_bytes = {name: session.model.weight_bytes for name in names}  # n-gram drafting holds no weights
-    report = build_report(runs, prompts, weights_bytes, {
+            runners[name] = transformers_runner(session.folder, session.codec.eos_ids, max_new_tokens, lookup)
+    runs = run_interleaved(runners, encoded, repeats, progress=lambda line: click.echo(line, err=True))
+    weight_bytes = session.model.weight_bytes  # n-gram drafting holds no weights of its own
+    report = build_report(runs, prompts, {name: weight_bytes for name in names}, {
         "model": str(session.folder), "dtype": dtype, "weights": weights, "max_new_tokens": max_new_tokens,
         "temperature": temperature, "draft_len": draft_len, "repeats": repeats, "prompts": len(prompts)})
     click.echo(format_table(report))

@@ -167,14 +167,14 @@ def _histogram(values: Sequence[int]) -> Dict[str, int]:
     return dict(sorted(counts.items(), key=lambda kv: int(kv[0])))
 
 
-def run_interleaved(methods: Dict[str, Callable[[BenchPrompt], GenerationResult]],
-                    prompts: Sequence[BenchPrompt], repeats: int, warmup: bool = True,
+def run_interleaved(methods: Dict[str, Callable[[List[int]], GenerationResult]],
+                    prompts: Sequence[List[int]], repeats: int, warmup: bool = True,
                     progress: Optional[Callable[[str], None]] = None) -> Dict[str, MethodRuns]:
     """Run every method on every prompt, ``repeats`` rounds, the method order rotated per prompt.
 
     Args:
-        methods: name -> function generating from one prompt.
-        prompts: the prompt set.
+        methods: name -> function generating from one prompt's token ids.
+        prompts: the prompt set, as token ids (chat template applied).
         repeats: rounds (>= 1).
         warmup: run each method once on the first prompt before timing.
         progress: called with one line per run (e.g. written to stderr).

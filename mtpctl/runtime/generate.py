@@ -29,7 +29,6 @@ class GenerationStats:
     prompt_tokens: int = 0
     new_tokens: int = 0
     decode_steps: int = 0  # verify passes after prefill
-    draft_tokens: int = 0  # draft tokens verified
     accepted_tokens: int = 0  # draft tokens accepted and committed
     ttft_ms: Optional[float] = 0.0  # None where not observable (peers' runs)
     total_ms: float = 0.0
@@ -43,6 +42,11 @@ class GenerationStats:
         return sum(self.accepted_per_step) / self.decode_steps if self.decode_steps else None
 
     @property
+    def draft_tokens(self) -> int:
+        """Draft tokens verified, over all steps."""
+        return sum(self.drafted_per_step)
+
+    @property
     def acceptance_rate(self) -> Optional[float]:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
 
@@ -53,7 +57,8 @@ class GenerationStats:
     def to_dict(self) -> dict:
         """All figures, derived ones included, as plain JSON-ready values."""
         out = asdict(self)
-        out.update(tau=self.tau, acceptance_rate=self.acceptance_rate, tokens_per_s=self.tokens_per_s)
+        out.update(draft_tokens=self.draft_tokens, tau=self.tau, acceptance_rate=self.acceptance_rate,
+                   tokens_per_s=self.tokens_per_s)
         return out
 
 
@@ -116,7 +121,6 @@ def generate(engine, prompt_ids: Sequence[int], stop: StopChecker, sampling: Sam
         done = _commit(result.tokens, stop, on_text)
         committed = len(stop.tokens) - before
         stats.decode_steps += 1
-        stats.draft_tokens += len(draft.tokens)
         stats.accepted_tokens += min(len(result.accepted), committed)
         stats.accepted_per_step.append(committed)
         stats.drafted_per_step.append(len(draft.tokens))

@@ -227,23 +227,25 @@ class Decoder(nn.Module):
         values, see :func:`pack_exact`) is held as a :class:`PackedLinear` instead; their names are
         listed in ``packed_weights``.
         """
+        def try_pack(owner, attr, value) -> bool:
+            packing = pack_exact(value, self.dtype) if packed and attr in LINEARS else None
+            if packing is not None:
+                owner._parameters.pop(attr, None)  # a Parameter slot cannot hold a module
+                setattr(owner, attr, packing)
+                self.packed_weights.append(f"{getattr(owner, 'index', 'model')}.{attr}")
+            return packing is not None
+
         def put(owner, attr, *names):
             value = torch.cat([t[n] for n in names]) if len(names) > 1 else t[names[0]]
-            packing = pack_exact(value, self.dtype) if packed and attr in LINEARS else None
-            if packing is None:
+            if not try_pack(owner, attr, value):
                 getattr(owner, attr).data.copy_(value)
-                return
-            owner._parameters.pop(attr, None)  # a Parameter slot cannot hold a module
-            setattr(owner, attr, packing)
-            self.packed_weights.append(f"{getattr(owner, 'index', 'model')}.{attr}")
 
         put(self, "embed", "model.embed_tokens.weight")
         put(self, "norm", "model.norm.weight")
-        head = "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
-        if packed or not self.cfg.tie_word_embeddings:
-            if self.cfg.tie_word_embeddings:  # untie: the embedding stays dense, the head may pack
-                self.lm_head = nn.Parameter(torch.empty_like(self.embed), requires_grad=False)
-            put(self, "lm_head", head)
+        if self.cfg.tie_word_embeddings:  # a packed head unties it; the embedding stays dense
+            try_pack(self, "lm_head", t["model.embed_tokens.weight"])
+        else:
+            put(self, "lm_head", "lm_head.weight")
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             put(layer, "input_norm", p + "input_layernorm.weight")
