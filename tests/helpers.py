@@ -101,7 +101,7 @@ class ScriptedDrafter:
         self.prompt_len, self.continuation, self.vocab = prompt_len, list(continuation), vocab
         self.corrupt_every, self.calls = corrupt_every, 0
 
-    def propose(self, context: Sequence[int], max_tokens: int) -> Draft:
+    def propose(self, context: Sequence[int], max_tokens: int, last=None) -> Draft:
         done = len(context) - self.prompt_len
         tokens = self.continuation[done: done + max_tokens]
         self.calls += 1

@@ -77,7 +77,7 @@ def test_builtin_prompt_set_has_seven_categories_of_ten():
 
 def test_percentile_and_acceptance_by_position():
     assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([5], 99) == 5 and percentile([], 50) is None
-    stats = GenerationStats(accepted_per_step=[3, 1, 2], drafted_per_step=[3, 2, 0])
+    stats = GenerationStats(accepted_per_step=[3, 1, 2], drafted_per_step=[3, 2, 0], depth_per_step=[3, 2, 0])
     result = GenerationResult([], "", "length", stats)
     # step 1: positions 0, 1 accepted, 2 rejected; step 2: position 0 rejected, 1 not reached
     assert acceptance_by_position([result]) == [0.5, 0.5, 0.0]

@@ -64,7 +64,7 @@ def test_ngram_speculation_is_lossless(model, reference, draft_len):
 
 def test_wrong_drafts_only_cost_steps(model, reference):
     class Wrong:
-        def propose(self, context, max_tokens):
+        def propose(self, context, max_tokens, last=None):
             return Draft([(context[-1] + 1) % model.cfg.vocab_size] * max_tokens)
 
     result = run(model, Wrong(), 4)
@@ -135,9 +135,9 @@ class RandomDrafter:
     def __init__(self, q: torch.Tensor, seed: int):
         self.q, self.g = q, torch.Generator().manual_seed(seed)
 
-    def propose(self, context, max_tokens):
+    def propose(self, context, max_tokens, last=None):
         tokens = torch.multinomial(self.q, max_tokens, replacement=True, generator=self.g).tolist()
-        return Draft(tokens, self.q.repeat(max_tokens, 1))
+        return Draft(tokens, probs=self.q.repeat(max_tokens, 1))
 
 
 def exact_sequence_probs(model, prompt, n, params):

@@ -108,11 +108,12 @@ def itl_samples(result: GenerationResult) -> List[float]:
 
 
 def acceptance_by_position(results: Sequence[GenerationResult]) -> List[float]:
-    """Acceptance rate at each draft position (0-based), over all decode steps of ``results``."""
+    """Acceptance rate at each draft position (tree depth, 0-based), over all decode steps of
+    ``results``: steps that accepted a token at depth j / steps whose draft reached depth j."""
     proposed: List[int] = []
     accepted: List[int] = []
     for r in results:
-        for drafted, committed in zip(r.stats.drafted_per_step, r.stats.accepted_per_step):
+        for drafted, committed in zip(r.stats.depth_per_step, r.stats.accepted_per_step):
             for j in range(drafted):
                 if j == len(proposed):
                     proposed.append(0)

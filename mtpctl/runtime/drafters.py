@@ -1,7 +1,7 @@
 """Drafters: cheap proposers of draft tokens that the target then verifies.
 
-Every drafter implements :class:`Drafter`; the decoding loop knows nothing else about it. Later
-drafters (MTP heads, draft models) implement the same interface.
+Every drafter implements :class:`Drafter`; the decoding loop knows nothing else about it. A draft is
+a chain (prompt lookup, draft models) or a draft tree (MTP heads): a tree lists each node's parent.
 """
 
 from __future__ import annotations
@@ -14,16 +14,43 @@ import torch
 
 @dataclass
 class Draft:
-    """Proposed draft tokens (a chain) and, for a sampling drafter, its distributions."""
+    """Proposed draft tokens: a chain, or a draft tree given ``parents``.
 
-    tokens: List[int]  # k draft token ids (k may be 0: propose nothing, run a plain step)
-    probs: Optional[torch.Tensor] = None  # [k, vocab] drafter distribution q, None if deterministic
+    The root of every draft is the pending token (the target's last prediction, not yet verified);
+    node i's parent is ``parents[i]`` (an index into ``tokens``, -1 for the root), and parents precede
+    their children. ``parents`` None means a chain (``[-1, 0, 1, ...]``).
+    """
+
+    tokens: List[int]  # [k] draft token ids (k may be 0: propose nothing, run a plain step)
+    parents: Optional[List[int]] = None  # [k] parent of each node, -1 = the pending token; None = chain
+    probs: Optional[torch.Tensor] = None  # [k, vocab] drafter distribution q per node, None if deterministic
+
+    @property
+    def depth(self) -> int:
+        """Longest root-to-leaf path in draft tokens (k for a chain): the most a step can accept."""
+        if self.parents is None:
+            return len(self.tokens)
+        depths: List[int] = []
+        for p in self.parents:
+            depths.append(1 if p < 0 else depths[p] + 1)
+        return max(depths, default=0)
+
+
+@dataclass
+class TargetStep:
+    """The target's last forward pass as a drafter sees it: ``out`` (a
+    :class:`~mtpctl.runtime.engine.StepOutput`) and ``row``, the row whose prediction is the pending
+    token. MTP drafters read ``out.hidden_states[row]`` or ``out.draft_logits(row)``."""
+
+    out: object
+    row: int
 
 
 class Drafter(Protocol):
-    """Proposes up to ``max_tokens`` tokens to follow ``context`` (prompt + committed output ids)."""
+    """Proposes up to ``max_tokens`` draft tokens (tree nodes) to follow ``context`` (prompt +
+    committed output ids, the pending token last); ``last`` is the target's last forward pass."""
 
-    def propose(self, context: Sequence[int], max_tokens: int) -> Draft: ...
+    def propose(self, context: Sequence[int], max_tokens: int, last: Optional[TargetStep] = None) -> Draft: ...
 
 
 class NgramDrafter:
@@ -44,7 +71,7 @@ class NgramDrafter:
             raise ValueError(f"need 1 <= ngram-min <= ngram-max, got {ngram_min} and {ngram_max}")
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
 
-    def propose(self, context: Sequence[int], max_tokens: int) -> Draft:
+    def propose(self, context: Sequence[int], max_tokens: int, last: Optional[TargetStep] = None) -> Draft:
         if max_tokens <= 0:
             return Draft([])
         ctx = torch.as_tensor(list(context), dtype=torch.long)

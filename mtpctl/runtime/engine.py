@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Dict, Optional, Sequence
 
 import torch
+from torch import nn
 
 from mtpctl.runtime.model import Decoder
 
@@ -26,11 +27,13 @@ class StepOutput:
     cheaper than N one-row calls).
     """
 
-    def __init__(self, model: Decoder, hidden_states: torch.Tensor):
+    def __init__(self, model: Decoder, hidden_states: torch.Tensor, heads: Optional[nn.Module] = None):
         self.model = model
+        self.heads = heads
         self.hidden_states = hidden_states  # [N, hidden], after the final norm
         self._rows: Dict[int, torch.Tensor] = {}
         self._all: Optional[torch.Tensor] = None
+        self._draft: Dict[int, torch.Tensor] = {}
 
     def __len__(self) -> int:
         return self.hidden_states.shape[0]
@@ -45,6 +48,22 @@ class StepOutput:
             with torch.inference_mode():
                 self._rows[i] = self.model.logits(self.hidden_states[i:i + 1])[0]
         return self._rows[i]
+
+    def draft_logits(self, i: int) -> torch.Tensor:
+        """The MTP heads' logits at row i, ``[K, vocab]`` float32 (head k predicts the token k + 1
+        places after row i's prediction). Computed for the rows a drafter reads (the accepted one),
+        the K heads' vocabulary projections in one call.
+
+        Raises:
+            ValueError: the engine has no MTP heads.
+        """
+        if self.heads is None:
+            raise ValueError("this engine runs no MTP heads")
+        i = i % len(self)
+        if i not in self._draft:
+            with torch.inference_mode():
+                self._draft[i] = self.heads(self.hidden_states[i], self.model.logits)
+        return self._draft[i]
 
     @property
     def logits(self) -> torch.Tensor:
@@ -106,10 +125,13 @@ class TorchEngine:
     Args:
         model: the target decoder.
         capacity: KV cache slots (tokens) to allocate: prompt + new tokens + the largest draft.
+        heads: MTP heads (:class:`mtpctl.runtime.heads.MedusaHeads`) run with every pass: each
+            :class:`StepOutput` then offers ``draft_logits``.
     """
 
-    def __init__(self, model: Decoder, capacity: int):
+    def __init__(self, model: Decoder, capacity: int, heads: Optional[nn.Module] = None):
         self.model = model
+        self.heads = heads
         self.cache = model.new_cache(capacity)
 
     @property
@@ -139,7 +161,7 @@ class TorchEngine:
         ids = torch.tensor([list(tokens)], dtype=torch.long)
         # prefill (last_only) feeds plain and speculative decoding alike: it may use the fast kernel
         hidden = self.model(ids, (self.length + depth)[None], self.cache, masks, invariant=not last_only)[0]
-        return StepOutput(self.model, hidden[-1:] if last_only else hidden)
+        return StepOutput(self.model, hidden[-1:] if last_only else hidden, self.heads)
 
     def prefill(self, prompt_ids: Sequence[int]) -> StepOutput:
         """Reset the cache, run and commit the prompt; returns the last position's output (one row)."""

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, List, Optional, Sequence
 
 from mtpctl.runtime.acceptance import accept_greedy, accept_rejection_sampling
-from mtpctl.runtime.drafters import Draft, Drafter
+from mtpctl.runtime.drafters import Draft, Drafter, TargetStep
 from mtpctl.runtime.sampling import SamplingParams, next_token
 from mtpctl.runtime.stopping import CONTEXT, StopChecker
 
@@ -33,7 +33,8 @@ class GenerationStats:
     ttft_ms: Optional[float] = 0.0  # None where not observable (peers' runs)
     total_ms: float = 0.0
     accepted_per_step: List[int] = field(default_factory=list)  # accept length (bonus counted) per step
-    drafted_per_step: List[int] = field(default_factory=list)  # draft tokens verified per step
+    drafted_per_step: List[int] = field(default_factory=list)  # draft tokens (tree nodes) verified per step
+    depth_per_step: List[int] = field(default_factory=list)  # longest draft path per step (chain: its length)
     step_ms: List[float] = field(default_factory=list)  # wall time of each decode step
     kv_cache_bytes: int = 0  # memory of the KV cache allocated for this generation
 
@@ -86,8 +87,8 @@ def generate(engine, prompt_ids: Sequence[int], stop: StopChecker, sampling: Sam
         prompt_ids: prompt token ids ``[T]``, T >= 1.
         stop: stop conditions (EOS, stop strings, max new tokens), checked on every committed token.
         sampling: greedy or sampling settings.
-        drafter: proposes draft tokens; None for plain decoding.
-        draft_len: the most draft tokens per step (k).
+        drafter: proposes draft tokens (a chain or a draft tree); None for plain decoding.
+        draft_len: the most draft tokens (tree nodes) per step.
         on_text: called with each piece of text as soon as it is final (streaming).
 
     Raises:
@@ -100,7 +101,9 @@ def generate(engine, prompt_ids: Sequence[int], stop: StopChecker, sampling: Sam
     generator = sampling.generator()
     stats = GenerationStats(prompt_tokens=len(prompt_ids), kv_cache_bytes=engine.kv_cache_bytes)
     start = time.perf_counter()
-    pending = next_token(engine.prefill(prompt_ids)[-1], sampling, generator)
+    out = engine.prefill(prompt_ids)
+    last = TargetStep(out, len(out) - 1)
+    pending = next_token(out[last.row], sampling, generator)
     stats.ttft_ms = (time.perf_counter() - start) * 1e3
     done = _commit([pending], stop, on_text)
     while not done:
@@ -109,13 +112,15 @@ def generate(engine, prompt_ids: Sequence[int], stop: StopChecker, sampling: Sam
             break
         step_start = time.perf_counter()
         room = min(draft_len, stop.max_new_tokens - len(stop.tokens) - 1, engine.capacity - engine.length - 1)
-        draft = drafter.propose(list(prompt_ids) + stop.tokens, room) if drafter and room > 0 else Draft([])
-        out = engine.verify([pending] + draft.tokens)
+        draft = drafter.propose(list(prompt_ids) + stop.tokens, room, last) if drafter and room > 0 else Draft([])
+        parents = None if draft.parents is None else [-1] + [p + 1 for p in draft.parents]
+        out = engine.verify([pending] + draft.tokens, parents)
         if sampling.greedy:
-            result = accept_greedy(draft.tokens, out)
+            result = accept_greedy(draft.tokens, out, draft.parents)
         else:
-            result = accept_rejection_sampling(draft.tokens, out, sampling, generator, draft.probs)
-        engine.commit(range(1 + len(result.accepted)))
+            result = accept_rejection_sampling(draft.tokens, out, sampling, generator, draft.probs, draft.parents)
+        engine.commit(result.rows)
+        last = TargetStep(out, result.rows[-1])
         pending = result.next_token
         before = len(stop.tokens)
         done = _commit(result.tokens, stop, on_text)
@@ -124,6 +129,7 @@ def generate(engine, prompt_ids: Sequence[int], stop: StopChecker, sampling: Sam
         stats.accepted_tokens += min(len(result.accepted), committed)
         stats.accepted_per_step.append(committed)
         stats.drafted_per_step.append(len(draft.tokens))
+        stats.depth_per_step.append(draft.depth)
         stats.step_ms.append((time.perf_counter() - step_start) * 1e3)
     stats.total_ms = (time.perf_counter() - start) * 1e3
     stats.new_tokens = len(stop.tokens)

@@ -76,3 +76,24 @@ def check_tensors(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, Tu
             raise CorruptModel(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected[name])}")
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise CorruptModel(f"{source}: tensor {name!r} holds NaN or infinite values")
+
+
+def weights_hash(folder: Path) -> str:
+    """sha256 (hex) over the bytes of a checkpoint's safetensors files, in name order: the identity
+    of a target model that MTP heads and exports refer to. Reads every byte (about 1 s per GB here).
+
+    Raises:
+        CorruptModel: no safetensors files, or one cannot be read.
+    """
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in safetensors_files(Path(folder)):
+        digest.update(path.name.encode() + b"\0")
+        try:
+            with open(path, "rb") as handle:
+                for block in iter(lambda: handle.read(1 << 22), b""):
+                    digest.update(block)
+        except OSError as err:
+            raise CorruptModel(f"cannot read {path}: {err}") from err
+    return digest.hexdigest()
