@@ -149,6 +149,15 @@ class MedusaHeads(nn.Module):
         """Tensor name -> shape in ``mtp_heads.safetensors``."""
         return {name: tuple(p.shape) for name, p in self.state_dict().items()}
 
+    def save(self, folder: Path) -> None:
+        """Write ``mtp_config.json`` and ``mtp_heads.safetensors`` (float32) into an existing ``folder``
+        (callers write to a temporary folder and rename it, see :mod:`mtpctl.convert.heads_training`)."""
+        from safetensors.torch import save_file
+
+        self.cfg.save(folder)
+        save_file({k: v.detach().float().contiguous() for k, v in self.state_dict().items()},
+                  str(Path(folder) / WEIGHTS_FILE), metadata={"format": "pt", "mtpctl_kind": self.cfg.kind})
+
     @classmethod
     def load(cls, folder: Path, dtype: torch.dtype = torch.float32) -> "MedusaHeads":
         """Load heads from a head folder, strictly (missing, unexpected, mis-shaped, NaN tensors).
