@@ -48,8 +48,9 @@ class HeadsConfig:
     own_lm_head: bool  # a trainable vocabulary projection per head (else the target's lm_head)
     hidden_size: int
     vocab_size: int  # logits width of the target (rows of its lm_head)
-    target: str  # how the target was named when the heads were trained (alias, folder, repo id)
-    target_hash: str  # sha256 of the target's safetensors files
+    draft_vocab_size: int = 0  # heads score only this many frequent tokens (token_map); 0 = all
+    target: str = ""  # how the target was named when the heads were trained (alias, folder, repo id)
+    target_hash: str = ""  # sha256 of the target's safetensors files
     tree: List[List[int]] = field(default_factory=list)
     topk_accuracy: List[List[float]] = field(default_factory=list)  # [K][ranks]
     training: dict = field(default_factory=dict)  # the settings and figures of the training run
@@ -104,46 +105,81 @@ class ResBlock(nn.Module):
 class MedusaHeads(nn.Module):
     """K Medusa heads.
 
+    With ``cfg.draft_vocab_size`` V_d > 0 the heads score only V_d frequent tokens, listed in the
+    ``token_map`` buffer ``[V_d]`` (their target ids), through the matching rows of the projection:
+    training and drafting cost V_d / vocab of a full projection (vocabulary truncation, as vLLM's
+    Medusa ``truncated_vocab_size``); verification by the target stays over the full vocabulary.
+
     Args:
         cfg: the heads' config (count, blocks per head, own lm_head, sizes).
         dtype: parameter dtype.
-        lm_head_init: ``[vocab, hidden]`` initial value of every own lm_head (the target's lm_head);
-            required when ``cfg.own_lm_head``.
+        target_lm_head: ``[vocab, hidden]`` the target's lm_head weight: the initial value of every
+            own lm_head, and the frozen projection of truncated shared heads. Required unless the
+            heads share the full lm_head (then the caller passes ``lm_head`` to :meth:`forward`).
+        token_map: ``[V_d]`` target ids of the draft vocabulary (required when V_d > 0).
     """
 
     def __init__(self, cfg: HeadsConfig, dtype: torch.dtype = torch.float32,
-                 lm_head_init: Optional[torch.Tensor] = None):
+                 target_lm_head: Optional[torch.Tensor] = None, token_map: Optional[torch.Tensor] = None):
         super().__init__()
         self.cfg = cfg
         self.blocks = nn.ModuleList(
             nn.Sequential(*(ResBlock(cfg.hidden_size, dtype) for _ in range(cfg.head_layers)))
             for _ in range(cfg.num_heads))
+        truncated = cfg.draft_vocab_size > 0
+        if truncated:
+            if token_map is None or token_map.shape != (cfg.draft_vocab_size,):
+                raise ValueError(f"a draft vocabulary of {cfg.draft_vocab_size} needs token_map [{cfg.draft_vocab_size}]")
+            self.register_buffer("token_map", token_map.to(torch.long).clone())
+        else:
+            self.token_map = None
+        needs_rows = cfg.own_lm_head or truncated
+        if needs_rows and target_lm_head is None:
+            raise ValueError("own or truncated lm_heads need target_lm_head (the target's lm_head weight)")
+        rows = (target_lm_head[self.token_map] if truncated else target_lm_head) if needs_rows else None
         self.lm_heads: Optional[nn.ParameterList] = None
+        self.projection: Optional[torch.Tensor] = None
         if cfg.own_lm_head:
-            if lm_head_init is None:
-                raise ValueError("own_lm_head needs lm_head_init (the target's lm_head weight)")
-            self.lm_heads = nn.ParameterList(nn.Parameter(lm_head_init.detach().to(dtype).clone())
-                                             for _ in range(cfg.num_heads))
+            self.lm_heads = nn.ParameterList(nn.Parameter(rows.detach().to(dtype).clone()) for _ in range(cfg.num_heads))
+        elif truncated:  # frozen rows of the target's lm_head: derived, never saved
+            self.register_buffer("projection", rows.detach().to(dtype).clone(), persistent=False)
 
     def features(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[..., hidden]`` -> each head's features before the vocabulary projection ``[..., K, hidden]``."""
         return torch.stack([blocks(hidden_states) for blocks in self.blocks], dim=-2)
 
-    def forward(self, hidden_states: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """Draft logits of every head.
+    def draft_vocab_logits(self, hidden_states: torch.Tensor,
+                           lm_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+        """Logits over the draft vocabulary, ``[..., hidden] -> [..., K, V_d]`` float32 (V_d = vocab
+        without truncation). ``lm_head`` is the target's projection, used only by heads that share
+        the full lm_head (e.g. :meth:`mtpctl.runtime.model.Decoder.logits`)."""
+        feats = self.features(hidden_states)
+        if self.lm_heads is not None:
+            return torch.stack([F.linear(feats[..., k, :], w) for k, w in enumerate(self.lm_heads)], dim=-2).float()
+        if self.projection is not None:
+            return F.linear(feats, self.projection).float()
+        if lm_head is None:
+            raise ValueError("heads that share the target's lm_head need it passed as lm_head")
+        return lm_head(feats).float()
+
+    def forward(self, hidden_states: torch.Tensor,
+                lm_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+        """Draft logits of every head over the full vocabulary.
 
         Args:
             hidden_states: ``[..., hidden]``, the target's after its final norm.
-            lm_head: the target's vocabulary projection ``[..., hidden] -> [..., vocab]`` (used when
-                the heads share it; e.g. :meth:`mtpctl.runtime.model.Decoder.logits`).
+            lm_head: the target's vocabulary projection ``[..., hidden] -> [..., vocab]``, for heads
+                that share the full lm_head.
 
         Returns:
-            ``[..., K, vocab]`` float32; head k's row predicts the token k+1 places after the pending one.
+            ``[..., K, vocab]`` float32 (-inf outside a truncated draft vocabulary); head k's row
+            predicts the token k+1 places after the pending one.
         """
-        feats = self.features(hidden_states)
-        if self.lm_heads is None:
-            return lm_head(feats).float()
-        return torch.stack([F.linear(feats[..., k, :], w) for k, w in enumerate(self.lm_heads)], dim=-2).float()
+        logits = self.draft_vocab_logits(hidden_states, lm_head)
+        if self.token_map is None:
+            return logits
+        full = logits.new_full(logits.shape[:-1] + (self.cfg.vocab_size,), float("-inf"))
+        return full.index_copy_(-1, self.token_map, logits)
 
     def expected_tensors(self) -> Dict[str, Tuple[int, ...]]:
         """Tensor name -> shape in ``mtp_heads.safetensors``."""
@@ -155,29 +191,45 @@ class MedusaHeads(nn.Module):
         from safetensors.torch import save_file
 
         self.cfg.save(folder)
-        save_file({k: v.detach().float().contiguous() for k, v in self.state_dict().items()},
+        save_file({k: (v.detach().float() if v.is_floating_point() else v).contiguous()
+                   for k, v in self.state_dict().items()},
                   str(Path(folder) / WEIGHTS_FILE), metadata={"format": "pt", "mtpctl_kind": self.cfg.kind})
 
     @classmethod
-    def load(cls, folder: Path, dtype: torch.dtype = torch.float32) -> "MedusaHeads":
+    def load(cls, folder: Path, dtype: torch.dtype = torch.float32,
+             target_lm_head: Optional[torch.Tensor] = None) -> "MedusaHeads":
         """Load heads from a head folder, strictly (missing, unexpected, mis-shaped, NaN tensors).
+
+        Args:
+            target_lm_head: ``[vocab, hidden]`` the target's lm_head weight, needed by heads with a
+                truncated draft vocabulary that share it (see :class:`MedusaHeads`).
 
         Raises:
             BadInput, CorruptModel, UnsupportedModel: see :meth:`HeadsConfig.load` and
-                :func:`mtpctl.runtime.weights.load_tensors`.
+                :func:`mtpctl.runtime.weights.load_tensors`; BadInput also when ``target_lm_head``
+                is needed and missing or mis-shaped.
         """
         from mtpctl.runtime.weights import load_tensors
 
         cfg = HeadsConfig.load(folder)
-        placeholder = torch.zeros(cfg.vocab_size, cfg.hidden_size) if cfg.own_lm_head else None
-        with torch.device("meta"):
-            shapes = cls(cfg, dtype, placeholder).expected_tensors()
+        shape = (cfg.vocab_size, cfg.hidden_size)
+        if cfg.own_lm_head or cfg.draft_vocab_size:
+            if target_lm_head is None or tuple(target_lm_head.shape) != shape:
+                raise BadInput(f"heads in {folder} need the target's lm_head {list(shape)}")
+        with torch.device("meta"):  # shapes only, no memory
+            placeholder = torch.zeros(shape) if cfg.own_lm_head or cfg.draft_vocab_size else None
+            token_map = torch.zeros(cfg.draft_vocab_size, dtype=torch.long) if cfg.draft_vocab_size else None
+            shapes = cls(cfg, dtype, placeholder, token_map).expected_tensors()
         path = Path(folder) / WEIGHTS_FILE
         if not path.is_file():
             raise CorruptModel(f"{folder} has {CONFIG_FILE} but no {WEIGHTS_FILE}")
         tensors = load_tensors([path], shapes)
-        heads = cls(cfg, dtype, placeholder)
-        heads.load_state_dict({k: v.to(dtype) for k, v in tensors.items()})
+        if token_map is not None:
+            token_map = tensors["token_map"]
+            if int(token_map.min()) < 0 or int(token_map.max()) >= cfg.vocab_size or len(set(token_map.tolist())) != len(token_map):
+                raise CorruptModel(f"{path}: token_map holds ids outside the vocabulary or repeats one")
+        heads = cls(cfg, dtype, target_lm_head, token_map)
+        heads.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()})
         heads.requires_grad_(False)
         return heads
 
@@ -295,6 +347,6 @@ class MedusaDrafter:
     def propose(self, context: Sequence[int], max_tokens: int, last: Optional[TargetStep] = None) -> Draft:
         if last is None or max_tokens <= 0:
             return Draft([])
-        logits = last.out.draft_logits(last.row)  # [K, vocab]
+        logits = last.out.draft_logits(last.row)  # [K, vocab], -inf outside a draft vocabulary
         topk = logits[: self.tree.depth].topk(self.tree.max_rank, dim=-1).indices
         return self.tree.draft(topk, max_tokens)

@@ -308,3 +308,12 @@ class Decoder(nn.Module):
     def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """lm_head: ``[..., hidden]`` -> float32 logits ``[..., vocab]``."""
         return _linear(hidden_states, self.lm_head).float()
+
+    def dense_lm_head(self) -> torch.Tensor:
+        """The lm_head weight ``[vocab, hidden]`` as a dense tensor (a packed one is unpacked through
+        its own kernel, so the values are those the model computes with)."""
+        if not isinstance(self.lm_head, PackedLinear):
+            return self.lm_head.detach()
+        with torch.inference_mode():
+            eye = torch.eye(self.cfg.hidden_size, dtype=self.dtype)
+            return self.lm_head(eye).T.contiguous()
