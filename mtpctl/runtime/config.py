@@ -8,18 +8,60 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 from mtpctl.errors import CorruptModel, UnsupportedModel
 
-#: model_type -> (q/k/v projections have a bias, per-head RMSNorm on q and k)
-LLAMA_FAMILY = {
-    "llama": (None, False),
-    "mistral": (False, False),
-    "qwen2": (True, False),
-    "qwen3": (None, True),
+
+@dataclass(frozen=True)
+class Family:
+    """How one architecture family's block departs from Llama's (facts from each family's published
+    architecture and its Hugging Face config class; chosen by ``model_type``, never by a model's name).
+
+    Attributes:
+        attention_bias: q/k/v projection bias when config.json has no ``attention_bias`` key.
+        qk_norm: per-head RMSNorm on queries and keys before the rotary embedding (Qwen3, Gemma 3).
+        activation_key: the config key naming the MLP activation.
+        norm_offset: RMSNorm weight applied as ``norm_offset + w``, scaled in float32 before the cast
+            back (Gemma); 0 = Llama's ``w * x.to(dtype)``.
+        sandwich_norms: RMSNorm on the attention and MLP outputs before each residual add, and a
+            separate pre-MLP norm (Gemma 2/3: pre/post attention and pre/post feedforward norms).
+        scaled_embeddings: embeddings multiplied by ``sqrt(hidden_size)`` (Gemma).
+        defaults: values of config keys the family's config class fills in when config.json omits
+            them (e.g. Gemma 3's rope bases, sliding window and query_pre_attn_scalar).
+        sliding_pattern: when config.json has no ``layer_types``, every ``sliding_pattern``-th layer is
+            global and the others slide (Gemma 3's ``sliding_window_pattern``, default 6); None: the
+            Mistral/Qwen2 rules.
+    """
+
+    attention_bias: bool = False
+    qk_norm: bool = False
+    activation_key: str = "hidden_act"
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    scaled_embeddings: bool = False
+    defaults: Tuple[Tuple[str, object], ...] = ()
+    sliding_pattern: Optional[int] = None
+
+
+#: model_type -> the family's description
+FAMILIES: Dict[str, Family] = {
+    "llama": Family(),
+    "mistral": Family(),
+    "qwen2": Family(attention_bias=True),
+    "qwen3": Family(qk_norm=True),
+    # Gemma 3 (Gemma Team 2025, "Gemma 3 Technical Report"): 5 local sliding-window layers per global
+    # one, local rope base 10k and global 1M, QK-norm, sandwich norms, GELU-tanh, scaled embeddings.
+    "gemma3_text": Family(qk_norm=True, activation_key="hidden_activation", norm_offset=1.0,
+                          sandwich_norms=True, scaled_embeddings=True, sliding_pattern=6,
+                          defaults=(("hidden_activation", "gelu_pytorch_tanh"), ("head_dim", 256),
+                                    ("rope_theta", 1_000_000.0), ("rope_local_base_freq", 10_000.0),
+                                    ("sliding_window", 4096), ("query_pre_attn_scalar", 256),
+                                    ("tie_word_embeddings", True))),
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+#: config activation name -> the activation the model applies (GELU-tanh: Hendrycks & Gimpel 2016)
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
@@ -36,10 +78,15 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class DecoderConfig:
-    """Shapes and options of a Llama-family decoder.
+    """Shapes and options of a Llama-family or Gemma 3 decoder.
 
     Attributes are those of the Hugging Face config of the same name; ``layer_windows[i]`` is the
-    sliding attention window (in tokens) of layer i, or None for full attention.
+    sliding attention window (in tokens) of layer i, or None for full attention. ``rope_local`` is the
+    rotary embedding of the sliding-window layers when it differs from ``rope`` (Gemma 3's
+    ``rope_local_base_freq``), else None. ``attention_scale`` multiplies q.k (``head_dim ** -0.5``, or
+    Gemma's ``query_pre_attn_scalar ** -0.5``); ``hidden_act`` is one of :data:`SUPPORTED_ACTIVATIONS`;
+    ``norm_offset``, ``sandwich_norms`` and ``scaled_embeddings`` are the :class:`Family` flags;
+    ``final_logit_softcapping`` caps logits as ``cap * tanh(logits / cap)`` (None: no cap).
     """
 
     model_type: str
@@ -58,6 +105,18 @@ class DecoderConfig:
     mlp_bias: bool
     qk_norm: bool
     layer_windows: tuple = field(default=())
+    hidden_act: str = "silu"
+    rope_local: Optional[RopeConfig] = None
+    attention_scale: Optional[float] = None
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    scaled_embeddings: bool = False
+    final_logit_softcapping: Optional[float] = None
+
+    @property
+    def scale(self) -> float:
+        """The factor on attention scores q.k."""
+        return self.attention_scale if self.attention_scale is not None else self.head_dim ** -0.5
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "DecoderConfig":
@@ -68,15 +127,20 @@ class DecoderConfig:
             CorruptModel: a required key is missing or has the wrong type.
         """
         model_type = cfg.get("model_type")
-        if model_type not in LLAMA_FAMILY:
+        if model_type not in FAMILIES:
             raise UnsupportedModel(
                 f"model_type {model_type!r} is not supported by the native runtime "
-                f"(supported: {', '.join(sorted(LLAMA_FAMILY))})"
+                f"(supported: {', '.join(sorted(FAMILIES))})"
             )
-        bias_default, qk_norm = LLAMA_FAMILY[model_type]
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedModel(f"hidden_act {act!r} is not supported (only 'silu')")
+        family = FAMILIES[model_type]
+        cfg = {**dict(family.defaults), **cfg}
+        act = cfg.get(family.activation_key, "silu")
+        if act not in SUPPORTED_ACTIVATIONS:
+            raise UnsupportedModel(f"{family.activation_key} {act!r} is not supported "
+                                   f"(supported: {', '.join(SUPPORTED_ACTIVATIONS)})")
+        for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
+            if cfg.get(key):
+                raise UnsupportedModel(f"config.json sets {key}={cfg[key]!r}, which the native runtime does not support")
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
@@ -84,7 +148,15 @@ class DecoderConfig:
             head_dim = int(cfg.get("head_dim") or hidden // heads)
             attention_bias = cfg.get("attention_bias")
             if attention_bias is None:
-                attention_bias = bool(bias_default)
+                attention_bias = family.attention_bias
+            scalar = cfg.get("query_pre_attn_scalar")
+            cap = cfg.get("final_logit_softcapping")
+            rope, rope_local = _ropes_from_dict(cfg)
+            if family.sliding_pattern and cfg.get("layer_types") is None:
+                pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
+                              or family.sliding_pattern)
+                cfg["layer_types"] = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                                      for i in range(layers)]
             return cls(
                 model_type=model_type,
                 vocab_size=int(cfg["vocab_size"]),
@@ -96,12 +168,19 @@ class DecoderConfig:
                 head_dim=head_dim,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope=_rope_from_dict(cfg),
+                rope=rope,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(attention_bias),
                 mlp_bias=bool(cfg.get("mlp_bias", False)),
-                qk_norm=qk_norm,
+                qk_norm=family.qk_norm,
                 layer_windows=_layer_windows(cfg, layers),
+                hidden_act=act,
+                rope_local=rope_local,
+                attention_scale=float(scalar) ** -0.5 if scalar is not None else None,
+                norm_offset=family.norm_offset,
+                sandwich_norms=family.sandwich_norms,
+                scaled_embeddings=family.scaled_embeddings,
+                final_logit_softcapping=float(cap) if cap else None,
             )
         except (KeyError, TypeError, ValueError) as err:
             raise CorruptModel(f"config.json is missing or has a bad value for {err}") from err
@@ -125,11 +204,34 @@ def read_json(path: Path) -> dict:
     return data
 
 
-def _rope_from_dict(cfg: dict) -> RopeConfig:
-    params = dict(cfg.get("rope_parameters") or {})
+#: rope_parameters keys of configs that give each layer type its own rotary embedding (HF v5)
+GLOBAL_ROPE, LOCAL_ROPE = "full_attention", "sliding_attention"
+
+
+def _ropes_from_dict(cfg: dict) -> Tuple[RopeConfig, Optional[RopeConfig]]:
+    """(rope of global layers, rope of sliding-window layers or None when they share it).
+
+    Reads HF v5 ``rope_parameters`` either flat (``{"rope_type", "rope_theta", ...}``) or by layer
+    type (``{"full_attention": {...}, "sliding_attention": {...}}``), and the older keys
+    ``rope_theta``, ``rope_scaling`` (global layers only) and ``rope_local_base_freq``.
+    """
+    params = cfg.get("rope_parameters") or {}
+    if isinstance(params.get(GLOBAL_ROPE), dict) or isinstance(params.get(LOCAL_ROPE), dict):
+        rope = _rope_from_dict(cfg, params.get(GLOBAL_ROPE) or {}, cfg.get("rope_theta"))
+        local = params.get(LOCAL_ROPE) or {}
+    else:
+        rope = _rope_from_dict(cfg, params, cfg.get("rope_theta"))
+        local = None
+    if cfg.get("rope_local_base_freq") is not None or local is not None:
+        local_rope = _rope_from_dict({}, local or {}, cfg.get("rope_local_base_freq"))
+        return rope, (None if local_rope == rope else local_rope)
+    return rope, None
+
+
+def _rope_from_dict(cfg: dict, params: dict, theta_default) -> RopeConfig:
     scaling = cfg.get("rope_scaling") or {}
     params = {**scaling, **params}
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    theta = float(params.get("rope_theta", theta_default if theta_default is not None else 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModel(

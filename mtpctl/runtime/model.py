@@ -1,9 +1,12 @@
-"""A Llama-family decoder (llama, SmolLM2, mistral, qwen2, qwen3) that scores N candidate tokens
-against a position-indexed KV cache in one forward pass.
+"""A Llama-family decoder (llama, SmolLM2, mistral, qwen2, qwen3) and Gemma 3 (gemma3_text) that
+scores N candidate tokens against a position-indexed KV cache in one forward pass.
 
-Written for mtpctl from the published architecture (Touvron et al. 2023, "LLaMA"; RMSNorm, SwiGLU MLP,
-rotary embeddings, grouped-query attention) and the Hugging Face checkpoint layout. Q/K/V and
-gate/up projections are fused at load time so a step runs one matmul where the checkpoint has three
+Written for mtpctl from the published architectures (Touvron et al. 2023, "LLaMA"; RMSNorm, SwiGLU MLP,
+rotary embeddings, grouped-query attention; Gemma Team 2025, "Gemma 3 Technical Report": interleaved
+local sliding-window and global layers with their own rope bases, QK-norm, sandwich norms, GELU-tanh
+MLP, scaled embeddings) and the Hugging Face checkpoint layout. What a family changes in the block is
+read from :class:`mtpctl.runtime.config.DecoderConfig` flags, never from the model type or name. Q/K/V
+and gate/up projections are fused at load time so a step runs one matmul where the checkpoint has three
 or two. Positions and the attention mask are explicit, so a chain or a tree of draft tokens is
 verified in one call.
 """
@@ -11,6 +14,7 @@ verified in one call.
 from __future__ import annotations
 
 import math
+from functools import partial
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -26,6 +30,8 @@ from mtpctl.runtime.weights import load_tensors, safetensors_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LINEARS = ("qkv", "o_proj", "gate_up", "down", "lm_head")  # weights that may be held packed
+#: config activation name -> function (``gelu_pytorch_tanh``: GELU with the tanh approximation)
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 
 
 def expected_tensors(cfg: DecoderConfig) -> Dict[str, tuple]:
@@ -51,6 +57,9 @@ def expected_tensors(cfg: DecoderConfig) -> Dict[str, tuple]:
                            p + "mlp.down_proj.bias": (h,)})
         if cfg.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+        if cfg.sandwich_norms:
+            shapes.update({p + "pre_feedforward_layernorm.weight": (h,),
+                           p + "post_feedforward_layernorm.weight": (h,)})
     return shapes
 
 
@@ -83,6 +92,14 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * h.to(x.dtype)
 
 
+def _rms_norm_float32_scale(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm scaled in float32 before the cast back to ``x``'s dtype (Gemma's convention); ``weight``
+    is float32 and already holds Gemma's ``1 + w``. Same reduction as :func:`_rms_norm`."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * weight).to(x.dtype)
+
+
 def _linear(x: torch.Tensor, weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for a float weight or a :class:`PackedLinear`."""
     if isinstance(weight, PackedLinear):
@@ -91,11 +108,13 @@ def _linear(x: torch.Tensor, weight, bias: Optional[torch.Tensor] = None) -> tor
     return F.linear(x, weight, bias)
 
 
-def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+               scale: float) -> torch.Tensor:
     """Grouped-query attention in float32 over every cache slot.
 
     q ``[batch, heads, N, head_dim]``; keys/values ``[batch, kv_heads, capacity, head_dim]``; mask
-    ``[1|batch, 1, N, capacity]`` bool (True = may attend). Returns ``[batch, heads, N, head_dim]``.
+    ``[1|batch, 1, N, capacity]`` bool (True = may attend); ``scale`` multiplies q.k (usually
+    ``head_dim ** -0.5``). Returns ``[batch, heads, N, head_dim]``.
 
     Tokens are attended one at a time with identical shapes (their query heads of one KV group
     against all slots), so a token's result does not depend on how many tokens share the pass: a
@@ -111,7 +130,7 @@ def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: 
     allowed = mask.reshape(mask.shape[0], 1, 1, n, capacity)
     rows = []
     for i in range(n):  # one token at a time: the same shapes, hence the same sums, for any N
-        scores = torch.matmul(qg[:, :, :, i], keys_t) * (d ** -0.5)  # [b, kv_heads, group, capacity]
+        scores = torch.matmul(qg[:, :, :, i], keys_t) * scale  # [b, kv_heads, group, capacity]
         probs = torch.softmax(scores.masked_fill(~allowed[..., i, :], float("-inf")), dim=-1)
         rows.append(torch.matmul(probs, values))
     return torch.stack(rows, dim=3).reshape(b, heads, n, d).to(q.dtype)
@@ -125,7 +144,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm transformer block: attention (GQA) then SwiGLU MLP, each with a residual."""
+    """One pre-norm transformer block: attention (GQA) then a gated MLP (SwiGLU or GELU-tanh), each
+    with a residual; with ``cfg.sandwich_norms`` (Gemma) each branch's output is normed before its add.
+
+    Norm parameters: ``input_norm`` (before attention), ``post_attention_norm`` (before the MLP: HF
+    Llama's ``post_attention_layernorm``, Gemma's ``pre_feedforward_layernorm``), and with sandwich
+    norms ``attn_out_norm`` / ``mlp_out_norm`` (Gemma's ``post_attention_layernorm`` /
+    ``post_feedforward_layernorm``). With ``cfg.norm_offset`` they are float32 and hold ``offset + w``.
+    """
 
     def __init__(self, cfg: DecoderConfig, index: int, dtype: torch.dtype):
         super().__init__()
@@ -133,11 +159,16 @@ class DecoderLayer(nn.Module):
         self.cfg, self.index = cfg, index
         self.q_size, self.kv_size = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
 
-        def param(*shape):
+        def param(*shape, dtype=dtype):
             return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
 
-        self.input_norm = param(h)
-        self.post_attention_norm = param(h)
+        norm_dtype = torch.float32 if cfg.norm_offset else dtype
+        self.norm = _rms_norm_float32_scale if cfg.norm_offset else _rms_norm
+        self.act = ACTIVATIONS[cfg.hidden_act]
+        self.input_norm = param(h, dtype=norm_dtype)
+        self.post_attention_norm = param(h, dtype=norm_dtype)
+        self.attn_out_norm = param(h, dtype=norm_dtype) if cfg.sandwich_norms else None
+        self.mlp_out_norm = param(h, dtype=norm_dtype) if cfg.sandwich_norms else None
         self.qkv = param(self.q_size + 2 * self.kv_size, h)
         self.qkv_bias = param(self.q_size + 2 * self.kv_size) if cfg.attention_bias else None
         self.o_proj = param(h, self.q_size)
@@ -145,8 +176,8 @@ class DecoderLayer(nn.Module):
         self.gate_up_bias = param(2 * cfg.intermediate_size) if cfg.mlp_bias else None
         self.down = param(h, cfg.intermediate_size)
         self.down_bias = param(h) if cfg.mlp_bias else None
-        self.q_norm = param(hd) if cfg.qk_norm else None
-        self.k_norm = param(hd) if cfg.qk_norm else None
+        self.q_norm = param(hd, dtype=norm_dtype) if cfg.qk_norm else None
+        self.k_norm = param(hd, dtype=norm_dtype) if cfg.qk_norm else None
 
     def forward(self, x, cos, sin, cache: KVCache, mask: torch.Tensor, invariant: bool = True):
         """x ``[batch, N, hidden]`` -> ``[batch, N, hidden]``; writes this layer's N new KV slots.
@@ -158,31 +189,40 @@ class DecoderLayer(nn.Module):
         b, n, _ = x.shape
         hd = cfg.head_dim
         heads = cfg.num_attention_heads
-        qkv = _linear(_rms_norm(x, self.input_norm, cfg.rms_norm_eps), self.qkv, self.qkv_bias)
+        norm = self.norm
+        qkv = _linear(norm(x, self.input_norm, cfg.rms_norm_eps), self.qkv, self.qkv_bias)
         qk = qkv[..., :self.q_size + self.kv_size].unflatten(-1, (heads + cfg.num_key_value_heads, hd))
         if self.q_norm is not None:
-            qk = torch.cat((_rms_norm(qk[:, :, :heads], self.q_norm, cfg.rms_norm_eps),
-                            _rms_norm(qk[:, :, heads:], self.k_norm, cfg.rms_norm_eps)), dim=2)
+            qk = torch.cat((norm(qk[:, :, :heads], self.q_norm, cfg.rms_norm_eps),
+                            norm(qk[:, :, heads:], self.k_norm, cfg.rms_norm_eps)), dim=2)
         qk = _rotate(qk, cos, sin).transpose(1, 2)  # queries and keys rotated in one go
         q, k = qk[:, :heads], qk[:, heads:]
         v = qkv[..., self.q_size + self.kv_size:].unflatten(-1, (cfg.num_key_value_heads, hd)).transpose(1, 2)
         keys, values = cache.write(self.index, k, v)
         if invariant:
-            attn = _attention(q, keys, values, mask)
+            attn = _attention(q, keys, values, mask, cfg.scale)
         else:
             used = cache.length + n
             attn = F.scaled_dot_product_attention(q.float(), keys[:, :, :used], values[:, :, :used],
-                                                  attn_mask=mask[..., :used], enable_gqa=True).to(x.dtype)
-        x = x + _linear(attn.transpose(1, 2).reshape(b, n, self.q_size), self.o_proj)
-        gate, up = _linear(_rms_norm(x, self.post_attention_norm, cfg.rms_norm_eps),
+                                                  attn_mask=mask[..., :used], enable_gqa=True,
+                                                  scale=cfg.attention_scale).to(x.dtype)
+        out = _linear(attn.transpose(1, 2).reshape(b, n, self.q_size), self.o_proj)
+        if self.attn_out_norm is not None:
+            out = norm(out, self.attn_out_norm, cfg.rms_norm_eps)
+        x = x + out
+        gate, up = _linear(norm(x, self.post_attention_norm, cfg.rms_norm_eps),
                            self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
-        return x + _linear(F.silu(gate) * up, self.down, self.down_bias)
+        out = _linear(self.act(gate) * up, self.down, self.down_bias)
+        if self.mlp_out_norm is not None:
+            out = norm(out, self.mlp_out_norm, cfg.rms_norm_eps)
+        return x + out
 
 
 class Decoder(nn.Module):
     """The target model: embeddings, ``num_hidden_layers`` blocks, final norm and lm_head.
 
-    Weights are frozen (``requires_grad=False``); build with :meth:`from_folder`.
+    Weights are frozen (``requires_grad=False``); build with :meth:`from_folder`. Sliding-window
+    layers rotate with ``cfg.rope_local`` when the config gives them their own rope (Gemma 3).
     """
 
     def __init__(self, cfg: DecoderConfig, dtype: torch.dtype = torch.float32):
@@ -190,15 +230,26 @@ class Decoder(nn.Module):
         self.cfg, self.dtype = cfg, dtype
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
-        self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype), requires_grad=False)
+        norm_dtype = torch.float32 if cfg.norm_offset else dtype
+        self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=norm_dtype), requires_grad=False)
+        self.final_norm = _rms_norm_float32_scale if cfg.norm_offset else _rms_norm
+        # Gemma: embeddings times sqrt(hidden_size), the factor rounded to the weights' dtype first
+        self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size ** 0.5, dtype=torch.float32).to(dtype)
+                             if cfg.scaled_embeddings else None, persistent=False)
         self.packed_weights: list = []  # names of the weights held packed (see load_hf_tensors)
         self.lm_head = self.embed if cfg.tie_word_embeddings else nn.Parameter(
             torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
-        freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32),
-                            rope_inv_freq(cfg.rope, cfg.head_dim))
-        angles = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
-        self.register_buffer("rope_cos", angles.cos().to(dtype), persistent=False)
-        self.register_buffer("rope_sin", angles.sin().to(dtype), persistent=False)
+        for prefix, rope in (("rope", cfg.rope), ("rope_local", cfg.rope_local)):
+            if rope is None:  # sliding-window layers share the global rope
+                self.rope_local_cos = self.rope_local_sin = None
+                continue
+            freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32),
+                                rope_inv_freq(rope, cfg.head_dim))
+            angles = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
+            self.register_buffer(prefix + "_cos", angles.cos().to(dtype), persistent=False)
+            self.register_buffer(prefix + "_sin", angles.sin().to(dtype), persistent=False)
+        # per layer: rotate with the local rope (a sliding-window layer of a config that has one)
+        self.local_rope = tuple(w is not None and cfg.rope_local is not None for w in cfg.layer_windows)
 
     @classmethod
     def from_folder(cls, folder: Path, dtype: torch.dtype = torch.float32, packed: bool = False) -> "Decoder":
@@ -240,16 +291,26 @@ class Decoder(nn.Module):
             if not try_pack(owner, attr, value):
                 getattr(owner, attr).data.copy_(value)
 
+        offset = self.cfg.norm_offset
+
+        def put_norm(owner, attr, name):  # Gemma's (1 + w), added once in float32
+            getattr(owner, attr).data.copy_(t[name].float() + offset if offset else t[name])
+
         put(self, "embed", "model.embed_tokens.weight")
-        put(self, "norm", "model.norm.weight")
+        put_norm(self, "norm", "model.norm.weight")
         if self.cfg.tie_word_embeddings:  # a packed head unties it; the embedding stays dense
             try_pack(self, "lm_head", t["model.embed_tokens.weight"])
         else:
             put(self, "lm_head", "lm_head.weight")
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            put(layer, "input_norm", p + "input_layernorm.weight")
-            put(layer, "post_attention_norm", p + "post_attention_layernorm.weight")
+            put_norm(layer, "input_norm", p + "input_layernorm.weight")
+            if layer.attn_out_norm is not None:  # Gemma: norms after attention and MLP, one before MLP
+                put_norm(layer, "attn_out_norm", p + "post_attention_layernorm.weight")
+                put_norm(layer, "post_attention_norm", p + "pre_feedforward_layernorm.weight")
+                put_norm(layer, "mlp_out_norm", p + "post_feedforward_layernorm.weight")
+            else:
+                put_norm(layer, "post_attention_norm", p + "post_attention_layernorm.weight")
             put(layer, "qkv", *(p + f"self_attn.{x}_proj.weight" for x in "qkv"))
             put(layer, "o_proj", p + "self_attn.o_proj.weight")
             put(layer, "gate_up", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
@@ -260,8 +321,8 @@ class Decoder(nn.Module):
                 put(layer, "gate_up_bias", p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias")
                 put(layer, "down_bias", p + "mlp.down_proj.bias")
             if layer.q_norm is not None:
-                put(layer, "q_norm", p + "self_attn.q_norm.weight")
-                put(layer, "k_norm", p + "self_attn.k_norm.weight")
+                put_norm(layer, "q_norm", p + "self_attn.q_norm.weight")
+                put_norm(layer, "k_norm", p + "self_attn.k_norm.weight")
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
         """An empty float32 KV cache for ``capacity`` tokens (attention runs in float32 in every
@@ -286,11 +347,15 @@ class Decoder(nn.Module):
             hidden_states after the final norm, ``[batch, N, hidden]``.
         """
         x = F.embedding(input_ids, self.embed)
-        cos = self.rope_cos[position_ids].unsqueeze(2)
-        sin = self.rope_sin[position_ids].unsqueeze(2)
-        for layer, window in zip(self.layers, self.cfg.layer_windows):
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        rot = (self.rope_cos[position_ids].unsqueeze(2), self.rope_sin[position_ids].unsqueeze(2))
+        local = rot if self.rope_local_cos is None else (
+            self.rope_local_cos[position_ids].unsqueeze(2), self.rope_local_sin[position_ids].unsqueeze(2))
+        for layer, window, is_local in zip(self.layers, self.cfg.layer_windows, self.local_rope):
+            cos, sin = local if is_local else rot
             x = layer(x, cos, sin, cache, masks[window], invariant)
-        return _rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+        return self.final_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     @property
     def weight_bytes(self) -> int:
@@ -306,8 +371,11 @@ class Decoder(nn.Module):
         return isinstance(self.lm_head, PackedLinear)
 
     def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """lm_head: ``[..., hidden]`` -> float32 logits ``[..., vocab]``."""
-        return _linear(hidden_states, self.lm_head).float()
+        """lm_head: ``[..., hidden]`` -> float32 logits ``[..., vocab]`` (soft-capped as
+        ``cap * tanh(logits / cap)`` when the config sets ``final_logit_softcapping``)."""
+        logits = _linear(hidden_states, self.lm_head).float()
+        cap = self.cfg.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def dense_lm_head(self) -> torch.Tensor:
         """The lm_head weight ``[vocab, hidden]`` as a dense tensor (a packed one is unpacked through
