@@ -11,6 +11,7 @@ import click
 
 from mtpctl import __version__
 from mtpctl.cli.bench import bench_cmd
+from mtpctl.cli.export import export_cmd
 from mtpctl.cli.generate import generate_cmd
 from mtpctl.cli.models import models_group
 from mtpctl.errors import MtpctlError, OutputClosed
@@ -39,6 +40,7 @@ def cli(debug: bool) -> None:
 cli.add_command(generate_cmd)
 cli.add_command(bench_cmd)
 cli.add_command(models_group)
+cli.add_command(export_cmd)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

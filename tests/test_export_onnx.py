@@ -1,0 +1,135 @@
+"""mtpctl export --onnx: the fused draft/verify graph, its manifest, and the output-folder rules."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+
+from helpers import write_tiny_checkpoint  # noqa: E402
+
+from mtpctl.cli.main import main  # noqa: E402
+from mtpctl.convert import onnx_export  # noqa: E402
+from mtpctl.convert.onnx_export import export_onnx  # noqa: E402
+from mtpctl.errors import BadInput  # noqa: E402
+from mtpctl.runtime.heads import HeadsConfig, MedusaHeads  # noqa: E402
+from mtpctl.runtime.weights import weights_hash  # noqa: E402
+
+TREE = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
+
+
+def make_heads(folder: Path, target: Path, num_heads: int = 3, seed: int = 0, own_lm_head: bool = False,
+               hidden: int = 64, vocab: int = 259) -> Path:
+    """A head folder with random weights for the checkpoint in ``target``."""
+    cfg = HeadsConfig(kind="medusa", num_heads=num_heads, head_layers=1, own_lm_head=own_lm_head,
+                      hidden_size=hidden, vocab_size=vocab, target=str(target), target_hash=weights_hash(target),
+                      tree=TREE, topk_accuracy=[[0.5, 0.2]] * num_heads)
+    g = torch.Generator().manual_seed(seed)
+    heads = MedusaHeads(cfg, target_lm_head=torch.zeros(vocab, hidden) if own_lm_head else None)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    folder.mkdir(parents=True)
+    heads.save(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_folder, tmp_path_factory):
+    """(plain export, export with heads) of the tiny checkpoint."""
+    root = tmp_path_factory.mktemp("exports")
+    heads = make_heads(root / "heads", tiny_folder)
+    return export_onnx(tiny_folder, root / "plain"), export_onnx(tiny_folder, root / "medusa", heads), root
+
+
+def test_graph_io_symbolic_axes_and_metadata(exported):
+    plain, medusa, root = exported
+    io = {v["name"]: v for v in plain["inputs"] + plain["outputs"]}
+    assert io["input_ids"]["shape"] == ["batch", "new_tokens"] and io["input_ids"]["dtype"] == "int64"
+    assert io["attention_mask"]["shape"] == ["batch", "new_tokens", "total_length"]
+    assert io["attention_mask"]["dtype"] == "bool"
+    assert io["past_key.1"]["shape"] == ["batch", 2, "past_length", 16]  # 2 KV heads (GQA), head_dim 16
+    assert io["present_value.1"]["shape"] == ["batch", 2, "total_length", 16]
+    assert io["logits"]["shape"] == ["batch", "new_tokens", 259]
+    assert io["hidden_states"]["shape"] == ["batch", "new_tokens", 64]
+    assert "medusa_logits" not in io
+    heads_io = {v["name"]: v for v in medusa["outputs"]}
+    assert heads_io["medusa_logits"]["shape"] == ["batch", "new_tokens", 3, 259]
+    proto = onnx.load(str(root / "medusa" / "model.onnx"), load_external_data=False)
+    assert max(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")) >= 17
+    meta = {p.key: p.value for p in proto.metadata_props}
+    assert meta["mtpctl_version"] == __import__("mtpctl").__version__
+    assert json.loads(meta["tree"]) == TREE
+    assert json.loads(meta["heads"])["num_heads"] == 3
+    # every weight above 1 KiB lives in the external data file, not in the graph
+    big = [t for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    assert {e.value for t in big for e in t.external_data if e.key == "location"} == {"model.onnx.data"}
+    assert sum(len(t.raw_data) for t in proto.graph.initializer) < 64 * 1024
+    assert len(big) >= 2 * 4 + 1  # qkv, o_proj, gate_up, down per layer; embeddings
+    onnx.checker.check_model(str(root / "medusa" / "model.onnx"), full_check=True)
+    inferred = onnx.shape_inference.infer_shapes(onnx.load(str(root / "plain" / "model.onnx")), strict_mode=True)
+    assert len(inferred.graph.value_info) > 0
+
+
+def test_manifest_hashes_and_tokenizer(exported, tiny_folder):
+    plain, _, root = exported
+    folder = root / "plain"
+    listed = set(plain["files"])
+    assert listed == {p.name for p in folder.iterdir()} - {"manifest.json"}
+    for name, entry in plain["files"].items():
+        assert hashlib.sha256((folder / name).read_bytes()).hexdigest() == entry["sha256"]
+    assert plain["target_hash"] == weights_hash(tiny_folder)
+    assert "tokenizer.json" in plain["tokenizer_files"] and "model.onnx" not in plain["tokenizer_files"]
+    assert json.loads((folder / "manifest.json").read_text()) == plain
+
+
+def test_existing_output_refused_then_overwritten(tiny_folder, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    with pytest.raises(BadInput, match="already exists"):
+        export_onnx(tiny_folder, out)
+    assert (out / "keep.txt").exists()
+    export_onnx(tiny_folder, out, overwrite=True)
+    assert not (out / "keep.txt").exists() and (out / "model.onnx").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary or old folder left
+
+
+def test_interrupted_export_leaves_nothing(tiny_folder, tmp_path, monkeypatch):
+    def boom(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(onnx_export, "write_manifest", boom)
+    with pytest.raises(KeyboardInterrupt):
+        export_onnx(tiny_folder, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_heads_of_another_model_refused(tiny_folder, tmp_path):
+    other = write_tiny_checkpoint(tmp_path / "other", seed=5)
+    heads = make_heads(tmp_path / "heads", other)
+    with pytest.raises(BadInput, match="trained on another model"):
+        export_onnx(tiny_folder, tmp_path / "out", heads)
+    wide = make_heads(tmp_path / "wide", tiny_folder, hidden=32)
+    with pytest.raises(BadInput, match="hidden size 32"):
+        export_onnx(tiny_folder, tmp_path / "out", wide)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["heads", "other", "wide"]
+
+
+def test_cli_export_and_refusal(tiny_folder, tmp_path, capsys):
+    out = tmp_path / "cli-out"
+    assert main(["export", str(tiny_folder), "--onnx", str(out), "--json"]) == 0
+    manifest = json.loads(capsys.readouterr().out)
+    assert manifest["graph"] == "model.onnx" and (out / "manifest.json").is_file()
+    assert main(["export", str(tiny_folder), "--onnx", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mtpctl: error: ") and "--overwrite" in err and err.count("\n") == 1
+    heads = make_heads(tmp_path / "h", tiny_folder)
+    assert main(["export", str(heads), "--onnx", str(tmp_path / "from-heads")]) == 0  # target from the heads
+    assert json.loads((tmp_path / "from-heads" / "manifest.json").read_text())["heads"]["num_heads"] == 3
