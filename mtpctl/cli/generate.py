@@ -9,11 +9,12 @@ from typing import Optional
 
 import click
 
-from mtpctl.convert.sources import DEFAULT_MODEL, resolve_model
+from mtpctl.convert.sources import DEFAULT_MODEL
 from mtpctl.errors import BadInput, OutputClosed
 from mtpctl.runtime.drafters import NgramDrafter
 from mtpctl.runtime.sampling import SamplingParams
-from mtpctl.runtime.session import Session, set_threads
+from mtpctl.cli.backends import backend_option, open_session
+from mtpctl.runtime.session import set_threads
 
 SPECULATE = ("none", "ngram")
 
@@ -42,6 +43,7 @@ Examples:
   echo "Summarize: ..." | mtpctl generate --json - | jq .stats.tau
   mtpctl generate --temperature 0.8 --top-p 0.95 --seed 1 --stop "\\n\\n" "Once upon a time"
   mtpctl generate --dtype bfloat16 --weights int4 --speculate ngram "Repeat: a b c"
+  mtpctl generate --backend onnxruntime -m out/smollm2-onnx --speculate ngram "Repeat: a b c"
 """)
 @click.argument("prompt", required=False)
 @click.option("--prompt-file", type=click.Path(dir_okay=False), help="Read the prompt from a file.")
@@ -63,6 +65,7 @@ Examples:
 @click.option("--seed", type=int, default=None, help="Seed for sampling (same seed, same output).")
 @click.option("--stop", "stop_strings", multiple=True, help="Stop string (repeatable); not included in the output.")
 @click.option("--no-chat", is_flag=True, help="Send the raw prompt, without the chat template.")
+@backend_option
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
 @click.option("--weights", type=click.Choice(["dense", "int4"]), default="dense", show_default=True,
               help="int4: keep GGUF Q4_1/Q8_0 weights packed for torch's int4 kernel (needs --dtype bfloat16).")
@@ -71,7 +74,7 @@ Examples:
 @click.option("--stats", is_flag=True, help="Print speculation and speed figures to stderr.")
 @click.option("--debug", is_flag=True, help="Show the full traceback of an error.")
 def generate_cmd(prompt, prompt_file, model, speculate, draft_len, ngram_max, ngram_min, max_new_tokens,
-                 temperature, top_k, top_p, seed, stop_strings, no_chat, dtype, weights, threads, as_json,
+                 temperature, top_k, top_p, seed, stop_strings, no_chat, backend, dtype, weights, threads, as_json,
                  stats, debug) -> None:
     """Generate text from PROMPT ('-' reads stdin), streaming it to stdout.
 
@@ -83,7 +86,7 @@ def generate_cmd(prompt, prompt_file, model, speculate, draft_len, ngram_max, ng
     if ngram_min > ngram_max:
         raise BadInput(f"--ngram-min ({ngram_min}) is larger than --ngram-max ({ngram_max})")
     set_threads(threads)
-    session = Session(resolve_model(model), dtype, weights)
+    session = open_session(model, backend, dtype, weights, threads)
     prompt_ids = session.encode(text, chat=not no_chat)
     drafter = NgramDrafter(ngram_max, ngram_min) if speculate == "ngram" else None
     sampling = SamplingParams(temperature, top_k, top_p, seed)
@@ -94,7 +97,7 @@ def generate_cmd(prompt, prompt_file, model, speculate, draft_len, ngram_max, ng
         _stream(json.dumps({
             "text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
             "model": str(session.folder), "speculate": speculate, "draft_len": draft_len if drafter else 0,
-            "dtype": dtype, "weights": weights, "stats": result.stats.to_dict(),
+            "backend": backend, "dtype": dtype, "weights": weights, "stats": result.stats.to_dict(),
         }) + "\n")
     else:
         _stream("\n")

@@ -1,0 +1,143 @@
+"""The onnxruntime backend: same logits (1e-3) and the same greedy output as the torch backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+
+from helpers import first_divergence, top2_gap, write_tiny_checkpoint  # noqa: E402
+from test_export_onnx import TREE, make_heads  # noqa: E402
+
+from mtpctl.cli.main import main  # noqa: E402
+from mtpctl.convert.onnx_export import export_onnx  # noqa: E402
+from mtpctl.runtime.drafters import NgramDrafter  # noqa: E402
+from mtpctl.runtime.engine import TorchEngine  # noqa: E402
+from mtpctl.runtime.generate import generate  # noqa: E402
+from mtpctl.runtime.heads import MedusaDrafter, MedusaHeads, StaticTree  # noqa: E402
+from mtpctl.runtime.model import Decoder  # noqa: E402
+from mtpctl.runtime.ort_engine import OrtEngine, OrtGraph, OrtSession, verify_manifest  # noqa: E402
+from mtpctl.runtime.sampling import SamplingParams  # noqa: E402
+from mtpctl.runtime.stopping import StopChecker  # noqa: E402
+from mtpctl.errors import CorruptModel  # noqa: E402
+
+GEMMA = dict(model_type="gemma3_text", sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+             query_pre_attn_scalar=16, final_logit_softcapping=30.0, rope_local_base_freq=100.0)
+VARIANTS = {"llama": {}, "qwen2-bias": dict(model_type="qwen2"), "qwen3-qknorm": dict(model_type="qwen3"),
+            "mistral-window": dict(model_type="mistral", sliding_window=5), "gemma3": GEMMA}
+
+
+def run(engine, prompt, drafter=None, draft_len=0, steps=40):
+    stop = StopChecker(set(), (), steps, lambda ids: "")
+    return generate(engine, prompt, stop, SamplingParams(0.0), drafter, draft_len).token_ids
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_logits_match_torch_prefill_tree_and_chain(variant, tmp_path):
+    folder = write_tiny_checkpoint(tmp_path / "m", seed=3, **VARIANTS[variant])
+    export_onnx(folder, tmp_path / "x")
+    ort, ref = OrtEngine(OrtGraph(tmp_path / "x"), 64), TorchEngine(Decoder.from_folder(folder), 64)
+    prompt = [257, 10, 20, 30, 40, 50, 60, 70]
+    assert torch.allclose(ort.prefill(prompt).logits, ref.prefill(prompt).logits, atol=1e-3)
+    for tokens, parents, keep in (([5, 6, 7, 8, 9], [-1, 0, 0, 1, 3], [0, 1, 3]),  # tree, path kept
+                                  ([11, 12, 13], None, [0, 1]),  # chain, prefix kept
+                                  ([14], None, [0]),  # plain step
+                                  ([15, 16, 17, 18], [-1, 0, 1, 1], [0, 1, 3])):
+        a, b = ort.verify(tokens, parents), ref.verify(tokens, parents)
+        assert a.logits.shape == (len(tokens), 259)
+        assert (a.logits - b.logits).abs().max() < 1e-3
+        assert (a.hidden_states - b.hidden_states).abs().max() < 1e-3
+        ort.commit(keep)
+        ref.commit(keep)
+        assert ort.length == ref.length
+    # past the sliding windows: 8 + 3 + 2 + 1 + 3 = 17 committed tokens
+    assert ort.length == 17
+
+
+@pytest.mark.parametrize("variant", ["llama", "gemma3"])
+def test_greedy_identical_to_torch_plain_and_ngram(variant, tmp_path):
+    folder = write_tiny_checkpoint(tmp_path / "m", seed=1, **VARIANTS[variant])
+    export_onnx(folder, tmp_path / "x")
+    graph, model = OrtGraph(tmp_path / "x"), Decoder.from_folder(folder)
+    prompt = [257, 1, 2, 3, 1, 2, 3, 1, 2]
+    want = run(TorchEngine(model, 80), prompt)
+    assert run(OrtEngine(graph, 80), prompt) == want
+    assert run(OrtEngine(graph, 80), prompt, NgramDrafter(3, 1), 4) == want
+
+
+def test_medusa_heads_fused_graph_matches_torch(tiny_folder, tmp_path):
+    heads_dir = make_heads(tmp_path / "heads", tiny_folder, seed=2)
+    export_onnx(tiny_folder, tmp_path / "x", heads_dir)
+    model = Decoder.from_folder(tiny_folder)
+    heads = MedusaHeads.load(heads_dir)
+    graph = OrtGraph(tmp_path / "x")
+    ort, ref = OrtEngine(graph, 64), TorchEngine(model, 64, heads)
+    prompt = [257, 40, 41, 42]
+    a, b = ort.prefill(prompt), ref.prefill(prompt)
+    assert a.draft_logits(0).shape == (3, 259)
+    assert (a.draft_logits(0) - b.draft_logits(0)).abs().max() < 1e-3
+    a, b = ort.verify([1, 2, 3], [-1, 0, 0]), ref.verify([1, 2, 3], [-1, 0, 0])
+    for row in range(3):
+        assert (a.draft_logits(row) - b.draft_logits(row)).abs().max() < 1e-3
+    # the Medusa tree drafter over the fused graph gives plain greedy output, as on torch
+    tree = StaticTree.from_paths(TREE, 3)
+    plain = run(TorchEngine(model, 80), prompt)
+    assert run(OrtEngine(graph, 80), prompt, MedusaDrafter(tree), len(TREE)) == plain
+    assert run(TorchEngine(model, 80, heads), prompt, MedusaDrafter(tree), len(TREE)) == plain
+
+
+def test_engine_errors_and_manifest_check(tiny_folder, tmp_path):
+    export_onnx(tiny_folder, tmp_path / "x")
+    engine = OrtEngine(OrtGraph(tmp_path / "x"), 8)
+    with pytest.raises(ValueError, match="commit without"):
+        engine.commit([0])
+    out = engine.prefill([1, 2, 3])
+    with pytest.raises(ValueError, match="no MTP heads"):
+        out.draft_logits(0)
+    with pytest.raises(ValueError, match="overflow"):
+        engine.verify([1] * 6)
+    assert engine.kv_cache_bytes == 2 * 2 * 2 * 8 * 16 * 4
+    verify_manifest(tmp_path / "x")
+    data = tmp_path / "x" / "model.onnx.data"
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 1
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CorruptModel, match="sha256"):
+        verify_manifest(tmp_path / "x")
+
+
+def test_cli_generate_onnxruntime_backend(tiny_folder, tmp_path, capsys):
+    import json
+
+    export_onnx(tiny_folder, tmp_path / "x")
+    args = ["--max-new-tokens", "12", "--no-chat", "--json", "hello hello hello"]
+    assert main(["generate", "-m", str(tiny_folder)] + args) == 0
+    torch_ids = json.loads(capsys.readouterr().out)["token_ids"]
+    assert main(["generate", "--backend", "onnxruntime", "-m", str(tmp_path / "x"), "--speculate", "ngram"] + args) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == torch_ids
+    assert main(["generate", "--backend", "onnxruntime", "-m", str(tiny_folder)] + args) == 2
+    assert "not an mtpctl ONNX export" in capsys.readouterr().err
+
+
+@pytest.mark.real
+def test_real_smollm2_greedy_identical_over_many_steps(smollm2_folder, smollm2, tmp_path_factory):
+    """SmolLM2-135M: logits within 1e-3 of torch, and 64 greedy tokens identical (plain and ngram)."""
+    out = tmp_path_factory.mktemp("smol") / "onnx"
+    export_onnx(smollm2_folder, out)
+    session = OrtSession(out)
+    prompt = smollm2.encode("List the planets of the solar system in order, one per line, with one fact each.")
+    ref = TorchEngine(smollm2.model, 256)
+    ort = OrtEngine(session.graph, 256)
+    assert (ort.prefill(prompt).logits - ref.prefill(prompt).logits).abs().max() < 1e-3
+    a, b = ort.verify([28, 29, 30, 31], [-1, 0, 0, 2]), ref.verify([28, 29, 30, 31], [-1, 0, 0, 2])
+    assert (a.logits - b.logits).abs().max() < 1e-3
+    want = run(TorchEngine(smollm2.model, 256), prompt, steps=64)  # EOS ignored: 64 decode steps
+    for drafter, k in ((None, 0), (NgramDrafter(), 3)):
+        got = run(OrtEngine(session.graph, 256), prompt, drafter, k, steps=64)
+        assert len(got) == len(want) == 64
+        if got != want:  # fp32 sums differ (~1e-5): only a near-tie may flip an argmax
+            i = first_divergence(got, want)
+            gap = top2_gap(TorchEngine(smollm2.model, 256).prefill(prompt + want[:i])[0])
+            assert gap < 1e-3, f"diverged at token {i} with a top-2 logit gap of {gap}"
