@@ -10,7 +10,6 @@ the tokenizer path, and ``mtpctl generate --speculate ngram`` equal to plain gre
 
 import dataclasses
 import json
-import shutil
 import warnings
 
 import pytest
@@ -193,7 +192,17 @@ PROMPT = "The three primary colors are red, blue and"
 
 
 @pytest.fixture(scope="module")
-def gemma3(gemma3_folder):
+def one_thread():
+    """Real-model tests run on one torch thread: on a small shared test machine a second intra-op
+    thread that gets descheduled stalls every small op of a decode step (about 10x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def gemma3(gemma3_folder, one_thread):
     from mtpctl.runtime.session import Session
 
     return Session(gemma3_folder)
@@ -236,41 +245,33 @@ def test_real_32_token_greedy_matches_transformers_generate(gemma3, gemma3_refer
 
 
 @pytest.mark.real
-def test_real_tokenizer_adds_one_bos(gemma3, gemma3_folder, tmp_path):
-    from transformers import AutoTokenizer
-
-    bos = gemma3.codec.tokenizer.bos_token_id
+def test_real_tokenizer_adds_one_bos(gemma3, monkeypatch):
+    tokenizer = gemma3.codec.tokenizer
+    bos = tokenizer.bos_token_id
     raw = gemma3.encode(PROMPT, chat=True)  # the imported base model has no chat template: raw text
     assert not gemma3.codec.has_chat_template
-    assert raw[0] == bos and raw.count(bos) == 1
-    assert raw == AutoTokenizer.from_pretrained(str(gemma3_folder))(PROMPT)["input_ids"]
+    assert bos == 2 and raw == [bos] + tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
     # Gemma's chat templates start with {{ bos_token }}: the template's BOS is the only one
-    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
-        shutil.copy(gemma3_folder / name, tmp_path / name)
-    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    config["chat_template"] = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
-                               "{{ m['content'] }}<end_of_turn>\n{% endfor %}"
-                               "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    from mtpctl.runtime.tokenizer import TextCodec
-
-    chat = TextCodec(tmp_path).encode_prompt("Hi")
-    tokens = gemma3.codec.tokenizer.convert_ids_to_tokens(chat)
+    monkeypatch.setattr(tokenizer, "chat_template", (
+        "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}"
+        "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"))
+    tokens = tokenizer.convert_ids_to_tokens(gemma3.encode("Hi"))
     assert tokens == ["<bos>", "<start_of_turn>", "user", "\n", "Hi", "<end_of_turn>", "\n",
                       "<start_of_turn>", "model", "\n"]
 
 
 @pytest.mark.real
-def test_real_cli_ngram_speculation_equals_plain_greedy(gemma3_folder, capsys):
+def test_real_cli_ngram_speculation_equals_plain_greedy(gemma3_folder, capsys, one_thread):
     from mtpctl.cli.main import main
 
     prompt = "Count: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"
     results = []
     for extra in ([], ["--speculate", "ngram"]):
-        code = main(["generate", "-m", "gemma3-270m", "--json", "--no-chat", "--max-new-tokens", "24", prompt, *extra])
+        code = main(["generate", "-m", "gemma3-270m", "--json", "--no-chat", "--max-new-tokens", "16",
+                     "--threads", "1", prompt, *extra])
         out, err = capsys.readouterr()
         assert code == 0, err
         results.append(json.loads(out))
     plain, spec = results
-    assert spec["token_ids"] == plain["token_ids"] and len(plain["token_ids"]) == 24
+    assert spec["token_ids"] == plain["token_ids"] and len(plain["token_ids"]) == 16
     assert spec["stats"]["tau"] > 1.0  # drafts were accepted, not only proposed
