@@ -21,7 +21,7 @@ from mtpctl.runtime.model import Decoder  # noqa: E402
 from mtpctl.runtime.ort_engine import OrtEngine, OrtGraph, OrtSession, verify_manifest  # noqa: E402
 from mtpctl.runtime.sampling import SamplingParams  # noqa: E402
 from mtpctl.runtime.stopping import StopChecker  # noqa: E402
-from mtpctl.errors import CorruptModel  # noqa: E402
+from mtpctl.errors import BadInput, CorruptModel  # noqa: E402
 
 GEMMA = dict(model_type="gemma3_text", sliding_window=4, layer_types=["sliding_attention", "full_attention"],
              query_pre_attn_scalar=16, final_logit_softcapping=30.0, rope_local_base_freq=100.0)
@@ -120,6 +120,14 @@ def test_cli_generate_onnxruntime_backend(tiny_folder, tmp_path, capsys):
     assert main(["generate", "--backend", "onnxruntime", "-m", str(tiny_folder)] + args) == 2
     assert "not an mtpctl ONNX export" in capsys.readouterr().err
 
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"category": "t", "prompt": "abc abc abc"}\n')
+    assert main(["bench", "--backend", "onnxruntime", "-m", str(tmp_path / "x"), "--prompts", str(prompts),
+                 "--max-new-tokens", "6", "--methods", "plain,ngram", "--json", str(tmp_path / "b.json")]) == 0
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert report["settings"]["backend"] == "onnxruntime"
+    assert main(["bench", "--backend", "onnxruntime", "-m", str(tmp_path / "x"), "--baseline", "transformers"]) == 2
+
 
 @pytest.mark.real
 def test_real_smollm2_greedy_identical_over_many_steps(smollm2_folder, smollm2, tmp_path_factory):
@@ -141,3 +149,22 @@ def test_real_smollm2_greedy_identical_over_many_steps(smollm2_folder, smollm2, 
             i = first_divergence(got, want)
             gap = top2_gap(TorchEngine(smollm2.model, 256).prefill(prompt + want[:i])[0])
             assert gap < 1e-3, f"diverged at token {i} with a top-2 logit gap of {gap}"
+
+
+def test_session_heads_from_the_export(tiny_folder, tmp_path):
+    heads_dir = make_heads(tmp_path / "heads", tiny_folder, seed=4)
+    other = make_heads(tmp_path / "other", tiny_folder, seed=5)
+    export_onnx(tiny_folder, tmp_path / "x", heads_dir)
+    export_onnx(tiny_folder, tmp_path / "plain")
+    session = OrtSession(tmp_path / "x")
+    heads = session.load_heads(heads_dir)
+    assert heads.cfg.num_heads == 3 and session.load_heads(tmp_path / "x").cfg.tree == TREE
+    drafter = session.heads_drafter(heads, StaticTree.from_paths(TREE, 3))
+    prompt = [257, 9, 8, 7]
+    got = session.generate(prompt, 30, SamplingParams(0.0), drafter, len(TREE), (), None, heads)
+    want = OrtSession(tmp_path / "plain").generate(prompt, 30, SamplingParams(0.0))
+    assert got.token_ids == want.token_ids and got.stats.decode_steps <= want.stats.decode_steps
+    with pytest.raises(BadInput, match="not the ones fused"):
+        session.load_heads(other)
+    with pytest.raises(BadInput, match="without MTP heads"):
+        OrtSession(tmp_path / "plain").load_heads(heads_dir)

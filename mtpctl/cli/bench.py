@@ -10,12 +10,13 @@ from typing import Dict, List, Optional
 
 import click
 
-from mtpctl.convert.sources import DEFAULT_MODEL, resolve_model
+from mtpctl.cli.backends import backend_option, open_session
+from mtpctl.convert.sources import DEFAULT_MODEL
 from mtpctl.errors import BadInput, GateFailed
 from mtpctl.runtime.bench import cpu_model, load_prompts, run_interleaved, summarize, transformers_runner
 from mtpctl.runtime.drafters import NgramDrafter
 from mtpctl.runtime.sampling import SamplingParams
-from mtpctl.runtime.session import Session, set_threads
+from mtpctl.runtime.session import set_threads
 
 METHODS = ("plain", "ngram")
 NOT_YET = {"heads": "MTP heads (mtpctl add-heads)", "draft": "draft models (mtpctl pair)"}
@@ -38,6 +39,7 @@ Examples:
   mtpctl bench --dtype bfloat16 --weights int4 --methods plain,ngram --json bench.json --plot bench.png
   mtpctl bench --methods plain,ngram --fail-below-speedup 1.1 --fail-above-p99-ms 80 || exit $?
   mtpctl bench --baseline transformers --categories code,summarization --limit 3
+  mtpctl bench --backend onnxruntime -m out/smollm2-onnx --methods plain,ngram --limit 2
 """)
 @click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True, help="Alias, folder, .gguf or hub id.")
 @click.option("--methods", default="plain,ngram", show_default=True, help="Comma-separated: plain, ngram.")
@@ -49,6 +51,7 @@ Examples:
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--draft-len", type=click.IntRange(min=1), default=3, show_default=True)
+@backend_option
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
 @click.option("--weights", type=click.Choice(["dense", "int4"]), default="dense", show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=None)
@@ -60,7 +63,7 @@ Examples:
 @click.option("--fail-above-p99-ms", type=float, default=None, help="Exit 1 if a method's p99 ITL is above Y ms.")
 @click.option("--debug", is_flag=True, help="Show the full traceback of an error.")
 def bench_cmd(model, methods, prompts_path, categories, limit, repeats, max_new_tokens, temperature, seed,
-              draft_len, dtype, weights, threads, baseline, json_path, plot_path, fail_below_speedup,
+              draft_len, backend, dtype, weights, threads, baseline, json_path, plot_path, fail_below_speedup,
               fail_above_p99_ms, debug) -> None:
     """Run decoding methods on the same prompts in one process and compare them.
 
@@ -71,11 +74,13 @@ def bench_cmd(model, methods, prompts_path, categories, limit, repeats, max_new_
     for target in (json_path, plot_path):
         if target:
             check_writable(Path(target))
+    if baseline == "transformers" and backend != "torch":
+        raise BadInput("--baseline transformers runs on the checkpoint: use --backend torch")
     if baseline == "transformers" and temperature > 0:
         raise BadInput("--baseline transformers compares greedy decoding: use --temperature 0")
     prompts = select_prompts(load_prompts(Path(prompts_path) if prompts_path else None), categories, limit)
     set_threads(threads)
-    session = Session(resolve_model(model), dtype, weights)
+    session = open_session(model, backend, dtype, weights, threads)
     encoded = [session.codec.encode_messages(list(p.messages)) for p in prompts]
     sampling = SamplingParams(temperature, seed=seed)
 
@@ -88,9 +93,9 @@ def bench_cmd(model, methods, prompts_path, categories, limit, repeats, max_new_
         for name, lookup in (("hf", 0), ("hf-prompt-lookup", draft_len)):
             runners[name] = transformers_runner(session.folder, session.codec.eos_ids, max_new_tokens, lookup)
     runs = run_interleaved(runners, encoded, repeats, progress=lambda line: click.echo(line, err=True))
-    weight_bytes = session.model.weight_bytes  # n-gram drafting holds no weights of its own
+    weight_bytes = session.model.weight_bytes if backend == "torch" else session.weight_bytes  # n-gram drafting holds no weights of its own
     report = build_report(runs, prompts, {name: weight_bytes for name in names}, {
-        "model": str(session.folder), "dtype": dtype, "weights": weights, "max_new_tokens": max_new_tokens,
+        "model": str(session.folder), "backend": backend, "dtype": dtype, "weights": weights, "max_new_tokens": max_new_tokens,
         "temperature": temperature, "draft_len": draft_len, "repeats": repeats, "prompts": len(prompts)})
     click.echo(format_table(report))
     if json_path:

@@ -46,7 +46,7 @@ from torch import nn
 
 from mtpctl import __version__
 from mtpctl.errors import BadInput, UnsupportedModel
-from mtpctl.runtime.heads import HeadsConfig, MedusaHeads, check_heads_match
+from mtpctl.runtime.heads import WEIGHTS_FILE, HeadsConfig, MedusaHeads, check_heads_match
 from mtpctl.runtime.model import Decoder, _linear, _rotate
 from mtpctl.runtime.ort_engine import (GRAPH_FILE, GRAPH_DATA_FILE, MANIFEST_FILE, io_names)
 from mtpctl.runtime.weights import weights_hash
@@ -327,8 +327,9 @@ def export_onnx(model_folder: Path, out: Path, heads_dir: Optional[Path] = None,
         c = model.cfg
         manifest = write_manifest(tmp, target_hash, {
             "opset": OPSET, "dtype": "float32", "source": str(model_folder),
-            "heads": None if heads_cfg is None else {"kind": heads_cfg.kind, "num_heads": heads_cfg.num_heads,
-                                                     "tree": heads_cfg.tree, "source": str(heads_dir)},
+            "heads": None if heads_cfg is None else {
+                "kind": heads_cfg.kind, "num_heads": heads_cfg.num_heads, "tree": heads_cfg.tree,
+                "source": str(heads_dir), "weights_sha256": sha256_file(Path(heads_dir) / WEIGHTS_FILE)},
             "model": {"model_type": c.model_type, "num_layers": c.num_hidden_layers, "kv_heads": c.num_key_value_heads,
                       "head_dim": c.head_dim, "hidden_size": c.hidden_size, "vocab_size": c.vocab_size,
                       "max_position_embeddings": c.max_position_embeddings}})

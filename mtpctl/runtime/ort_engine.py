@@ -69,24 +69,32 @@ def read_manifest(folder: Path) -> dict:
     return manifest
 
 
+def sha256_of(path: Path) -> Optional[str]:
+    """sha256 (hex) of a file's bytes, or None when it cannot be read."""
+    from hashlib import sha256
+
+    digest = sha256()
+    try:
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 22), b""):
+                digest.update(block)
+    except OSError:
+        return None
+    return digest.hexdigest()
+
+
 def verify_manifest(folder: Path) -> None:
     """Check every file listed in the manifest against its size and sha256.
 
     Raises:
         CorruptModel: a file is missing or its bytes differ from the manifest.
     """
-    from hashlib import sha256
-
     folder = Path(folder)
     for name, entry in read_manifest(folder)["files"].items():
         path = folder / name
         if not path.is_file() or path.stat().st_size != entry["bytes"]:
             raise CorruptModel(f"{path} is missing or has the wrong size; re-export the model")
-        digest = sha256()
-        with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 22), b""):
-                digest.update(block)
-        if digest.hexdigest() != entry["sha256"]:
+        if sha256_of(path) != entry["sha256"]:
             raise CorruptModel(f"{path} does not match its sha256 in {MANIFEST_FILE}; re-export the model")
 
 
@@ -297,27 +305,94 @@ class OrtSession:
 
         return HeadsConfig.load(self.folder)
 
+    def load_heads(self, folder: Path) -> "FusedHeads":
+        """The MTP heads fused into the graph, checked to be the heads in ``folder`` (a head folder whose
+        weights' sha256 the manifest records, or the export folder itself).
+
+        Raises:
+            BadInput: the export has no heads, or ``folder`` holds other heads.
+        """
+        from mtpctl.runtime.heads import CONFIG_FILE, WEIGHTS_FILE
+
+        heads = self.manifest_heads()
+        folder = Path(folder)
+        if folder.resolve() != self.folder.resolve():
+            if not (folder / CONFIG_FILE).is_file():
+                raise BadInput(f"{folder} is not an MTP head folder (no {CONFIG_FILE})")
+            if sha256_of(folder / WEIGHTS_FILE) != heads.get("weights_sha256"):
+                raise BadInput(f"the heads in {folder} are not the ones fused into {self.folder}: re-export "
+                               "with mtpctl export MODEL --heads DIR --onnx OUT/, or pass the export folder as --heads")
+        return FusedHeads(self.heads_config)
+
+    def manifest_heads(self) -> dict:
+        """The manifest's record of the fused heads; BadInput when the export has none."""
+        heads = self.graph.manifest.get("heads")
+        if not heads:
+            raise BadInput(f"{self.folder} was exported without MTP heads: re-export with mtpctl export MODEL "
+                           "--heads DIR --onnx OUT/")
+        return heads
+
+    def heads_drafter(self, heads: "FusedHeads", tree=None, tree_nodes: Optional[int] = None):
+        """A :class:`mtpctl.runtime.heads.MedusaDrafter` over ``tree``, else a tree of ``tree_nodes``
+        grown from the heads' accuracy, else the float32 default size (as
+        :meth:`mtpctl.runtime.session.Session.heads_drafter`).
+
+        Raises:
+            BadInput: a tree deeper than the heads, or a size < 1.
+        """
+        from mtpctl.runtime.heads import MedusaDrafter, StaticTree, tree_from_accuracy
+        from mtpctl.runtime.session import DEFAULT_TREE_NODES
+
+        cfg = heads.cfg
+        if tree is None:
+            nodes = tree_nodes or DEFAULT_TREE_NODES["float32"]
+            tree = tree_from_accuracy(cfg.topk_accuracy, nodes) if cfg.topk_accuracy else \
+                StaticTree.from_paths(cfg.tree or [[0]], cfg.num_heads)
+        elif tree.depth > cfg.num_heads:
+            raise BadInput(f"the draft tree is {tree.depth} deep; the heads predict {cfg.num_heads} tokens")
+        return MedusaDrafter(tree)
+
     def encode(self, prompt: str, chat: bool = True) -> list:
         return self.codec.encode_prompt(prompt, chat)
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling, drafter=None,
                  draft_len: int = 0, stop_strings: Sequence[str] = (),
-                 on_text: Optional[Callable[[str], None]] = None):
+                 on_text: Optional[Callable[[str], None]] = None, heads: Optional["FusedHeads"] = None,
+                 acceptance: str = "exact"):
         """Generate with the decoding loop over an :class:`OrtEngine`; see
-        :meth:`mtpctl.runtime.session.Session.generate`.
+        :meth:`mtpctl.runtime.session.Session.generate` (``heads`` are the graph's own, from
+        :meth:`load_heads`).
 
         Raises:
-            BadInput: ``max_new_tokens`` < 1, or the prompt does not fit the model's context.
+            BadInput: ``max_new_tokens`` < 1, the prompt does not fit the model's context, or heads
+                asked of an export without them.
         """
         from mtpctl.runtime.generate import generate
         from mtpctl.runtime.stopping import StopChecker
 
+        if acceptance not in ("exact", "typical"):
+            raise BadInput(f"acceptance {acceptance!r}: choose exact or typical")
+        if heads is not None:
+            self.manifest_heads()
         if max_new_tokens < 1:
             raise BadInput(f"max new tokens must be at least 1, got {max_new_tokens}")
         if len(prompt_ids) >= self.context_length:
             raise BadInput(f"the prompt has {len(prompt_ids)} tokens; the model's context holds "
                            f"{self.context_length} (prompt and output together)")
         capacity = min(self.context_length, len(prompt_ids) + max_new_tokens + draft_len + 1)
-        engine = OrtEngine(self.graph, capacity)
+        engine = self.new_engine(capacity)
         stop = StopChecker(self.codec.eos_ids, stop_strings, max_new_tokens, self.codec.decode)
-        return generate(engine, prompt_ids, stop, sampling, drafter, draft_len, on_text)
+        if acceptance == "exact":
+            return generate(engine, prompt_ids, stop, sampling, drafter, draft_len, on_text)
+        return generate(engine, prompt_ids, stop, sampling, drafter, draft_len, on_text, acceptance)
+
+    def new_engine(self, capacity: int) -> OrtEngine:
+        """An engine over this graph with room for ``capacity`` tokens."""
+        return OrtEngine(self.graph, capacity)
+
+
+@dataclass(frozen=True)
+class FusedHeads:
+    """MTP heads that run inside an exported graph: only their config is needed by the drafter."""
+
+    cfg: object  # mtpctl.runtime.heads.HeadsConfig
