@@ -10,6 +10,7 @@ from typing import List, Optional
 import click
 
 from mtpctl import __version__
+from mtpctl.cli.add_heads import add_heads_cmd
 from mtpctl.cli.bench import bench_cmd
 from mtpctl.cli.export import export_cmd
 from mtpctl.cli.generate import generate_cmd
@@ -38,6 +39,7 @@ def cli(debug: bool) -> None:
 
 
 cli.add_command(generate_cmd)
+cli.add_command(add_heads_cmd)
 cli.add_command(bench_cmd)
 cli.add_command(models_group)
 cli.add_command(export_cmd)
@@ -79,3 +81,7 @@ def _fail(message: str, code: int) -> int:
 def entry() -> None:
     """Console-script entry point."""
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

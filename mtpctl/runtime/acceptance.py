@@ -127,3 +127,27 @@ def _residual(p: torch.Tensor, token: int, q_row: Optional[torch.Tensor]) -> tor
         residual = torch.clamp(p - q_row, min=0.0)
     total = float(residual.sum())
     return residual / total if total > 0 else p
+
+
+def accept_typical(draft: Sequence[int], logits, params: SamplingParams, generator: torch.Generator,
+                   parents: Optional[Sequence[int]] = None, threshold: float = 0.09,
+                   alpha: float = 0.3) -> Acceptance:
+    """Typical acceptance (Cai et al. 2024, "Medusa", sec. 3.3.1): LOSSY, output no longer follows p.
+
+    At each node the first child x (in draft order) with ``p(x) > min(threshold, alpha * exp(-H(p)))``
+    is accepted, H being the entropy of the target's distribution p there; when none is, the next
+    token is sampled from p. Offered only as an explicit option (``--acceptance typical``).
+
+    Args: as :func:`accept_rejection_sampling`; ``threshold`` (epsilon) and ``alpha`` (delta) as in the paper.
+    """
+    children = children_of(parents, len(draft))
+    node, nodes = -1, []
+    while True:
+        p = probs_from_logits(logits[node + 1], params)
+        entropy = float(-(p * torch.log(p.clamp(min=1e-20))).sum())
+        bar = min(threshold, alpha * float(torch.exp(torch.tensor(-entropy))))
+        match = next((c for c in children.get(node, ()) if float(p[int(draft[c])]) > bar), None)
+        if match is None:
+            return Acceptance([int(draft[n]) for n in nodes], sample(p, generator), nodes)
+        node = match
+        nodes.append(node)

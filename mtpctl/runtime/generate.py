@@ -10,7 +10,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, List, Optional, Sequence
 
-from mtpctl.runtime.acceptance import accept_greedy, accept_rejection_sampling
+from mtpctl.runtime.acceptance import accept_greedy, accept_rejection_sampling, accept_typical
 from mtpctl.runtime.drafters import Draft, Drafter, TargetStep
 from mtpctl.runtime.sampling import SamplingParams, next_token
 from mtpctl.runtime.stopping import CONTEXT, StopChecker
@@ -75,7 +75,7 @@ class GenerationResult:
 
 def generate(engine, prompt_ids: Sequence[int], stop: StopChecker, sampling: SamplingParams,
              drafter: Optional[Drafter] = None, draft_len: int = 0,
-             on_text: Optional[Callable[[str], None]] = None) -> GenerationResult:
+             on_text: Optional[Callable[[str], None]] = None, acceptance: str = "exact") -> GenerationResult:
     """Generate from ``prompt_ids`` until ``stop`` says so, speculating with ``drafter``.
 
     Lossless: greedy output equals plain greedy decoding token for token; sampled output follows the
@@ -90,6 +90,8 @@ def generate(engine, prompt_ids: Sequence[int], stop: StopChecker, sampling: Sam
         drafter: proposes draft tokens (a chain or a draft tree); None for plain decoding.
         draft_len: the most draft tokens (tree nodes) per step.
         on_text: called with each piece of text as soon as it is final (streaming).
+        acceptance: ``exact`` (lossless: greedy or rejection sampling) or ``typical`` (Medusa's
+            typical acceptance when sampling: lossy, see :func:`accept_typical`).
 
     Raises:
         ValueError: empty prompt, or a prompt that leaves no room in the engine's capacity.
@@ -117,6 +119,8 @@ def generate(engine, prompt_ids: Sequence[int], stop: StopChecker, sampling: Sam
         out = engine.verify([pending] + draft.tokens, parents)
         if sampling.greedy:
             result = accept_greedy(draft.tokens, out, draft.parents)
+        elif acceptance == "typical":
+            result = accept_typical(draft.tokens, out, sampling, generator, draft.parents)
         else:
             result = accept_rejection_sampling(draft.tokens, out, sampling, generator, draft.probs, draft.parents)
         engine.commit(result.rows)

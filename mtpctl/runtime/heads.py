@@ -163,20 +163,22 @@ class MedusaHeads(nn.Module):
         return lm_head(feats).float()
 
     def forward(self, hidden_states: torch.Tensor,
-                lm_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+                lm_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                full_vocab: bool = True) -> torch.Tensor:
         """Draft logits of every head over the full vocabulary.
 
         Args:
             hidden_states: ``[..., hidden]``, the target's after its final norm.
             lm_head: the target's vocabulary projection ``[..., hidden] -> [..., vocab]``, for heads
                 that share the full lm_head.
+            full_vocab: False returns :meth:`draft_vocab_logits` (training).
 
         Returns:
             ``[..., K, vocab]`` float32 (-inf outside a truncated draft vocabulary); head k's row
             predicts the token k+1 places after the pending one.
         """
         logits = self.draft_vocab_logits(hidden_states, lm_head)
-        if self.token_map is None:
+        if self.token_map is None or not full_vocab:
             return logits
         full = logits.new_full(logits.shape[:-1] + (self.cfg.vocab_size,), float("-inf"))
         return full.index_copy_(-1, self.token_map, logits)

@@ -12,12 +12,18 @@ from mtpctl.errors import BadInput, UnsupportedModel
 from mtpctl.runtime.drafters import Drafter
 from mtpctl.runtime.engine import TorchEngine
 from mtpctl.runtime.generate import GenerationResult, generate
+from mtpctl.runtime.heads import HeadsConfig, MedusaDrafter, MedusaHeads, StaticTree, check_heads_match, tree_from_accuracy
 from mtpctl.runtime.model import DTYPES, Decoder
 from mtpctl.runtime.sampling import SamplingParams
 from mtpctl.runtime.stopping import StopChecker
 from mtpctl.runtime.tokenizer import TextCodec
+from mtpctl.runtime.weights import weights_hash
 
 WEIGHTS = ("dense", "int4")
+#: draft tree size (nodes) per mode when neither --tree nor --tree-nodes is given: a verify pass of N
+#: tokens costs ~1x a step in bfloat16 up to 32 tokens, but grows with N in float32 and int4 here
+#: (measured: BENCHMARKS.md, "MTP heads").
+DEFAULT_TREE_NODES = {"float32": 6, "bfloat16": 24, "int4": 8}
 
 
 class Session:
@@ -40,6 +46,7 @@ class Session:
         if weights not in WEIGHTS:
             raise UnsupportedModel(f"weights {weights!r} is not supported (choose from {', '.join(WEIGHTS)})")
         self.folder = Path(folder)
+        self._target_hash: Optional[str] = None
         self.codec = TextCodec(self.folder)
         self.model = Decoder.from_folder(self.folder, DTYPES[dtype], packed=weights == "int4")
         if weights == "int4" and not self.model.packed_weights:
@@ -57,21 +64,64 @@ class Session:
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
                  drafter: Optional[Drafter] = None, draft_len: int = 0, stop_strings: Sequence[str] = (),
-                 on_text: Optional[Callable[[str], None]] = None) -> GenerationResult:
+                 on_text: Optional[Callable[[str], None]] = None, heads: Optional[MedusaHeads] = None,
+                 acceptance: str = "exact") -> GenerationResult:
         """Generate up to ``max_new_tokens`` after ``prompt_ids``; see :func:`mtpctl.runtime.generate.generate`.
+        ``heads`` (from :meth:`load_heads`) run with every verify pass, for a :class:`MedusaDrafter`.
 
         Raises:
             BadInput: ``max_new_tokens`` < 1, or the prompt does not fit the model's context.
         """
+        if acceptance not in ("exact", "typical"):
+            raise BadInput(f"acceptance {acceptance!r}: choose exact or typical")
         if max_new_tokens < 1:
             raise BadInput(f"max new tokens must be at least 1, got {max_new_tokens}")
         if len(prompt_ids) >= self.context_length:
             raise BadInput(f"the prompt has {len(prompt_ids)} tokens; the model's context holds "
                            f"{self.context_length} (prompt and output together)")
         capacity = min(self.context_length, len(prompt_ids) + max_new_tokens + draft_len + 1)
-        engine = TorchEngine(self.model, capacity)
+        engine = TorchEngine(self.model, capacity, heads)
         stop = StopChecker(self.codec.eos_ids, stop_strings, max_new_tokens, self.codec.decode)
-        return generate(engine, prompt_ids, stop, sampling, drafter, draft_len, on_text)
+        return generate(engine, prompt_ids, stop, sampling, drafter, draft_len, on_text, acceptance)
+
+    def target_hash(self) -> str:
+        """sha256 of the target's safetensors files (see :func:`mtpctl.runtime.weights.weights_hash`)."""
+        if self._target_hash is None:
+            self._target_hash = weights_hash(self.folder)
+        return self._target_hash
+
+    def load_heads(self, folder: Path) -> MedusaHeads:
+        """MTP heads from a head folder, in this session's dtype, checked against this target.
+
+        Raises:
+            BadInput: not a head folder, or heads made for another model (sizes or weight hash).
+            CorruptModel, UnsupportedModel: see :meth:`MedusaHeads.load`.
+        """
+        cfg = HeadsConfig.load(folder)
+        check_heads_match(cfg, self.model.cfg.hidden_size, self.model.cfg.vocab_size, self.target_hash())
+        return MedusaHeads.load(folder, self.model.dtype, self.model.dense_lm_head())
+
+    def heads_drafter(self, heads: MedusaHeads, tree: Optional[StaticTree] = None,
+                      tree_nodes: Optional[int] = None) -> MedusaDrafter:
+        """A drafter over ``tree``; else a tree of ``tree_nodes`` grown from the heads' held-out
+        accuracy; else the default size for this dtype and weights (:data:`DEFAULT_TREE_NODES`).
+
+        Raises:
+            BadInput: a tree deeper than the heads, or a size < 1.
+        """
+        cfg = heads.cfg
+        if tree is None:
+            nodes = tree_nodes or DEFAULT_TREE_NODES[self.mode]
+            tree = tree_from_accuracy(cfg.topk_accuracy, nodes) if cfg.topk_accuracy else \
+                StaticTree.from_paths(cfg.tree or [[0]], cfg.num_heads)
+        elif tree.depth > cfg.num_heads:
+            raise BadInput(f"the draft tree is {tree.depth} deep; the heads predict {cfg.num_heads} tokens")
+        return MedusaDrafter(tree)
+
+    @property
+    def mode(self) -> str:
+        """``float32``, ``bfloat16`` or ``int4``: what a decode step costs depends on it."""
+        return "int4" if self.model.packed_weights else ("bfloat16" if self.model.dtype == torch.bfloat16 else "float32")
 
 
 def set_threads(threads: Optional[int]) -> None:

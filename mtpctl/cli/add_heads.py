@@ -1,0 +1,97 @@
+"""``mtpctl add-heads``: graft MTP heads onto a checkpoint and train them by self-distillation."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import click
+
+from mtpctl.convert.heads_training import TrainSettings, add_heads, init_distributed
+from mtpctl.convert.sources import DEFAULT_MODEL, mtpctl_home, resolve_model
+from mtpctl.errors import BadInput
+from mtpctl.runtime.session import set_threads
+
+RECIPE_VERSION = 1
+# CLI option -> TrainSettings field, for the settings a recipe may also give
+SETTINGS = {f.name for f in dataclasses.fields(TrainSettings)}
+
+
+def read_recipe(path: str) -> dict:
+    """A YAML recipe: ``{version: 1, model, data: [files relative to the recipe], settings: {...}}``.
+
+    Raises:
+        BadInput: unreadable, malformed, a newer version, or unknown keys/settings.
+    """
+    import yaml
+
+    try:
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise BadInput(f"cannot read recipe {path}: {err}") from err
+    if not isinstance(raw, dict) or raw.get("version") != RECIPE_VERSION:
+        raise BadInput(f"recipe {path}: expected a mapping with 'version: {RECIPE_VERSION}'")
+    unknown = set(raw) - {"version", "model", "data", "settings", "description"}
+    bad = set(raw.get("settings") or {}) - SETTINGS
+    if unknown or bad:
+        raise BadInput(f"recipe {path}: unknown key(s) {sorted(unknown | bad)}")
+    base = Path(path).resolve().parent
+    raw["data"] = [str(base / d) for d in raw.get("data") or []]
+    raw.setdefault("settings", {})
+    return raw
+
+
+@click.command("add-heads", epilog="""\b
+Examples:
+  mtpctl add-heads --recipe recipes/smollm2-135m-medusa.yaml --out heads/smollm2
+  mtpctl add-heads -m smollm2-135m --kind medusa --num-heads 3 --self-distill \\
+      --data prompts.jsonl --data notes.txt --out heads/mine --epochs 3 --seed 1
+  torchrun --nproc-per-node 2 -m mtpctl.cli.main add-heads --recipe R.yaml --out heads/ddp
+  mtpctl generate --speculate heads --heads heads/smollm2 "Explain KV caches."
+""")
+@click.option("--recipe", type=click.Path(dir_okay=False), help="YAML recipe (model, data, settings); options override it.")
+@click.option("-m", "--model", default=None, help=f"Target: alias, folder, .gguf or hub id [default: {DEFAULT_MODEL}].")
+@click.option("--kind", type=click.Choice(["medusa"]), default=None, help="Head kind [default: medusa].")
+@click.option("--num-heads", type=int, default=None, help="K heads; head k predicts k+1 tokens past the next [default: 4].")
+@click.option("--head-layers", type=int, default=None, help="Residual blocks per head [default: 1].")
+@click.option("--own-lm-head", is_flag=True, default=None, help="A trainable vocabulary projection per head.")
+@click.option("--draft-vocab", type=int, default=None, help="Heads score only the N most frequent tokens (0 = all).")
+@click.option("--data", "data", multiple=True, type=click.Path(),
+              help="Training data: .txt, or .jsonl with text/prompt/messages records (repeatable).")
+@click.option("--self-distill", is_flag=True, default=None, help="The target answers prompt records itself.")
+@click.option("--response-tokens", type=int, default=None, help="Longest self-distilled response [default: 128].")
+@click.option("--soft-labels", is_flag=True, default=None, help="KL to the target's distribution instead of CE.")
+@click.option("--epochs", type=float, default=None)
+@click.option("--lr", type=float, default=None)
+@click.option("--batch-tokens", type=int, default=None, help="Positions per micro-batch [default: 256].")
+@click.option("--grad-accum", type=int, default=None, help="Micro-batches per optimizer step [default: 1].")
+@click.option("--tree-nodes", type=int, default=None, help="Nodes of the default draft tree [default: 8].")
+@click.option("--seed", type=int, default=None, help="Same seed and data, same heads [default: 0].")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Head folder to write.")
+@click.option("--resume", is_flag=True, help="Continue this run from its last checkpoint.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing --out folder.")
+@click.option("--bundle", is_flag=True, help="Copy the target's files into --out (default: referenced by hash).")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: torch's).")
+@click.option("--json", "as_json", is_flag=True, help="Print the training summary as JSON on stdout.")
+@click.option("--debug", is_flag=True, help="Show the full traceback of an error.")
+def add_heads_cmd(recipe, model, data, out, resume, overwrite, bundle, threads, as_json, debug, **options) -> None:
+    """Graft MTP heads onto a model and train them by self-distillation (the base stays frozen).
+
+    The target computes hidden states and its own predictions once (cached under $MTPCTL_HOME/work);
+    the heads then train on them. Writes mtp_config.json and mtp_heads.safetensors to --out.
+    """
+    spec = read_recipe(recipe) if recipe else {"settings": {}, "data": []}
+    given = {k: v for k, v in options.items() if v is not None}
+    settings = TrainSettings(**{**spec["settings"], **given})
+    model_name = model or spec.get("model") or DEFAULT_MODEL
+    files = list(data) or spec["data"]
+    set_threads(threads)
+    init_distributed()
+    summary = add_heads(resolve_model(model_name), model_name, [Path(f) for f in files], Path(out), settings,
+                        mtpctl_home(), resume=resume, overwrite=overwrite, bundle=bundle)
+    if as_json:
+        click.echo(json.dumps(summary))
+    else:
+        click.echo(f"wrote {out}: held-out top-1 per head {summary['held_out_top1']}, "
+                   f"expected tau of the default tree {summary['expected_tau']}", err=True)

@@ -1,0 +1,164 @@
+"""Training text for MTP heads: reading data files and self-distillation (the target writes the
+responses to prompts itself, so the heads learn what the target will say).
+
+Data files:
+- ``.txt``: plain text; documents are separated by blank lines.
+- ``.jsonl``: one record per line, ``{"text": ...}`` (plain text), ``{"prompt": ...}`` or
+  ``{"messages": [...]}`` (a prompt, answered by the target itself with ``self_distill``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, List, Optional, Sequence, Set
+
+import torch
+
+from mtpctl.errors import BadInput
+from mtpctl.runtime.model import Decoder
+
+
+@dataclass
+class Record:
+    """One training example: plain text, or a conversation whose response the target writes."""
+
+    text: Optional[str] = None
+    messages: Optional[List[dict]] = None  # [{"role": ..., "content": ...}], the prompt side only
+
+
+@dataclass
+class Sequence_:
+    """Token ids of one training sequence and where its loss starts (0 for plain text; the first
+    response position for a self-distilled prompt)."""
+
+    ids: List[int]
+    loss_from: int
+
+
+def read_records(paths: Sequence[Path]) -> List[Record]:
+    """Read ``.txt`` and ``.jsonl`` data files.
+
+    Raises:
+        BadInput: a file is missing, not UTF-8, malformed, or holds no text; or no file is given.
+    """
+    if not paths:
+        raise BadInput("no training data: pass --data FILE (text or JSONL) or a --recipe")
+    records: List[Record] = []
+    for path in map(Path, paths):
+        try:
+            content = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise BadInput(f"data file {path} is not UTF-8 text ({err.reason} at byte {err.start})") from err
+        except OSError as err:
+            raise BadInput(f"cannot read data file {path}: {err.strerror or err}") from err
+        found = _parse_jsonl(path, content) if path.suffix == ".jsonl" else [
+            Record(text=doc.strip()) for doc in content.split("\n\n") if doc.strip()]
+        if not found:
+            raise BadInput(f"data file {path} holds no text")
+        records.extend(found)
+    return records
+
+
+def _parse_jsonl(path: Path, content: str) -> List[Record]:
+    out: List[Record] = []
+    for number, line in enumerate(content.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise BadInput(f"{path}:{number}: not a JSON object ({err.msg})") from err
+        if not isinstance(row, dict):
+            raise BadInput(f"{path}:{number}: expected an object with 'text', 'prompt' or 'messages'")
+        if isinstance(row.get("text"), str) and row["text"].strip():
+            out.append(Record(text=row["text"]))
+        elif isinstance(row.get("prompt"), str) and row["prompt"].strip():
+            out.append(Record(messages=[{"role": "user", "content": row["prompt"]}]))
+        elif isinstance(row.get("messages"), list) and row["messages"]:
+            out.append(Record(messages=row["messages"]))
+        else:
+            raise BadInput(f"{path}:{number}: expected a non-empty 'text', 'prompt' or 'messages' field")
+    return out
+
+
+def batch_greedy(model: Decoder, prompts: Sequence[List[int]], max_new_tokens: int, eos_ids: Set[int],
+                 batch_size: int = 32, progress: Optional[Callable[[int], None]] = None) -> List[List[int]]:
+    """Greedy responses of the target to many prompts, ``batch_size`` at a time (left-padded).
+
+    A bfloat16 decode step over 32 rows costs about what one row does on this CPU (the weights are
+    read once), so batching is what makes self-distillation fit a recipe's time budget.
+
+    Args:
+        model: the target.
+        prompts: prompt token ids, one list per prompt.
+        max_new_tokens: response length cap (tokens).
+        eos_ids: a response ends at (and includes) its first EOS.
+        progress: called with the number of prompts finished after each batch.
+
+    Returns:
+        one response (token ids) per prompt, in order.
+    """
+    out: List[List[int]] = []
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch
+    responses = {}
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        for i, resp in zip(chunk, _greedy_batch(model, [prompts[i] for i in chunk], max_new_tokens, eos_ids)):
+            responses[i] = resp
+        if progress:
+            progress(len(chunk))
+    out = [responses[i] for i in range(len(prompts))]
+    return out
+
+
+@torch.inference_mode()
+def _greedy_batch(model: Decoder, prompts: List[List[int]], max_new: int, eos_ids: Set[int]) -> List[List[int]]:
+    b, longest = len(prompts), max(len(p) for p in prompts)
+    pad = [longest - len(p) for p in prompts]
+    ids = torch.tensor([[0] * pad[r] + prompts[r] for r in range(b)], dtype=torch.long)
+    valid = torch.zeros(b, longest + max_new, dtype=torch.bool)  # slots holding real tokens
+    for r in range(b):
+        valid[r, pad[r]:] = True
+    slot_pos = (torch.arange(longest + max_new)[None] - torch.tensor(pad)[:, None]).clamp(min=0)  # [b, cap]
+    cache = model.new_cache(longest + max_new, batch=b)
+    responses: List[List[int]] = [[] for _ in range(b)]
+    done = torch.zeros(b, dtype=torch.bool)
+    start, n = 0, longest
+    while True:
+        queries = torch.arange(start, start + n)
+        masks = _batch_masks(model, valid, slot_pos, queries)
+        hidden = model(ids, slot_pos[:, queries], cache, masks, invariant=False)
+        cache.advance(n)
+        nxt = model.logits(hidden[:, -1]).argmax(-1)  # [b]
+        for r in range(b):
+            if not done[r]:
+                responses[r].append(int(nxt[r]))
+                done[r] = int(nxt[r]) in eos_ids or len(responses[r]) >= max_new
+        if bool(done.all()):
+            return responses
+        start, n = start + n, 1
+        ids = nxt[:, None]
+
+
+def _batch_masks(model: Decoder, valid: torch.Tensor, slot_pos: torch.Tensor, queries: torch.Tensor) -> dict:
+    """Masks ``[batch, 1, N, capacity]`` per attention window for query slots ``queries`` ``[N]``:
+    causal over slots, padding excluded, windows measured in positions."""
+    cap = valid.shape[1]
+    slots = torch.arange(cap)
+    allowed = valid[:, None, :] & (slots[None, None, :] <= queries[None, :, None])  # [b, N, cap]
+    q_pos = slot_pos[:, queries]  # [b, N]
+    masks = {}
+    for window in set(model.cfg.layer_windows):
+        m = allowed if window is None else allowed & ((q_pos[:, :, None] - slot_pos[:, None, :]) < window)
+        # a padded query row must attend somewhere: let it see itself
+        m = m | ~valid[:, queries][:, :, None] & (slots[None, None, :] == queries[None, :, None])
+        masks[window] = m[:, None]
+    return masks
+
+
+def iter_batches(items: Sequence, size: int) -> Iterable[Sequence]:
+    """Consecutive slices of ``items`` of at most ``size``."""
+    for start in range(0, len(items), size):
+        yield items[start:start + size]

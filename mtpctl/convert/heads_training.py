@@ -1,0 +1,597 @@
+"""``add-heads``: graft Medusa heads onto a frozen target and train them by self-distillation.
+
+Pipeline (Cai et al. 2024, "Medusa", Medusa-1: the base model stays frozen):
+
+1. data: text records, or prompts answered by the target itself (:mod:`mtpctl.convert.distill`);
+2. features: one teacher-forced pass of the target over every sequence gives the hidden states
+   ``[T, hidden]`` (after the final norm) and the target's own prediction at each position (argmax,
+   and with ``soft_labels`` its top-m distribution). They are cached on disk, keyed by the target's
+   weight hash, the data and the settings that shape them, so epochs, re-runs and ``--resume`` never
+   re-run the target;
+3. training: head k (1-based) at position t learns the target's prediction for token t+1+k, i.e.
+   ``pred[t + k]``; loss = sum_k decay^(k-1) * CE (or KL to the target's distribution with
+   ``soft_labels``); AdamW, linear warm-up then cosine decay, gradient accumulation; positions are
+   independent examples (the heads see one hidden state), shuffled with a seeded generator;
+4. evaluation: per-head top-k accuracy on held-out sequences; the default draft tree is grown from
+   it (:func:`mtpctl.runtime.heads.tree_from_accuracy`);
+5. output: ``mtp_config.json`` + ``mtp_heads.safetensors`` written to a temporary folder and renamed.
+
+Under ``torchrun --nproc-per-node N`` (DDP, gloo on CPU) rank 0 prepares the features, every rank
+trains on its share of each batch, gradients are averaged, and rank 0 writes the output.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from mtpctl import __version__
+from mtpctl.convert.distill import Record, batch_greedy, read_records
+from mtpctl.errors import BadInput, MtpctlError
+from mtpctl.runtime.heads import KINDS, HeadsConfig, MedusaHeads, StaticTree, tree_from_accuracy
+from mtpctl.runtime.model import Decoder
+from mtpctl.runtime.tokenizer import TextCodec
+from mtpctl.runtime.weights import weights_hash
+
+EVAL_RANKS = 10  # top-k accuracy measured per head (the deepest rank a grown tree can use)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class TrainSettings:
+    """Every setting of an ``add-heads`` run (recorded in ``mtp_config.json``)."""
+
+    kind: str = "medusa"
+    num_heads: int = 4
+    head_layers: int = 1
+    own_lm_head: bool = False
+    draft_vocab: int = 0  # score only the N most frequent target predictions (0 = the full vocabulary)
+    self_distill: bool = False  # prompts get responses written by the target
+    response_tokens: int = 128  # longest self-distilled response
+    distill_batch: int = 32  # prompts decoded together
+    distill_dtype: str = "bfloat16"
+    max_seq_len: int = 512  # longer sequences are cut
+    soft_labels: bool = False  # KL to the target's top-m distribution instead of CE to its argmax
+    soft_top: int = 16  # m
+    epochs: float = 2.0
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup: float = 0.05  # fraction of the optimizer steps
+    batch_tokens: int = 256  # positions per optimizer micro-batch
+    grad_accum: int = 1
+    head_decay: float = 0.8  # loss weight of head k is head_decay ** (k - 1)
+    holdout: float = 0.05  # fraction of sequences held out for accuracy
+    tree_nodes: int = 8  # nodes of the default draft tree
+    seed: int = 0
+
+    def check(self) -> None:
+        """Raise BadInput on a setting that cannot work."""
+        if self.kind not in KINDS:
+            raise BadInput(f"head kind {self.kind!r} is not available (choose from {', '.join(KINDS)})")
+        for name in ("num_heads", "batch_tokens", "grad_accum", "response_tokens", "distill_batch",
+                     "max_seq_len", "tree_nodes", "soft_top"):
+            if getattr(self, name) < 1:
+                raise BadInput(f"{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.head_layers < 0 or self.draft_vocab < 0:
+            raise BadInput("head-layers and draft-vocab must be >= 0")
+        if not self.epochs > 0 or not self.lr > 0:
+            raise BadInput(f"epochs and lr must be > 0, got {self.epochs} and {self.lr}")
+        if not 0 < self.holdout < 1 or not 0 <= self.warmup < 1 or not 0 < self.head_decay <= 1:
+            raise BadInput("holdout must be in (0, 1), warmup in [0, 1), head-decay in (0, 1]")
+        if self.distill_dtype not in DTYPES:
+            raise BadInput(f"distill dtype {self.distill_dtype!r}: choose from {', '.join(DTYPES)}")
+
+
+@dataclass
+class Features:
+    """The target's view of the training data, cached on disk.
+
+    hidden ``[P, hidden]`` (bfloat16) and pred ``[P]`` (int64) for all P positions of all sequences
+    back to back; ``offsets [S + 1]`` where each sequence starts; ``loss_from [S]`` its first position
+    with a loss; with soft labels ``soft_ids``/``soft_probs`` ``[P, m]``.
+    """
+
+    hidden: torch.Tensor
+    pred: torch.Tensor
+    offsets: torch.Tensor
+    loss_from: torch.Tensor
+    soft_ids: Optional[torch.Tensor] = None
+    soft_probs: Optional[torch.Tensor] = None
+
+    def save(self, path: Path) -> None:
+        from safetensors.torch import save_file
+
+        tensors = {k: v.contiguous() for k, v in asdict(self).items() if v is not None}
+        tmp = path.with_suffix(".tmp")
+        save_file(tensors, str(tmp))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path) -> "Features":
+        from safetensors.torch import load_file
+
+        return cls(**load_file(str(path)))
+
+
+@dataclass
+class Progress:
+    """Where training stands (saved with each checkpoint)."""
+
+    step: int = 0  # optimizer steps done
+    history: List[dict] = field(default_factory=list)  # per evaluation: step, loss, per-head top-1
+
+
+def log(message: str) -> None:
+    """Progress goes to stderr, from rank 0 only."""
+    if _rank() == 0:
+        import sys
+
+        print(f"mtpctl: {message}", file=sys.stderr, flush=True)
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _world() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def build_sequences(records: Sequence[Record], codec: TextCodec, settings: TrainSettings,
+                    distill_model: Optional[Callable[[], Decoder]]) -> List[tuple]:
+    """Records -> ``(ids, loss_from)`` sequences; prompts are answered by the target (self-distillation).
+
+    Raises:
+        BadInput: prompt records without ``self_distill``.
+    """
+    texts, prompts = [], []
+    for r in records:
+        if r.text is not None:
+            ids = [int(i) for i in codec.tokenizer(r.text)["input_ids"]][: settings.max_seq_len]
+            if len(ids) > 1:
+                texts.append((ids, 0))
+        else:
+            prompts.append(codec.encode_messages(r.messages)[: settings.max_seq_len - 1])
+    if prompts and not settings.self_distill:
+        raise BadInput(f"{len(prompts)} record(s) are prompts without responses: add --self-distill so the "
+                       "target writes them, or give text records")
+    sequences = list(texts)
+    if prompts:
+        model = distill_model()
+        log(f"self-distillation: the target answers {len(prompts)} prompts ({settings.distill_batch} at a time, "
+            f"{settings.distill_dtype})")
+        bar = _bar(len(prompts), "distill")
+        responses = batch_greedy(model, prompts, settings.response_tokens, codec.eos_ids, settings.distill_batch,
+                                 progress=bar.update if bar else None)
+        if bar:
+            bar.close()
+        for p, resp in zip(prompts, responses):
+            sequences.append(((p + resp)[: settings.max_seq_len], len(p)))
+    if not sequences:
+        raise BadInput("the training data holds no sequence of two tokens or more")
+    return sequences
+
+
+@torch.inference_mode()
+def compute_features(model: Decoder, sequences: Sequence[tuple], settings: TrainSettings,
+                     chunk_tokens: int = 4096) -> Features:
+    """One teacher-forced target pass per sequence (batched by length): hidden states and predictions."""
+    from mtpctl.runtime.engine import attention_masks
+
+    hidden, pred, soft_ids, soft_probs = [], [], [], []
+    bar = _bar(len(sequences), "features")
+    for ids, _ in sequences:
+        cache = model.new_cache(len(ids))
+        depth = torch.arange(len(ids))
+        masks = attention_masks(model.cfg.layer_windows, 0, depth, None, len(ids))
+        h = model(torch.tensor([ids]), depth[None], cache, masks, invariant=False)[0]
+        for start in range(0, len(ids), chunk_tokens):
+            logits = model.logits(h[start:start + chunk_tokens])
+            pred.append(logits.argmax(-1))
+            if settings.soft_labels:
+                top = logits.softmax(-1).topk(settings.soft_top, dim=-1)
+                soft_ids.append(top.indices.to(torch.int32))
+                soft_probs.append(top.values.to(torch.bfloat16))
+        hidden.append(h.to(torch.bfloat16))
+        if bar:
+            bar.update(1)
+    if bar:
+        bar.close()
+    lengths = torch.tensor([0] + [len(ids) for ids, _ in sequences])
+    return Features(torch.cat(hidden), torch.cat(pred), lengths.cumsum(0), torch.tensor([lf for _, lf in sequences]),
+                    torch.cat(soft_ids) if soft_ids else None, torch.cat(soft_probs) if soft_probs else None)
+
+
+def example_positions(feats: Features, seq_ids: Sequence[int]) -> torch.Tensor:
+    """Flat indices of the positions that train (a position t of a sequence from ``loss_from - 1``
+    on, with at least one label: t + 1 < its length)."""
+    out = []
+    for s in seq_ids:
+        start, end = int(feats.offsets[s]), int(feats.offsets[s + 1])
+        first = start + max(int(feats.loss_from[s]) - 1, 0)
+        out.append(torch.arange(first, end - 1))
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+
+
+def head_labels(feats: Features, positions: torch.Tensor, num_heads: int, vocab_index: Optional[torch.Tensor]) -> torch.Tensor:
+    """Labels ``[B, K]`` for positions ``[B]``: head k's label is ``pred[t + k]`` inside the same
+    sequence, else -100 (ignored); with a draft vocabulary, the label's index in it (-100 outside)."""
+    seq = torch.searchsorted(feats.offsets, positions, right=True) - 1
+    end = feats.offsets[seq + 1]
+    ks = torch.arange(1, num_heads + 1)
+    target = positions[:, None] + ks[None]
+    labels = torch.where(target < end[:, None], feats.pred[target.clamp(max=len(feats.pred) - 1)], torch.tensor(-100))
+    if vocab_index is not None:
+        labels = torch.where(labels >= 0, vocab_index[labels.clamp(min=0)], labels)
+    return labels
+
+
+def head_losses(logits: torch.Tensor, labels: torch.Tensor, soft: Optional[tuple] = None) -> torch.Tensor:
+    """Per-head loss ``[K]`` of draft logits ``[B, K, V]`` against labels ``[B, K]`` (-100 ignored):
+    cross-entropy, or with ``soft = (ids [B, K, m], probs [B, K, m])`` the cross-entropy to the target's
+    renormalised top-m distribution (KL up to the target's entropy, a constant)."""
+    losses = []
+    for k in range(logits.shape[1]):
+        valid = labels[:, k] >= 0
+        if not bool(valid.any()):
+            losses.append(logits[:, k].sum() * 0.0)
+            continue
+        if soft is None:
+            losses.append(F.cross_entropy(logits[valid, k], labels[valid, k]))
+        else:
+            ids, probs = soft[0][valid, k], soft[1][valid, k].float()
+            keep = ids >= 0
+            probs = torch.where(keep, probs, 0.0)
+            probs = probs / probs.sum(-1, keepdim=True).clamp(min=1e-9)
+            logp = logits[valid, k].log_softmax(-1).gather(-1, ids.clamp(min=0))
+            losses.append(-(probs * logp).sum(-1).mean())
+    return torch.stack(losses)
+
+
+@torch.no_grad()
+def topk_accuracy(heads: MedusaHeads, lm_head, feats: Features, positions: torch.Tensor,
+                  vocab_index: Optional[torch.Tensor], ranks: int = EVAL_RANKS, batch: int = 512) -> List[List[float]]:
+    """``acc[k][r]``: the share of held-out positions where head k+1's rank-r candidate is the
+    target's token (labels outside a draft vocabulary count as misses)."""
+    k_heads = heads.cfg.num_heads
+    hits = torch.zeros(k_heads, ranks)
+    counts = torch.zeros(k_heads)
+    for start in range(0, len(positions), batch):
+        pos = positions[start:start + batch]
+        labels = head_labels(feats, pos, k_heads, None)
+        logits = heads.draft_vocab_logits(feats.hidden[pos].float(), lm_head)
+        top = logits.topk(ranks, dim=-1).indices  # [B, K, ranks] in draft-vocab indices
+        if heads.token_map is not None:
+            top = heads.token_map[top]
+        valid = labels >= 0
+        hits += ((top == labels[..., None]) & valid[..., None]).sum(0).float()
+        counts += valid.sum(0).float()
+    return (hits / counts.clamp(min=1)[:, None]).tolist()
+
+
+def _bar(total: int, desc: str):
+    if _rank() != 0:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=f"mtpctl: {desc}", unit="it", leave=False, dynamic_ncols=True)
+
+
+def lr_at(step: int, total: int, settings: TrainSettings) -> float:
+    """Linear warm-up over ``warmup * total`` steps, then cosine decay to 0 (multiplier of lr)."""
+    warm = int(settings.warmup * total)
+    if step < warm:
+        return (step + 1) / warm
+    progress = (step - warm) / max(total - warm, 1)
+    return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+class Trainer:
+    """One add-heads run over cached features (see the module docstring).
+
+    Args:
+        target: the frozen target (float32).
+        feats: the cached features.
+        settings: the run's settings.
+        work: folder for checkpoints (``--resume`` continues from ``work/checkpoint.*``).
+    """
+
+    def __init__(self, target: Decoder, feats: Features, settings: TrainSettings, work: Path):
+        self.target, self.feats, self.s, self.work = target, feats, settings, work
+        cfg = target.cfg
+        torch.manual_seed(settings.seed)
+        token_map = self._draft_vocab() if settings.draft_vocab else None
+        self.vocab_index = None
+        if token_map is not None:
+            self.vocab_index = torch.full((cfg.vocab_size,), -100, dtype=torch.long)
+            self.vocab_index[token_map] = torch.arange(len(token_map))
+        self.hcfg = HeadsConfig(settings.kind, settings.num_heads, settings.head_layers, settings.own_lm_head,
+                                cfg.hidden_size, cfg.vocab_size, len(token_map) if token_map is not None else 0)
+        self.heads = MedusaHeads(self.hcfg, torch.float32, target.dense_lm_head().float(), token_map)
+        split = torch.randperm(len(feats.loss_from), generator=torch.Generator().manual_seed(settings.seed)).tolist()
+        n_eval = max(1, int(round(settings.holdout * len(split)))) if len(split) > 1 else 0
+        self.eval_pos = example_positions(feats, sorted(split[:n_eval]))
+        self.train_pos = example_positions(feats, sorted(split[n_eval:] or split))
+        if len(self.train_pos) == 0:
+            raise BadInput("the training data leaves no position to train on (sequences too short)")
+        self.model = self.heads
+        if _world() > 1:
+            self.model = torch.nn.parallel.DistributedDataParallel(self.heads)
+        self.params = [p for p in self.heads.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=settings.lr, weight_decay=settings.weight_decay)
+        per_epoch = math.ceil(len(self.train_pos) / (settings.batch_tokens * settings.grad_accum))
+        self.total_steps = max(1, int(round(per_epoch * settings.epochs)))
+        self.progress = Progress()
+
+    def _draft_vocab(self) -> torch.Tensor:
+        """The ``draft_vocab`` most frequent target predictions in the data (ids ascending)."""
+        counts = torch.bincount(self.feats.pred, minlength=self.target.cfg.vocab_size)
+        n = min(self.s.draft_vocab, self.target.cfg.vocab_size)
+        return counts.topk(n).indices.sort().values
+
+    @property
+    def lm_head(self):
+        return self.target.logits
+
+    def _batches(self):
+        """Micro-batches of positions for each optimizer step from ``progress.step`` on; every rank
+        takes its slice of each micro-batch."""
+        s = self.s
+        per_step = s.batch_tokens * s.grad_accum
+        n = len(self.train_pos)
+        epoch_steps = math.ceil(n / per_step)
+        step = self.progress.step
+        while step < self.total_steps:
+            epoch, offset = divmod(step, epoch_steps)
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(s.seed * 1000 + epoch + 1))
+            chunk = self.train_pos[order[offset * per_step:(offset + 1) * per_step]]
+            micro = [chunk[i:i + s.batch_tokens] for i in range(0, len(chunk), s.batch_tokens)]
+            yield step, [m[_rank()::_world()] for m in micro]
+            step += 1
+
+    def _loss(self, pos: torch.Tensor) -> torch.Tensor:
+        s = self.s
+        labels = head_labels(self.feats, pos, s.num_heads, self.vocab_index)
+        logits = self.model(self.feats.hidden[pos].float(), self.lm_head, full_vocab=False)
+        soft = None
+        if s.soft_labels:
+            target = pos[:, None] + torch.arange(1, s.num_heads + 1)[None]
+            target = target.clamp(max=len(self.feats.pred) - 1)
+            ids = self.feats.soft_ids[target].long()
+            if self.vocab_index is not None:
+                ids = self.vocab_index[ids]
+            soft = (ids, self.feats.soft_probs[target])
+        per_head = head_losses(logits, labels, soft)
+        weights = s.head_decay ** torch.arange(s.num_heads, dtype=torch.float32)
+        return (per_head * weights).sum(), per_head.detach()
+
+    def train(self, resume: bool, on_eval: Optional[Callable[[dict], None]] = None) -> Progress:
+        """Run (or continue) training; checkpoint every epoch and at the end. Returns the progress."""
+        if resume:
+            self._load_checkpoint()
+        epoch_steps = math.ceil(len(self.train_pos) / (self.s.batch_tokens * self.s.grad_accum))
+        bar = _bar(self.total_steps, "train")
+        if bar:
+            bar.update(self.progress.step)
+        running = None
+        for step, micro in self._batches():
+            for group in self.opt.param_groups:
+                group["lr"] = self.s.lr * lr_at(step, self.total_steps, self.s)
+            self.opt.zero_grad(set_to_none=True)
+            for m in micro:
+                loss, per_head = self._loss(m)
+                (loss / len(micro)).backward()
+            self.opt.step()
+            self.progress.step = step + 1
+            value = loss.item()
+            running = value if running is None else 0.9 * running + 0.1 * value
+            if bar:
+                bar.update(1)
+                bar.set_postfix(loss=f"{running:.3f}")
+            end_of_epoch = self.progress.step % epoch_steps == 0 or self.progress.step == self.total_steps
+            if end_of_epoch:
+                acc = self.evaluate(ranks=1)
+                entry = {"step": self.progress.step, "loss": round(running, 4),
+                         "top1": [round(a[0], 4) for a in acc]}
+                self.progress.history.append(entry)
+                if bar:
+                    bar.write(f"mtpctl: step {entry['step']}/{self.total_steps} loss {entry['loss']} "
+                              f"held-out top-1 per head {entry['top1']}")
+                if on_eval:
+                    on_eval(entry)
+                self._save_checkpoint()
+        if bar:
+            bar.close()
+        return self.progress
+
+    def evaluate(self, ranks: int = EVAL_RANKS) -> List[List[float]]:
+        """Per-head top-k accuracy on the held-out positions (see :func:`topk_accuracy`)."""
+        return topk_accuracy(self.heads, self.lm_head, self.feats, self.eval_pos, self.vocab_index, ranks)
+
+    def _save_checkpoint(self) -> None:
+        if _rank() != 0:
+            return
+        from safetensors.torch import save_file
+
+        tensors = {f"model.{k}": v.contiguous() for k, v in self.heads.state_dict().items()}
+        for i, p in enumerate(self.params):
+            for name, value in self.opt.state.get(p, {}).items():
+                tensors[f"optim.{i}.{name}"] = value.reshape(-1).contiguous() if value.dim() == 0 else value.contiguous()
+        save_file(tensors, str(self.work / "checkpoint.tmp"))
+        (self.work / "checkpoint.json.tmp").write_text(json.dumps(asdict(self.progress)), encoding="utf-8")
+        os.replace(self.work / "checkpoint.tmp", self.work / "checkpoint.safetensors")
+        os.replace(self.work / "checkpoint.json.tmp", self.work / "checkpoint.json")
+
+    def _load_checkpoint(self) -> None:
+        from safetensors.torch import load_file
+
+        path = self.work / "checkpoint.safetensors"
+        if not path.exists():
+            log("--resume: no checkpoint of this run yet; starting from the beginning")
+            return
+        tensors = load_file(str(path))
+        self.heads.load_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
+        for i, p in enumerate(self.params):
+            state = {name.split(".", 2)[2]: v for name, v in tensors.items() if name.startswith(f"optim.{i}.")}
+            if state:
+                state["step"] = state["step"].reshape(())
+                self.opt.state[p] = state
+        self.progress = Progress(**json.loads((self.work / "checkpoint.json").read_text(encoding="utf-8")))
+        log(f"--resume: continuing at step {self.progress.step} of {self.total_steps}")
+
+
+def run_key(*parts) -> str:
+    """A short stable hash of JSON-able parts (names a cache or work folder)."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def data_fingerprint(paths: Sequence[Path]) -> List[str]:
+    """sha256 of each data file (the features cache key)."""
+    import hashlib
+
+    return [hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in paths]
+
+
+def write_output(out: Path, heads: MedusaHeads, overwrite: bool, extra_files: Dict[str, Path]) -> None:
+    """Write the head folder to ``out`` atomically: a temporary sibling folder, renamed when complete;
+    an existing ``out`` is replaced only with ``overwrite`` (after the new one is complete).
+
+    Raises:
+        BadInput: ``out`` exists and ``overwrite`` is not set.
+    """
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise BadInput(f"{out} already exists: choose another --out or add --overwrite")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        heads.save(tmp)
+        for name, src in extra_files.items():
+            shutil.copy2(src, tmp / name)
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def add_heads(target_folder: Path, target_name: str, data: Sequence[Path], out: Path, settings: TrainSettings,
+              home: Path, resume: bool = False, overwrite: bool = False, bundle: bool = False) -> dict:
+    """Train Medusa heads for the target in ``target_folder`` and write them to ``out``.
+
+    Args:
+        target_folder: the target checkpoint (Hugging Face folder).
+        target_name: how the user named it (recorded in the config).
+        data: ``.txt``/``.jsonl`` data files (see :mod:`mtpctl.convert.distill`).
+        out: the head folder to write.
+        settings: training settings.
+        home: mtpctl's cache folder (features and checkpoints live under ``home/work``).
+        resume: continue from this run's last checkpoint.
+        overwrite: replace an existing ``out``.
+        bundle: copy the target's weights into ``out`` (otherwise they are referenced by hash).
+
+    Returns:
+        the training summary written into the config (figures and timings).
+
+    Raises:
+        BadInput: bad settings or data, or ``out`` exists without ``overwrite``.
+        CorruptModel, UnsupportedModel: the target cannot be loaded.
+    """
+    settings.check()
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise BadInput(f"{out} already exists: choose another --out or add --overwrite")
+    started = time.perf_counter()
+    codec = TextCodec(target_folder)
+    target_hash = weights_hash(target_folder)
+    records = read_records(data)
+    shape = {k: getattr(settings, k) for k in ("self_distill", "response_tokens", "distill_dtype", "max_seq_len",
+                                                "soft_labels", "soft_top")}
+    feat_dir = Path(home) / "work" / f"features-{run_key(target_hash, data_fingerprint(data), shape)}"
+    work = Path(home) / "work" / f"heads-{run_key(feat_dir.name, asdict(settings))}"
+    feat_path = feat_dir / "features.safetensors"
+    target = Decoder.from_folder(target_folder, torch.float32)
+    timings = {}
+    if _rank() == 0 and not feat_path.exists():
+        feat_dir.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        sequences = build_sequences(records, codec, settings,
+                                    lambda: Decoder.from_folder(target_folder, DTYPES[settings.distill_dtype]))
+        timings["data_s"] = round(time.perf_counter() - t0, 1)
+        t0 = time.perf_counter()
+        log(f"features: one target pass over {len(sequences)} sequences "
+            f"({sum(len(s) for s, _ in sequences)} tokens), cached in {feat_dir}")
+        compute_features(target, sequences, settings).save(feat_path)
+        timings["features_s"] = round(time.perf_counter() - t0, 1)
+    elif _rank() == 0:
+        log(f"features: reusing {feat_path}")
+    if _world() > 1:
+        torch.distributed.barrier()
+    feats = Features.load(feat_path)
+    work.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(target, feats, settings, work)
+    log(f"training {settings.num_heads} {settings.kind} heads on {len(trainer.train_pos)} positions "
+        f"({len(trainer.eval_pos)} held out), {trainer.total_steps} optimizer steps")
+    t0 = time.perf_counter()
+    progress = trainer.train(resume)
+    timings["train_s"] = round(time.perf_counter() - t0, 1)
+    acc = trainer.evaluate()
+    tree = tree_from_accuracy(acc, settings.tree_nodes)
+    summary = {"settings": asdict(settings), "positions": len(trainer.train_pos), "held_out": len(trainer.eval_pos),
+               "history": progress.history, "held_out_top1": [round(a[0], 4) for a in acc],
+               "expected_tau": round(1 + expected_accepted(acc, tree), 3), "timings_s": timings}
+    if _rank() == 0:
+        trainer.hcfg.target, trainer.hcfg.target_hash = target_name, target_hash
+        trainer.hcfg.tree = [list(p) for p in tree.paths]
+        trainer.hcfg.topk_accuracy = [[round(x, 5) for x in row] for row in acc]
+        trainer.hcfg.mtpctl_version = __version__
+        summary["timings_s"]["total_s"] = round(time.perf_counter() - started, 1)
+        trainer.hcfg.training = summary
+        extra = {}
+        if bundle:
+            extra = {p.name: p for p in sorted(Path(target_folder).iterdir())
+                     if p.is_file() and not p.name.startswith(".")}
+        write_output(out, trainer.heads, overwrite, extra)
+    if _world() > 1:
+        torch.distributed.barrier()
+    return summary
+
+
+def expected_accepted(acc: Sequence[Sequence[float]], tree: StaticTree) -> float:
+    """Expected accepted draft tokens per step of ``tree`` under independent per-head accuracies."""
+    total = 0.0
+    for path in tree.paths:
+        prob = 1.0
+        for depth, rank in enumerate(path):
+            prob *= acc[depth][rank]
+        total += prob
+    return total
+
+
+def init_distributed() -> bool:
+    """Join the process group when launched by ``torchrun`` (gloo on CPU); True when distributed."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or torch.distributed.is_initialized():
+        return torch.distributed.is_initialized()
+    try:
+        torch.distributed.init_process_group("gloo")
+    except (RuntimeError, ValueError) as err:
+        raise MtpctlError(f"cannot join the torchrun process group: {err}") from err
+    return True
