@@ -1,0 +1,177 @@
+"""Draft-model speculation on tiny random models: lossless greedy (self-draft, a perturbed draft, a
+draft with permuted ids through an id map, padded logits), the target's distribution under rejection
+sampling, auto draft length, the draft's KV-cache rollback, and a context longer than the draft's."""
+
+from collections import Counter
+
+import pytest
+import torch
+
+from helpers import greedy_reference, random_decoder, random_state_dict
+from mtpctl.runtime.config import DecoderConfig
+from mtpctl.runtime.draft_model import AUTO_START, DraftModelDrafter
+from mtpctl.runtime.engine import TorchEngine
+from mtpctl.runtime.generate import generate
+from mtpctl.runtime.model import Decoder
+from mtpctl.runtime.sampling import SamplingParams
+from mtpctl.runtime.stopping import StopChecker
+from stats_util import chi_square_rejects
+from test_generate import exact_sequence_probs
+
+PROMPT = [5, 17, 42, 99, 3, 250, 7, 5, 17]
+GREEDY = SamplingParams()
+
+
+def decode(ids):
+    return "".join(chr(ord("a") + t % 26) for t in ids)
+
+
+def run(model, drafter=None, draft_len=0, max_new=40, sampling=GREEDY, prompt=PROMPT):
+    engine = TorchEngine(model, len(prompt) + max_new + draft_len + 1)
+    return generate(engine, prompt, StopChecker((), (), max_new, decode), sampling, drafter, draft_len)
+
+
+def perturbed(model: Decoder, seed: int, noise: float) -> Decoder:
+    """A copy of ``model`` with Gaussian noise on every weight: a draft that agrees often, not always."""
+    g = torch.Generator().manual_seed(seed)
+    copy = Decoder(model.cfg, model.dtype)
+    copy.load_state_dict(model.state_dict())
+    for p in copy.parameters():
+        p.data.add_(noise * torch.randn(p.shape, generator=g))
+    return copy
+
+
+def relabeled(cfg_overrides: dict, seed: int, perm: torch.Tensor, width: int) -> Decoder:
+    """The model ``random_decoder(seed, **cfg_overrides)`` with its vocabulary rows moved: draft id d
+    is target id ``perm[d]`` (rows past ``len(perm)`` are padding, random)."""
+    from helpers import tiny_config_dict
+
+    target_cfg = DecoderConfig.from_dict(tiny_config_dict(**cfg_overrides))
+    tensors = random_state_dict(target_cfg, seed)
+    cfg = DecoderConfig.from_dict(tiny_config_dict(**{**cfg_overrides, "vocab": width}))
+    embed = 5.0 * torch.randn(width, cfg.hidden_size, generator=torch.Generator().manual_seed(1))  # loud padding
+    embed[:len(perm)] = tensors["model.embed_tokens.weight"][perm]
+    tensors["model.embed_tokens.weight"] = embed
+    model = Decoder(cfg)
+    model.load_hf_tensors(tensors)
+    return model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_decoder(seed=3)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return greedy_reference(model, PROMPT, 40)
+
+
+def test_self_draft_accepts_everything(model, reference):
+    drafter = DraftModelDrafter(model, model.cfg.vocab_size, draft_len=4)
+    result = run(model, drafter, 4)
+    assert result.token_ids == reference
+    assert result.stats.acceptance_rate == 1.0
+    assert result.stats.decode_steps == -(-39 // 5)
+
+
+@pytest.mark.parametrize("draft_len", [1, 3, 6, None])
+def test_greedy_with_a_different_draft_is_lossless(model, reference, draft_len):
+    draft = perturbed(model, seed=1, noise=0.05)
+    drafter = DraftModelDrafter(draft, model.cfg.vocab_size, draft_len=draft_len)
+    result = run(model, drafter, draft_len or 8)
+    assert result.token_ids == reference
+    assert 0 < result.stats.acceptance_rate < 1  # both accepted and rejected draft tokens occurred
+
+
+def test_rollback_reuses_the_common_prefix(model):
+    """After a rejection the draft cache keeps the accepted prefix: one draft pass per call feeds the
+    new tokens, and the draft's logits equal those of a fresh prefill."""
+    drafter = DraftModelDrafter(model, model.cfg.vocab_size, draft_len=3)
+    first = drafter.propose(PROMPT, 3).tokens
+    assert drafter.forward_passes == 3  # prefill + 2 draft tokens fed (the last one is not)
+    context = PROMPT + first[:1] + [(first[1] + 1) % 259]  # first accepted, second rejected
+    second = drafter.propose(context, 3).tokens
+    assert drafter.engine.length == len(context) + 2  # context + 2 fed draft tokens
+    fresh = DraftModelDrafter(model, model.cfg.vocab_size, draft_len=3)
+    assert fresh.propose(context, 3).tokens == second
+
+
+def test_auto_draft_length_grows_and_shrinks(model, reference):
+    good = DraftModelDrafter(model, model.cfg.vocab_size, draft_len=None, max_draft_len=7)
+    steps = run(model, good, 7).stats.drafted_per_step
+    assert steps[:3] == [AUTO_START, AUTO_START + 2, 7]  # +2 after each fully accepted block, capped
+    bad = DraftModelDrafter(random_decoder(seed=11), model.cfg.vocab_size, draft_len=None)
+    result = run(model, bad, 8)
+    assert result.token_ids == reference
+    assert result.stats.drafted_per_step[0] == AUTO_START
+    assert result.stats.drafted_per_step[-6:-1] == [1] * 5  # -1 after each rejection, floor 1 (the last step has no room)
+
+
+def test_id_map_and_padding_rows(model, reference):
+    """A draft whose ids are a permutation of the target's and whose logits have 40 padding rows
+    (with large embeddings, so they would win an argmax): through the id map it is the target itself,
+    so every draft token is accepted, and no padding id is ever proposed."""
+    vocab = model.cfg.vocab_size
+    perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))
+    draft = relabeled({}, 3, perm, vocab + 40)
+    id_map = perm.tolist() + [-1] * 40
+    drafter = DraftModelDrafter(draft, vocab, draft_len=4, id_map=id_map)
+    result = run(model, drafter, 4)
+    assert result.token_ids == reference
+    assert result.stats.acceptance_rate == 1.0
+
+
+def test_width_mismatch_without_a_map_is_refused(model):
+    with pytest.raises(ValueError, match="id map"):
+        DraftModelDrafter(random_decoder(seed=1, vocab=300), model.cfg.vocab_size)
+    with pytest.raises(ValueError, match="entries"):
+        DraftModelDrafter(model, model.cfg.vocab_size, id_map=list(range(10)))
+
+
+def test_context_longer_than_the_draft_stops_drafting(model, reference):
+    """A draft with a 16-position context: drafting stops when the context reaches it, plain steps
+    follow, and the output is still plain greedy."""
+    draft = random_decoder(seed=3, max_pos=16)  # the target's weights, a shorter context
+    drafter = DraftModelDrafter(draft, model.cfg.vocab_size, draft_len=3)
+    result = run(model, drafter, 3)
+    assert result.token_ids == reference
+    drafted = result.stats.drafted_per_step
+    assert drafted[0] == 3 and drafted[-10:] == [0] * 10
+    assert drafter.engine.capacity <= 16
+    long_prompt = list(range(20))  # longer than the draft's context from the start
+    assert run(model, DraftModelDrafter(draft, model.cfg.vocab_size, draft_len=3), 3, max_new=5,
+               prompt=long_prompt).token_ids == greedy_reference(model, long_prompt, 5)
+
+
+def test_rejection_sampling_with_a_draft_model_keeps_the_target_distribution():
+    """The first 3 tokens sampled with a draft model (other weights, 2 padding logits rows masked by
+    the id map, the target's sampling settings, q reported; chains of 2 draft tokens) follow the exact
+    distribution of plain sampling (chi-square), and not that of another temperature (power). One
+    drafter serves every run, so its cache is rolled back to the shared prompt each time."""
+    model = random_decoder(seed=5, vocab=5, max_pos=32)
+    draft = relabeled({"vocab": 5, "max_pos": 32}, 9, torch.arange(5), 7)
+    prompt, n = [1, 2, 1, 2, 1], 3
+    params = SamplingParams(temperature=1.0, top_k=4)
+    expected = exact_sequence_probs(model, prompt, n, params)
+    drafter = DraftModelDrafter(draft, 5, params, draft_len=3, id_map=[0, 1, 2, 3, 4, -1, -1], seed=123)
+    counts, drafted = Counter(), 0
+    for seed in range(1000):
+        sampling = SamplingParams(temperature=1.0, top_k=4, seed=seed)
+        result = run(model, drafter, 3, max_new=n + 1, sampling=sampling, prompt=prompt)
+        counts[tuple(result.token_ids[:n])] += 1
+        drafted += result.stats.draft_tokens
+    assert drafted >= 1000 * 2  # the first step drafts 2 tokens every run
+    assert not chi_square_rejects(counts, expected)
+    assert chi_square_rejects(counts, exact_sequence_probs(model, prompt, n, SamplingParams(temperature=0.5)))
+
+
+def test_sampled_draft_reports_q_in_the_target_width():
+    model = random_decoder(seed=5, vocab=5, max_pos=32)
+    draft = relabeled({"vocab": 5, "max_pos": 32}, 9, torch.arange(5), 7)
+    sampling = SamplingParams(temperature=1.0, seed=0)
+    drafter = DraftModelDrafter(draft, 5, sampling, draft_len=3, id_map=[0, 1, 2, 3, 4, -1, -1], seed=0)
+    proposal = drafter.propose([1, 2, 1], 3)
+    assert proposal.probs.shape == (3, 5)
+    assert torch.allclose(proposal.probs.sum(-1), torch.ones(3))
+    assert all(proposal.probs[i, t] > 0 for i, t in enumerate(proposal.tokens))
