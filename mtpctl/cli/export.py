@@ -35,28 +35,54 @@ Examples:
   mtpctl export smollm2-135m --onnx out/smollm2-onnx
   mtpctl export smollm2-135m --heads heads/smollm2-medusa --onnx out/smollm2-medusa-onnx
   mtpctl generate --backend onnxruntime -m out/smollm2-onnx "Hello"
+  mtpctl export smollm2-135m --onnx out/smollm2-trt --trt --trt-precision fp16   (NVIDIA GPU only)
 """)
 @click.argument("model")
 @click.option("--heads", "heads_dir", type=click.Path(file_okay=False, exists=True),
               help="MTP head folder (mtpctl add-heads output) to fuse into the graph.")
 @click.option("--onnx", "onnx_out", type=click.Path(), help="Write the fused draft/verify ONNX graph to this folder.")
+@click.option("--trt", is_flag=True,
+              help="Also build a TensorRT engine (model.plan) into the --onnx folder (needs tensorrt and a CUDA GPU).")
+@click.option("--trt-precision", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp16", show_default=True,
+              help="TensorRT builder precision flag.")
+@click.option("--trt-max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Most tokens per pass the engine accepts (draft tree nodes + 1; longer prompts prefill in chunks).")
+@click.option("--trt-max-past", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="Most committed tokens before a pass.")
+@click.option("--trt-max-batch", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 @click.option("--debug", is_flag=True, help="Show the full traceback of an error.")
-def export_cmd(model, heads_dir, onnx_out, overwrite, as_json, debug) -> None:
+def export_cmd(model, heads_dir, onnx_out, trt, trt_precision, trt_max_new_tokens, trt_max_past, trt_max_batch,
+               overwrite, as_json, debug) -> None:
     """Export MODEL (or a head folder, whose target is then loaded) for deployment.
 
     --onnx writes one fused graph (prefill and draft/verify steps, KV cache in and out, Medusa head
     logits when --heads is given), its external weights, the tokenizer and a manifest.json with the
     sha256 of every file. The folder is written under a temporary name and renamed when complete.
+
+    --trt also builds a TensorRT engine from the graph (one optimization profile from the
+    --trt-max-* limits, saved with it and checked before decoding). TensorRT needs an NVIDIA GPU:
+    without tensorrt or CUDA it fails at once with exit code 2.
     """
     from mtpctl.convert.onnx_export import export_onnx
 
     if not onnx_out:
         raise BadInput("nothing to export: give --onnx OUT")
+    finish = None
+    if trt:
+        from mtpctl.convert.trt_build import build_engine
+        from mtpctl.runtime.trt_engine import TrtLimits, require_tensorrt
+
+        require_tensorrt()  # before the export: fail at once where TensorRT cannot run
+        limits = TrtLimits(max_batch=trt_max_batch, max_new_tokens=trt_max_new_tokens, max_past=trt_max_past,
+                           opt_new_tokens=min(8, trt_max_new_tokens), opt_past=min(512, trt_max_past),
+                           precision=trt_precision)
+        limits.check()
+        finish = lambda tmp: build_engine(tmp, limits, progress)  # noqa: E731
     folder, heads = resolve_target(model, heads_dir)
     progress = lambda line: click.echo(line, err=True)  # noqa: E731
-    manifest = export_onnx(folder, Path(onnx_out), heads, overwrite, progress)
+    manifest = export_onnx(folder, Path(onnx_out), heads, overwrite, progress, finish)
     if as_json:
         click.echo(json.dumps(manifest))
     else:

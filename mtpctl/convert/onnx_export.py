@@ -38,7 +38,7 @@ import shutil
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -73,12 +73,12 @@ def _layer_step(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pa
     hd, heads, kv_heads = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     norm, eps = layer.norm, cfg.rms_norm_eps
     qkv = _linear(norm(x, layer.input_norm, eps), layer.qkv, layer.qkv_bias)
-    qk = qkv[..., :layer.q_size + layer.kv_size].unflatten(-1, (heads + kv_heads, hd))
+    qk = qkv[..., :layer.q_size + layer.kv_size].unflatten(2, (heads + kv_heads, hd))  # dims >= 0: no Mod op
     if layer.q_norm is not None:
         qk = torch.cat((norm(qk[:, :, :heads], layer.q_norm, eps), norm(qk[:, :, heads:], layer.k_norm, eps)), dim=2)
     qk = _rotate(qk, cos, sin).transpose(1, 2)
     q, k = qk[:, :heads], qk[:, heads:]
-    v = qkv[..., layer.q_size + layer.kv_size:].unflatten(-1, (kv_heads, hd)).transpose(1, 2)
+    v = qkv[..., layer.q_size + layer.kv_size:].unflatten(2, (kv_heads, hd)).transpose(1, 2)
     keys = torch.cat((past_k, k.float()), dim=2)
     values = torch.cat((past_v, v.float()), dim=2)
     # grouped-query attention: the query heads of one KV group share its keys (no repeat_kv copy)
@@ -91,7 +91,7 @@ def _layer_step(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pa
     if layer.attn_out_norm is not None:
         out = norm(out, layer.attn_out_norm, eps)
     x = x + out
-    gate, up = _linear(norm(x, layer.post_attention_norm, eps), layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+    gate, up = _linear(norm(x, layer.post_attention_norm, eps), layer.gate_up, layer.gate_up_bias).chunk(2, dim=2)
     out = _linear(layer.act(gate) * up, layer.down, layer.down_bias)
     if layer.mlp_out_norm is not None:
         out = norm(out, layer.mlp_out_norm, eps)
@@ -197,6 +197,7 @@ def export_graph(model: Decoder, heads: Optional[MedusaHeads], folder: Path,
                           input_names=names.inputs, output_names=names.outputs, dynamic_axes=axes,
                           do_constant_folding=True)
     proto = onnx.load(str(raw))
+    fold_constants(proto)
     for stale in folder.iterdir():  # the exporter's own side files
         stale.unlink()
     onnx.helper.set_model_props(proto, metadata)
@@ -205,6 +206,42 @@ def export_graph(model: Decoder, heads: Optional[MedusaHeads], folder: Path,
     onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=GRAPH_DATA_FILE, size_threshold=1024)
     onnx.checker.check_model(str(path), full_check=True)  # full_check runs strict shape inference
+
+
+def fold_constants(proto, max_elements: int = 4096) -> int:
+    """Replace every small node whose inputs are all ``Constant`` outputs by a ``Constant`` holding its
+    result (the TorchScript exporter leaves shape arithmetic such as ``Mod`` of two constants, an
+    operator some TensorRT versions do not parse). Returns the number of nodes folded."""
+    import onnx
+    from onnx import helper, numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    values = {}
+    nodes, folded = [], 0
+    for node in proto.graph.node:
+        if node.op_type == "Constant" and len(node.output) == 1 and node.attribute[0].name == "value":
+            values[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
+            nodes.append(node)
+            continue
+        if node.input and node.domain in ("", "ai.onnx") and not any(a.g.node for a in node.attribute) and \
+                all(i in values for i in node.input) and sum(values[i].size for i in node.input) <= max_elements:
+            inputs = [helper.make_tensor_value_info(f"in{k}", onnx.TensorProto.UNDEFINED, None) for k in range(len(node.input))]
+            outputs = [helper.make_tensor_value_info(f"out{k}", onnx.TensorProto.UNDEFINED, None) for k in range(len(node.output))]
+            single = helper.make_node(node.op_type, [f"in{k}" for k in range(len(node.input))],
+                                      [f"out{k}" for k in range(len(node.output))])
+            single.attribute.extend(node.attribute)
+            graph = helper.make_graph([single], "fold", inputs, outputs)
+            results = ReferenceEvaluator(helper.make_model(graph, opset_imports=proto.opset_import)).run(
+                None, {f"in{k}": values[i] for k, i in enumerate(node.input)})
+            for name, value in zip(node.output, results):
+                values[name] = value
+                nodes.append(helper.make_node("Constant", [], [name], value=numpy_helper.from_array(value, name)))
+            folded += 1
+            continue
+        nodes.append(node)
+    del proto.graph.node[:]
+    proto.graph.node.extend(nodes)
+    return folded
 
 
 def sha256_file(path: Path) -> str:
@@ -242,8 +279,7 @@ def write_manifest(folder: Path, target_hash: str, extra: dict) -> dict:
         files[path.name] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
     manifest = {"format": "mtpctl-onnx-export", "format_version": 1, "mtpctl_version": __version__,
                 "target_hash": target_hash, "graph": GRAPH_FILE, "files": files,
-                "tokenizer_files": [n for n in files if n not in (GRAPH_FILE, GRAPH_DATA_FILE, "config.json",
-                                                                    "mtp_config.json")],
+                "tokenizer_files": [n for n in files if n in COPIED and n not in ("config.json", "generation_config.json")],
                 **graph_io(folder / GRAPH_FILE), **extra}
     (folder / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     return manifest
@@ -295,12 +331,14 @@ def load_heads_for(heads_dir: Path, model: Decoder, target_hash: str) -> MedusaH
 
 
 def export_onnx(model_folder: Path, out: Path, heads_dir: Optional[Path] = None, overwrite: bool = False,
-                progress=lambda line: None) -> dict:
+                progress=lambda line: None, finish: Optional[Callable[[Path], None]] = None) -> dict:
     """Export the fused draft/verify graph of the checkpoint in ``model_folder`` (and the MTP heads
     in ``heads_dir``) to the folder ``out``; returns the manifest.
 
     The folder is written under a temporary name next to ``out`` and renamed when complete; an
-    interruption or an error leaves no folder behind.
+    interruption or an error leaves no folder behind. ``finish(tmp_folder)`` runs before the rename
+    (e.g. a TensorRT build, :func:`mtpctl.convert.trt_build.build_engine`); the manifest then also
+    lists the files it added.
 
     Raises:
         BadInput: ``out`` exists without ``overwrite``; heads of another model.
@@ -325,6 +363,7 @@ def export_onnx(model_folder: Path, out: Path, heads_dir: Optional[Path] = None,
         if heads_cfg is not None:
             heads_cfg.save(tmp)
         c = model.cfg
+        extra_keys = ("opset", "dtype", "source", "heads", "model")
         manifest = write_manifest(tmp, target_hash, {
             "opset": OPSET, "dtype": "float32", "source": str(model_folder),
             "heads": None if heads_cfg is None else {
@@ -333,6 +372,9 @@ def export_onnx(model_folder: Path, out: Path, heads_dir: Optional[Path] = None,
             "model": {"model_type": c.model_type, "num_layers": c.num_hidden_layers, "kv_heads": c.num_key_value_heads,
                       "head_dim": c.head_dim, "hidden_size": c.hidden_size, "vocab_size": c.vocab_size,
                       "max_position_embeddings": c.max_position_embeddings}})
+        if finish is not None:
+            finish(tmp)
+            manifest = write_manifest(tmp, target_hash, {k: v for k, v in manifest.items() if k in extra_keys})
         finish_output(tmp, Path(out))
         return manifest
     except BaseException:

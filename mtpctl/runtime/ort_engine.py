@@ -268,38 +268,15 @@ class OrtEngine:
         self._present = None
 
 
-class OrtSession:
-    """An exported model (graph + tokenizer) ready to generate, like :class:`mtpctl.runtime.session.Session`.
-
-    Args:
-        folder: an ``mtpctl export --onnx`` folder.
-        threads: CPU threads for onnxruntime.
-
-    Raises:
-        BadInput, CorruptModel, UnsupportedModel: see :class:`OrtGraph`.
-    """
-
-    backend = "onnxruntime"
-
-    def __init__(self, folder: Path, threads: Optional[int] = None):
-        from mtpctl.runtime.tokenizer import TextCodec
-
-        self.folder = Path(folder)
-        self.graph = OrtGraph(self.folder, threads)
-        self.codec = TextCodec(self.folder)
-
-    @property
-    def context_length(self) -> int:
-        return self.graph.context_length
-
-    @property
-    def weight_bytes(self) -> int:
-        return self.graph.weight_bytes
+class FusedHeadsMixin:
+    """MTP heads fused into an exported graph, for sessions over an export folder (``folder`` and
+    ``manifest`` attributes): the same ``load_heads`` / ``heads_drafter`` as
+    :class:`mtpctl.runtime.session.Session`."""
 
     @property
     def heads_config(self):
         """The exported heads' :class:`mtpctl.runtime.heads.HeadsConfig`, or None."""
-        if not self.graph.has_heads:
+        if not self.manifest.get("heads"):
             return None
         from mtpctl.runtime.heads import HeadsConfig
 
@@ -326,7 +303,7 @@ class OrtSession:
 
     def manifest_heads(self) -> dict:
         """The manifest's record of the fused heads; BadInput when the export has none."""
-        heads = self.graph.manifest.get("heads")
+        heads = self.manifest.get("heads")
         if not heads:
             raise BadInput(f"{self.folder} was exported without MTP heads: re-export with mtpctl export MODEL "
                            "--heads DIR --onnx OUT/")
@@ -351,6 +328,36 @@ class OrtSession:
         elif tree.depth > cfg.num_heads:
             raise BadInput(f"the draft tree is {tree.depth} deep; the heads predict {cfg.num_heads} tokens")
         return MedusaDrafter(tree)
+
+
+class OrtSession(FusedHeadsMixin):
+    """An exported model (graph + tokenizer) ready to generate, like :class:`mtpctl.runtime.session.Session`.
+
+    Args:
+        folder: an ``mtpctl export --onnx`` folder.
+        threads: CPU threads for onnxruntime.
+
+    Raises:
+        BadInput, CorruptModel, UnsupportedModel: see :class:`OrtGraph`.
+    """
+
+    backend = "onnxruntime"
+
+    def __init__(self, folder: Path, threads: Optional[int] = None):
+        from mtpctl.runtime.tokenizer import TextCodec
+
+        self.folder = Path(folder)
+        self.graph = OrtGraph(self.folder, threads)
+        self.manifest = self.graph.manifest
+        self.codec = TextCodec(self.folder)
+
+    @property
+    def context_length(self) -> int:
+        return self.graph.context_length
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.graph.weight_bytes
 
     def encode(self, prompt: str, chat: bool = True) -> list:
         return self.codec.encode_prompt(prompt, chat)
