@@ -15,6 +15,7 @@ from mtpctl.cli.bench import bench_cmd
 from mtpctl.cli.export import export_cmd
 from mtpctl.cli.generate import generate_cmd
 from mtpctl.cli.models import models_group
+from mtpctl.cli.pair import pair_cmd
 from mtpctl.errors import MtpctlError, OutputClosed
 
 INTERNAL_ERROR, INTERRUPTED = 3, 130
@@ -43,6 +44,7 @@ cli.add_command(add_heads_cmd)
 cli.add_command(bench_cmd)
 cli.add_command(models_group)
 cli.add_command(export_cmd)
+cli.add_command(pair_cmd)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

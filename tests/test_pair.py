@@ -1,0 +1,156 @@
+"""``mtpctl pair``: verdicts and evidence on tokenizer variants made here from the tiny byte-level
+checkpoint (ids 0..255 bytes, 256 <|endoftext|> (UNK, PAD), 257 <|im_start|> (BOS), 258 <|im_end|>
+(EOS)), id map files, the drafter a pairing builds, and the CLI."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import write_tiny_checkpoint
+from mtpctl.cli.main import main
+from mtpctl.convert.pairing import (IDENTICAL, INCOMPATIBLE, MAPPED, draft_model_drafter, load_vocabulary,
+                                    pair_folders, read_id_map, write_id_map)
+from mtpctl.errors import BadInput
+
+
+def edit_tokenizer(folder: Path, change) -> Path:
+    """Apply ``change`` to the parsed tokenizer.json of ``folder`` and write it back."""
+    path = folder / "tokenizer.json"
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    target = write_tiny_checkpoint(root / "target")
+    padded = write_tiny_checkpoint(root / "padded", seed=1, vocab=320)  # 61 padding rows
+
+    added = write_tiny_checkpoint(root / "added", seed=2, vocab=260)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(added))
+    tok.add_special_tokens({"pad_token": "<pad>"})  # id 259
+    tok.save_pretrained(str(added))
+
+    def rename_a(data):
+        vocab = data["model"]["vocab"]
+        vocab["AA"] = vocab.pop("A")  # id 32 keeps its place under another string
+
+    changed = edit_tokenizer(write_tiny_checkpoint(root / "changed", seed=3), rename_a)
+
+    def add_bos(data):
+        data["post_processor"] = {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<|im_start|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": "<|im_start|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [257], "tokens": ["<|im_start|>"]}}}
+
+    bos = edit_tokenizer(write_tiny_checkpoint(root / "bos", seed=4), add_bos)
+    return {"target": target, "padded": padded, "added": added, "changed": changed, "bos": bos}
+
+
+@pytest.fixture(scope="module")
+def pairings(variants):
+    names = ["padded", "added", "changed", "bos"]
+    return dict(zip(names, pair_folders(variants["target"], [variants[n] for n in names])))
+
+
+def test_padded_embedding_table_is_identical(pairings):
+    p = pairings["padded"]
+    assert p.verdict == IDENTICAL and p.usable
+    assert p.evidence["draft"]["logits_width"] == 320 and p.evidence["draft"]["padding_rows"] == 61
+    assert p.evidence["target"]["logits_width"] == 259 and p.evidence["target"]["padding_rows"] == 0
+    assert p.evidence["first_difference"] is None
+    assert "61 padding rows past its 259 tokens" in p.reasons[1]
+    assert p.id_map == list(range(259)) + [-1] * 61  # padding ids are never proposed
+
+
+def test_one_added_pad_token_is_mapped(pairings):
+    p = pairings["added"]
+    assert p.verdict == MAPPED and p.usable
+    assert p.evidence["first_difference"] == {"id": 259, "target": None, "draft": "<pad>"}
+    assert p.evidence["draft_only_tokens"] == ["<pad>"] and p.evidence["ids_moved"] == 0
+    assert p.evidence["special_token_differences"] == [
+        "pad: target ('<|endoftext|>', 256), draft ('<pad>', 259)"]
+    assert p.id_map == list(range(259)) + [-1]
+
+
+def test_one_changed_token_string_is_incompatible(pairings):
+    p = pairings["changed"]
+    assert p.verdict == INCOMPATIBLE and not p.usable and p.id_map is None
+    assert p.evidence["first_difference"] == {"id": 32, "target": "A", "draft": "AA"}
+    assert any("first differing id 32: 'A' vs 'AA'" in r for r in p.reasons)
+
+
+def test_a_different_bos_rule_is_incompatible(pairings):
+    p = pairings["bos"]
+    assert p.verdict == INCOMPATIBLE
+    assert p.evidence["target"]["adds_before"] == [] and p.evidence["draft"]["adds_before"] == ["<|im_start|>"]
+    assert p.reasons == ["different BOS/EOS rule: the target adds [] before a text, the draft ['<|im_start|>']"]
+    assert p.evidence["first_difference"] is None  # same strings at the same ids
+
+
+def test_id_map_file_round_trip(tmp_path, variants, pairings):
+    out = tmp_path / "map.json"
+    write_id_map(out, list(pairings.values()))
+    data = json.loads(out.read_text())
+    assert data["format_version"] == 1 and data["kind"] == "mtpctl-id-map"
+    assert [d["verdict"] for d in data["drafts"]] == [IDENTICAL, MAPPED, INCOMPATIBLE, INCOMPATIBLE]
+    assert list(tmp_path.iterdir()) == [out]  # no temporary file left
+    assert read_id_map(out, variants["target"], variants["added"], 259, 260) == list(range(259)) + [-1]
+    assert read_id_map(out, variants["target"], variants["bos"], 259, 259) is None
+    with pytest.raises(BadInput, match="logits width"):
+        read_id_map(out, variants["target"], variants["added"], 259, 300)
+    with pytest.raises(BadInput, match="made for target"):
+        read_id_map(out, variants["padded"], variants["added"], 259, 260)
+
+
+def test_pairing_builds_lossless_drafters(variants, pairings):
+    """Each verdict's drafter, on the target's own weights where the vocabularies allow, keeps
+    plain greedy output; the padded draft never proposes a padding id."""
+    from helpers import greedy_reference
+    from mtpctl.runtime.engine import TorchEngine
+    from mtpctl.runtime.generate import generate
+    from mtpctl.runtime.model import Decoder
+    from mtpctl.runtime.sampling import SamplingParams
+    from mtpctl.runtime.stopping import StopChecker
+
+    target = Decoder.from_folder(variants["target"])
+    prompt = [257, 72, 105, 10, 258, 10, 257, 97, 10]
+    reference = greedy_reference(target, prompt, 24)
+    for name in ("padded", "added", "changed"):
+        draft = Decoder.from_folder(variants[name])
+        drafter = draft_model_drafter(pairings[name], draft, 259, SamplingParams(), 3)
+        proposed = []
+        original = drafter.propose
+
+        def spy(context, max_tokens, last=None):
+            d = original(context, max_tokens, last)
+            proposed.extend(d.tokens)
+            return d
+
+        drafter.propose = spy
+        engine = TorchEngine(target, len(prompt) + 24 + 4)
+        result = generate(engine, prompt, StopChecker((), (), 24, str), SamplingParams(), drafter, 3)
+        assert result.token_ids == reference, name
+        assert proposed and all(0 <= t < 259 for t in proposed), name
+    assert draft_model_drafter(pairings["changed"], Decoder.from_folder(variants["changed"]), 259,
+                               SamplingParams(), 3).text is not None  # incompatible: text mode
+
+
+def test_cli_verdicts_json_and_exit_codes(tmp_path, variants, capsys):
+    out = tmp_path / "map.json"
+    assert main(["pair", str(variants["target"]), str(variants["padded"]), str(variants["added"]),
+                 "--json", "--out", str(out)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [d["verdict"] for d in report["drafts"]] == [IDENTICAL, MAPPED]
+    assert report["drafts"][1]["evidence"]["first_difference"] == {"id": 259, "target": None, "draft": "<pad>"}
+    assert out.exists()
+    assert main(["pair", str(variants["target"]), str(variants["padded"]), str(variants["bos"])]) == 1
+    text = capsys.readouterr().out
+    assert "identical" in text and "incompatible" in text and "different BOS/EOS rule" in text
+    assert main(["pair", str(variants["target"]), str(tmp_path / "missing")]) == 2
