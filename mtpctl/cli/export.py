@@ -36,11 +36,16 @@ Examples:
   mtpctl export smollm2-135m --heads heads/smollm2-medusa --onnx out/smollm2-medusa-onnx
   mtpctl generate --backend onnxruntime -m out/smollm2-onnx "Hello"
   mtpctl export smollm2-135m --onnx out/smollm2-trt --trt --trt-precision fp16   (NVIDIA GPU only)
+  mtpctl export smollm2-135m --heads heads/smollm2-medusa --format vllm --out out/smollm2-medusa-vllm
+  mtpctl export heads/smollm2-medusa --format trtllm --out out/smollm2-medusa-trtllm
 """)
 @click.argument("model")
 @click.option("--heads", "heads_dir", type=click.Path(file_okay=False, exists=True),
               help="MTP head folder (mtpctl add-heads output) to fuse into the graph.")
 @click.option("--onnx", "onnx_out", type=click.Path(), help="Write the fused draft/verify ONNX graph to this folder.")
+@click.option("--format", "fmt", type=click.Choice(["vllm", "trtllm"]), default=None,
+              help="Write the --heads in a serving engine's Medusa checkpoint layout (vLLM or TensorRT-LLM) to --out.")
+@click.option("-o", "--out", "out", type=click.Path(), help="Output folder of --format.")
 @click.option("--trt", is_flag=True,
               help="Also build a TensorRT engine (model.plan) into the --onnx folder (needs tensorrt and a CUDA GPU).")
 @click.option("--trt-precision", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp16", show_default=True,
@@ -53,7 +58,7 @@ Examples:
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 @click.option("--debug", is_flag=True, help="Show the full traceback of an error.")
-def export_cmd(model, heads_dir, onnx_out, trt, trt_precision, trt_max_new_tokens, trt_max_past, trt_max_batch,
+def export_cmd(model, heads_dir, onnx_out, fmt, out, trt, trt_precision, trt_max_new_tokens, trt_max_past, trt_max_batch,
                overwrite, as_json, debug) -> None:
     """Export MODEL (or a head folder, whose target is then loaded) for deployment.
 
@@ -67,8 +72,10 @@ def export_cmd(model, heads_dir, onnx_out, trt, trt_precision, trt_max_new_token
     """
     from mtpctl.convert.onnx_export import export_onnx
 
+    if fmt:
+        return export_serving(model, heads_dir, fmt, out, onnx_out, trt, overwrite, as_json)
     if not onnx_out:
-        raise BadInput("nothing to export: give --onnx OUT")
+        raise BadInput("nothing to export: give --onnx OUT (or --format vllm|trtllm --out OUT)")
     finish = None
     if trt:
         from mtpctl.convert.trt_build import build_engine
@@ -90,3 +97,22 @@ def export_cmd(model, heads_dir, onnx_out, trt, trt_precision, trt_max_new_token
         click.echo(f"{onnx_out}: {len(manifest['files'])} files, {total / 1e6:.1f} MB, "
                    f"target sha256 {manifest['target_hash'][:12]}..., "
                    f"heads: {manifest['heads']['num_heads'] if manifest['heads'] else 'none'}")
+
+
+def export_serving(model, heads_dir, fmt, out, onnx_out, trt, overwrite, as_json) -> None:
+    """--format vllm|trtllm: the heads in a serving engine's layout (config.json + safetensors)."""
+    from mtpctl.convert.serving_formats import export_serving_heads
+
+    if onnx_out or trt:
+        raise BadInput("--format writes MTP heads only: run --onnx/--trt as a separate export")
+    if not out:
+        raise BadInput(f"--format {fmt} needs --out OUT (the folder to write)")
+    folder, heads = resolve_target(model, heads_dir)
+    if heads is None:
+        raise BadInput(f"--format {fmt} exports MTP heads: give --heads DIR (or the head folder as MODEL)")
+    config = export_serving_heads(fmt, folder, heads, Path(out), overwrite)
+    if as_json:
+        click.echo(json.dumps(config))
+    else:
+        click.echo(f"{out}: {config.get('num_heads') or config.get('medusa_num_heads')} Medusa heads in the "
+                   f"{'vLLM' if fmt == 'vllm' else 'TensorRT-LLM'} layout")
