@@ -133,3 +133,23 @@ def test_cli_export_and_refusal(tiny_folder, tmp_path, capsys):
     heads = make_heads(tmp_path / "h", tiny_folder)
     assert main(["export", str(heads), "--onnx", str(tmp_path / "from-heads")]) == 0  # target from the heads
     assert json.loads((tmp_path / "from-heads" / "manifest.json").read_text())["heads"]["num_heads"] == 3
+
+
+def test_symbolic_batch_and_empty_past(exported):
+    """Two sequences in one batch give each sequence's batch-1 logits; a past of 0 slots is a prefill."""
+    import numpy as np
+
+    from mtpctl.runtime.ort_engine import OrtGraph
+
+    _, _, root = exported
+    graph = OrtGraph(root / "medusa")
+    ids = np.array([[257, 10, 11, 12], [257, 99, 98, 97]], dtype=np.int64)
+    pos = np.tile(np.arange(4), (2, 1)).astype(np.int64)
+    mask = np.tile(np.tril(np.ones((4, 4), dtype=bool)), (2, 1, 1))
+    empty = [np.zeros((2, 2, 0, 16), dtype=np.float32)] * 4
+    both = graph.run(ids, pos, mask, empty)
+    assert both[0].shape == (2, 4, 259) and both[2].shape == (2, 4, 3, 259) and both[3].shape == (2, 2, 4, 16)
+    for row in range(2):
+        one = graph.run(ids[row:row + 1], pos[row:row + 1], mask[row:row + 1], [e[:1] for e in empty])
+        assert np.abs(one[0][0] - both[0][row]).max() < 1e-4
+        assert np.abs(one[2][0] - both[2][row]).max() < 1e-4
