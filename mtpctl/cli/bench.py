@@ -18,8 +18,8 @@ from mtpctl.runtime.drafters import NgramDrafter
 from mtpctl.runtime.sampling import SamplingParams
 from mtpctl.runtime.session import set_threads
 
-METHODS = ("plain", "ngram")
-NOT_YET = {"heads": "MTP heads (mtpctl add-heads)", "draft": "draft models (mtpctl pair)"}
+METHODS = ("plain", "ngram", "draft")
+NOT_YET = {"heads": "MTP heads (mtpctl add-heads)"}
 
 
 def parse_methods(text: str) -> List[str]:
@@ -40,9 +40,10 @@ Examples:
   mtpctl bench --methods plain,ngram --fail-below-speedup 1.1 --fail-above-p99-ms 80 || exit $?
   mtpctl bench --baseline transformers --categories code,summarization --limit 3
   mtpctl bench --backend onnxruntime -m out/smollm2-onnx --methods plain,ngram --limit 2
+  mtpctl bench --methods plain,draft --draft ./SmolLM2-135M-draft -m ./SmolLM2-360M --limit 1
 """)
 @click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True, help="Alias, folder, .gguf or hub id.")
-@click.option("--methods", default="plain,ngram", show_default=True, help="Comma-separated: plain, ngram.")
+@click.option("--methods", default="plain,ngram", show_default=True, help="Comma-separated: plain, ngram, draft (--draft).")
 @click.option("--prompts", "prompts_path", type=click.Path(dir_okay=False), help="JSONL prompt set (default: built-in).")
 @click.option("--categories", default=None, help="Only these categories (comma-separated).")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="At most N prompts per category.")
@@ -51,6 +52,8 @@ Examples:
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--draft-len", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--draft", "draft_model", default=None,
+              help="Draft model for the draft method (alias, folder, .gguf); see mtpctl pair.")
 @backend_option
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
 @click.option("--weights", type=click.Choice(["dense", "int4"]), default="dense", show_default=True)
@@ -63,7 +66,7 @@ Examples:
 @click.option("--fail-above-p99-ms", type=float, default=None, help="Exit 1 if a method's p99 ITL is above Y ms.")
 @click.option("--debug", is_flag=True, help="Show the full traceback of an error.")
 def bench_cmd(model, methods, prompts_path, categories, limit, repeats, max_new_tokens, temperature, seed,
-              draft_len, backend, dtype, weights, threads, baseline, json_path, plot_path, fail_below_speedup,
+              draft_len, draft_model, backend, dtype, weights, threads, baseline, json_path, plot_path, fail_below_speedup,
               fail_above_p99_ms, debug) -> None:
     """Run decoding methods on the same prompts in one process and compare them.
 
@@ -88,21 +91,39 @@ def bench_cmd(model, methods, prompts_path, categories, limit, repeats, max_new_
         return lambda ids: session.generate(ids, max_new_tokens, sampling, drafter, k)
 
     runners = {"plain": method(None, 0), "ngram": method(NgramDrafter(), draft_len)}
+    weight_bytes_by_method = {}
+    if "draft" in names:
+        runners["draft"], weight_bytes_by_method["draft"] = draft_method(session, draft_model, sampling, draft_len,
+                                                                         dtype, max_new_tokens)
+    elif draft_model:
+        raise BadInput("--draft goes with the draft method (--methods plain,draft)")
     runners = {n: runners[n] for n in names}
     if baseline == "transformers":
         for name, lookup in (("hf", 0), ("hf-prompt-lookup", draft_len)):
             runners[name] = transformers_runner(session.folder, session.codec.eos_ids, max_new_tokens, lookup)
     runs = run_interleaved(runners, encoded, repeats, progress=lambda line: click.echo(line, err=True))
     weight_bytes = session.model.weight_bytes if backend == "torch" else session.weight_bytes  # n-gram drafting holds no weights of its own
-    report = build_report(runs, prompts, {name: weight_bytes for name in names}, {
+    report = build_report(runs, prompts, {name: weight_bytes + weight_bytes_by_method.get(name, 0) for name in names}, {
         "model": str(session.folder), "backend": backend, "dtype": dtype, "weights": weights, "max_new_tokens": max_new_tokens,
-        "temperature": temperature, "draft_len": draft_len, "repeats": repeats, "prompts": len(prompts)})
+        "temperature": temperature, "draft_len": draft_len, "draft": draft_model, "repeats": repeats, "prompts": len(prompts)})
     click.echo(format_table(report))
     if json_path:
         write_json(Path(json_path), report)
     if plot_path:
         plot(Path(plot_path), report, runs)
     check_gates(report, fail_below_speedup, fail_above_p99_ms)
+
+
+def draft_method(session, draft_model: Optional[str], sampling, draft_len: int, dtype: str, max_new_tokens: int):
+    """(runner, draft weight bytes) of the draft method: draft-model speculation with --draft
+    (ids, id map or cross-tokenizer text, as mtpctl pair decides). BadInput without --draft."""
+    from mtpctl.convert.pairing import session_drafter
+
+    if not draft_model:
+        raise BadInput("the draft method needs --draft MODEL (a smaller model; check it with mtpctl pair)")
+    drafter, pairing = session_drafter(session, draft_model, sampling, draft_len, dtype=dtype)
+    click.echo(f"draft {pairing.draft.folder}: {pairing.verdict}, drafting in {pairing.mode}", err=True)
+    return (lambda ids: session.generate(ids, max_new_tokens, sampling, drafter, draft_len)), drafter.model.weight_bytes
 
 
 def select_prompts(prompts, categories: Optional[str], limit: Optional[int]):

@@ -10,13 +10,14 @@ from typing import Optional
 import click
 
 from mtpctl.convert.sources import DEFAULT_MODEL
+from mtpctl.cli.pair import DRAFT_LEN, generate_drafter
 from mtpctl.errors import BadInput, OutputClosed
 from mtpctl.runtime.drafters import NgramDrafter
 from mtpctl.runtime.sampling import SamplingParams
 from mtpctl.cli.backends import backend_option, open_session
 from mtpctl.runtime.session import set_threads
 
-SPECULATE = ("none", "ngram")
+SPECULATE = ("none", "ngram", "draft")
 
 
 def read_prompt(prompt: Optional[str], prompt_file: Optional[str]) -> str:
@@ -43,6 +44,7 @@ Examples:
   echo "Summarize: ..." | mtpctl generate --json - | jq .stats.tau
   mtpctl generate --temperature 0.8 --top-p 0.95 --seed 1 --stop "\\n\\n" "Once upon a time"
   mtpctl generate --dtype bfloat16 --weights int4 --speculate ngram "Repeat: a b c"
+  mtpctl generate --speculate draft --draft ./SmolLM2-135M --draft-len auto -m ./SmolLM2-360M "Hi"
   mtpctl generate --backend onnxruntime -m out/smollm2-onnx --speculate ngram "Repeat: a b c"
 """)
 @click.argument("prompt", required=False)
@@ -50,9 +52,14 @@ Examples:
 @click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True,
               help="Alias, checkpoint folder, .gguf file or hub repo id.")
 @click.option("--speculate", type=click.Choice(SPECULATE), default="none", show_default=True,
-              help="Drafter: none (plain decoding) or ngram (prompt lookup).")
-@click.option("--draft-len", type=click.IntRange(min=1), default=3, show_default=True,
-              help="Most draft tokens verified per step.")
+              help="Drafter: none (plain decoding), ngram (prompt lookup) or draft (a draft model, --draft).")
+@click.option("--draft-len", type=DRAFT_LEN, default=3, show_default=True,
+              help="Most draft tokens verified per step; auto (--speculate draft): longer after a fully "
+                   "accepted draft, shorter after a rejection.")
+@click.option("--draft", "draft_model", default=None,
+              help="Draft model for --speculate draft (alias, folder, .gguf); check it with mtpctl pair.")
+@click.option("--draft-map", type=click.Path(dir_okay=False), default=None,
+              help="Id map from mtpctl pair --out (else computed from the tokenizers).")
 @click.option("--ngram-max", type=click.IntRange(min=1), default=3, show_default=True,
               help="Longest n-gram the prompt-lookup drafter matches.")
 @click.option("--ngram-min", type=click.IntRange(min=1), default=2, show_default=True,
@@ -73,7 +80,7 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, ids, stats) instead of text.")
 @click.option("--stats", is_flag=True, help="Print speculation and speed figures to stderr.")
 @click.option("--debug", is_flag=True, help="Show the full traceback of an error.")
-def generate_cmd(prompt, prompt_file, model, speculate, draft_len, ngram_max, ngram_min, max_new_tokens,
+def generate_cmd(prompt, prompt_file, model, speculate, draft_len, draft_model, draft_map, ngram_max, ngram_min, max_new_tokens,
                  temperature, top_k, top_p, seed, stop_strings, no_chat, backend, dtype, weights, threads, as_json,
                  stats, debug) -> None:
     """Generate text from PROMPT ('-' reads stdin), streaming it to stdout.
@@ -90,13 +97,18 @@ def generate_cmd(prompt, prompt_file, model, speculate, draft_len, ngram_max, ng
     prompt_ids = session.encode(text, chat=not no_chat)
     drafter = NgramDrafter(ngram_max, ngram_min) if speculate == "ngram" else None
     sampling = SamplingParams(temperature, top_k, top_p, seed)
+    draft_info = None
+    if speculate == "draft":
+        drafter, draft_len, draft_info = generate_drafter(session, draft_model, draft_map, sampling, draft_len, dtype)
+    elif draft_model or draft_map or draft_len is None:
+        raise BadInput("--draft, --draft-map and --draft-len auto go with --speculate draft")
     on_text = None if as_json else _stream
     result = session.generate(prompt_ids, max_new_tokens, sampling, drafter,
                               draft_len if drafter else 0, stop_strings, on_text)
     if as_json:
         _stream(json.dumps({
             "text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
-            "model": str(session.folder), "speculate": speculate, "draft_len": draft_len if drafter else 0,
+            "model": str(session.folder), "speculate": speculate, "draft": draft_info, "draft_len": draft_len if drafter else 0,
             "backend": backend, "dtype": dtype, "weights": weights, "stats": result.stats.to_dict(),
         }) + "\n")
     else:

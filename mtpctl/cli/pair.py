@@ -172,3 +172,41 @@ def format_ranking(rows: list) -> str:
         rate = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
         lines.append(f"| {i} | {r['draft']} | {rate} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} |")
     return "\n".join(lines)
+
+
+class DraftLenType(click.ParamType):
+    """``--draft-len``: a number >= 1, or ``auto`` (None) for draft-model speculation."""
+
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):
+        if value is None or isinstance(value, int):
+            return value
+        try:
+            return parse_draft_len(value)
+        except BadInput as err:
+            self.fail(str(err), param, ctx)
+
+
+DRAFT_LEN = DraftLenType()
+
+
+def generate_drafter(session, draft_model: Optional[str], draft_map: Optional[str], sampling, draft_len: Optional[int],
+                     dtype: str):
+    """(drafter, loop draft length, JSON info) for ``generate --speculate draft``: the pairing picks
+    ids, an id map or the cross-tokenizer text mode; one line on stderr says which.
+
+    Raises:
+        BadInput: no --draft; see :func:`mtpctl.convert.pairing.session_drafter` for the rest.
+    """
+    from mtpctl.convert.pairing import session_drafter
+    from mtpctl.runtime.draft_model import AUTO_MAX
+
+    if not draft_model:
+        raise BadInput("--speculate draft needs --draft MODEL (check the pair with mtpctl pair TARGET MODEL)")
+    drafter, pairing = session_drafter(session, draft_model, sampling, draft_len,
+                                       Path(draft_map) if draft_map else None, dtype)
+    click.echo(f"draft {pairing.draft.folder}: {pairing.verdict}, drafting in {pairing.mode}", err=True)
+    info = {"folder": str(pairing.draft.folder), "verdict": pairing.verdict, "mode": pairing.mode,
+            "draft_len": draft_len or "auto"}
+    return drafter, draft_len or AUTO_MAX, info
