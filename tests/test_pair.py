@@ -154,3 +154,35 @@ def test_cli_verdicts_json_and_exit_codes(tmp_path, variants, capsys):
     text = capsys.readouterr().out
     assert "identical" in text and "incompatible" in text and "different BOS/EOS rule" in text
     assert main(["pair", str(variants["target"]), str(tmp_path / "missing")]) == 2
+
+
+def test_generate_and_bench_with_a_draft_model(tmp_path, variants, capsys):
+    """generate --speculate draft equals plain greedy (fixed and auto draft length, the padded
+    identical draft and the mapped one through --draft-map); bench runs the draft method."""
+    target = str(variants["target"])
+    assert main(["generate", "-m", target, "--max-new-tokens", "16", "--json", "hi"]) == 0
+    plain = json.loads(capsys.readouterr().out)["token_ids"]
+    out = tmp_path / "map.json"
+    assert main(["pair", target, str(variants["added"]), "--out", str(out)]) == 0
+    capsys.readouterr()
+    for extra in (["--draft", str(variants["padded"]), "--draft-len", "2"],
+                  ["--draft", str(variants["padded"]), "--draft-len", "auto"],
+                  ["--draft", str(variants["added"]), "--draft-map", str(out)]):
+        assert main(["generate", "-m", target, "--max-new-tokens", "16", "--json", "--speculate", "draft",
+                     *extra, "hi"]) == 0
+        result = json.loads(capsys.readouterr().out)
+        assert result["token_ids"] == plain
+        assert result["stats"]["draft_tokens"] > 0
+    assert result["draft"]["verdict"] == MAPPED and result["draft"]["mode"] == "mapped ids"
+    assert main(["generate", "-m", target, "--speculate", "ngram", "--draft-len", "auto", "hi"]) == 2
+    assert "go with --speculate draft" in capsys.readouterr().err
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"category": "chat", "prompt": "hello there"}))
+    assert main(["bench", "-m", target, "--prompts", str(prompts), "--methods", "plain,draft", "--draft", target,
+                 "--max-new-tokens", "12", "--json", str(tmp_path / "b.json")]) == 0
+    report = json.loads((tmp_path / "b.json").read_text())
+    plain_m, draft_m = report["methods"]
+    assert draft_m["method"] == "draft" and draft_m["acceptance_rate"] == 1.0  # the target drafting for itself
+    assert draft_m["peak_memory_bytes"] > plain_m["peak_memory_bytes"]  # the draft's weights counted
+    assert main(["bench", "-m", target, "--prompts", str(prompts), "--methods", "plain,draft"]) == 2
+    assert "needs --draft" in capsys.readouterr().err
