@@ -17,6 +17,8 @@ COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_la
     ("mistral", {"sliding_window": 5}),
     ("qwen2", {"tie_word_embeddings": False}),
     ("qwen3", {"tie_word_embeddings": False}),
+    ("gemma3_text", {"sliding_window": 5, "query_pre_attn_scalar": 8,
+                     "layer_types": ["sliding_attention", "full_attention"]}),  # more in test_gemma3.py
 ])
 def test_logits_match_transformers(tmp_path, model_type, extra):
     from transformers import AutoConfig, AutoModelForCausalLM
