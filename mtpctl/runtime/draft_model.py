@@ -45,30 +45,59 @@ TEXT_WINDOW = 8
 
 @dataclass
 class TextBridge:
-    """Cross-tokenizer mode: the four text <-> ids functions and the draft ids that end a draft.
+    """Cross-tokenizer mode: target ids -> draft ids (prompt and output), draft ids -> text, text ->
+    target ids, and the draft ids that end a draft (its EOS).
 
-    ``target_encode``/``draft_encode`` must not add special tokens (BOS); decoders keep special tokens
-    as text, so a chat template's markers travel as text (and are read back as special tokens by a
-    tokenizer that has them).
+    ``prompt_to_draft`` gives the draft the prompt as its own tokenizer would have encoded it (its BOS
+    rule applied); ``output_to_draft`` and ``target_encode`` add no special tokens.
     """
 
-    target_decode: Callable[[List[int]], str]
-    target_encode: Callable[[str], List[int]]
+    prompt_to_draft: Callable[[List[int]], List[int]]
+    output_to_draft: Callable[[List[int]], List[int]]
     draft_decode: Callable[[List[int]], str]
-    draft_encode: Callable[[str], List[int]]
+    target_encode: Callable[[str], List[int]]
     draft_stop_ids: Set[int] = field(default_factory=set)
 
     @classmethod
     def from_tokenizers(cls, target_tokenizer, draft_tokenizer, draft_stop_ids: Sequence[int] = ()) -> "TextBridge":
-        """A bridge between two HF tokenizers (``tokenizer.decode``/``encode``)."""
-        def enc(tok):
-            return lambda text: [int(i) for i in tok.encode(text, add_special_tokens=False)]
+        """A bridge between two HF tokenizers.
 
-        def dec(tok):
-            return lambda ids: tok.decode(ids, skip_special_tokens=False)
+        Target ids become text with the target's special tokens kept only where the draft's
+        tokenizer has the same token (shared chat markers), others dropped; the target's own BOS (the
+        ids its tokenizer puts before a text) is stripped from the prompt, and the draft's tokenizer
+        adds its own when encoding the prompt. So the draft sees the prompt with BOS and special tokens
+        handled the way its own tokenizer handles them.
+        """
+        draft_added = {str(t) for t in draft_tokenizer.get_added_vocab()}
+        target_added = {int(i): str(t) for t, i in target_tokenizer.get_added_vocab().items()}
+        dropped = {i for i, t in target_added.items() if t not in draft_added}
+        prefix = _added_prefix(target_tokenizer)
 
-        return cls(dec(target_tokenizer), enc(target_tokenizer), dec(draft_tokenizer), enc(draft_tokenizer),
+        def target_text(ids: List[int]) -> str:
+            return target_tokenizer.decode([i for i in ids if i not in dropped], skip_special_tokens=False)
+
+        def prompt_to_draft(ids: List[int]) -> List[int]:
+            if prefix and list(ids[:len(prefix)]) == prefix:
+                ids = ids[len(prefix):]
+            return [int(i) for i in draft_tokenizer(target_text(ids))["input_ids"]]
+
+        def output_to_draft(ids: List[int]) -> List[int]:
+            return [int(i) for i in draft_tokenizer.encode(target_text(ids), add_special_tokens=False)]
+
+        return cls(prompt_to_draft, output_to_draft,
+                   lambda ids: draft_tokenizer.decode(ids, skip_special_tokens=True),
+                   lambda text: [int(i) for i in target_tokenizer.encode(text, add_special_tokens=False)],
                    set(int(i) for i in draft_stop_ids))
+
+
+def _added_prefix(tokenizer) -> List[int]:
+    """The ids ``tokenizer`` puts before a text when it adds special tokens (its BOS), [] if none."""
+    plain = tokenizer.encode("a", add_special_tokens=False)
+    full = tokenizer.encode("a")
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return [int(i) for i in full[:start]]
+    return []
 
 
 class DraftModelDrafter:
@@ -223,8 +252,8 @@ class DraftModelDrafter:
         if not (n and len(context) > n and tuple(context[:n]) == self._prompt_key):
             n = len(context) - 1  # a new prompt: all but the pending token, re-encoded once
             self._prompt_key = tuple(context[:n])
-            self._prompt_draft = self.text.draft_encode(self.text.target_decode(list(self._prompt_key)))
-        output = self.text.draft_encode(self.text.target_decode(context[n:]))
+            self._prompt_draft = self.text.prompt_to_draft(list(self._prompt_key))
+        output = self.text.output_to_draft(context[n:])
         return self._prompt_draft + output, output
 
     # -- the draft's KV cache ----------------------------------------------------------------------
