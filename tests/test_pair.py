@@ -186,3 +186,13 @@ def test_generate_and_bench_with_a_draft_model(tmp_path, variants, capsys):
     assert draft_m["peak_memory_bytes"] > plain_m["peak_memory_bytes"]  # the draft's weights counted
     assert main(["bench", "-m", target, "--prompts", str(prompts), "--methods", "plain,draft"]) == 2
     assert "needs --draft" in capsys.readouterr().err
+
+
+def test_measure_ranks_usable_drafts(variants, capsys):
+    assert main(["pair", str(variants["target"]), str(variants["padded"]), str(variants["added"]),
+                 str(variants["changed"]), "--measure", "--prompts", "1", "--max-new-tokens", "8",
+                 "--draft-len", "2", "--json"]) == 1  # the changed draft is not usable
+    rows = json.loads(capsys.readouterr().out)["measure"]
+    assert sorted(r["draft"] for r in rows) == sorted([str(variants["padded"]), str(variants["added"])])
+    assert rows[0]["tokens_per_s"] >= rows[1]["tokens_per_s"]
+    assert all(0 <= r["acceptance_rate"] <= 1 and r["draft_len"] == 2 and r["prompts"] == 1 for r in rows)

@@ -33,7 +33,7 @@ Examples:
 @click.option("--measure", is_flag=True,
               help="Rank usable drafts by acceptance rate and tokens/s on a few built-in prompts (greedy).")
 @click.option("--prompts", "n_prompts", type=click.IntRange(min=1), default=MEASURE_PROMPTS, show_default=True,
-              help="Prompts for --measure (one per category of the built-in set).")
+              help="Prompts for --measure (one per category of the built-in set, those that fit the context).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True, help="For --measure.")
 @click.option("--draft-len", default="auto", show_default=True, help="For --measure: N or auto.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
@@ -129,13 +129,18 @@ def measure_drafts(target_folder: Path, pairings: List[Pairing], n_prompts: int,
 
     set_threads(threads)
     session = Session(target_folder, dtype)
-    seen, prompts = set(), []
-    for p in load_prompts():
-        if p.category not in seen and len(prompts) < n_prompts:
-            seen.add(p.category)
-            prompts.append(session.codec.encode_messages(list(p.messages)))
     greedy = SamplingParams()
     k = draft_len or AUTO_MAX
+    seen, prompts = set(), []
+    for p in load_prompts():  # one per category, those that fit the target's context with the output
+        ids = session.codec.encode_messages(list(p.messages))
+        if p.category not in seen and len(prompts) < n_prompts and \
+                len(ids) + max_new_tokens + k + 1 <= session.context_length:
+            seen.add(p.category)
+            prompts.append(ids)
+    if not prompts:
+        raise BadInput(f"no built-in prompt fits the target's context ({session.context_length} tokens) "
+                       f"with {max_new_tokens} new tokens")
 
     def run(drafter, length):
         new, ms, accepted, drafted = 0, 0.0, 0, 0
