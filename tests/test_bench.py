@@ -56,7 +56,7 @@ def test_gates_exit_1_naming_the_method(capsys, tiny_folder, prompt_file, tmp_pa
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (["--methods", "plain,heads"], "needs MTP heads"),
+    (["--methods", "plain,heads"], "needs --heads DIR"),
     (["--methods", "plain,bogus"], "unknown method"),
     (["--categories", "poetry"], "no prompt in category"),
 ])

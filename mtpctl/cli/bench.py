@@ -18,16 +18,13 @@ from mtpctl.runtime.drafters import NgramDrafter
 from mtpctl.runtime.sampling import SamplingParams
 from mtpctl.runtime.session import set_threads
 
-METHODS = ("plain", "ngram", "draft")
-NOT_YET = {"heads": "MTP heads (mtpctl add-heads)"}
+METHODS = ("plain", "ngram", "draft", "heads")
 
 
 def parse_methods(text: str) -> List[str]:
     """``plain,ngram`` -> the list, ``plain`` first (the speedup baseline); BadInput on an unknown name."""
     names = [n.strip() for n in text.split(",") if n.strip()]
     for name in names:
-        if name in NOT_YET:
-            raise BadInput(f"method {name!r} needs {NOT_YET[name]}, which this version does not have yet")
         if name not in METHODS:
             raise BadInput(f"unknown method {name!r} (choose from {', '.join(METHODS)})")
     return ["plain"] + [n for n in dict.fromkeys(names) if n != "plain"]
@@ -40,10 +37,16 @@ Examples:
   mtpctl bench --methods plain,ngram --fail-below-speedup 1.1 --fail-above-p99-ms 80 || exit $?
   mtpctl bench --baseline transformers --categories code,summarization --limit 3
   mtpctl bench --backend onnxruntime -m out/smollm2-onnx --methods plain,ngram --limit 2
+  mtpctl bench --methods plain,heads --heads heads/smollm2 --fail-below-speedup 1.3
   mtpctl bench --methods plain,draft --draft ./SmolLM2-135M-draft -m ./SmolLM2-360M --limit 1
 """)
 @click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True, help="Alias, folder, .gguf or hub id.")
-@click.option("--methods", default="plain,ngram", show_default=True, help="Comma-separated: plain, ngram, draft (--draft).")
+@click.option("--methods", default="plain,ngram", show_default=True,
+              help="Comma-separated: plain, ngram, draft (--draft), heads (--heads).")
+@click.option("--heads", "heads_dir", type=click.Path(file_okay=False), default=None,
+              help="MTP head folder (mtpctl add-heads) for the heads method.")
+@click.option("--tree-nodes", type=click.IntRange(min=1), default=None,
+              help="Draft tree size for the heads method [default: by dtype].")
 @click.option("--prompts", "prompts_path", type=click.Path(dir_okay=False), help="JSONL prompt set (default: built-in).")
 @click.option("--categories", default=None, help="Only these categories (comma-separated).")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="At most N prompts per category.")
@@ -65,7 +68,7 @@ Examples:
 @click.option("--fail-below-speedup", type=float, default=None, help="Exit 1 if a method's speedup is below X.")
 @click.option("--fail-above-p99-ms", type=float, default=None, help="Exit 1 if a method's p99 ITL is above Y ms.")
 @click.option("--debug", is_flag=True, help="Show the full traceback of an error.")
-def bench_cmd(model, methods, prompts_path, categories, limit, repeats, max_new_tokens, temperature, seed,
+def bench_cmd(model, methods, heads_dir, tree_nodes, prompts_path, categories, limit, repeats, max_new_tokens, temperature, seed,
               draft_len, draft_model, backend, dtype, weights, threads, baseline, json_path, plot_path, fail_below_speedup,
               fail_above_p99_ms, debug) -> None:
     """Run decoding methods on the same prompts in one process and compare them.
@@ -97,6 +100,16 @@ def bench_cmd(model, methods, prompts_path, categories, limit, repeats, max_new_
                                                                          dtype, max_new_tokens)
     elif draft_model:
         raise BadInput("--draft goes with the draft method (--methods plain,draft)")
+    if "heads" in names:
+        if not heads_dir:
+            raise BadInput("the heads method needs --heads DIR (a folder made by mtpctl add-heads)")
+        heads = session.load_heads(heads_dir)
+        drafter = session.heads_drafter(heads, None, tree_nodes)
+        runners["heads"] = lambda ids: session.generate(ids, max_new_tokens, sampling, drafter, len(drafter.tree.paths),
+                                                        heads=heads)
+        weight_bytes_by_method["heads"] = sum(t.numel() * t.element_size() for t in heads.state_dict().values())
+    elif heads_dir or tree_nodes:
+        raise BadInput("--heads and --tree-nodes go with the heads method (--methods plain,heads)")
     runners = {n: runners[n] for n in names}
     if baseline == "transformers":
         for name, lookup in (("hf", 0), ("hf-prompt-lookup", draft_len)):

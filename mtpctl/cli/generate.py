@@ -13,11 +13,12 @@ from mtpctl.convert.sources import DEFAULT_MODEL
 from mtpctl.cli.pair import DRAFT_LEN, generate_drafter
 from mtpctl.errors import BadInput, OutputClosed
 from mtpctl.runtime.drafters import NgramDrafter
+from mtpctl.runtime.heads import StaticTree
 from mtpctl.runtime.sampling import SamplingParams
 from mtpctl.cli.backends import backend_option, open_session
 from mtpctl.runtime.session import set_threads
 
-SPECULATE = ("none", "ngram", "draft")
+SPECULATE = ("none", "ngram", "draft", "heads")
 
 
 def read_prompt(prompt: Optional[str], prompt_file: Optional[str]) -> str:
@@ -45,6 +46,8 @@ Examples:
   mtpctl generate --temperature 0.8 --top-p 0.95 --seed 1 --stop "\\n\\n" "Once upon a time"
   mtpctl generate --dtype bfloat16 --weights int4 --speculate ngram "Repeat: a b c"
   mtpctl generate --speculate draft --draft ./SmolLM2-135M --draft-len auto -m ./SmolLM2-360M "Hi"
+  mtpctl generate --speculate heads --heads heads/smollm2 --stats "Explain KV caches."
+  mtpctl generate --speculate heads --heads heads/smollm2 --tree tree.yaml --dtype bfloat16 "Hi"
   mtpctl generate --backend onnxruntime -m out/smollm2-onnx --speculate ngram "Repeat: a b c"
 """)
 @click.argument("prompt", required=False)
@@ -52,7 +55,15 @@ Examples:
 @click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True,
               help="Alias, checkpoint folder, .gguf file or hub repo id.")
 @click.option("--speculate", type=click.Choice(SPECULATE), default="none", show_default=True,
-              help="Drafter: none (plain decoding), ngram (prompt lookup) or draft (a draft model, --draft).")
+              help="Drafter: none (plain decoding), ngram (prompt lookup), draft (a draft model, --draft) or heads (MTP heads, --heads).")
+@click.option("--heads", "heads_dir", type=click.Path(file_okay=False), default=None,
+              help="MTP head folder (mtpctl add-heads) for --speculate heads.")
+@click.option("--tree", "tree_file", type=click.Path(dir_okay=False), default=None,
+              help="Draft tree for --speculate heads: YAML/JSON list of paths of top-k ranks, e.g. [[0],[1],[0,0]].")
+@click.option("--tree-nodes", type=click.IntRange(min=1), default=None,
+              help="Size of the draft tree grown from the heads' accuracy [default: by dtype].")
+@click.option("--acceptance", type=click.Choice(["exact", "typical"]), default="exact", show_default=True,
+              help="exact: lossless; typical: Medusa's typical acceptance when sampling (lossy).")
 @click.option("--draft-len", type=DRAFT_LEN, default=3, show_default=True,
               help="Most draft tokens verified per step; auto (--speculate draft): longer after a fully "
                    "accepted draft, shorter after a rejection.")
@@ -80,7 +91,7 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, ids, stats) instead of text.")
 @click.option("--stats", is_flag=True, help="Print speculation and speed figures to stderr.")
 @click.option("--debug", is_flag=True, help="Show the full traceback of an error.")
-def generate_cmd(prompt, prompt_file, model, speculate, draft_len, draft_model, draft_map, ngram_max, ngram_min, max_new_tokens,
+def generate_cmd(prompt, prompt_file, model, speculate, heads_dir, tree_file, tree_nodes, acceptance, draft_len, draft_model, draft_map, ngram_max, ngram_min, max_new_tokens,
                  temperature, top_k, top_p, seed, stop_strings, no_chat, backend, dtype, weights, threads, as_json,
                  stats, debug) -> None:
     """Generate text from PROMPT ('-' reads stdin), streaming it to stdout.
@@ -95,7 +106,14 @@ def generate_cmd(prompt, prompt_file, model, speculate, draft_len, draft_model, 
     set_threads(threads)
     session = open_session(model, backend, dtype, weights, threads)
     prompt_ids = session.encode(text, chat=not no_chat)
-    drafter = NgramDrafter(ngram_max, ngram_min) if speculate == "ngram" else None
+    heads, drafter = None, None
+    if speculate == "ngram":
+        drafter = NgramDrafter(ngram_max, ngram_min)
+    elif speculate == "heads":
+        heads, drafter = heads_drafter(session, heads_dir, tree_file, tree_nodes)
+        draft_len = len(drafter.tree.paths)
+    elif heads_dir or tree_file or tree_nodes:
+        raise BadInput("--heads, --tree and --tree-nodes go with --speculate heads")
     sampling = SamplingParams(temperature, top_k, top_p, seed)
     draft_info = None
     if speculate == "draft":
@@ -104,7 +122,7 @@ def generate_cmd(prompt, prompt_file, model, speculate, draft_len, draft_model, 
         raise BadInput("--draft, --draft-map and --draft-len auto go with --speculate draft")
     on_text = None if as_json else _stream
     result = session.generate(prompt_ids, max_new_tokens, sampling, drafter,
-                              draft_len if drafter else 0, stop_strings, on_text)
+                              draft_len if drafter else 0, stop_strings, on_text, heads, acceptance)
     if as_json:
         _stream(json.dumps({
             "text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
@@ -115,6 +133,29 @@ def generate_cmd(prompt, prompt_file, model, speculate, draft_len, draft_model, 
         _stream("\n")
     if stats:
         click.echo(format_stats(result.stats.to_dict()), err=True)
+
+
+def heads_drafter(session, heads_dir: Optional[str], tree_file: Optional[str], tree_nodes: Optional[int]):
+    """(heads, drafter) for --speculate heads; BadInput without --heads or with a bad tree file."""
+    if not heads_dir:
+        raise BadInput("--speculate heads needs --heads DIR (a folder made by mtpctl add-heads)")
+    heads = session.load_heads(heads_dir)
+    tree = read_tree(tree_file, heads.cfg.num_heads) if tree_file else None
+    return heads, session.heads_drafter(heads, tree, tree_nodes)
+
+
+def read_tree(path: str, num_heads: int) -> StaticTree:
+    """A draft tree file: YAML or JSON, a list of paths (``[[0], [1], [0, 0]]``) or ``{"tree": [...]}``."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load(open(path, encoding="utf-8").read())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise BadInput(f"cannot read tree file {path}: {err}") from err
+    paths = raw.get("tree") if isinstance(raw, dict) else raw
+    if not isinstance(paths, list):
+        raise BadInput(f"tree file {path}: expected a list of paths such as [[0], [1], [0, 0]]")
+    return StaticTree.from_paths(paths, num_heads)
 
 
 def _stream(piece: str) -> None:

@@ -138,11 +138,11 @@ class MedusaHeads(nn.Module):
             raise ValueError("own or truncated lm_heads need target_lm_head (the target's lm_head weight)")
         rows = (target_lm_head[self.token_map] if truncated else target_lm_head) if needs_rows else None
         self.lm_heads: Optional[nn.ParameterList] = None
-        self.projection: Optional[torch.Tensor] = None
         if cfg.own_lm_head:
             self.lm_heads = nn.ParameterList(nn.Parameter(rows.detach().to(dtype).clone()) for _ in range(cfg.num_heads))
-        elif truncated:  # frozen rows of the target's lm_head: derived, never saved
-            self.register_buffer("projection", rows.detach().to(dtype).clone(), persistent=False)
+        # frozen rows of the target's lm_head for truncated shared heads: derived, never saved
+        projection = rows.detach().to(dtype).clone() if truncated and not cfg.own_lm_head else None
+        self.register_buffer("projection", projection, persistent=False)
 
     def features(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[..., hidden]`` -> each head's features before the vocabulary projection ``[..., K, hidden]``."""

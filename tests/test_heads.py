@@ -1,0 +1,257 @@
+"""MTP heads at decode time: tree acceptance (exact tensors), lossless tree decoding for every tree
+shape, the sampled distribution over a draft tree, static trees, and the head folder format."""
+
+from collections import Counter
+
+import pytest
+import torch
+
+from helpers import first_divergence, greedy_reference, random_decoder, top2_gap
+from mtpctl.errors import BadInput, CorruptModel
+from mtpctl.runtime.acceptance import accept_greedy, accept_rejection_sampling, accept_typical
+from mtpctl.runtime.drafters import TargetStep
+from mtpctl.runtime.engine import TorchEngine
+from mtpctl.runtime.generate import generate
+from mtpctl.runtime.heads import (HeadsConfig, MedusaDrafter, MedusaHeads, StaticTree, check_heads_match,
+                                  tree_from_accuracy)
+from mtpctl.runtime.sampling import SamplingParams
+from mtpctl.runtime.stopping import StopChecker
+from stats_util import chi_square_rejects
+from test_generate import PROMPT, decode, exact_sequence_probs
+
+TREES = {
+    "chain": [[0], [0, 0], [0, 0, 0]],
+    "wide": [[0], [1], [2], [3]],
+    "mixed": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]],
+    "deep-second": [[0], [1], [1, 0], [1, 0, 0], [1, 0, 0, 0]],
+}
+
+
+def one_hot_rows(targets, vocab=10):
+    logits = torch.full((len(targets), vocab), -5.0)
+    logits[torch.arange(len(targets)), torch.tensor(targets)] = 5.0
+    return logits
+
+
+def test_tree_greedy_acceptance_follows_the_matching_child():
+    # tree: node0=3 (root child), node1=4 (root child), node2=7 (child of 1), node3=8 (child of 1)
+    draft, parents = [3, 4, 7, 8], [-1, -1, 1, 1]
+    # row 0 (root) -> 4, row 2 (node 1) -> 8, row 4 (node 3) -> 9
+    logits = one_hot_rows([4, 0, 8, 0, 9])
+    result = accept_greedy(draft, logits, parents)
+    assert result.nodes == [1, 3] and result.accepted == [4, 8] and result.next_token == 9
+    assert result.rows == [0, 2, 4]
+    miss = accept_greedy(draft, one_hot_rows([5, 0, 0, 0, 0]), parents)
+    assert miss.nodes == [] and miss.tokens == [5] and miss.rows == [0]
+
+
+def test_tree_rejection_sampling_tries_siblings_in_turn():
+    # p at the root puts all mass on token 4: the first sibling (3) must be rejected, the second accepted
+    draft, parents = [3, 4], [-1, -1]
+    logits = torch.full((3, 10), -30.0)
+    logits[0, 4] = 30.0
+    logits[2, 6] = 30.0
+    result = accept_rejection_sampling(draft, logits, SamplingParams(temperature=1.0),
+                                       torch.Generator().manual_seed(0), parents=parents)
+    assert result.nodes == [1] and result.tokens == [4, 6]
+
+
+def test_typical_acceptance_takes_a_likely_child_and_is_explicitly_lossy():
+    draft, parents = [3, 4], [-1, -1]
+    logits = torch.full((3, 10), 0.0)
+    logits[0, 4] = 6.0  # p(4) ~ 0.98 at the root
+    result = accept_typical(draft, logits, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0),
+                            parents=parents)
+    assert result.nodes == [1]
+
+
+class OracleTreeDrafter:
+    """Lays out a static tree whose rank-``rank_of_truth[d]`` candidate at depth d is the reference
+    token (other ranks hold wrong tokens), through :meth:`StaticTree.draft`."""
+
+    def __init__(self, tree: StaticTree, reference, prompt_len: int, vocab: int, rank_of_truth):
+        self.tree, self.reference, self.prompt_len, self.vocab = tree, reference, prompt_len, vocab
+        self.rank_of_truth = rank_of_truth
+
+    def propose(self, context, max_tokens, last=None):
+        done = len(context) - self.prompt_len  # the pending token is reference[done - 1]
+        rows = []
+        for d in range(self.tree.depth):
+            truth = self.reference[done + d] if done + d < len(self.reference) else 0
+            wrong = [(truth + 1 + i) % self.vocab for i in range(self.tree.max_rank)]
+            rank = self.rank_of_truth[d % len(self.rank_of_truth)]
+            row = wrong[:rank] + [truth] + wrong[rank:]
+            rows.append(row[: self.tree.max_rank])
+        return self.tree.draft(torch.tensor(rows), max_tokens)
+
+
+def run(model, drafter, draft_len, max_new=40, sampling=SamplingParams(), prompt=PROMPT, heads=None):
+    engine = TorchEngine(model, len(prompt) + max_new + draft_len + 1, heads)
+    return generate(engine, prompt, StopChecker((), (), max_new, decode), sampling, drafter, draft_len)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_decoder(seed=3)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return greedy_reference(model, PROMPT, 40)
+
+
+@pytest.mark.parametrize("name", sorted(TREES))
+@pytest.mark.parametrize("rank_of_truth", [(0,), (1,), (0, 1, 3)])
+def test_greedy_tree_decoding_is_lossless_for_every_tree_shape(model, reference, name, rank_of_truth):
+    tree = StaticTree.from_paths(TREES[name], 4)
+    drafter = OracleTreeDrafter(tree, reference, len(PROMPT), model.cfg.vocab_size, rank_of_truth)
+    result = run(model, drafter, len(tree.paths))
+    assert result.token_ids == reference
+    assert sum(result.stats.accepted_per_step) == 40 - 1
+    assert result.stats.drafted_per_step[0] == len(tree.paths)
+
+
+def test_a_tree_that_holds_the_truth_accepts_along_it(model, reference):
+    tree = StaticTree.from_paths(TREES["deep-second"], 4)  # the rank-1 branch is 4 deep
+    result = run(model, OracleTreeDrafter(tree, reference, len(PROMPT), model.cfg.vocab_size, (1, 0, 0, 0)), 5)
+    assert result.token_ids == reference
+    assert result.stats.tau == pytest.approx(39 / result.stats.decode_steps)
+    assert max(result.stats.accepted_per_step) == 5  # 4 drafts along the deep branch + bonus
+
+
+def random_heads(model, num_heads=3, seed=0, draft_vocab=0):
+    cfg = HeadsConfig("medusa", num_heads, 1, False, model.cfg.hidden_size, model.cfg.vocab_size, draft_vocab)
+    token_map = torch.arange(0, 2 * draft_vocab, 2) if draft_vocab else None
+    heads = MedusaHeads(cfg, torch.float32, model.dense_lm_head().float(), token_map)
+    g = torch.Generator().manual_seed(seed)
+    for p in heads.parameters():
+        p.data = 0.3 * torch.randn(p.shape, generator=g)
+    return heads.requires_grad_(False)
+
+
+@pytest.mark.parametrize("draft_vocab", [0, 64])
+@pytest.mark.parametrize("paths", [TREES["mixed"], TREES["wide"]])
+def test_medusa_drafter_is_lossless(model, reference, draft_vocab, paths):
+    heads = random_heads(model, draft_vocab=draft_vocab)
+    drafter = MedusaDrafter(StaticTree.from_paths(paths, 3))
+    result = run(model, drafter, len(paths), heads=heads)
+    assert result.token_ids == reference
+
+
+def test_identity_heads_repeat_the_base_prediction(model):
+    """Zero-initialised blocks are the identity: every head then proposes the lm_head's own argmax."""
+    cfg = HeadsConfig("medusa", 2, 1, False, model.cfg.hidden_size, model.cfg.vocab_size)
+    heads = MedusaHeads(cfg)
+    engine = TorchEngine(model, 32, heads)
+    out = engine.prefill(PROMPT)
+    draft = MedusaDrafter(StaticTree.from_paths([[0], [0, 0]], 2)).propose(PROMPT, 8, TargetStep(out, 0))
+    pending = int(out[0].argmax())
+    assert draft.tokens == [pending, pending] and draft.parents == [-1, 0]
+    assert torch.allclose(out.draft_logits(0), out[0].expand(2, -1), atol=1e-5)  # 2 rows vs 1: ~1e-6 apart
+
+
+def test_sampling_over_a_draft_tree_keeps_the_target_distribution():
+    model = random_decoder(seed=5, vocab=5, max_pos=32)
+    prompt, n = [1, 2, 1, 2, 1], 3
+    params = SamplingParams(temperature=1.0, top_k=4)
+    expected = exact_sequence_probs(model, prompt, n, params)
+    tree = StaticTree.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0]], 2)
+    heads = random_heads(model, num_heads=2, seed=1)
+    counts = Counter()
+    for seed in range(3000):
+        sampling = SamplingParams(temperature=1.0, top_k=4, seed=seed)
+        counts[tuple(run(model, MedusaDrafter(tree), len(tree.paths), n, sampling, prompt, heads).token_ids)] += 1
+    assert not chi_square_rejects(counts, expected)
+    assert chi_square_rejects(counts, exact_sequence_probs(model, prompt, n, SamplingParams(temperature=0.5)))
+
+
+def test_static_tree_orders_paths_and_rejects_bad_ones():
+    tree = StaticTree.from_paths([[0, 1], [1], [0], [0, 0]], 2)
+    assert tree.paths == ((0,), (1,), (0, 0), (0, 1)) and tree.parents == [-1, -1, 0, 0]
+    assert tree.depth == 2 and tree.max_rank == 2
+    draft = tree.draft(torch.tensor([[10, 11], [20, 21]]), 3)
+    assert draft.tokens == [10, 11, 20] and draft.parents == [-1, -1, 0]
+    for bad, words in [([], "no paths"), ([[0], [0]], "twice"), ([[0, 0]], "no parent"),
+                       ([[0], [0, 0], [0, 0, 0]], "3 deep"), ([[-1]], "ranks"), ([[]], "ranks")]:
+        with pytest.raises(BadInput, match=words):
+            StaticTree.from_paths(bad, 2)
+
+
+def test_tree_grown_from_accuracy_maximises_expected_accepts():
+    acc = [[0.6, 0.2, 0.1], [0.4, 0.1], [0.2]]
+    # path probabilities: (0) .6, (0,0) .24, (1) .2, (2) .1, (1,0) .08, (0,1) .06, (0,0,0) .048
+    assert tree_from_accuracy(acc, 6).paths == ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0))
+    assert tree_from_accuracy(acc, 7).paths[-1] == (0, 0, 0)
+    assert tree_from_accuracy(acc, 2).paths == ((0,), (0, 0))
+
+
+@pytest.mark.parametrize("draft_vocab,own", [(0, False), (64, False), (0, True), (64, True)])
+def test_head_folder_round_trip(tmp_path, model, draft_vocab, own):
+    cfg = HeadsConfig("medusa", 2, 2, own, model.cfg.hidden_size, model.cfg.vocab_size, draft_vocab,
+                      target="tiny", target_hash="ab" * 32, tree=[[0], [0, 0]])
+    token_map = torch.arange(0, 2 * draft_vocab, 2) if draft_vocab else None
+    heads = MedusaHeads(cfg, torch.float32, model.dense_lm_head().float(), token_map)
+    for p in heads.parameters():
+        p.data.normal_()
+    heads.save(tmp_path)
+    loaded = MedusaHeads.load(tmp_path, torch.float32, model.dense_lm_head().float())
+    x = torch.randn(3, model.cfg.hidden_size)
+    assert torch.equal(loaded(x, model.logits), heads(x, model.logits))
+    full = loaded(x, model.logits)
+    assert full.shape == (3, 2, model.cfg.vocab_size)
+    if draft_vocab:  # tokens outside the draft vocabulary are never proposed
+        assert torch.isinf(full[..., 1::2]).all() and torch.isfinite(full[..., 0:128:2]).all()
+
+
+def test_head_folder_loads_strictly(tmp_path, model):
+    from safetensors.torch import load_file, save_file
+
+    heads = random_heads(model, num_heads=2)
+    heads.save(tmp_path)
+    weights = tmp_path / "mtp_heads.safetensors"
+    good = load_file(str(weights))
+    for change, words in [
+        (lambda t: t.pop("blocks.1.0.linear.bias"), "missing"),
+        (lambda t: t.update(extra=torch.zeros(2)), "unexpected"),
+        (lambda t: t.update({"blocks.0.0.linear.bias": torch.zeros(3)}), "shape"),
+        (lambda t: t["blocks.0.0.linear.weight"].__setitem__((0, 0), float("nan")), "NaN"),
+    ]:
+        tensors = {k: v.clone() for k, v in good.items()}
+        change(tensors)
+        save_file(tensors, str(weights))
+        with pytest.raises(CorruptModel, match=words):
+            MedusaHeads.load(tmp_path)
+    with pytest.raises(BadInput, match="not an MTP head folder"):
+        MedusaHeads.load(tmp_path / "nowhere")
+
+
+def test_heads_for_another_model_are_refused(model):
+    cfg = HeadsConfig("medusa", 2, 1, False, model.cfg.hidden_size, model.cfg.vocab_size, target_hash="a" * 64)
+    check_heads_match(cfg, model.cfg.hidden_size, model.cfg.vocab_size, "a" * 64)
+    with pytest.raises(BadInput, match="trained on another model"):
+        check_heads_match(cfg, model.cfg.hidden_size, model.cfg.vocab_size, "b" * 64)
+    with pytest.raises(BadInput, match="vocabulary"):
+        check_heads_match(cfg, model.cfg.hidden_size, model.cfg.vocab_size + 1, None)
+
+
+@pytest.mark.real
+def test_tree_decoding_on_the_real_model_equals_plain_greedy(smollm2):
+    """Identity heads (every head proposes the base argmax again) and an oracle tree on SmolLM2:
+    token for token plain greedy, or a divergence only at a float32 near-tie."""
+    model = smollm2.model
+    prompt = smollm2.encode("List the days of the week, then the months of the year.")
+    plain = smollm2.generate(prompt, 48, SamplingParams()).token_ids
+    cfg = HeadsConfig("medusa", 3, 1, False, model.cfg.hidden_size, model.cfg.vocab_size)
+    for drafter, heads, n in [
+        (MedusaDrafter(StaticTree.from_paths(TREES["mixed"], 3)), MedusaHeads(cfg), 6),
+        (OracleTreeDrafter(StaticTree.from_paths(TREES["deep-second"], 4), plain, len(prompt),
+                           model.cfg.vocab_size, (1, 0, 0, 0)), None, 5),
+    ]:
+        got = smollm2.generate(prompt, 48, SamplingParams(), drafter, n, heads=heads).token_ids
+        i = first_divergence(got, plain)
+        if i >= 0:  # allowed only at a near-tie of the float32 logits
+            engine = TorchEngine(model, len(prompt) + 64)
+            logits = engine.prefill(prompt + plain[:i])[-1] if i else engine.prefill(prompt)[-1]
+            assert top2_gap(logits) < 1e-3, f"divergence at {i} with top-2 gap {top2_gap(logits)}"
+        else:
+            assert got == plain

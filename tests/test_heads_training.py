@@ -1,0 +1,216 @@
+"""add-heads: labels, losses and gradients of every head, repeatable training, resume, DDP agreement,
+self-distillation in batches, the output folder, and the CLI's errors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import greedy_reference, random_decoder
+from mtpctl.cli.main import main
+from mtpctl.convert.distill import batch_greedy, read_records
+from mtpctl.convert.heads_training import (Features, Trainer, TrainSettings, add_heads, head_labels, head_losses,
+                                           lr_at)
+from mtpctl.errors import BadInput
+from mtpctl.runtime.heads import HeadsConfig, MedusaHeads
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_labels_are_the_targets_predictions_k_places_ahead():
+    # two sequences of lengths 5 and 3; pred holds the target's argmax at each position
+    feats = Features(torch.zeros(8, 4), torch.tensor([10, 11, 12, 13, 14, 20, 21, 22]), torch.tensor([0, 5, 8]),
+                     torch.tensor([0, 0]))
+    labels = head_labels(feats, torch.tensor([0, 2, 5, 6]), 3, None)
+    # head k at position t learns pred[t + k], within the same sequence (else -100)
+    assert labels.tolist() == [[11, 12, 13], [13, 14, -100], [21, 22, -100], [22, -100, -100]]
+    vocab_index = torch.full((30,), -100)
+    vocab_index[torch.tensor([11, 13, 22])] = torch.tensor([0, 1, 2])
+    assert head_labels(feats, torch.tensor([0]), 3, vocab_index).tolist() == [[0, -100, 1]]
+
+
+def test_every_head_gets_a_loss_and_a_gradient():
+    model = random_decoder(seed=1)
+    cfg = HeadsConfig("medusa", 3, 1, False, model.cfg.hidden_size, model.cfg.vocab_size)
+    heads = MedusaHeads(cfg)
+    hidden = torch.randn(6, model.cfg.hidden_size)
+    labels = torch.randint(0, model.cfg.vocab_size, (6, 3))
+    per_head = head_losses(heads(hidden, model.logits, full_vocab=False), labels)
+    assert per_head.shape == (3,) and bool((per_head > 0).all())
+    (per_head * torch.tensor([1.0, 0.8, 0.64])).sum().backward()
+    for k, blocks in enumerate(heads.blocks):
+        grad = blocks[0].linear.weight.grad
+        assert grad is not None and float(grad.abs().sum()) > 0, f"head {k + 1} got no gradient"
+
+
+def test_soft_labels_equal_hard_labels_for_a_one_hot_target():
+    logits = torch.randn(4, 2, 7)
+    labels = torch.randint(0, 7, (4, 2))
+    ids = torch.stack([labels, (labels + 1) % 7], dim=-1)
+    probs = torch.stack([torch.ones(4, 2), torch.zeros(4, 2)], dim=-1)
+    assert torch.allclose(head_losses(logits, labels, (ids, probs)), head_losses(logits, labels))
+
+
+def test_learning_rate_warms_up_then_decays():
+    s = TrainSettings(warmup=0.1)
+    values = [lr_at(step, 100, s) for step in range(100)]
+    assert values[0] == pytest.approx(0.1) and values[9] == pytest.approx(1.0)
+    assert values[10] == pytest.approx(1.0) and values[-1] < 0.01
+    assert all(a >= b for a, b in zip(values[10:], values[11:]))
+
+
+def test_batched_self_distillation_equals_one_prompt_at_a_time():
+    model = random_decoder(seed=2)
+    prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9]]
+    got = batch_greedy(model, prompts, 12, eos_ids={258}, batch_size=3)
+    for prompt, response in zip(prompts, got):
+        assert response == greedy_reference(model, prompt, 12)[:len(response)]
+        assert len(response) == 12 or response[-1] == 258
+
+
+def write_data(folder: Path) -> Path:
+    path = folder / "data.jsonl"
+    with path.open("w") as f:
+        for i in range(24):
+            f.write(json.dumps({"prompt": f"count: {i} {i + 1} {i + 2}"}) + "\n")
+        f.write(json.dumps({"text": "abcabcabcabcabcabcabcabcabc " * 4}) + "\n")
+    return path
+
+
+SMALL = dict(num_heads=2, self_distill=True, response_tokens=16, epochs=2, batch_tokens=64, tree_nodes=4, lr=3e-3)
+
+
+def read_heads(folder):
+    return {k: v.clone() for k, v in MedusaHeads.load(folder).state_dict().items()}
+
+
+def test_training_is_repeatable_and_learns(tiny_folder, tmp_path):
+    data = write_data(tmp_path)
+    runs = []
+    for i in range(2):
+        summary = add_heads(tiny_folder, "tiny", [data], tmp_path / f"out{i}", TrainSettings(**SMALL),
+                            tmp_path / f"home{i}")
+        runs.append(read_heads(tmp_path / f"out{i}"))
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
+    history = summary["history"]
+    assert len(history) == 2 and history[-1]["loss"] < history[0]["loss"] + 1e-6
+    cfg = HeadsConfig.load(tmp_path / "out0")
+    assert cfg.num_heads == 2 and len(cfg.topk_accuracy) == 2 and len(cfg.tree) == 4
+    assert cfg.training["settings"]["seed"] == 0 and cfg.target == "tiny" and len(cfg.target_hash) == 64
+    other = add_heads(tiny_folder, "tiny", [data], tmp_path / "seed1", TrainSettings(**{**SMALL, "seed": 1}),
+                      tmp_path / "home0")
+    assert other["timings_s"].get("features_s") is None  # features came from the cache
+    assert not all(torch.equal(runs[0][k], v) for k, v in read_heads(tmp_path / "seed1").items())
+
+
+def test_resume_continues_where_an_interrupted_run_stopped(tiny_folder, tmp_path):
+    data = write_data(tmp_path)
+    add_heads(tiny_folder, "tiny", [data], tmp_path / "straight", TrainSettings(**SMALL), tmp_path / "home")
+
+    class Interrupt(Exception):
+        pass
+
+    def stop_after_first_epoch(entry):
+        raise Interrupt()
+
+    original = Trainer.train
+    try:  # interrupt right after the first epoch's checkpoint
+        Trainer.train = lambda self, resume, on_eval=None: original(self, resume, stop_after_first_epoch)
+        with pytest.raises(Interrupt):
+            add_heads(tiny_folder, "tiny", [data], tmp_path / "resumed", TrainSettings(**SMALL), tmp_path / "home2")
+    finally:
+        Trainer.train = original
+    assert not (tmp_path / "resumed").exists()  # nothing half-written
+    assert not list(tmp_path.glob(".resumed*"))
+    add_heads(tiny_folder, "tiny", [data], tmp_path / "resumed", TrainSettings(**SMALL), tmp_path / "home2",
+              resume=True)
+    straight, resumed = read_heads(tmp_path / "straight"), read_heads(tmp_path / "resumed")
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+def test_two_ddp_processes_agree_with_one(tiny_folder, tmp_path, monkeypatch):
+    """torchrun --nproc-per-node 2 (gloo, CPU): each rank takes half of every batch and DDP averages the
+    gradients, so the result equals a single process on the whole batch (up to float summation order)."""
+    data = write_data(tmp_path)
+    args = ["add-heads", "-m", str(tiny_folder), "--data", str(data), "--self-distill", "--num-heads", "2",
+            "--response-tokens", "16", "--epochs", "2", "--batch-tokens", "64", "--tree-nodes", "4", "--lr", "3e-3"]
+    env = {**os.environ, "MTPCTL_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
+    ddp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", "29517", "-m", "mtpctl.cli.main", *args, "--out", str(tmp_path / "ddp")],
+                         env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert ddp.returncode == 0, ddp.stderr[-2000:]
+    monkeypatch.setenv("MTPCTL_HOME", str(tmp_path / "home"))
+    assert main([*args, "--out", str(tmp_path / "single")]) == 0
+    one, two = read_heads(tmp_path / "single"), read_heads(tmp_path / "ddp")
+    for name in one:
+        assert torch.allclose(one[name], two[name], atol=1e-4), name
+
+
+def test_data_errors_are_clear(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n\n")
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("caf\xe9".encode("latin-1"))
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"prompt": "ok"}\n{not json\n')
+    for path, words in [(empty, "holds no text"), (latin, "not UTF-8"), (broken, "broken.jsonl:2"),
+                        (tmp_path / "missing.txt", "cannot read")]:
+        with pytest.raises(BadInput, match=words):
+            read_records([path])
+
+
+def run_cli(args, capsys):
+    code = main(args)
+    return code, capsys.readouterr().err
+
+
+def test_cli_bad_input_exits_2_with_one_line(tiny_folder, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MTPCTL_HOME", str(tmp_path / "home"))
+    data = write_data(tmp_path)
+    base = ["add-heads", "-m", str(tiny_folder), "--data", str(data), "--self-distill"]
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    (tmp_path / "exists").mkdir()
+    for args, words in [
+        (base + ["--num-heads", "0", "--out", str(tmp_path / "a")], "num-heads must be at least 1"),
+        (["add-heads", "-m", str(tiny_folder), "--data", str(empty), "--out", str(tmp_path / "b")], "holds no text"),
+        (base + ["--out", str(tmp_path / "exists")], "already exists"),
+        (["add-heads", "-m", str(tiny_folder), "--data", str(data), "--out", str(tmp_path / "c")], "--self-distill"),
+    ]:
+        code, err = run_cli(args, capsys)
+        assert code == 2, err
+        lines = [line for line in err.splitlines() if line.startswith("mtpctl: error:")]
+        assert len(lines) == 1 and words in lines[0] and "Traceback" not in err
+
+
+def test_generate_with_heads_end_to_end(tiny_folder, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MTPCTL_HOME", str(tmp_path / "home"))
+    data = write_data(tmp_path)
+    heads = tmp_path / "heads"
+    code = main(["add-heads", "-m", str(tiny_folder), "--data", str(data), "--self-distill", "--num-heads", "2",
+                 "--response-tokens", "12", "--epochs", "1", "--tree-nodes", "3", "--out", str(heads)])
+    assert code == 0
+    capsys.readouterr()
+    plain_args = ["generate", "-m", str(tiny_folder), "--max-new-tokens", "24", "--json", "count: 3 4"]
+    assert main(plain_args) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(plain_args + ["--speculate", "heads", "--heads", str(heads)]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["token_ids"] == plain["token_ids"] and spec["stats"]["draft_tokens"] > 0
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("[[0], [0, 0], [0, 0, 0]]\n")
+    (tmp_path / "other").mkdir()
+    HeadsConfig.load(heads)  # sanity: a real head folder
+    cfg = json.loads((heads / "mtp_config.json").read_text())
+    cfg["target_hash"] = "0" * 64
+    other = tmp_path / "other"
+    (other / "mtp_config.json").write_text(json.dumps(cfg))
+    (other / "mtp_heads.safetensors").write_bytes((heads / "mtp_heads.safetensors").read_bytes())
+    for extra, words in [(["--tree", str(deep)], "3 deep"), (["--heads", str(other)], "another model")]:
+        args = plain_args + ["--speculate", "heads"] + (["--heads", str(heads)] if "--heads" not in extra else []) + extra
+        assert main(args) == 2
+        assert words in capsys.readouterr().err
