@@ -212,8 +212,8 @@ def format_report(args, sections) -> str:
              "near 2-2.5 and a draft as costly as the target, speculation loses; it would win with a draft 5-10x "
              "cheaper than its target at the same acceptance. The text round trip (decode, re-encode) adds "
              "tokenizer calls every step in both libraries.",
-             "- One run on a shared 2-core machine with other jobs running: differences under ~15% are noise "
-             "(the same plain decoding ran at 4.9-11 tokens/s on different prompts of this run).", END]
+             "- One run on a shared 2-core machine with other jobs running: the same method's speed varies by up "
+             "to 2x from prompt to prompt (see the script's stderr), so differences under ~15% are noise.", END]
     return "\n".join(head + ["\n\n".join(sections)] + notes)
 
 
