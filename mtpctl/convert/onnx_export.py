@@ -239,6 +239,8 @@ def fold_constants(proto, max_elements: int = 4096) -> int:
             folded += 1
             continue
         nodes.append(node)
+    used = {i for node in nodes for i in node.input} | {o.name for o in proto.graph.output}
+    nodes = [n for n in nodes if n.op_type != "Constant" or n.output[0] in used]  # inputs of folded nodes
     del proto.graph.node[:]
     proto.graph.node.extend(nodes)
     return folded

@@ -124,6 +124,7 @@ class OrtGraph:
         self.names = io_names(self.num_layers, self.has_heads)
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.log_severity_level = 3  # errors only: no per-initializer notes on stderr
         if threads:
             options.intra_op_num_threads = threads
         providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider")
