@@ -168,3 +168,22 @@ def test_session_heads_from_the_export(tiny_folder, tmp_path):
         session.load_heads(other)
     with pytest.raises(BadInput, match="without MTP heads"):
         OrtSession(tmp_path / "plain").load_heads(heads_dir)
+
+
+@pytest.mark.parametrize("own", [False, True])
+def test_truncated_draft_vocabulary_heads(own, tiny_folder, tmp_path):
+    """Heads scoring a 100-token draft vocabulary (token_map): -inf elsewhere, as in torch; lossless."""
+    from test_serving_formats import truncated_heads
+
+    model = Decoder.from_folder(tiny_folder)
+    heads_dir = truncated_heads(tmp_path / "h", tiny_folder, model, own)
+    export_onnx(tiny_folder, tmp_path / "x", heads_dir)
+    heads = MedusaHeads.load(heads_dir, torch.float32, model.dense_lm_head())
+    graph = OrtGraph(tmp_path / "x")
+    prompt = [257, 3, 4, 5]
+    a, b = OrtEngine(graph, 64).prefill(prompt).draft_logits(0), TorchEngine(model, 64, heads).prefill(prompt).draft_logits(0)
+    finite = torch.isfinite(b)
+    assert int(finite.sum()) == 3 * 100 and torch.equal(torch.isfinite(a), finite)
+    assert (a[finite] - b[finite]).abs().max() < 1e-3
+    tree = StaticTree.from_paths(TREE, 3)
+    assert run(OrtEngine(graph, 80), prompt, MedusaDrafter(tree), len(TREE)) == run(TorchEngine(model, 80), prompt)

@@ -178,7 +178,7 @@ def supported_ops():
     return {line.strip() for line in lines if line.strip() and not line.startswith("#")}
 
 
-GRAPHS = {"llama+heads": {}, "qwen2": dict(model_type="qwen2"), "qwen3": dict(model_type="qwen3"),
+GRAPHS = {"llama+heads": {}, "llama+truncated-heads": {}, "qwen2": dict(model_type="qwen2"), "qwen3": dict(model_type="qwen3"),
           "mistral-window": dict(model_type="mistral", sliding_window=5),
           "gemma3": dict(model_type="gemma3_text", sliding_window=4, layer_types=["sliding_attention", "full_attention"],
                          query_pre_attn_scalar=16, final_logit_softcapping=30.0)}
@@ -188,6 +188,12 @@ GRAPHS = {"llama+heads": {}, "qwen2": dict(model_type="qwen2"), "qwen3": dict(mo
 def test_every_exported_operator_is_documented_by_tensorrt(name, tmp_path):
     folder = write_tiny_checkpoint(tmp_path / "m", **GRAPHS[name])
     heads = make_heads(tmp_path / "h", folder) if name == "llama+heads" else None
+    if name == "llama+truncated-heads":  # a draft vocabulary (token_map): scattered into -inf logits
+        from test_serving_formats import truncated_heads
+
+        from mtpctl.runtime.model import Decoder
+
+        heads = truncated_heads(tmp_path / "h", folder, Decoder.from_folder(folder), own=False)
     export_onnx(folder, tmp_path / "x", heads)
     proto = onnx.load(str(tmp_path / "x" / "model.onnx"), load_external_data=False)
     used = {n.op_type for n in proto.graph.node}
