@@ -123,7 +123,7 @@ def test_heads_of_another_model_refused(tiny_folder, tmp_path):
 
 
 def test_cli_export_and_refusal(tiny_folder, tmp_path, capsys):
-    out = tmp_path / "cli-out"
+    out = tmp_path / "new" / "cli-out"  # missing parent folders are created
     assert main(["export", str(tiny_folder), "--onnx", str(out), "--json"]) == 0
     manifest = json.loads(capsys.readouterr().out)
     assert manifest["graph"] == "model.onnx" and (out / "manifest.json").is_file()

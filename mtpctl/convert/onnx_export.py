@@ -291,7 +291,7 @@ def prepare_output(out: Path, overwrite: bool) -> Path:
     """Check ``out`` and return a fresh temporary folder next to it (renamed by :func:`finish_output`).
 
     Raises:
-        BadInput: ``out`` exists and ``overwrite`` is not set, or is a file, or its parent is missing.
+        BadInput: ``out`` exists and ``overwrite`` is not set, or is a file, or its parent cannot be created.
     """
     out = Path(out)
     if out.exists() and not overwrite:
@@ -299,8 +299,10 @@ def prepare_output(out: Path, overwrite: bool) -> Path:
     if out.exists() and not out.is_dir():
         raise BadInput(f"{out} is a file, not a folder")
     parent = out.resolve().parent
-    if not parent.is_dir():
-        raise BadInput(f"the folder {parent} does not exist")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise BadInput(f"cannot create the folder {parent}: {err}") from err
     return Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=str(parent)))
 
 
