@@ -122,7 +122,13 @@ class FusedStep(nn.Module):
     def forward(self, input_ids, position_ids, attention_mask, *past):
         m = self.model
         cfg = m.cfg
-        x = F.embedding(input_ids, m.embed)
+        # a tied embedding is read through one transposed view [hidden, vocab] for the lookup and for
+        # the lm_head, so the graph stores it once (the exporter folds each transpose into a copy)
+        self._tied = m.lm_head.t() if m.lm_head is m.embed else None
+        if self._tied is not None:
+            x = self._tied.index_select(1, input_ids.reshape(-1)).t().reshape(*input_ids.shape, -1)
+        else:
+            x = F.embedding(input_ids, m.embed)
         if m.embed_scale is not None:
             x = x * m.embed_scale
         rot = (m.rope_cos[position_ids].unsqueeze(2), m.rope_sin[position_ids].unsqueeze(2))
@@ -142,8 +148,18 @@ class FusedStep(nn.Module):
             x, k, v = _layer_step(layer, x, cos, sin, past[2 * i], past[2 * i + 1], masks[window])
             presents += [k, v]
         hidden = m.final_norm(x, m.norm, cfg.rms_norm_eps)
-        heads = () if self.heads is None else (self.heads(hidden, m.logits),)
-        return (m.logits(hidden), hidden, *heads, *presents)
+        heads = () if self.heads is None else (self.heads(hidden, self.project),)
+        return (self.project(hidden), hidden, *heads, *presents)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """The target's lm_head, ``[..., hidden] -> [..., vocab]`` float32, as
+        :meth:`mtpctl.runtime.model.Decoder.logits` computes it (a tied one through the embedding's
+        transposed view of :meth:`forward`)."""
+        m = self.model
+        tied = getattr(self, "_tied", None)
+        logits = (torch.matmul(x, tied) if tied is not None else F.linear(x, m.lm_head)).float()
+        cap = m.cfg.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def graph_metadata(model: Decoder, heads_cfg: Optional[HeadsConfig], target_hash: str) -> Dict[str, str]:
