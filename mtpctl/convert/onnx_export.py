@@ -126,7 +126,7 @@ class FusedStep(nn.Module):
         # the lm_head, so the graph stores it once (the exporter folds each transpose into a copy)
         self._tied = m.lm_head.t() if m.lm_head is m.embed else None
         if self._tied is not None:
-            x = self._tied.index_select(1, input_ids.reshape(-1)).t().reshape(*input_ids.shape, -1)
+            x = self._tied.index_select(1, input_ids.reshape(-1)).t().reshape(*input_ids.shape, cfg.hidden_size)
         else:
             x = F.embedding(input_ids, m.embed)
         if m.embed_scale is not None:
