@@ -139,8 +139,8 @@ def test_two_ddp_processes_agree_with_one(tiny_folder, tmp_path, monkeypatch):
     args = ["add-heads", "-m", str(tiny_folder), "--data", str(data), "--self-distill", "--num-heads", "2",
             "--response-tokens", "16", "--epochs", "2", "--batch-tokens", "64", "--tree-nodes", "4", "--lr", "3e-3"]
     env = {**os.environ, "MTPCTL_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
-    ddp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-port", "29517", "-m", "mtpctl.cli.main", *args, "--out", str(tmp_path / "ddp")],
+    ddp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "mtpctl.cli.main", *args, "--out", str(tmp_path / "ddp")],
                          env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert ddp.returncode == 0, ddp.stderr[-2000:]
     monkeypatch.setenv("MTPCTL_HOME", str(tmp_path / "home"))

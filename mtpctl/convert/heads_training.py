@@ -236,25 +236,28 @@ def head_labels(feats: Features, positions: torch.Tensor, num_heads: int, vocab_
 
 
 def head_losses(logits: torch.Tensor, labels: torch.Tensor, soft: Optional[tuple] = None) -> torch.Tensor:
-    """Per-head loss ``[K]`` of draft logits ``[B, K, V]`` against labels ``[B, K]`` (-100 ignored):
+    """Per-head mean loss ``[K]`` of draft logits ``[B, K, V]`` against labels ``[B, K]`` (-100 ignored):
     cross-entropy, or with ``soft = (ids [B, K, m], probs [B, K, m])`` the cross-entropy to the target's
     renormalised top-m distribution (KL up to the target's entropy, a constant)."""
-    losses = []
-    for k in range(logits.shape[1]):
-        valid = labels[:, k] >= 0
-        if not bool(valid.any()):
-            losses.append(logits[:, k].sum() * 0.0)
-            continue
-        if soft is None:
-            losses.append(F.cross_entropy(logits[valid, k], labels[valid, k]))
-        else:
-            ids, probs = soft[0][valid, k], soft[1][valid, k].float()
-            keep = ids >= 0
-            probs = torch.where(keep, probs, 0.0)
-            probs = probs / probs.sum(-1, keepdim=True).clamp(min=1e-9)
-            logp = logits[valid, k].log_softmax(-1).gather(-1, ids.clamp(min=0))
-            losses.append(-(probs * logp).sum(-1).mean())
-    return torch.stack(losses)
+    sums, counts = head_loss_sums(logits, labels, soft)
+    return sums / counts.clamp(min=1)
+
+
+def head_loss_sums(logits: torch.Tensor, labels: torch.Tensor, soft: Optional[tuple] = None) -> tuple:
+    """Per-head summed loss ``[K]`` and number of labelled positions ``[K]`` (see :func:`head_losses`)."""
+    valid = labels >= 0  # [B, K]
+    if soft is None:
+        flat = F.cross_entropy(logits.flatten(0, 1), labels.flatten().clamp(min=0), reduction="none")
+        per_pos = flat.view(labels.shape)
+    else:
+        ids, probs = soft
+        keep = ids >= 0
+        probs = torch.where(keep, probs.float(), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True).clamp(min=1e-9)
+        logp = logits.log_softmax(-1).gather(-1, ids.clamp(min=0))
+        per_pos = -(probs * logp).sum(-1)
+    per_pos = torch.where(valid, per_pos, 0.0)
+    return per_pos.sum(0), valid.sum(0).float()
 
 
 @torch.no_grad()
@@ -355,10 +358,17 @@ class Trainer:
             order = torch.randperm(n, generator=torch.Generator().manual_seed(s.seed * 1000 + epoch + 1))
             chunk = self.train_pos[order[offset * per_step:(offset + 1) * per_step]]
             micro = [chunk[i:i + s.batch_tokens] for i in range(0, len(chunk), s.batch_tokens)]
-            yield step, [m[_rank()::_world()] for m in micro]
+            yield step, [(m[_rank()::_world()], self._label_counts(m)) for m in micro]
             step += 1
 
-    def _loss(self, pos: torch.Tensor) -> torch.Tensor:
+    def _label_counts(self, pos: torch.Tensor) -> torch.Tensor:
+        """Labelled positions per head ``[K]`` in a whole micro-batch (all ranks together)."""
+        return (head_labels(self.feats, pos, self.s.num_heads, self.vocab_index) >= 0).sum(0).float()
+
+    def _loss(self, pos: torch.Tensor, counts: torch.Tensor) -> tuple:
+        """(weighted loss, per-head losses ``[K]``) of this rank's positions ``pos``; each head's loss
+        is its sum over ``pos`` divided by ``counts`` (the whole micro-batch's labelled positions) times
+        the world size, so DDP's gradient average equals one process on the whole micro-batch."""
         s = self.s
         labels = head_labels(self.feats, pos, s.num_heads, self.vocab_index)
         logits = self.model(self.feats.hidden[pos].float(), self.lm_head, full_vocab=False)
@@ -370,7 +380,8 @@ class Trainer:
             if self.vocab_index is not None:
                 ids = self.vocab_index[ids]
             soft = (ids, self.feats.soft_probs[target])
-        per_head = head_losses(logits, labels, soft)
+        sums, _ = head_loss_sums(logits, labels, soft)
+        per_head = sums / counts.clamp(min=1) * _world()
         weights = s.head_decay ** torch.arange(s.num_heads, dtype=torch.float32)
         return (per_head * weights).sum(), per_head.detach()
 
@@ -387,8 +398,8 @@ class Trainer:
             for group in self.opt.param_groups:
                 group["lr"] = self.s.lr * lr_at(step, self.total_steps, self.s)
             self.opt.zero_grad(set_to_none=True)
-            for m in micro:
-                loss, per_head = self._loss(m)
+            for m, counts in micro:
+                loss, per_head = self._loss(m, counts)
                 (loss / len(micro)).backward()
             self.opt.step()
             self.progress.step = step + 1
