@@ -187,3 +187,20 @@ def test_truncated_draft_vocabulary_heads(own, tiny_folder, tmp_path):
     assert (a[finite] - b[finite]).abs().max() < 1e-3
     tree = StaticTree.from_paths(TREE, 3)
     assert run(OrtEngine(graph, 80), prompt, MedusaDrafter(tree), len(TREE)) == run(TorchEngine(model, 80), prompt)
+
+
+def test_cli_speculate_heads_on_onnxruntime(tiny_folder, tmp_path, capsys):
+    """--speculate heads over the heads fused into an export: the torch backend's tokens."""
+    import json
+
+    heads_dir = make_heads(tmp_path / "heads", tiny_folder, seed=6)
+    export_onnx(tiny_folder, tmp_path / "x", heads_dir)
+    args = ["--max-new-tokens", "16", "--no-chat", "--json", "--speculate", "heads", "abcabc"]
+    assert main(["generate", "-m", str(tiny_folder), "--heads", str(heads_dir)] + args) == 0
+    want = json.loads(capsys.readouterr().out)
+    for heads_arg in (heads_dir, tmp_path / "x"):
+        assert main(["generate", "--backend", "onnxruntime", "-m", str(tmp_path / "x"), "--heads", str(heads_arg)]
+                    + args) == 0
+        got = json.loads(capsys.readouterr().out)
+        assert got["token_ids"] == want["token_ids"]
+        assert got["stats"]["decode_steps"] == want["stats"]["decode_steps"]
