@@ -107,7 +107,9 @@ def bench_cmd(model, methods, heads_dir, tree_nodes, prompts_path, categories, l
         drafter = session.heads_drafter(heads, None, tree_nodes)
         runners["heads"] = lambda ids: session.generate(ids, max_new_tokens, sampling, drafter, len(drafter.tree.paths),
                                                         heads=heads)
-        weight_bytes_by_method["heads"] = sum(t.numel() * t.element_size() for t in heads.state_dict().values())
+        # torch heads hold their own weights; heads fused into an exported graph are in its weights already
+        weight_bytes_by_method["heads"] = sum(t.numel() * t.element_size() for t in heads.state_dict().values()) \
+            if hasattr(heads, "state_dict") else 0
     elif heads_dir or tree_nodes:
         raise BadInput("--heads and --tree-nodes go with the heads method (--methods plain,heads)")
     runners = {n: runners[n] for n in names}
