@@ -3,6 +3,7 @@ checkpoint (ids 0..255 bytes, 256 <|endoftext|> (UNK, PAD), 257 <|im_start|> (BO
 (EOS)), id map files, the drafter a pairing builds, and the CLI."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,9 @@ def test_id_map_file_round_trip(tmp_path, variants, pairings):
     assert data["format_version"] == 1 and data["kind"] == "mtpctl-id-map"
     assert [d["verdict"] for d in data["drafts"]] == [IDENTICAL, MAPPED, INCOMPATIBLE, INCOMPATIBLE]
     assert list(tmp_path.iterdir()) == [out]  # no temporary file left
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask  # as a file written by open(), not mkstemp's 0600
     assert read_id_map(out, variants["target"], variants["added"], 259, 260) == list(range(259)) + [-1]
     assert read_id_map(out, variants["target"], variants["bos"], 259, 259) is None
     with pytest.raises(BadInput, match="logits width"):

@@ -291,6 +291,9 @@ def write_id_map(path: Path, pairings: Sequence[Pairing]) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             json.dump(data, handle)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a map is an ordinary file
         os.replace(tmp, path)
     except OSError as err:
         raise BadInput(f"cannot write {path}: {err.strerror}") from err
