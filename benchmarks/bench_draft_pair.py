@@ -112,8 +112,8 @@ def main() -> None:
             return r.token_ids, r.stats.total_ms, r.stats
 
         def hf_generate(ids, assisted=False):
-            extra = dict(assistant_model=draft_hf, tokenizer=target.codec.tokenizer,
-                         assistant_tokenizer=draft.codec.tokenizer) if assisted else {}
+            extra = {"assistant_model": draft_hf, "tokenizer": target.codec.tokenizer,
+                     "assistant_tokenizer": draft.codec.tokenizer} if assisted else {}
             before = (counter.candidates, counter.matches, counter.steps)
             start = time.perf_counter()
             with torch.inference_mode():

@@ -167,7 +167,6 @@ def test_rejection_sampling_with_a_draft_model_keeps_the_target_distribution():
 
 
 def test_sampled_draft_reports_q_in_the_target_width():
-    model = random_decoder(seed=5, vocab=5, max_pos=32)
     draft = relabeled({"vocab": 5, "max_pos": 32}, 9, torch.arange(5), 7)
     sampling = SamplingParams(temperature=1.0, seed=0)
     drafter = DraftModelDrafter(draft, 5, sampling, draft_len=3, id_map=[0, 1, 2, 3, 4, -1, -1], seed=0)

@@ -10,8 +10,8 @@ import pytest
 
 from helpers import write_tiny_checkpoint
 from mtpctl.cli.main import main
-from mtpctl.convert.pairing import (IDENTICAL, INCOMPATIBLE, MAPPED, draft_model_drafter, load_vocabulary,
-                                    pair_folders, read_id_map, write_id_map)
+from mtpctl.convert.pairing import (IDENTICAL, INCOMPATIBLE, MAPPED, draft_model_drafter, pair_folders, read_id_map,
+                                    write_id_map)
 from mtpctl.errors import BadInput
 
 

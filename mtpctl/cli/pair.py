@@ -9,7 +9,7 @@ from typing import List, Optional
 
 import click
 
-from mtpctl.convert.pairing import Pairing, load_vocabulary, compare, write_id_map
+from mtpctl.convert.pairing import Pairing, compare, load_vocabulary, write_id_map
 from mtpctl.convert.sources import resolve_model
 from mtpctl.errors import BadInput
 

@@ -99,7 +99,7 @@ def embedding_shapes(folder: Path) -> tuple:
     for path in files:
         try:
             with safe_open(str(path), "pt") as handle:
-                for name in handle.keys():
+                for name in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
                     if name.endswith("embed_tokens.weight") and embed is None:
                         embed = handle.get_slice(name).get_shape()
                     elif name.endswith("lm_head.weight"):
@@ -316,7 +316,7 @@ def read_id_map(path: Path, target: Path, draft: Path, target_width: int, draft_
         raise BadInput(f"cannot read id map {path}: {err}") from err
     if not isinstance(data, dict) or data.get("kind") != "mtpctl-id-map" or data.get("format_version") != MAP_FORMAT:
         raise BadInput(f"{path} is not an mtpctl id map (format_version {MAP_FORMAT}); make one with mtpctl pair --out")
-    same = lambda a, b: Path(a).resolve() == Path(b).resolve()  # noqa: E731
+    same = lambda a, b: Path(a).resolve() == Path(b).resolve()
     if not same(data["target"]["folder"], target) or data["target"]["logits_width"] != target_width:
         raise BadInput(f"id map {path} was made for target {data['target']['folder']}, not {target}")
     for entry in data.get("drafts", []):
@@ -351,7 +351,7 @@ def draft_model_drafter(pairing: Pairing, draft_model, target_vocab: int, sampli
                                  seed=seed)
     draft = pairing.draft
     allowed = torch.zeros(draft.logits_width, dtype=torch.bool)
-    allowed[[i for i in draft.emit]] = True
+    allowed[list(draft.emit)] = True
     bridge = TextBridge.from_tokenizers(pairing.target.codec.tokenizer, draft.codec.tokenizer,
                                         sorted(draft.codec.eos_ids))
     return DraftModelDrafter(draft_model, target_vocab, sampling, draft_len, text=bridge, allowed=allowed, seed=seed)
@@ -385,5 +385,5 @@ def session_drafter(session, draft_spec: str, sampling, draft_len: Optional[int]
     id_map = None
     if draft_map is not None:
         id_map = read_id_map(draft_map, session.folder, folder, pairing.target.logits_width, pairing.draft.logits_width)
-    draft = Decoder.from_folder(folder, DTYPES[dtype] if dtype in DTYPES else torch.float32)
+    draft = Decoder.from_folder(folder, DTYPES.get(dtype, torch.float32))
     return draft_model_drafter(pairing, draft, model.cfg.vocab_size, sampling, draft_len, id_map, sampling.seed), pairing

@@ -87,7 +87,7 @@ class TextBridge:
         return cls(prompt_to_draft, output_to_draft,
                    lambda ids: draft_tokenizer.decode(ids, skip_special_tokens=True),
                    lambda text: [int(i) for i in target_tokenizer.encode(text, add_special_tokens=False)],
-                   set(int(i) for i in draft_stop_ids))
+                   {int(i) for i in draft_stop_ids})
 
 
 def _added_prefix(tokenizer) -> List[int]:
@@ -108,7 +108,7 @@ class DraftModelDrafter:
         model: the draft decoder; its ``max_position_embeddings`` bounds what it can draft after
             (a longer context makes :meth:`propose` return ``Draft([])``: plain steps, no failure).
         target_vocab: the target's real logits width (lm_head rows); ``probs`` rows have this width.
-        sampling: the target's sampling settings (the draft samples with the same ones).
+        sampling: the target's sampling settings (the draft samples with the same ones); None: greedy.
         draft_len: draft tokens per call (upper-bounded by ``max_tokens``), or None for auto: start
             at :data:`AUTO_START`, +2 after a fully accepted proposal and -1 after a rejection, within
             ``[AUTO_MIN, max_draft_len]`` (the schedule of HF transformers' assisted generation).
@@ -125,7 +125,7 @@ class DraftModelDrafter:
             ids outside the target vocabulary, or a draft length below 1.
     """
 
-    def __init__(self, model: Decoder, target_vocab: int, sampling: SamplingParams = SamplingParams(),
+    def __init__(self, model: Decoder, target_vocab: int, sampling: Optional[SamplingParams] = None,
                  draft_len: Optional[int] = None, max_draft_len: int = AUTO_MAX,
                  id_map: Optional[Sequence[int]] = None, text: Optional[TextBridge] = None,
                  allowed: Optional[torch.Tensor] = None, seed: Optional[int] = None):
@@ -137,7 +137,7 @@ class DraftModelDrafter:
         self.vocab = model.cfg.vocab_size  # the draft's logits width
         self.target_vocab = int(target_vocab)
         self.max_positions = model.cfg.max_position_embeddings
-        self.sampling = sampling
+        self.sampling = sampling or SamplingParams()
         self.text = text
         self.fixed = draft_len
         self.max_draft_len = max(max_draft_len, draft_len or 1)
