@@ -200,3 +200,28 @@ def test_measure_ranks_usable_drafts(variants, capsys):
     assert sorted(r["draft"] for r in rows) == sorted([str(variants["padded"]), str(variants["added"])])
     assert rows[0]["tokens_per_s"] >= rows[1]["tokens_per_s"]
     assert all(0 <= r["acceptance_rate"] <= 1 and r["draft_len"] == 2 and r["prompts"] == 1 for r in rows)
+
+
+def test_target_only_tokens_in_the_context_stop_drafting(variants):
+    """Target = the variant with an extra <pad> (id 259), draft = the base tokenizer: mapped; a
+    context holding id 259 cannot be shown to the draft, so that call proposes nothing."""
+    from mtpctl.convert.pairing import compare, load_vocabulary
+    from mtpctl.runtime.model import Decoder
+    from mtpctl.runtime.sampling import SamplingParams
+
+    p = compare(load_vocabulary(variants["added"]), load_vocabulary(variants["target"]))
+    assert p.verdict == MAPPED and p.evidence["target_only_tokens"] == ["<pad>"]
+    drafter = draft_model_drafter(p, Decoder.from_folder(variants["target"]), 260, SamplingParams(), 3)
+    assert len(drafter.propose([257, 72, 105, 10], 3).tokens) == 3
+    assert drafter.propose([257, 72, 259, 10], 3).tokens == []
+
+
+def test_sampling_with_a_draft_model_is_reproducible(variants, capsys):
+    target = str(variants["target"])
+    args = ["generate", "-m", target, "--max-new-tokens", "12", "--json", "--speculate", "draft", "--draft",
+            str(variants["padded"]), "--temperature", "0.8", "--seed", "3", "hi"]
+    outputs = []
+    for _ in range(2):
+        assert main(args) == 0
+        outputs.append(json.loads(capsys.readouterr().out)["token_ids"])
+    assert outputs[0] == outputs[1] and len(outputs[0]) >= 1
