@@ -16,6 +16,23 @@ from mtpctl.errors import BadInput
 MEASURE_PROMPTS = 3
 
 
+class DraftLenType(click.ParamType):
+    """``--draft-len``: a number >= 1, or ``auto`` (None) for draft-model speculation."""
+
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):
+        if value is None or isinstance(value, int):
+            return value
+        try:
+            return parse_draft_len(value)
+        except BadInput as err:
+            self.fail(str(err), param, ctx)
+
+
+DRAFT_LEN = DraftLenType()
+
+
 @click.command("pair", epilog="""\b
 Examples:
   mtpctl pair smollm2-135m ./SmolLM2-360M-Instruct
@@ -35,7 +52,7 @@ Examples:
 @click.option("--prompts", "n_prompts", type=click.IntRange(min=1), default=MEASURE_PROMPTS, show_default=True,
               help="Prompts for --measure (one per category of the built-in set, those that fit the context).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True, help="For --measure.")
-@click.option("--draft-len", default="auto", show_default=True, help="For --measure: N or auto.")
+@click.option("--draft-len", type=DRAFT_LEN, default="auto", show_default=True, help="For --measure: N or auto.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: torch's).")
 @click.option("--debug", is_flag=True, help="Show the full traceback of an error.")
@@ -51,7 +68,7 @@ def pair_cmd(target, drafts, as_json, out, overwrite, measure, n_prompts, max_ne
 
     Exit code 0 when every draft is usable (identical or mapped), 1 otherwise.
     """
-    length = parse_draft_len(draft_len)
+    length = draft_len
     if out and Path(out).exists() and not overwrite:
         raise BadInput(f"{out} exists: pass --overwrite to replace it")
     target_folder = resolve_model(target)
@@ -177,23 +194,6 @@ def format_ranking(rows: list) -> str:
         rate = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
         lines.append(f"| {i} | {r['draft']} | {rate} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} |")
     return "\n".join(lines)
-
-
-class DraftLenType(click.ParamType):
-    """``--draft-len``: a number >= 1, or ``auto`` (None) for draft-model speculation."""
-
-    name = "N|auto"
-
-    def convert(self, value, param, ctx):
-        if value is None or isinstance(value, int):
-            return value
-        try:
-            return parse_draft_len(value)
-        except BadInput as err:
-            self.fail(str(err), param, ctx)
-
-
-DRAFT_LEN = DraftLenType()
 
 
 def generate_drafter(session, draft_model: Optional[str], draft_map: Optional[str], sampling, draft_len: Optional[int],
