@@ -255,3 +255,21 @@ def test_tree_decoding_on_the_real_model_equals_plain_greedy(smollm2):
             assert top2_gap(logits) < 1e-3, f"divergence at {i} with top-2 gap {top2_gap(logits)}"
         else:
             assert got == plain
+
+
+def test_token_conditioned_heads_read_the_pending_token(model, reference, tmp_path):
+    cfg = HeadsConfig("medusa", 3, 1, False, model.cfg.hidden_size, model.cfg.vocab_size, token_conditioned=True)
+    heads = MedusaHeads(cfg)
+    for p in heads.parameters():
+        p.data.normal_(0, 0.3)
+    heads.requires_grad_(False)
+    engine = TorchEngine(model, 32, heads)
+    out = engine.prefill(PROMPT)
+    assert not torch.equal(out.draft_logits(0, 5), out.draft_logits(0, 6))  # the token changes the drafts
+    with pytest.raises(ValueError, match="pending token"):
+        out.draft_logits(0)
+    heads.save(tmp_path)
+    loaded = MedusaHeads.load(tmp_path)
+    assert loaded.cfg.token_conditioned and len(loaded.token_proj) == 3
+    result = run(model, MedusaDrafter(StaticTree.from_paths(TREES["mixed"], 3)), 6, heads=loaded)
+    assert result.token_ids == reference

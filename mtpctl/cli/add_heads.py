@@ -57,6 +57,8 @@ Examples:
 @click.option("--head-layers", type=int, default=None, help="Residual blocks per head [default: 1].")
 @click.option("--own-lm-head", is_flag=True, default=None, help="A trainable vocabulary projection per head.")
 @click.option("--draft-vocab", type=int, default=None, help="Heads score only the N most frequent tokens (0 = all).")
+@click.option("--condition-on-token", is_flag=True, default=None,
+              help="Heads also read the pending token's embedding (more accurate; torch and ONNX only).")
 @click.option("--data", "data", multiple=True, type=click.Path(),
               help="Training data: .txt, or .jsonl with text/prompt/messages records (repeatable).")
 @click.option("--self-distill", is_flag=True, default=None, help="The target answers prompt records itself.")

@@ -26,6 +26,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -55,6 +56,7 @@ class TrainSettings:
     head_layers: int = 1
     own_lm_head: bool = False
     draft_vocab: int = 0  # score only the N most frequent target predictions (0 = the full vocabulary)
+    condition_on_token: bool = False  # heads also read the pending token's embedding (HeadsConfig.token_conditioned)
     self_distill: bool = False  # prompts get responses written by the target
     response_tokens: int = 128  # longest self-distilled response
     distill_batch: int = 32  # prompts decoded together
@@ -133,8 +135,6 @@ class Progress:
 def log(message: str) -> None:
     """Progress goes to stderr, from rank 0 only."""
     if _rank() == 0:
-        import sys
-
         print(f"mtpctl: {message}", file=sys.stderr, flush=True)
 
 
@@ -262,7 +262,8 @@ def head_loss_sums(logits: torch.Tensor, labels: torch.Tensor, soft: Optional[tu
 
 @torch.no_grad()
 def topk_accuracy(heads: MedusaHeads, lm_head, feats: Features, positions: torch.Tensor,
-                  vocab_index: Optional[torch.Tensor], ranks: int = EVAL_RANKS, batch: int = 512) -> List[List[float]]:
+                  vocab_index: Optional[torch.Tensor], ranks: int = EVAL_RANKS, batch: int = 512,
+                  embed: Optional[torch.Tensor] = None) -> List[List[float]]:
     """``acc[k][r]``: the share of held-out positions where head k+1's rank-r candidate is the
     target's token (labels outside a draft vocabulary count as misses)."""
     k_heads = heads.cfg.num_heads
@@ -271,7 +272,7 @@ def topk_accuracy(heads: MedusaHeads, lm_head, feats: Features, positions: torch
     for start in range(0, len(positions), batch):
         pos = positions[start:start + batch]
         labels = head_labels(feats, pos, k_heads, None)
-        logits = heads.draft_vocab_logits(feats.hidden[pos].float(), lm_head)
+        logits = heads.draft_vocab_logits(feats.hidden[pos].float(), lm_head, pending_embeds(heads, feats, pos, embed))
         top = logits.topk(ranks, dim=-1).indices  # [B, K, ranks] in draft-vocab indices
         if heads.token_map is not None:
             top = heads.token_map[top]
@@ -279,6 +280,15 @@ def topk_accuracy(heads: MedusaHeads, lm_head, feats: Features, positions: torch
         hits += ((top == labels[..., None]) & valid[..., None]).sum(0).float()
         counts += valid.sum(0).float()
     return (hits / counts.clamp(min=1)[:, None]).tolist()
+
+
+def pending_embeds(heads: MedusaHeads, feats: Features, positions: torch.Tensor,
+                   embed: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Embeddings ``[B, hidden]`` of the pending token at each position (the target's own prediction
+    there, as at decode time) for token-conditioned heads; None for plain Medusa heads."""
+    if not heads.cfg.token_conditioned:
+        return None
+    return embed[feats.pred[positions]].float()
 
 
 def _bar(total: int, desc: str):
@@ -318,7 +328,8 @@ class Trainer:
             self.vocab_index = torch.full((cfg.vocab_size,), -100, dtype=torch.long)
             self.vocab_index[token_map] = torch.arange(len(token_map))
         self.hcfg = HeadsConfig(settings.kind, settings.num_heads, settings.head_layers, settings.own_lm_head,
-                                cfg.hidden_size, cfg.vocab_size, len(token_map) if token_map is not None else 0)
+                                cfg.hidden_size, cfg.vocab_size, len(token_map) if token_map is not None else 0,
+                                token_conditioned=settings.condition_on_token)
         self.heads = MedusaHeads(self.hcfg, torch.float32, target.dense_lm_head().float(), token_map)
         split = torch.randperm(len(feats.loss_from), generator=torch.Generator().manual_seed(settings.seed)).tolist()
         n_eval = max(1, int(round(settings.holdout * len(split)))) if len(split) > 1 else 0
@@ -371,7 +382,8 @@ class Trainer:
         the world size, so DDP's gradient average equals one process on the whole micro-batch."""
         s = self.s
         labels = head_labels(self.feats, pos, s.num_heads, self.vocab_index)
-        logits = self.model(self.feats.hidden[pos].float(), self.lm_head, full_vocab=False)
+        logits = self.model(self.feats.hidden[pos].float(), self.lm_head, full_vocab=False,
+                            token_embeds=pending_embeds(self.heads, self.feats, pos, self.target.embed))
         soft = None
         if s.soft_labels:
             target = pos[:, None] + torch.arange(1, s.num_heads + 1)[None]
@@ -416,7 +428,7 @@ class Trainer:
                 self.progress.history.append(entry)
                 if bar:
                     bar.write(f"mtpctl: step {entry['step']}/{self.total_steps} loss {entry['loss']} "
-                              f"held-out top-1 per head {entry['top1']}")
+                              f"held-out top-1 per head {entry['top1']}", file=sys.stderr)
                 if on_eval:
                     on_eval(entry)
                 self._save_checkpoint()
@@ -426,7 +438,8 @@ class Trainer:
 
     def evaluate(self, ranks: int = EVAL_RANKS) -> List[List[float]]:
         """Per-head top-k accuracy on the held-out positions (see :func:`topk_accuracy`)."""
-        return topk_accuracy(self.heads, self.lm_head, self.feats, self.eval_pos, self.vocab_index, ranks)
+        return topk_accuracy(self.heads, self.lm_head, self.feats, self.eval_pos, self.vocab_index, ranks,
+                             embed=self.target.embed)
 
     def _save_checkpoint(self) -> None:
         if _rank() != 0:

@@ -148,8 +148,14 @@ class FusedStep(nn.Module):
             x, k, v = _layer_step(layer, x, cos, sin, past[2 * i], past[2 * i + 1], masks[window])
             presents += [k, v]
         hidden = m.final_norm(x, m.norm, cfg.rms_norm_eps)
-        heads = () if self.heads is None else (self.heads(hidden, self.project),)
-        return (self.project(hidden), hidden, *heads, *presents)
+        logits = self.project(hidden)
+        heads = ()
+        if self.heads is not None:
+            embeds = None
+            if self.heads.cfg.token_conditioned:  # a row's pending token, taken as its argmax (greedy)
+                embeds = F.embedding(logits.argmax(-1), m.embed).to(hidden.dtype)
+            heads = (self.heads(hidden, self.project, token_embeds=embeds),)
+        return (logits, hidden, *heads, *presents)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """The target's lm_head, ``[..., hidden] -> [..., vocab]`` float32, as

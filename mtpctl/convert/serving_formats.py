@@ -35,7 +35,7 @@ from typing import Dict, Optional
 
 import torch
 
-from mtpctl.errors import BadInput, CorruptModel
+from mtpctl.errors import BadInput, CorruptModel, UnsupportedModel
 from mtpctl.runtime.heads import HeadsConfig, MedusaHeads
 
 FORMATS = ("vllm", "trtllm")
@@ -108,6 +108,9 @@ def write_serving_heads(fmt: str, heads: MedusaHeads, target_lm_head: torch.Tens
     """Write ``heads`` in layout ``fmt`` (vllm | trtllm) into the existing empty ``folder``."""
     from safetensors.torch import save_file
 
+    if heads.cfg.token_conditioned:
+        raise UnsupportedModel("token-conditioned heads (--condition-on-token) have no place in vLLM's or "
+                               "TensorRT-LLM's Medusa layout: train plain Medusa heads to serve them there")
     if fmt == "vllm":
         tensors, config, name = vllm_tensors(heads, target_lm_head), vllm_config(heads.cfg), VLLM_WEIGHTS
     elif fmt == "trtllm":

@@ -33,7 +33,7 @@ class StepOutput:
         self.hidden_states = hidden_states  # [N, hidden], after the final norm
         self._rows: Dict[int, torch.Tensor] = {}
         self._all: Optional[torch.Tensor] = None
-        self._draft: Dict[int, torch.Tensor] = {}
+        self._draft: Dict[tuple, torch.Tensor] = {}
 
     def __len__(self) -> int:
         return self.hidden_states.shape[0]
@@ -49,21 +49,27 @@ class StepOutput:
                 self._rows[i] = self.model.logits(self.hidden_states[i:i + 1])[0]
         return self._rows[i]
 
-    def draft_logits(self, i: int) -> torch.Tensor:
+    def draft_logits(self, i: int, token: Optional[int] = None) -> torch.Tensor:
         """The MTP heads' logits at row i, ``[K, vocab]`` float32 (head k predicts the token k + 1
-        places after row i's prediction). Computed for the rows a drafter reads (the accepted one),
-        the K heads' vocabulary projections in one call.
+        places after row i's prediction ``token``, which token-conditioned heads read). Computed for
+        the rows a drafter reads (the accepted one), the K heads' vocabulary projections in one call.
 
         Raises:
-            ValueError: the engine has no MTP heads.
+            ValueError: the engine has no MTP heads, or token-conditioned heads get no ``token``.
         """
         if self.heads is None:
             raise ValueError("this engine runs no MTP heads")
         i = i % len(self)
-        if i not in self._draft:
+        key = (i, token)
+        if key not in self._draft:
+            embeds = None
+            if self.heads.cfg.token_conditioned:
+                if token is None:
+                    raise ValueError("token-conditioned heads need the pending token")
+                embeds = self.model.embed[token].to(self.hidden_states.dtype)
             with torch.inference_mode():
-                self._draft[i] = self.heads(self.hidden_states[i], self.model.logits)
-        return self._draft[i]
+                self._draft[key] = self.heads(self.hidden_states[i], self.model.logits, token_embeds=embeds)
+        return self._draft[key]
 
     @property
     def logits(self) -> torch.Tensor:

@@ -49,6 +49,7 @@ class HeadsConfig:
     hidden_size: int
     vocab_size: int  # logits width of the target (rows of its lm_head)
     draft_vocab_size: int = 0  # heads score only this many frequent tokens (token_map); 0 = all
+    token_conditioned: bool = False  # heads also read the pending token's embedding (see MedusaHeads)
     target: str = ""  # how the target was named when the heads were trained (alias, folder, repo id)
     target_hash: str = ""  # sha256 of the target's safetensors files
     tree: List[List[int]] = field(default_factory=list)
@@ -110,6 +111,13 @@ class MedusaHeads(nn.Module):
     training and drafting cost V_d / vocab of a full projection (vocabulary truncation, as vLLM's
     Medusa ``truncated_vocab_size``); verification by the target stays over the full vocabulary.
 
+    With ``cfg.token_conditioned`` each head also reads the embedding e of the pending token (the
+    token the target just predicted, known before drafting): its input is ``h + W_k e`` with W_k
+    ``[hidden, hidden]`` starting at zero (so training starts from plain Medusa). Head 1 then predicts
+    the token after a known one rather than two ahead blind: the idea of conditioning draft heads on
+    the tokens before them, from Hydra (Ankner et al. 2024) and EAGLE (Li et al. 2024), reduced to the
+    one token that is always known.
+
     Args:
         cfg: the heads' config (count, blocks per head, own lm_head, sizes).
         dtype: parameter dtype.
@@ -126,6 +134,10 @@ class MedusaHeads(nn.Module):
         self.blocks = nn.ModuleList(
             nn.Sequential(*(ResBlock(cfg.hidden_size, dtype) for _ in range(cfg.head_layers)))
             for _ in range(cfg.num_heads))
+        self.token_proj: Optional[nn.ParameterList] = None
+        if cfg.token_conditioned:
+            self.token_proj = nn.ParameterList(nn.Parameter(torch.zeros(cfg.hidden_size, cfg.hidden_size, dtype=dtype))
+                                               for _ in range(cfg.num_heads))
         truncated = cfg.draft_vocab_size > 0
         if truncated:
             if token_map is None or token_map.shape != (cfg.draft_vocab_size,):
@@ -144,16 +156,28 @@ class MedusaHeads(nn.Module):
         projection = rows.detach().to(dtype).clone() if truncated and not cfg.own_lm_head else None
         self.register_buffer("projection", projection, persistent=False)
 
-    def features(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[..., hidden]`` -> each head's features before the vocabulary projection ``[..., K, hidden]``."""
-        return torch.stack([blocks(hidden_states) for blocks in self.blocks], dim=-2)
+    def features(self, hidden_states: torch.Tensor, token_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``[..., hidden]`` (and, token-conditioned, the pending tokens' embeddings ``[..., hidden]``)
+        -> each head's features before the vocabulary projection ``[..., K, hidden]``.
+
+        Raises:
+            ValueError: token-conditioned heads without ``token_embeds``.
+        """
+        if self.token_proj is None:
+            return torch.stack([blocks(hidden_states) for blocks in self.blocks], dim=-2)
+        if token_embeds is None:
+            raise ValueError("token-conditioned heads need the pending token's embedding (token_embeds)")
+        return torch.stack([blocks(hidden_states + F.linear(token_embeds, w))
+                            for blocks, w in zip(self.blocks, self.token_proj)], dim=-2)
 
     def draft_vocab_logits(self, hidden_states: torch.Tensor,
-                           lm_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+                           lm_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                           token_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits over the draft vocabulary, ``[..., hidden] -> [..., K, V_d]`` float32 (V_d = vocab
         without truncation). ``lm_head`` is the target's projection, used only by heads that share
-        the full lm_head (e.g. :meth:`mtpctl.runtime.model.Decoder.logits`)."""
-        feats = self.features(hidden_states)
+        the full lm_head (e.g. :meth:`mtpctl.runtime.model.Decoder.logits`); ``token_embeds`` as in
+        :meth:`features`."""
+        feats = self.features(hidden_states, token_embeds)
         if self.lm_heads is not None:
             return torch.stack([F.linear(feats[..., k, :], w) for k, w in enumerate(self.lm_heads)], dim=-2).float()
         if self.projection is not None:
@@ -164,7 +188,7 @@ class MedusaHeads(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor,
                 lm_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                full_vocab: bool = True) -> torch.Tensor:
+                full_vocab: bool = True, token_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Draft logits of every head over the full vocabulary.
 
         Args:
@@ -172,12 +196,13 @@ class MedusaHeads(nn.Module):
             lm_head: the target's vocabulary projection ``[..., hidden] -> [..., vocab]``, for heads
                 that share the full lm_head.
             full_vocab: False returns :meth:`draft_vocab_logits` (training).
+            token_embeds: ``[..., hidden]`` embeddings of the pending tokens (token-conditioned heads).
 
         Returns:
             ``[..., K, vocab]`` float32 (-inf outside a truncated draft vocabulary); head k's row
             predicts the token k+1 places after the pending one.
         """
-        logits = self.draft_vocab_logits(hidden_states, lm_head)
+        logits = self.draft_vocab_logits(hidden_states, lm_head, token_embeds)
         if self.token_map is None or not full_vocab:
             return logits
         full = logits.new_full(logits.shape[:-1] + (self.cfg.vocab_size,), float("-inf"))
@@ -349,6 +374,7 @@ class MedusaDrafter:
     def propose(self, context: Sequence[int], max_tokens: int, last: Optional[TargetStep] = None) -> Draft:
         if last is None or max_tokens <= 0:
             return Draft([])
-        logits = last.out.draft_logits(last.row)  # [K, vocab], -inf outside a draft vocabulary
+        # [K, vocab], -inf outside a draft vocabulary; context[-1] is the pending token
+        logits = last.out.draft_logits(last.row, context[-1])
         topk = logits[: self.tree.depth].topk(self.tree.max_rank, dim=-1).indices
         return self.tree.draft(topk, max_tokens)

@@ -165,8 +165,10 @@ class OrtStepOutput:
     def __getitem__(self, i: int) -> torch.Tensor:
         return self.logits[i % len(self)]
 
-    def draft_logits(self, i: int) -> torch.Tensor:
-        """The MTP heads' logits at row i, ``[K, vocab]``.
+    def draft_logits(self, i: int, token=None) -> torch.Tensor:
+        """The MTP heads' logits at row i, ``[K, vocab]``, computed in the graph (token-conditioned
+        heads read the row's argmax there as the pending token, so ``token`` is not used: exact for
+        greedy decoding; with sampling a pending token other than the argmax only lowers acceptance).
 
         Raises:
             ValueError: the export has no MTP heads.
