@@ -1,7 +1,7 @@
 """Writes distill_prompts.jsonl: the self-distillation prompt set of the SmolLM2 Medusa recipe.
 
 Task templates crossed with topic lists, written for mtpctl (chat, code, math, summaries,
-extraction, rewriting, lists, explanations). Seeded, so the file is reproducible:
+extraction, rewriting, lists, translation, questions, code explanation, writing). Seeded, so the file is reproducible:
     python recipes/data/make_prompts.py > recipes/data/distill_prompts.jsonl
 It shares no prompt with the benchmark prompt set (mtpctl/data/bench_prompts.jsonl).
 """
@@ -93,13 +93,48 @@ def lists(r):
                      f"List pros and cons of {t}.", f"Write a short checklist for a trip to {city}."])
 
 
-KINDS = [chat, chat, code, code, math, math, summary, extraction, rewrite, lists]
+PHRASES = ["Good morning, how are you today?", "The library opens at nine o'clock.", "Please close the window.",
+           "I would like a cup of tea.", "Where is the train station?", "The weather is lovely this week.",
+           "We are meeting at the cafe after work.", "This book changed the way I think."]
+LANGUAGES = ["French", "Spanish", "German", "Italian", "Portuguese"]
+SNIPPETS = ["for i in range(10):\n    print(i * i)", "def add(a, b):\n    return a + b",
+            "items = [x for x in data if x > 0]", "while n > 1:\n    n = n // 2\n    steps += 1",
+            "const total = prices.reduce((a, b) => a + b, 0);", "SELECT name FROM users WHERE age > 30;"]
+
+
+def translate(r):
+    return f"Translate into {r.choice(LANGUAGES)}: {r.choice(PHRASES)}"
+
+
+def qa(r):
+    t = r.choice(TOPICS)
+    return r.choice([f"Who first studied {t}, and when? Answer in two sentences.", f"How does {t} work?",
+                     f"Is {t} good or bad for the environment? Explain briefly.",
+                     f"What would happen without {t}?", f"Compare {t} with {r.choice(TOPICS)}."])
+
+
+def explain_code(r):
+    return r.choice(["Explain what this code does:\n", "Find a bug or improvement in:\n",
+                     "Add comments to this code:\n", "Rewrite this more clearly:\n"]) + r.choice(SNIPPETS)
+
+
+def writing(r):
+    n, city, t = r.choice(NAMES), r.choice(CITIES), r.choice(TOPICS)
+    return r.choice([f"Write a short email to {n} inviting them to a talk about {t} in {city}.",
+                     f"Write a haiku about {t}.", f"Write a product description for a guidebook to {city}.",
+                     f"Write a polite reply declining a meeting with {n}.",
+                     f"Write three quiz questions about {t} with answers."])
+
+
+KINDS = [chat, chat, code, math, math, summary, extraction, rewrite, lists, translate, qa, explain_code, writing]
 
 if __name__ == "__main__":
     rng = random.Random(2026)
     seen = set()
-    while len(seen) < 480:
-        kind = KINDS[len(seen) % len(KINDS)]
+    attempt = 0
+    while len(seen) < 960 and attempt < 100_000:  # kinds in turn; a kind out of new prompts is skipped
+        kind = KINDS[attempt % len(KINDS)]
+        attempt += 1
         prompt = kind(rng)
         if prompt not in seen:
             seen.add(prompt)
