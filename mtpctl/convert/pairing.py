@@ -316,7 +316,9 @@ def read_id_map(path: Path, target: Path, draft: Path, target_width: int, draft_
         raise BadInput(f"cannot read id map {path}: {err}") from err
     if not isinstance(data, dict) or data.get("kind") != "mtpctl-id-map" or data.get("format_version") != MAP_FORMAT:
         raise BadInput(f"{path} is not an mtpctl id map (format_version {MAP_FORMAT}); make one with mtpctl pair --out")
-    same = lambda a, b: Path(a).resolve() == Path(b).resolve()
+    def same(a, b) -> bool:
+        return Path(a).resolve() == Path(b).resolve()
+
     if not same(data["target"]["folder"], target) or data["target"]["logits_width"] != target_width:
         raise BadInput(f"id map {path} was made for target {data['target']['folder']}, not {target}")
     for entry in data.get("drafts", []):
