@@ -77,6 +77,9 @@ def bench_cmd(model, methods, heads_dir, tree_nodes, prompts_path, categories, l
     progress to stderr. Gates exit with code 1 naming the methods that missed them.
     """
     names = parse_methods(methods)
+    if ("heads" in names) != bool(heads_dir) or (tree_nodes and "heads" not in names):
+        raise BadInput("the heads method needs --heads DIR (a folder made by mtpctl add-heads)" if "heads" in names
+                       else "--heads and --tree-nodes go with the heads method (--methods plain,heads)")
     for target in (json_path, plot_path):
         if target:
             check_writable(Path(target))

@@ -103,6 +103,10 @@ def generate_cmd(prompt, prompt_file, model, speculate, heads_dir, tree_file, tr
     text = read_prompt(prompt, prompt_file)
     if ngram_min > ngram_max:
         raise BadInput(f"--ngram-min ({ngram_min}) is larger than --ngram-max ({ngram_max})")
+    if speculate == "heads" and not heads_dir:  # checks that need no model come before loading it
+        raise BadInput("--speculate heads needs --heads DIR (a folder made by mtpctl add-heads)")
+    if speculate != "heads" and (heads_dir or tree_file or tree_nodes):
+        raise BadInput("--heads, --tree and --tree-nodes go with --speculate heads")
     set_threads(threads)
     session = open_session(model, backend, dtype, weights, threads)
     prompt_ids = session.encode(text, chat=not no_chat)

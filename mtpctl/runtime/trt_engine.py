@@ -42,11 +42,13 @@ def require_tensorrt():
     except ImportError as err:
         raise TensorRTUnavailable(
             "TensorRT is not available: the tensorrt package is not installed, and it needs an NVIDIA GPU "
-            "with CUDA (pip install 'mtpctl[gpu]' on such a machine); use --backend onnxruntime here") from err
+            "with CUDA (pip install 'mtpctl[gpu]' on such a machine); on this machine export without --trt "
+            "and run the graph with --backend onnxruntime") from err
     import torch
 
     if not torch.cuda.is_available():
-        raise TensorRTUnavailable("TensorRT needs a CUDA GPU and none is visible; use --backend onnxruntime")
+        raise TensorRTUnavailable("TensorRT needs a CUDA GPU and none is visible; export without --trt and run "
+                                  "the graph with --backend onnxruntime")
     return tensorrt
 
 
