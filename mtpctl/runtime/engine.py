@@ -100,6 +100,22 @@ def tree_positions(parents: Sequence[int]) -> tuple:
     return torch.tensor(depth, dtype=torch.long), tree_mask
 
 
+def tree_slot_order(length: int, tree_mask: torch.Tensor, capacity: int) -> torch.Tensor:
+    """``[N, capacity]`` the order in which each node of a draft tree reads the cache slots: the
+    committed slots ``[0, length)``, then the node's ancestors and itself root first (slots
+    ``length + index``), then the other slots (masked). Plain decoding of the node's path has those
+    keys and values at exactly these places, so the attention sums match it term for term."""
+    n = tree_mask.shape[0]
+    order = torch.arange(capacity).repeat(n, 1)
+    for i in range(n):
+        path = length + tree_mask[i].nonzero().flatten()  # ancestors precede descendants
+        others = torch.ones(capacity, dtype=torch.bool)
+        others[:length] = False
+        others[path] = False
+        order[i, length:] = torch.cat((path, others.nonzero().flatten()))
+    return order
+
+
 def attention_masks(windows, length: int, depth: torch.Tensor, tree_mask: Optional[torch.Tensor],
                     capacity: int) -> Dict[Optional[int], torch.Tensor]:
     """Bool masks ``[1, 1, N, capacity]`` (True = may attend) per attention window, for N new tokens
@@ -164,9 +180,14 @@ class TorchEngine:
         else:
             depth, tree_mask = tree_positions(parents)
         masks = attention_masks(self.model.cfg.layer_windows, self.length, depth, tree_mask, self.capacity)
+        order = None
+        if tree_mask is not None:
+            order = tree_slot_order(self.length, tree_mask, self.capacity)
+            masks = {w: m.gather(-1, order.expand_as(m)) for w, m in masks.items()}
         ids = torch.tensor([list(tokens)], dtype=torch.long)
         # prefill (last_only) feeds plain and speculative decoding alike: it may use the fast kernel
-        hidden = self.model(ids, (self.length + depth)[None], self.cache, masks, invariant=not last_only)[0]
+        hidden = self.model(ids, (self.length + depth)[None], self.cache, masks, invariant=not last_only,
+                            slot_order=order)[0]
         return StepOutput(self.model, hidden[-1:] if last_only else hidden, self.heads)
 
     def prefill(self, prompt_ids: Sequence[int]) -> StepOutput:

@@ -109,7 +109,7 @@ def _linear(x: torch.Tensor, weight, bias: Optional[torch.Tensor] = None) -> tor
 
 
 def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-               scale: float) -> torch.Tensor:
+               scale: float, slot_order: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Grouped-query attention in float32 over every cache slot.
 
     q ``[batch, heads, N, head_dim]``; keys/values ``[batch, kv_heads, capacity, head_dim]``; mask
@@ -121,18 +121,29 @@ def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: 
     verify pass gives bit for bit what plain decoding gives wherever the matmuls are batch-invariant
     (bfloat16 and int4 weights here). ``F.scaled_dot_product_attention``'s CPU kernel lacks that
     property. Prefill (large N) takes the same path; its cost is small next to the linear layers.
+
+    ``slot_order`` ``[N, capacity]`` (draft trees): token i reads the slots in the order
+    ``slot_order[i]`` (its mask given in that order), which puts its ancestors right after the
+    committed slots, where plain decoding of its path has them: the sums then run over the same
+    values in the same order, so a tree node is bit for bit its path's plain decoding as well.
     """
     b, heads, n, d = q.shape
     kv_heads, capacity = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
     qg = q.reshape(b, kv_heads, group, n, d).float()  # query heads of one KV group, batched on K/V
-    keys_t, values = keys.float().transpose(-1, -2), values.float()
+    keys, values = keys.float(), values.float()
+    keys_t = keys.transpose(-1, -2)
     allowed = mask.reshape(mask.shape[0], 1, 1, n, capacity)
     rows = []
     for i in range(n):  # one token at a time: the same shapes, hence the same sums, for any N
-        scores = torch.matmul(qg[:, :, :, i], keys_t) * scale  # [b, kv_heads, group, capacity]
+        k_i, v_i = keys_t, values
+        if slot_order is not None:
+            # the same layouts as the unordered path (a transposed view), so the same matmul kernels
+            k_i = keys.index_select(-2, slot_order[i]).transpose(-1, -2)
+            v_i = values.index_select(-2, slot_order[i])
+        scores = torch.matmul(qg[:, :, :, i], k_i) * scale  # [b, kv_heads, group, capacity]
         probs = torch.softmax(scores.masked_fill(~allowed[..., i, :], float("-inf")), dim=-1)
-        rows.append(torch.matmul(probs, values))
+        rows.append(torch.matmul(probs, v_i))
     return torch.stack(rows, dim=3).reshape(b, heads, n, d).to(q.dtype)
 
 
@@ -179,7 +190,8 @@ class DecoderLayer(nn.Module):
         self.q_norm = param(hd, dtype=norm_dtype) if cfg.qk_norm else None
         self.k_norm = param(hd, dtype=norm_dtype) if cfg.qk_norm else None
 
-    def forward(self, x, cos, sin, cache: KVCache, mask: torch.Tensor, invariant: bool = True):
+    def forward(self, x, cos, sin, cache: KVCache, mask: torch.Tensor, invariant: bool = True,
+                slot_order: Optional[torch.Tensor] = None):
         """x ``[batch, N, hidden]`` -> ``[batch, N, hidden]``; writes this layer's N new KV slots.
 
         ``invariant`` selects the batch-invariant attention (decode and verify passes); without it
@@ -200,7 +212,7 @@ class DecoderLayer(nn.Module):
         v = qkv[..., self.q_size + self.kv_size:].unflatten(-1, (cfg.num_key_value_heads, hd)).transpose(1, 2)
         keys, values = cache.write(self.index, k, v)
         if invariant:
-            attn = _attention(q, keys, values, mask, cfg.scale)
+            attn = _attention(q, keys, values, mask, cfg.scale, slot_order)
         else:
             used = cache.length + n
             attn = F.scaled_dot_product_attention(q.float(), keys[:, :, :used], values[:, :, :used],
@@ -331,7 +343,8 @@ class Decoder(nn.Module):
         return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, c.head_dim, capacity, torch.float32)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
-                masks: Dict[Optional[int], torch.Tensor], invariant: bool = True) -> torch.Tensor:
+                masks: Dict[Optional[int], torch.Tensor], invariant: bool = True,
+                slot_order: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Run N new tokens per row against the cache; their KV go to slots ``[length, length+N)``.
 
         Args:
@@ -342,6 +355,8 @@ class Decoder(nn.Module):
                 (True = may attend), from :func:`mtpctl.runtime.engine.attention_masks`.
             invariant: compute each token exactly as it would be computed alone (decode and verify
                 passes); False for prefill, where only speed matters.
+            slot_order: ``[N, capacity]`` for a draft tree: the order each token reads the slots in,
+                its masks given in that order (:func:`mtpctl.runtime.engine.tree_slot_order`).
 
         Returns:
             hidden_states after the final norm, ``[batch, N, hidden]``.
@@ -354,7 +369,7 @@ class Decoder(nn.Module):
             self.rope_local_cos[position_ids].unsqueeze(2), self.rope_local_sin[position_ids].unsqueeze(2))
         for layer, window, is_local in zip(self.layers, self.cfg.layer_windows, self.local_rope):
             cos, sin = local if is_local else rot
-            x = layer(x, cos, sin, cache, masks[window], invariant)
+            x = layer(x, cos, sin, cache, masks[window], invariant, slot_order)
         return self.final_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     @property
