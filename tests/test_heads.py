@@ -5,20 +5,30 @@ from collections import Counter
 
 import pytest
 import torch
-
 from helpers import first_divergence, greedy_reference, random_decoder, top2_gap
+from stats_util import chi_square_rejects
+from test_generate import PROMPT, decode, exact_sequence_probs
+
 from mtpctl.errors import BadInput, CorruptModel
-from mtpctl.runtime.acceptance import accept_greedy, accept_rejection_sampling, accept_typical
+from mtpctl.runtime.acceptance import (
+    accept_greedy,
+    accept_rejection_sampling,
+    accept_typical,
+)
 from mtpctl.runtime.drafters import TargetStep
 from mtpctl.runtime.engine import TorchEngine
 from mtpctl.runtime.generate import generate
+from mtpctl.runtime.heads import (
+    HeadsConfig,
+    MedusaDrafter,
+    MedusaHeads,
+    StaticTree,
+    check_heads_match,
+    tree_from_accuracy,
+)
 from mtpctl.runtime.model import Decoder
-from mtpctl.runtime.heads import (HeadsConfig, MedusaDrafter, MedusaHeads, StaticTree, check_heads_match,
-                                  tree_from_accuracy)
 from mtpctl.runtime.sampling import SamplingParams
 from mtpctl.runtime.stopping import StopChecker
-from stats_util import chi_square_rejects
-from test_generate import PROMPT, decode, exact_sequence_probs
 
 TREES = {
     "chain": [[0], [0, 0], [0, 0, 0]],
