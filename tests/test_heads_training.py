@@ -214,3 +214,12 @@ def test_generate_with_heads_end_to_end(tiny_folder, tmp_path, capsys, monkeypat
         args = plain_args + ["--speculate", "heads"] + (["--heads", str(heads)] if "--heads" not in extra else []) + extra
         assert main(args) == 2
         assert words in capsys.readouterr().err
+
+
+def test_an_unreachable_hub_dataset_is_one_clear_error(tiny_folder, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MTPCTL_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as on a machine without the hub
+    code, err = run_cli(["add-heads", "-m", str(tiny_folder), "--data", "hf://datasets/someone/chats",
+                         "--out", str(tmp_path / "out")], capsys)
+    assert code == 2 and "cannot download dataset 'someone/chats'" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from mtpctl.convert.distill import resolve_data
 from mtpctl.convert.heads_training import TrainSettings, add_heads, init_distributed
 from mtpctl.convert.sources import DEFAULT_MODEL, mtpctl_home, resolve_model
 from mtpctl.errors import BadInput
@@ -60,7 +61,7 @@ Examples:
 @click.option("--condition-on-token", is_flag=True, default=None,
               help="Heads also read the pending token's embedding (more accurate; torch and ONNX only).")
 @click.option("--data", "data", multiple=True, type=click.Path(),
-              help="Training data: .txt, or .jsonl with text/prompt/messages records (repeatable).")
+              help="Training data: .txt, .jsonl (text/prompt/messages records) or hf://datasets/OWNER/NAME (repeatable).")
 @click.option("--self-distill", is_flag=True, default=None, help="The target answers prompt records itself.")
 @click.option("--response-tokens", type=int, default=None, help="Longest self-distilled response [default: 128].")
 @click.option("--soft-labels", is_flag=True, default=None, help="KL to the target's distribution instead of CE.")
@@ -90,7 +91,8 @@ def add_heads_cmd(recipe, model, data, out, resume, overwrite, bundle, threads, 
     files = list(data) or spec["data"]
     set_threads(threads)
     init_distributed()
-    summary = add_heads(resolve_model(model_name), model_name, [Path(f) for f in files], Path(out), settings,
+    data_files = resolve_data(files, mtpctl_home() / "hub")
+    summary = add_heads(resolve_model(model_name), model_name, data_files, Path(out), settings,
                         mtpctl_home(), resume=resume, overwrite=overwrite, bundle=bundle)
     if as_json:
         click.echo(json.dumps(summary))

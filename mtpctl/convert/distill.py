@@ -5,6 +5,8 @@ Data files:
 - ``.txt``: plain text; documents are separated by blank lines.
 - ``.jsonl``: one record per line, ``{"text": ...}`` (plain text), ``{"prompt": ...}`` or
   ``{"messages": [...]}`` (a prompt, answered by the target itself with ``self_distill``).
+- ``hf://datasets/OWNER/NAME``: a Hugging Face dataset repo's ``.jsonl`` and ``.txt`` files, downloaded
+  with huggingface_hub where the hub is reachable.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Callable, Iterable, List, Optional, Sequence, Set
 
 import torch
 
-from mtpctl.errors import BadInput
+from mtpctl.errors import BadInput, HubUnreachable
 from mtpctl.runtime.model import Decoder
 
 
@@ -35,6 +37,40 @@ class Sequence_:
 
     ids: List[int]
     loss_from: int
+
+
+HF_DATASET = "hf://datasets/"
+
+
+def resolve_data(entries: Sequence[str], cache: Path) -> List[Path]:
+    """Data arguments -> local files: paths as given; ``hf://datasets/OWNER/NAME`` downloaded (its
+    ``*.jsonl`` and ``*.txt`` files) into ``cache``.
+
+    Raises:
+        HubUnreachable: a dataset that could not be downloaded (offline, unknown repo, HTTP error).
+        BadInput: a downloaded dataset without .jsonl or .txt files.
+    """
+    files: List[Path] = []
+    for entry in entries:
+        if not str(entry).startswith(HF_DATASET):
+            files.append(Path(entry))
+            continue
+        repo = str(entry)[len(HF_DATASET):]
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError
+
+        try:
+            folder = Path(snapshot_download(repo, repo_type="dataset", allow_patterns=["*.jsonl", "*.txt"],
+                                            cache_dir=str(cache)))
+        except (HfHubHTTPError, OSError, ValueError) as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise HubUnreachable(f"cannot download dataset {repo!r} from the Hugging Face hub ({first}); "
+                                 "pass local .txt or .jsonl files with --data instead") from err
+        found = sorted(p for p in folder.rglob("*") if p.suffix in (".jsonl", ".txt"))
+        if not found:
+            raise BadInput(f"dataset {repo!r} has no .jsonl or .txt files mtpctl can read")
+        files.extend(found)
+    return files
 
 
 def read_records(paths: Sequence[Path]) -> List[Record]:
