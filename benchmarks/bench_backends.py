@@ -25,6 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from sections import write_section
+
 from mtpctl.convert.onnx_export import export_onnx
 from mtpctl.convert.sources import resolve_model
 from mtpctl.runtime.bench import cpu_model, load_prompts, run_interleaved
@@ -99,13 +101,7 @@ def main() -> None:
     report = "\n".join(lines) + "\n"
     print(report)
     if args.write:
-        path = Path(args.write)
-        text = path.read_text(encoding="utf-8") if path.exists() else ""
-        if BEGIN in text and END in text:
-            text = text[:text.index(BEGIN)] + report.rstrip("\n") + text[text.index(END) + len(END):]
-        else:
-            text = text.rstrip("\n") + "\n\n" + report
-        path.write_text(text, encoding="utf-8")
+        write_section(Path(args.write), report.rstrip("\n"), BEGIN, END)
 
 
 if __name__ == "__main__":

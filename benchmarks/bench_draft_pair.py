@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from sections import write_section
 
 from mtpctl.convert.pairing import compare, draft_model_drafter, load_vocabulary
 from mtpctl.convert.sources import resolve_model
@@ -154,7 +155,7 @@ def main() -> None:
     text = format_report(args, sections)
     print(text)
     if args.write:
-        write_section(args.write, text)
+        write_section(args.write, text, BEGIN, END)
 
 
 def format_pair(target_name, draft_name, pairing, rows, n_prompts) -> str:
@@ -216,16 +217,6 @@ def format_report(args, sections) -> str:
              "to 2x from prompt to prompt (see the script's stderr), so differences under ~15% are noise.", END]
     return "\n".join(head + ["\n\n".join(sections)] + notes)
 
-
-def write_section(path: Path, text: str) -> None:
-    old = path.read_text(encoding="utf-8") if path.exists() else "# Benchmarks\n"
-    if BEGIN in old and END in old:
-        new = old[:old.index(BEGIN)] + text + old[old.index(END) + len(END):]
-    else:
-        new = old.rstrip("\n") + "\n\n" + text + "\n"
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(new, encoding="utf-8")
-    tmp.replace(path)
 
 
 if __name__ == "__main__":

@@ -127,7 +127,9 @@ class LookupCounter:
     """
 
     def __init__(self):
-        from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+        from transformers.generation.candidate_generator import (
+            PromptLookupCandidateGenerator,
+        )
 
         self.steps = self.drafted = 0
         original = PromptLookupCandidateGenerator.get_candidates

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from sections import write_section
 
 from mtpctl.convert.sources import resolve_model
 from mtpctl.runtime.bench import cpu_model, load_prompts, run_interleaved, summarize
@@ -101,16 +102,6 @@ def render(rows, args, cfg: HeadsConfig, seconds: float) -> str:
     return "\n".join(lines)
 
 
-def write_section(path: Path, text: str) -> None:
-    old = path.read_text(encoding="utf-8") if path.exists() else "# Benchmarks\n"
-    if BEGIN in old and END in old:
-        new = old[:old.index(BEGIN)] + text + old[old.index(END) + len(END):]
-    else:
-        new = old.rstrip("\n") + "\n\n" + text + "\n"
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(new, encoding="utf-8")
-    tmp.replace(path)
-
 
 def main(argv=None) -> None:
     args = parse_args(argv)
@@ -129,7 +120,7 @@ def main(argv=None) -> None:
     text = render(rows, args, HeadsConfig.load(args.heads), time.perf_counter() - start)
     print(json.dumps(rows, indent=1))
     if args.write:
-        write_section(args.write, text)
+        write_section(args.write, text, BEGIN, END)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from mtpctl.errors import BadInput, CorruptModel, UnsupportedModel
+from mtpctl.runtime.session import generation_capacity
 
 GRAPH_FILE = "model.onnx"
 GRAPH_DATA_FILE = "model.onnx.data"
@@ -380,16 +381,9 @@ class OrtSession(FusedHeadsMixin):
         from mtpctl.runtime.generate import generate
         from mtpctl.runtime.stopping import StopChecker
 
-        if acceptance not in ("exact", "typical"):
-            raise BadInput(f"acceptance {acceptance!r}: choose exact or typical")
         if heads is not None:
             self.manifest_heads()
-        if max_new_tokens < 1:
-            raise BadInput(f"max new tokens must be at least 1, got {max_new_tokens}")
-        if len(prompt_ids) >= self.context_length:
-            raise BadInput(f"the prompt has {len(prompt_ids)} tokens; the model's context holds "
-                           f"{self.context_length} (prompt and output together)")
-        capacity = min(self.context_length, len(prompt_ids) + max_new_tokens + draft_len + 1)
+        capacity = generation_capacity(len(prompt_ids), max_new_tokens, draft_len, self.context_length, acceptance)
         engine = self.new_engine(capacity)
         stop = StopChecker(self.codec.eos_ids, stop_strings, max_new_tokens, self.codec.decode)
         if acceptance == "exact":

@@ -12,7 +12,14 @@ from mtpctl.errors import BadInput, UnsupportedModel
 from mtpctl.runtime.drafters import Drafter
 from mtpctl.runtime.engine import TorchEngine
 from mtpctl.runtime.generate import GenerationResult, generate
-from mtpctl.runtime.heads import HeadsConfig, MedusaDrafter, MedusaHeads, StaticTree, check_heads_match, tree_from_accuracy
+from mtpctl.runtime.heads import (
+    HeadsConfig,
+    MedusaDrafter,
+    MedusaHeads,
+    StaticTree,
+    check_heads_match,
+    tree_from_accuracy,
+)
 from mtpctl.runtime.model import DTYPES, Decoder
 from mtpctl.runtime.sampling import SamplingParams
 from mtpctl.runtime.stopping import StopChecker
@@ -72,14 +79,7 @@ class Session:
         Raises:
             BadInput: ``max_new_tokens`` < 1, or the prompt does not fit the model's context.
         """
-        if acceptance not in ("exact", "typical"):
-            raise BadInput(f"acceptance {acceptance!r}: choose exact or typical")
-        if max_new_tokens < 1:
-            raise BadInput(f"max new tokens must be at least 1, got {max_new_tokens}")
-        if len(prompt_ids) >= self.context_length:
-            raise BadInput(f"the prompt has {len(prompt_ids)} tokens; the model's context holds "
-                           f"{self.context_length} (prompt and output together)")
-        capacity = min(self.context_length, len(prompt_ids) + max_new_tokens + draft_len + 1)
+        capacity = generation_capacity(len(prompt_ids), max_new_tokens, draft_len, self.context_length, acceptance)
         engine = TorchEngine(self.model, capacity, heads)
         stop = StopChecker(self.codec.eos_ids, stop_strings, max_new_tokens, self.codec.decode)
         return generate(engine, prompt_ids, stop, sampling, drafter, draft_len, on_text, acceptance)
@@ -122,6 +122,24 @@ class Session:
     def mode(self) -> str:
         """``float32``, ``bfloat16`` or ``int4``: what a decode step costs depends on it."""
         return "int4" if self.model.packed_weights else ("bfloat16" if self.model.dtype == torch.bfloat16 else "float32")
+
+
+def generation_capacity(prompt_tokens: int, max_new_tokens: int, draft_len: int, context_length: int,
+                        acceptance: str = "exact") -> int:
+    """KV cache slots one generation needs (prompt + output + the largest draft + 1, at most the
+    model's context), after checking the request.
+
+    Raises:
+        BadInput: an unknown acceptance rule, ``max_new_tokens`` < 1, or a prompt that fills the context.
+    """
+    if acceptance not in ("exact", "typical"):
+        raise BadInput(f"acceptance {acceptance!r}: choose exact or typical")
+    if max_new_tokens < 1:
+        raise BadInput(f"max new tokens must be at least 1, got {max_new_tokens}")
+    if prompt_tokens >= context_length:
+        raise BadInput(f"the prompt has {prompt_tokens} tokens; the model's context holds "
+                       f"{context_length} (prompt and output together)")
+    return min(context_length, prompt_tokens + max_new_tokens + draft_len + 1)
 
 
 def set_threads(threads: Optional[int]) -> None:
