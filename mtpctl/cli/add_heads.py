@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from mtpctl.convert.distill import resolve_data
-from mtpctl.convert.heads_training import TrainSettings, add_heads, init_distributed
+from mtpctl.convert.heads_training import TrainSettings, add_heads, init_distributed, is_main_process
 from mtpctl.convert.sources import DEFAULT_MODEL, mtpctl_home, resolve_model
 from mtpctl.errors import BadInput
 from mtpctl.runtime.session import set_threads
@@ -94,6 +94,8 @@ def add_heads_cmd(recipe, model, data, out, resume, overwrite, bundle, threads, 
     data_files = resolve_data(files, mtpctl_home() / "hub")
     summary = add_heads(resolve_model(model_name), model_name, data_files, Path(out), settings,
                         mtpctl_home(), resume=resume, overwrite=overwrite, bundle=bundle)
+    if not is_main_process():  # under torchrun, rank 0 reports
+        return
     if as_json:
         click.echo(json.dumps(summary))
     else:

@@ -138,6 +138,11 @@ def log(message: str) -> None:
         print(f"mtpctl: {message}", file=sys.stderr, flush=True)
 
 
+def is_main_process() -> bool:
+    """True outside torchrun, and on rank 0 under it."""
+    return _rank() == 0
+
+
 def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
