@@ -9,7 +9,12 @@ from pathlib import Path
 import click
 
 from mtpctl.convert.distill import resolve_data
-from mtpctl.convert.heads_training import TrainSettings, add_heads, init_distributed, is_main_process
+from mtpctl.convert.heads_training import (
+    TrainSettings,
+    add_heads,
+    init_distributed,
+    is_main_process,
+)
 from mtpctl.convert.sources import DEFAULT_MODEL, mtpctl_home, resolve_model
 from mtpctl.errors import BadInput
 from mtpctl.runtime.session import set_threads

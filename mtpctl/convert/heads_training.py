@@ -38,7 +38,13 @@ import torch.nn.functional as F
 from mtpctl import __version__
 from mtpctl.convert.distill import Record, batch_greedy, read_records
 from mtpctl.errors import BadInput, MtpctlError
-from mtpctl.runtime.heads import KINDS, HeadsConfig, MedusaHeads, StaticTree, tree_from_accuracy
+from mtpctl.runtime.heads import (
+    KINDS,
+    HeadsConfig,
+    MedusaHeads,
+    StaticTree,
+    tree_from_accuracy,
+)
 from mtpctl.runtime.model import Decoder
 from mtpctl.runtime.tokenizer import TextCodec
 from mtpctl.runtime.weights import weights_hash
