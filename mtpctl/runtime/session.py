@@ -27,10 +27,10 @@ from mtpctl.runtime.tokenizer import TextCodec
 from mtpctl.runtime.weights import weights_hash
 
 WEIGHTS = ("dense", "int4")
-#: draft tree size (nodes) per mode when neither --tree nor --tree-nodes is given: a verify pass of N
-#: tokens costs ~1x a step in bfloat16 up to 32 tokens, but grows with N in float32 and int4 here
-#: (measured: BENCHMARKS.md, "MTP heads").
-DEFAULT_TREE_NODES = {"float32": 6, "bfloat16": 24, "int4": 8}
+#: draft tree size (nodes) per mode when neither --tree nor --tree-nodes is given. Measured with the
+#: recipe's heads (BENCHMARKS.md, "MTP heads"): 4 nodes beat 8 in int4 (0.50x vs 0.34x plain) and dense
+#: bfloat16 (0.82x vs 0.65x); in float32 a verify pass grows fastest with N. Small trees everywhere.
+DEFAULT_TREE_NODES = {"float32": 4, "bfloat16": 4, "int4": 4}
 
 
 class Session:
