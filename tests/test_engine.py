@@ -102,3 +102,44 @@ def test_bfloat16_runs_close_to_float32():
     bf16 = TorchEngine(random_decoder(dtype=torch.bfloat16), 16).verify(PROMPT).logits
     assert bf16.dtype == torch.float32  # logits are always returned in float32
     assert (bf16.argmax(-1) == f32.argmax(-1)).float().mean() >= 0.7
+
+
+def test_bfloat16_tree_nodes_equal_plain_decoding_of_their_path_at_any_capacity():
+    """Dense bfloat16 linear layers are batch-invariant (one-row products run as two) and every token
+    reads its path's slots in path order over a span set by its position alone, so a tree node equals
+    token-by-token decoding of its path bit for bit, whatever the cache capacity."""
+    model = random_decoder(dtype=torch.bfloat16)
+    parents = [-1, 0, 0, 1, 2, 2, 4]  # node 6's path: 0 -> 2 -> 4 -> 6 (scattered slots)
+    tokens = [11, 12, 13, 14, 15, 16, 17]
+    tree = TorchEngine(model, 64)
+    tree.prefill(PROMPT)
+    out = tree.verify(tokens, parents)
+    for node in range(len(tokens)):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        for capacity in (len(PROMPT) + len(path), 40, 100):
+            plain = TorchEngine(model, capacity)
+            plain.prefill(PROMPT)
+            for i in reversed(path):
+                row = plain.verify([tokens[i]])
+                plain.commit([0])
+            assert torch.equal(out[node], row[0]), f"node {node}, capacity {capacity}"
+
+
+def test_attention_spans_depend_on_position_only():
+    from mtpctl.runtime.engine import SPAN_BLOCK, attention_spans
+
+    b = SPAN_BLOCK
+    assert attention_spans(torch.tensor([0, b - 1, b, 2 * b + 5]), 1000) == (b, b, 2 * b, 3 * b)
+    assert attention_spans(torch.tensor([2 * b + 5]), 3 * b - 1) == (3 * b - 1,)
+
+
+def test_engine_allocates_whole_spans_but_reports_its_capacity():
+    from mtpctl.runtime.engine import SPAN_BLOCK
+
+    engine = TorchEngine(random_decoder(), SPAN_BLOCK + 3)
+    assert engine.capacity == SPAN_BLOCK + 3 and engine.cache.capacity == 2 * SPAN_BLOCK
+    engine.prefill(list(range(SPAN_BLOCK + 3)))
+    with pytest.raises(ValueError, match="overflow"):
+        engine.verify([1])

@@ -288,7 +288,7 @@ def test_token_conditioned_heads_read_the_pending_token(model, reference, tmp_pa
 
 def test_tree_nodes_on_the_int4_kernel_equal_plain_decoding_of_their_path_bit_for_bit():
     """A node whose ancestors sit at scattered slots of the verify pass reads them in its path's order
-    (tree_slot_order), so with row-invariant matmuls (int4 weights) it equals plain decoding exactly."""
+    (engine.slot_order), so with row-invariant matmuls (int4 weights) it equals plain decoding exactly."""
     from helpers import gguf_grid_decoder
 
     model = gguf_grid_decoder()
@@ -325,7 +325,7 @@ def test_heads_decoding_with_int4_weights_is_bit_exact():
 @pytest.mark.real
 def test_real_int4_tree_nodes_equal_plain_decoding_of_their_path(smollm2_folder):
     """On the real SmolLM2 (int4 weights, 300-token context) a node whose ancestors sit at scattered
-    slots equals its path's plain decoding bit for bit (before tree_slot_order and matching matmul
+    slots equals its path's plain decoding bit for bit (before engine.slot_order and matching matmul
     layouts, depth >= 2 nodes were off by up to 0.5 in the logits)."""
     model = Decoder.from_folder(smollm2_folder, torch.bfloat16, packed=True)
     prompt, tokens = list(range(1000, 1300)), list(range(2000, 2012))

@@ -150,3 +150,42 @@ def test_truncated_real_gguf_fails_cleanly(tmp_path, monkeypatch, capsys, keep_b
     assert err.count("\n") == 1 and "not a readable GGUF file" in err
     assert list((tmp_path / "home" / "models").glob("*")) == []  # no half-written import
     assert truncated.stat().st_size == keep_bytes
+
+
+@pytest.fixture(scope="module")
+def smollm2_bf16(smollm2_folder):
+    from mtpctl.runtime.session import Session
+
+    return Session(smollm2_folder, dtype="bfloat16")
+
+
+def test_bfloat16_verify_rows_equal_plain_decoding_bit_for_bit(smollm2_bf16):
+    """Dense bfloat16: every row of a 4-token verify pass equals one-token decoding of the same
+    prefix, at every length of a real generation. Before one-row products were computed as two
+    (model._linear), the chain's first row differed from plain decoding at 1 of these lengths (the
+    MLP's down projection, 1 ulp), enough to flip a near-tie."""
+    session = smollm2_bf16
+    ids = session.encode("Explain how a hash map works in three sentences.")
+    tokens = session.generate(ids, 28, GREEDY).token_ids
+    steps, chains = TorchEngine(session.model, 128), TorchEngine(session.model, 128)
+    steps.prefill(ids)
+    chains.prefill(ids)
+    alone = []
+    for t in tokens:
+        alone.append(steps.verify([t]).hidden_states[0].clone())
+        steps.commit([0])
+    for k in range(len(tokens) - 4):
+        block = chains.verify(tokens[k:k + 4]).hidden_states
+        for i in range(4):
+            assert torch.equal(block[i], alone[k + i]), f"length {len(ids) + k}, row {i}"
+        chains.commit([0])
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["repeat", "code", "list", "summary"])
+def test_bfloat16_ngram_greedy_is_bit_exact(smollm2_bf16, prompt):
+    """Dense bfloat16 is batch-invariant too (one-row products padded to two), so n-gram speculation
+    reproduces plain greedy exactly, no near-tie allowance."""
+    ids = smollm2_bf16.encode(prompt)
+    plain = smollm2_bf16.generate(ids, 64, GREEDY).token_ids
+    spec = smollm2_bf16.generate(ids, 64, GREEDY, NgramDrafter(3, 1), 4)
+    assert spec.token_ids == plain

@@ -165,7 +165,7 @@ def _greedy_batch(model: Decoder, prompts: List[List[int]], max_new: int, eos_id
     while True:
         queries = torch.arange(start, start + n)
         masks = _batch_masks(model, valid, slot_pos, queries)
-        hidden = model(ids, slot_pos[:, queries], cache, masks, invariant=False)
+        hidden = model(ids, slot_pos[:, queries], cache, masks)
         cache.advance(n)
         nxt = model.logits(hidden[:, -1]).argmax(-1)  # [b]
         for r in range(b):

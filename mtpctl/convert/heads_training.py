@@ -204,7 +204,7 @@ def compute_features(model: Decoder, sequences: Sequence[tuple], settings: Train
         cache = model.new_cache(len(ids))
         depth = torch.arange(len(ids))
         masks = attention_masks(model.cfg.layer_windows, 0, depth, None, len(ids))
-        h = model(torch.tensor([ids]), depth[None], cache, masks, invariant=False)[0]
+        h = model(torch.tensor([ids]), depth[None], cache, masks)[0]
         for start in range(0, len(ids), chunk_tokens):
             logits = model.logits(h[start:start + chunk_tokens])
             pred.append(logits.argmax(-1))

@@ -14,7 +14,7 @@ from typing import Dict, Optional, Sequence
 import torch
 from torch import nn
 
-from mtpctl.runtime.model import Decoder
+from mtpctl.runtime.model import AttentionPlan, Decoder
 
 
 class StepOutput:
@@ -100,13 +100,20 @@ def tree_positions(parents: Sequence[int]) -> tuple:
     return torch.tensor(depth, dtype=torch.long), tree_mask
 
 
-def tree_slot_order(length: int, tree_mask: torch.Tensor, capacity: int) -> torch.Tensor:
-    """``[N, capacity]`` the order in which each node of a draft tree reads the cache slots: the
-    committed slots ``[0, length)``, then the node's ancestors and itself root first (slots
-    ``length + index``), then the other slots (masked). Plain decoding of the node's path has those
-    keys and values at exactly these places, so the attention sums match it term for term."""
-    n = tree_mask.shape[0]
+#: attention spans are multiples of this many slots (a token at position p reads
+#: ``round_up(p + 1, SPAN_BLOCK)`` slots), so a pass costs what its context needs, not the capacity
+SPAN_BLOCK = 32
+
+
+def slot_order(length: int, tree_mask: Optional[torch.Tensor], n: int, capacity: int) -> torch.Tensor:
+    """``[N, capacity]`` the order in which each of N new tokens reads the cache slots: the
+    committed slots ``[0, length)``, then the token's ancestors and itself root first (slots
+    ``length + index``), then the other slots (masked). Plain decoding of the token's path has those
+    keys and values at exactly these places, so the attention sums match it term for term. A chain
+    (``tree_mask`` None) reads the slots in their own order."""
     order = torch.arange(capacity).repeat(n, 1)
+    if tree_mask is None:
+        return order
     for i in range(n):
         path = length + tree_mask[i].nonzero().flatten()  # ancestors precede descendants
         others = torch.ones(capacity, dtype=torch.bool)
@@ -116,15 +123,34 @@ def tree_slot_order(length: int, tree_mask: torch.Tensor, capacity: int) -> torc
     return order
 
 
+def attention_spans(positions: torch.Tensor, capacity: int) -> tuple:
+    """Slots read by tokens at ``positions [N]``: ``round_up(position + 1, SPAN_BLOCK)``, at most
+    ``capacity``; a function of the position alone, so plain decoding and a verify pass reduce over
+    the same number of slots."""
+    spans = (positions + SPAN_BLOCK) // SPAN_BLOCK * SPAN_BLOCK
+    return tuple(min(int(s), capacity) for s in spans)
+
+
+def attention_plan(length: int, depth: torch.Tensor, tree_mask: Optional[torch.Tensor], capacity: int,
+                   masks: Dict[Optional[int], torch.Tensor]) -> tuple:
+    """The :class:`AttentionPlan` of a decode or verify pass of N tokens at positions
+    ``length + depth`` and its masks ``[1, 1, N, capacity]`` reordered to match it."""
+    order = slot_order(length, tree_mask, depth.shape[0], capacity)
+    plan = AttentionPlan(order, attention_spans(length + depth, capacity))
+    if tree_mask is not None:
+        masks = {w: m.gather(-1, order.expand_as(m)) for w, m in masks.items()}
+    return plan, masks
+
+
 def attention_masks(windows, length: int, depth: torch.Tensor, tree_mask: Optional[torch.Tensor],
                     capacity: int) -> Dict[Optional[int], torch.Tensor]:
     """Bool masks ``[1, 1, N, capacity]`` (True = may attend) per attention window, for N new tokens
     at positions ``length + depth`` written to slots ``[length, length + N)`` after ``length``
     committed slots (slot j holds position j). ``tree_mask [N, N]`` None means a chain (causal).
 
-    Every pass attends over all ``capacity`` slots, the unused ones masked out, so a token's
-    attention sums run over the same slots whether it is scored alone (plain decoding) or inside a
-    verify pass: on kernels whose matmuls are batch-invariant (bfloat16 here) the two agree bit for bit.
+    Decode and verify passes reorder these masks with :func:`attention_plan`, so that a token's
+    attention sums run over the same slots in the same order whether it is scored alone (plain
+    decoding) or inside a verify pass.
     """
     n = depth.shape[0]
     pos = length + depth
@@ -154,7 +180,10 @@ class TorchEngine:
     def __init__(self, model: Decoder, capacity: int, heads: Optional[nn.Module] = None):
         self.model = model
         self.heads = heads
-        self.cache = model.new_cache(capacity)
+        self._capacity = capacity
+        # slots allocated in whole attention spans, so no token's span is ever cut short by the end of
+        # the cache (a cut span would make results depend on the capacity)
+        self.cache = model.new_cache(-(-capacity // SPAN_BLOCK) * SPAN_BLOCK)
 
     @property
     def length(self) -> int:
@@ -168,8 +197,8 @@ class TorchEngine:
 
     @property
     def capacity(self) -> int:
-        """KV cache slots allocated (tokens)."""
-        return self.cache.capacity
+        """Tokens the KV cache holds (its allocation is rounded up to whole attention spans)."""
+        return self._capacity
 
     @torch.inference_mode()
     def _forward(self, tokens: Sequence[int], parents: Optional[Sequence[int]], last_only: bool) -> StepOutput:
@@ -179,15 +208,13 @@ class TorchEngine:
             depth, tree_mask = torch.arange(len(tokens)), None
         else:
             depth, tree_mask = tree_positions(parents)
-        masks = attention_masks(self.model.cfg.layer_windows, self.length, depth, tree_mask, self.capacity)
-        order = None
-        if tree_mask is not None:
-            order = tree_slot_order(self.length, tree_mask, self.capacity)
-            masks = {w: m.gather(-1, order.expand_as(m)) for w, m in masks.items()}
+        slots = self.cache.capacity
+        masks = attention_masks(self.model.cfg.layer_windows, self.length, depth, tree_mask, slots)
+        plan = None
+        if not last_only:  # prefill feeds plain and speculative decoding alike: it may use the fast kernel
+            plan, masks = attention_plan(self.length, depth, tree_mask, slots, masks)
         ids = torch.tensor([list(tokens)], dtype=torch.long)
-        # prefill (last_only) feeds plain and speculative decoding alike: it may use the fast kernel
-        hidden = self.model(ids, (self.length + depth)[None], self.cache, masks, invariant=not last_only,
-                            slot_order=order)[0]
+        hidden = self.model(ids, (self.length + depth)[None], self.cache, masks, plan)[0]
         return StepOutput(self.model, hidden[-1:] if last_only else hidden, self.heads)
 
     def prefill(self, prompt_ids: Sequence[int]) -> StepOutput:

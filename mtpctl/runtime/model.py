@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -101,50 +102,78 @@ def _rms_norm_float32_scale(x: torch.Tensor, weight: torch.Tensor, eps: float) -
 
 
 def _linear(x: torch.Tensor, weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for a float weight or a :class:`PackedLinear`."""
+    """``x @ weight.T + bias`` for a float weight or a :class:`PackedLinear`.
+
+    A dense bfloat16 product of one row is computed as two (the row and a zero row): this CPU's
+    one-row bfloat16 kernel rounds differently from its many-row kernel on some inputs (a 1-ulp
+    change in the MLP's down projection of a real SmolLM2 step), while products of 2 to 33 rows agree
+    row for row. Plain decoding then computes each token exactly as a verify pass does, for about
+    the cost of one row (tests/test_engine.py).
+    """
     if isinstance(weight, PackedLinear):
         y = weight(x)
         return y if bias is None else y + bias
+    if weight.dtype == torch.bfloat16 and x.numel() == x.shape[-1]:
+        pair = torch.cat((x.reshape(1, -1), x.new_zeros(1, x.shape[-1])))
+        return F.linear(pair, weight, bias)[:1].reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 
+@dataclass(frozen=True)
+class AttentionPlan:
+    """How the N tokens of a decode or verify pass read the KV cache (built by
+    :func:`mtpctl.runtime.engine.attention_plan`).
+
+    Attributes:
+        slot_order: ``[N, capacity]`` long; token i reads slot ``slot_order[i, j]`` j-th (its masks
+            are given in that order).
+        spans: ``[N]`` how many slots (of that order) token i reads.
+    """
+
+    slot_order: torch.Tensor
+    spans: Tuple[int, ...]
+
+
 def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-               scale: float, slot_order: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Grouped-query attention in float32 over every cache slot.
+               scale: float, slot_order: torch.Tensor, spans: Sequence[int]) -> torch.Tensor:
+    """Grouped-query attention in float32, computed so that a token's result does not depend on the
+    other tokens of its pass (batch-invariant): a verify pass gives bit for bit what plain decoding of
+    each token's path gives, wherever the linear layers are batch-invariant too (bfloat16, int4).
 
     q ``[batch, heads, N, head_dim]``; keys/values ``[batch, kv_heads, capacity, head_dim]``; mask
-    ``[1|batch, 1, N, capacity]`` bool (True = may attend); ``scale`` multiplies q.k (usually
-    ``head_dim ** -0.5``). Returns ``[batch, heads, N, head_dim]``.
+    ``[1|batch, 1, N, capacity]`` bool (True = may attend), given in slot order; ``scale``
+    multiplies q.k (usually ``head_dim ** -0.5``). Returns ``[batch, heads, N, head_dim]``.
 
-    Tokens are attended one at a time with identical shapes (their query heads of one KV group
-    against all slots), so a token's result does not depend on how many tokens share the pass: a
-    verify pass gives bit for bit what plain decoding gives wherever the matmuls are batch-invariant
-    (bfloat16 and int4 weights here). ``F.scaled_dot_product_attention``'s CPU kernel lacks that
-    property. Prefill (large N) takes the same path; its cost is small next to the linear layers.
-
-    ``slot_order`` ``[N, capacity]`` (draft trees): token i reads the slots in the order
-    ``slot_order[i]`` (its mask given in that order), which puts its ancestors right after the
-    committed slots, where plain decoding of its path has them: the sums then run over the same
-    values in the same order, so a tree node is bit for bit its path's plain decoding as well.
+    ``slot_order`` ``[N, capacity]``: token i reads the cache slots in the order ``slot_order[i]``:
+    the committed slots, then its own path (ancestors root first, then itself), then the rest
+    (masked). That is where plain decoding of the path has those keys and values, so the softmax
+    and the weighted sum run over the same values in the same order. ``spans`` ``[N]``: how many
+    slots token i reads (a function of its position only, :func:`mtpctl.runtime.engine.attention_spans`),
+    so the reductions have the same length too. Each token's keys and values are gathered into a
+    batch of identical ``[span, head_dim]`` matrices, one batched matmul per span;
+    ``F.scaled_dot_product_attention``'s CPU kernel lacks the property.
     """
     b, heads, n, d = q.shape
-    kv_heads, capacity = keys.shape[1], keys.shape[2]
+    kv_heads = keys.shape[1]
     group = heads // kv_heads
-    qg = q.reshape(b, kv_heads, group, n, d).float()  # query heads of one KV group, batched on K/V
-    keys, values = keys.float(), values.float()
-    keys_t = keys.transpose(-1, -2)
-    allowed = mask.reshape(mask.shape[0], 1, 1, n, capacity)
-    rows = []
-    for i in range(n):  # one token at a time: the same shapes, hence the same sums, for any N
-        k_i, v_i = keys_t, values
-        if slot_order is not None:
-            # the same layouts as the unordered path (a transposed view), so the same matmul kernels
-            k_i = keys.index_select(-2, slot_order[i]).transpose(-1, -2)
-            v_i = values.index_select(-2, slot_order[i])
-        scores = torch.matmul(qg[:, :, :, i], k_i) * scale  # [b, kv_heads, group, capacity]
-        probs = torch.softmax(scores.masked_fill(~allowed[..., i, :], float("-inf")), dim=-1)
-        rows.append(torch.matmul(probs, v_i))
-    return torch.stack(rows, dim=3).reshape(b, heads, n, d).to(q.dtype)
+    qg = q.reshape(b, kv_heads, group, n, d).float().transpose(2, 3)  # [b, kv_heads, N, group, d]
+    out = qg.new_empty(qg.shape)
+    for span in sorted(set(spans)):
+        rows = [i for i, s in enumerate(spans) if s == span]
+        idx = None if len(rows) == n else torch.tensor(rows)
+        order = slot_order[:, :span] if idx is None else slot_order[idx, :span]  # [n_g, span]
+        k = keys.index_select(-2, order.flatten()).unflatten(-2, order.shape)  # [b, kv_heads, n_g, span, d]
+        v = values.index_select(-2, order.flatten()).unflatten(-2, order.shape)
+        allowed = mask[..., :span] if idx is None else mask[..., idx, :span]
+        allowed = allowed.reshape(allowed.shape[0], 1, len(rows), 1, span)
+        q_g = qg if idx is None else qg[:, :, idx]
+        scores = torch.matmul(q_g, k.transpose(-1, -2)) * scale  # [b, kv_heads, n_g, group, span]
+        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        if idx is None:
+            out = torch.matmul(probs, v)
+        else:
+            out[:, :, idx] = torch.matmul(probs, v)
+    return out.transpose(2, 3).reshape(b, heads, n, d).to(q.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -190,12 +219,12 @@ class DecoderLayer(nn.Module):
         self.q_norm = param(hd, dtype=norm_dtype) if cfg.qk_norm else None
         self.k_norm = param(hd, dtype=norm_dtype) if cfg.qk_norm else None
 
-    def forward(self, x, cos, sin, cache: KVCache, mask: torch.Tensor, invariant: bool = True,
-                slot_order: Optional[torch.Tensor] = None):
+    def forward(self, x, cos, sin, cache: KVCache, mask: torch.Tensor, plan: Optional[AttentionPlan] = None):
         """x ``[batch, N, hidden]`` -> ``[batch, N, hidden]``; writes this layer's N new KV slots.
 
-        ``invariant`` selects the batch-invariant attention (decode and verify passes); without it
-        (prefill) the fused SDPA kernel attends over the used slots only, which is faster for long N.
+        With a ``plan`` (decode and verify passes) attention is batch-invariant (:func:`_attention`);
+        without one (prefill, teacher-forced batches) the fused SDPA kernel attends over the used
+        slots only, which is faster for long N.
         """
         cfg = self.cfg
         b, n, _ = x.shape
@@ -211,8 +240,8 @@ class DecoderLayer(nn.Module):
         q, k = qk[:, :heads], qk[:, heads:]
         v = qkv[..., self.q_size + self.kv_size:].unflatten(-1, (cfg.num_key_value_heads, hd)).transpose(1, 2)
         keys, values = cache.write(self.index, k, v)
-        if invariant:
-            attn = _attention(q, keys, values, mask, cfg.scale, slot_order)
+        if plan is not None:
+            attn = _attention(q, keys, values, mask, cfg.scale, plan.slot_order, plan.spans)
         else:
             used = cache.length + n
             attn = F.scaled_dot_product_attention(q.float(), keys[:, :, :used], values[:, :, :used],
@@ -343,8 +372,7 @@ class Decoder(nn.Module):
         return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, c.head_dim, capacity, torch.float32)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
-                masks: Dict[Optional[int], torch.Tensor], invariant: bool = True,
-                slot_order: Optional[torch.Tensor] = None) -> torch.Tensor:
+                masks: Dict[Optional[int], torch.Tensor], plan: Optional[AttentionPlan] = None) -> torch.Tensor:
         """Run N new tokens per row against the cache; their KV go to slots ``[length, length+N)``.
 
         Args:
@@ -353,10 +381,9 @@ class Decoder(nn.Module):
             cache: the KV cache; not advanced here (the caller commits accepted slots).
             masks: attention window (None = full) -> bool mask ``[batch|1, 1, N, capacity]``
                 (True = may attend), from :func:`mtpctl.runtime.engine.attention_masks`.
-            invariant: compute each token exactly as it would be computed alone (decode and verify
-                passes); False for prefill, where only speed matters.
-            slot_order: ``[N, capacity]`` for a draft tree: the order each token reads the slots in,
-                its masks given in that order (:func:`mtpctl.runtime.engine.tree_slot_order`).
+            plan: how each token reads the cache in decode and verify passes, so that it is
+                computed exactly as it would be alone (:class:`AttentionPlan`); None for prefill
+                and teacher-forced passes, where only speed matters (masks then in slot order).
 
         Returns:
             hidden_states after the final norm, ``[batch, N, hidden]``.
@@ -369,7 +396,7 @@ class Decoder(nn.Module):
             self.rope_local_cos[position_ids].unsqueeze(2), self.rope_local_sin[position_ids].unsqueeze(2))
         for layer, window, is_local in zip(self.layers, self.cfg.layer_windows, self.local_rope):
             cos, sin = local if is_local else rot
-            x = layer(x, cos, sin, cache, masks[window], invariant, slot_order)
+            x = layer(x, cos, sin, cache, masks[window], plan)
         return self.final_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     @property
