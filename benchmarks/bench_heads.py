@@ -96,9 +96,9 @@ def render(rows, args, cfg: HeadsConfig, seconds: float) -> str:
                      f"{r['same_as_plain']}/{r['prompts']} |")
     lines += ["", "- heads-N: a static tree of N nodes grown from the heads' held-out top-k accuracy "
               "(`--tree-nodes N`). tau counts the bonus token, so plain decoding has tau = 1.",
-              "- float32 and dense bfloat16 matmuls are not batch-invariant here, so a verify pass can flip an "
-              "argmax at a near-tie (tests/test_heads.py checks the gap); the int4 kernel is row-invariant, so "
-              "there the heads' output must equal plain greedy exactly.", END]
+              "- float32 matmuls are not batch-invariant here, so a verify pass can flip an argmax at a "
+              "near-tie (tests/test_heads.py checks the gap); in int4 and dense bfloat16 every kernel on the "
+              "path is batch-invariant, so there the heads' output must equal plain greedy exactly.", END]
     return "\n".join(lines)
 
 
