@@ -343,3 +343,57 @@ def test_real_int4_tree_nodes_equal_plain_decoding_of_their_path(smollm2_folder)
             path.append(parents[path[-1]])
         path = path[::-1]
         assert torch.equal(out[node], verify([tokens[i] for i in path])[len(path) - 1]), f"node {node}"
+
+
+def random_hydra(model, num_heads=3, seed=0):
+    cfg = HeadsConfig("hydra", num_heads, 1, False, model.cfg.hidden_size, model.cfg.vocab_size, token_conditioned=True)
+    heads = MedusaHeads(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    for p in heads.parameters():
+        p.data = torch.randn(p.shape, generator=gen) * 0.3
+    return heads.requires_grad_(False)
+
+
+def test_hydra_tree_children_come_from_their_own_path(model):
+    """Each node's children are the candidates of the next head run on the node's own state and
+    token: the tree equals the teacher-forced heads along every path, and siblings at depth 1 get
+    different children (with Medusa heads every node of a depth shares one candidate list)."""
+    heads = random_hydra(model)
+    out = TorchEngine(model, 32, heads).prefill(PROMPT)
+    tree = StaticTree.from_paths([[0], [1], [0, 0], [0, 1], [1, 0], [1, 1], [0, 0, 0]], 3)
+    draft = out.draft_tree(0, 5, tree, 7)
+    assert draft.parents == [-1, -1, 0, 0, 1, 1, 2]
+    embed = model.embed
+    for node, path in enumerate(tree.paths):
+        chain = [5] + [draft.tokens[tree.paths.index(path[:d])] for d in range(1, len(path))]
+        logits = heads(out.hidden_states[0], model.logits, token_embeds=embed[torch.tensor(chain + [0] * (3 - len(chain)))])
+        ranked = logits[len(path) - 1].topk(2).indices.tolist()
+        assert draft.tokens[node] == ranked[path[-1]], f"node {path}"
+    siblings = [heads(out.hidden_states[0], model.logits, token_embeds=embed[torch.tensor([5, t, 0])])[1]
+                for t in draft.tokens[:2]]
+    assert not torch.equal(*siblings)  # depth-1 siblings rank their children differently
+    assert out.draft_tree(0, 5, tree, 3).tokens == draft.tokens[:3]  # cut to max_nodes
+
+
+@pytest.mark.parametrize("shape", ["chain", "mixed", "deep-second"])
+def test_hydra_heads_decode_losslessly(model, reference, shape, tmp_path):
+    heads = random_hydra(model, 4)
+    heads.save(tmp_path)
+    loaded = MedusaHeads.load(tmp_path)
+    assert loaded.sequential and loaded.cfg.kind == "hydra"
+    tree = StaticTree.from_paths(TREES[shape], 4)
+    result = run(model, MedusaDrafter(tree, sequential=True), len(tree.paths), heads=loaded)
+    assert result.token_ids == reference
+    assert sum(result.stats.drafted_per_step) > 0
+
+
+def test_hydra_config_must_be_token_conditioned(tmp_path, model):
+    import json
+
+    heads = random_hydra(model)
+    heads.save(tmp_path)
+    cfg = json.loads((tmp_path / "mtp_config.json").read_text())
+    cfg["token_conditioned"] = False
+    (tmp_path / "mtp_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CorruptModel, match="token_conditioned"):
+        MedusaHeads.load(tmp_path)

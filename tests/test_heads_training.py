@@ -47,6 +47,29 @@ def test_every_head_gets_a_loss_and_a_gradient():
         assert grad is not None and float(grad.abs().sum()) > 0, f"head {k + 1} got no gradient"
 
 
+def test_hydra_heads_read_the_targets_tokens_and_every_head_learns():
+    """Hydra head k reads pred[t + k - 1] (teacher forcing on the target's own tokens) and head k-1's
+    features, so a loss on the last head alone sends gradients to every head."""
+    from mtpctl.convert.heads_training import pending_embeds
+
+    model = random_decoder(seed=1)
+    cfg = HeadsConfig("hydra", 3, 1, False, model.cfg.hidden_size, model.cfg.vocab_size, token_conditioned=True)
+    heads = MedusaHeads(cfg)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    feats = Features(torch.randn(8, model.cfg.hidden_size), torch.tensor([10, 11, 12, 13, 14, 20, 21, 22]),
+                     torch.tensor([0, 5, 8]), torch.tensor([0, 0]))
+    embeds = pending_embeds(heads, feats, torch.tensor([0, 6]), model.embed)
+    assert embeds.shape == (2, 3, model.cfg.hidden_size)
+    assert torch.equal(embeds[0], model.embed[torch.tensor([10, 11, 12])])
+    assert torch.equal(embeds[1, :2], model.embed[torch.tensor([21, 22])])  # past the end: clamped, unused
+    logits = heads(feats.hidden[torch.tensor([0, 6])], model.logits, full_vocab=False, token_embeds=embeds)
+    labels = head_labels(feats, torch.tensor([0, 6]), 3, None)
+    head_losses(logits, labels)[2].backward()
+    for k in range(3):
+        assert float(heads.token_proj[k].grad.abs().sum()) > 0, f"head {k + 1} got no gradient from head 3"
+
+
 def test_soft_labels_equal_hard_labels_for_a_one_hot_target():
     logits = torch.randn(4, 2, 7)
     labels = torch.randint(0, 7, (4, 2))
@@ -210,6 +233,15 @@ def test_generate_with_heads_end_to_end(tiny_folder, tmp_path, capsys, monkeypat
     other = tmp_path / "other"
     (other / "mtp_config.json").write_text(json.dumps(cfg))
     (other / "mtp_heads.safetensors").write_bytes((heads / "mtp_heads.safetensors").read_bytes())
+    hydra = tmp_path / "hydra"
+    assert main(["add-heads", "-m", str(tiny_folder), "--data", str(data), "--self-distill", "--num-heads", "2",
+                 "--response-tokens", "12", "--epochs", "1", "--kind", "hydra", "--out", str(hydra)]) == 0
+    assert HeadsConfig.load(hydra).kind == "hydra" and HeadsConfig.load(hydra).token_conditioned
+    capsys.readouterr()
+    assert main(plain_args + ["--speculate", "heads", "--heads", str(hydra)]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == plain["token_ids"]
+    assert main(["export", str(tiny_folder), "--heads", str(hydra), "--onnx", str(tmp_path / "x")]) == 2
+    assert "hydra heads" in capsys.readouterr().err
     for extra, words in [(["--tree", str(deep)], "3 deep"), (["--heads", str(other)], "another model")]:
         args = plain_args + ["--speculate", "heads"] + (["--heads", str(heads)] if "--heads" not in extra else []) + extra
         assert main(args) == 2

@@ -295,11 +295,17 @@ def topk_accuracy(heads: MedusaHeads, lm_head, feats: Features, positions: torch
 
 def pending_embeds(heads: MedusaHeads, feats: Features, positions: torch.Tensor,
                    embed: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """Embeddings ``[B, hidden]`` of the pending token at each position (the target's own prediction
-    there, as at decode time) for token-conditioned heads; None for plain Medusa heads."""
+    """Embeddings of the tokens the heads read at each position ``[B]``, the target's own
+    predictions (as at decode time, and along every path the target accepts): for token-conditioned
+    Medusa heads the pending token ``pred[t]``, ``[B, hidden]``; for Hydra heads ``pred[t + k]`` for
+    k = 0..K-1, ``[B, K, hidden]`` (past a sequence's end the tokens are arbitrary: every later
+    head's label there is ignored). None for plain Medusa heads."""
     if not heads.cfg.token_conditioned:
         return None
-    return embed[feats.pred[positions]].float()
+    if not heads.sequential:
+        return embed[feats.pred[positions]].float()
+    index = positions[:, None] + torch.arange(heads.cfg.num_heads)[None]
+    return embed[feats.pred[index.clamp(max=len(feats.pred) - 1)]].float()
 
 
 def _bar(total: int, desc: str):
@@ -340,7 +346,7 @@ class Trainer:
             self.vocab_index[token_map] = torch.arange(len(token_map))
         self.hcfg = HeadsConfig(settings.kind, settings.num_heads, settings.head_layers, settings.own_lm_head,
                                 cfg.hidden_size, cfg.vocab_size, len(token_map) if token_map is not None else 0,
-                                token_conditioned=settings.condition_on_token)
+                                token_conditioned=settings.condition_on_token or settings.kind == "hydra")
         self.heads = MedusaHeads(self.hcfg, torch.float32, target.dense_lm_head().float(), token_map)
         split = torch.randperm(len(feats.loss_from), generator=torch.Generator().manual_seed(settings.seed)).tolist()
         n_eval = max(1, int(round(settings.holdout * len(split)))) if len(split) > 1 else 0

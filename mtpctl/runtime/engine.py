@@ -71,6 +71,21 @@ class StepOutput:
                 self._draft[key] = self.heads(self.hidden_states[i], self.model.logits, token_embeds=embeds)
         return self._draft[key]
 
+    def draft_tree(self, i: int, token: int, tree, max_nodes: int):
+        """Hydra heads: the draft tree (:class:`mtpctl.runtime.drafters.Draft`) of ``tree``'s first
+        ``max_nodes`` paths grown from row i, whose prediction is ``token``
+        (:meth:`mtpctl.runtime.heads.MedusaHeads.draft_tree`).
+
+        Raises:
+            ValueError: the engine has no MTP heads.
+        """
+        if self.heads is None:
+            raise ValueError("this engine runs no MTP heads")
+        dtype = self.hidden_states.dtype
+        with torch.inference_mode():
+            return self.heads.draft_tree(self.hidden_states[i % len(self)], token, tree, max_nodes,
+                                         embed=lambda ids: self.model.embed[ids].to(dtype), lm_head=self.model.logits)
+
     @property
     def logits(self) -> torch.Tensor:
         """All rows' logits ``[N, vocab]`` float32."""

@@ -8,6 +8,15 @@ lm_head predicts token t+1 (the pending token); head k (k = 1..K) predicts token
 identity) then a vocabulary projection: the frozen target lm_head shared by all heads, or a trainable
 copy per head (``own_lm_head``).
 
+Hydra (Ankner et al. 2024, "Hydra: Sequentially-Dependent Draft Heads for Medusa Decoding"): the
+heads depend on each other. In mtpctl's form (``kind: hydra``) head k reads head k-1's output
+features and the embedding of the token drafted before it: ``z_k = blocks_k(z_{k-1} + W_k e(x_k))``
+with ``z_0 = h_t``, ``x_1`` the pending token and ``x_k`` (k > 1) the candidate of head k-1 that the
+tree node extends. A draft tree is then built level by level (:meth:`MedusaHeads.draft_tree`): each
+node's children come from its own path, not from a candidate list shared by every node of a depth.
+Trained on the target's own tokens (teacher forcing), the heads see at training time exactly the
+inputs of every path the target can accept.
+
 A head folder holds ``mtp_config.json`` (:class:`HeadsConfig`) and ``mtp_heads.safetensors``; the
 target's weights are referenced by their sha256 (:func:`mtpctl.runtime.weights.weights_hash`).
 """
@@ -30,7 +39,7 @@ from mtpctl.runtime.drafters import Draft, TargetStep
 FORMAT_VERSION = 1
 CONFIG_FILE = "mtp_config.json"
 WEIGHTS_FILE = "mtp_heads.safetensors"
-KINDS = ("medusa",)
+KINDS = ("medusa", "hydra")
 
 
 @dataclass
@@ -42,7 +51,7 @@ class HeadsConfig:
     token, from which trees of any size are built (:func:`tree_from_accuracy`).
     """
 
-    kind: str  # "medusa"
+    kind: str  # "medusa" or "hydra" (sequential heads; always token-conditioned)
     num_heads: int  # K
     head_layers: int  # residual blocks per head
     own_lm_head: bool  # a trainable vocabulary projection per head (else the target's lm_head)
@@ -85,6 +94,8 @@ class HeadsConfig:
             raise CorruptModel(f"{path} is not a valid head config: {err}") from err
         if cfg.kind not in KINDS:
             raise UnsupportedModel(f"{path}: head kind {cfg.kind!r} is not supported (known: {', '.join(KINDS)})")
+        if cfg.kind == "hydra" and not cfg.token_conditioned:
+            raise CorruptModel(f"{path}: hydra heads read tokens, so token_conditioned must be true")
         if cfg.num_heads < 1 or cfg.head_layers < 0:
             raise CorruptModel(f"{path}: num_heads {cfg.num_heads} and head_layers {cfg.head_layers} are not valid")
         return cfg
@@ -130,6 +141,8 @@ class MedusaHeads(nn.Module):
     def __init__(self, cfg: HeadsConfig, dtype: torch.dtype = torch.float32,
                  target_lm_head: Optional[torch.Tensor] = None, token_map: Optional[torch.Tensor] = None):
         super().__init__()
+        if cfg.kind == "hydra" and not cfg.token_conditioned:
+            raise ValueError("hydra heads read tokens: their config must be token_conditioned")
         self.cfg = cfg
         self.blocks = nn.ModuleList(
             nn.Sequential(*(ResBlock(cfg.hidden_size, dtype) for _ in range(cfg.head_layers)))
@@ -156,9 +169,17 @@ class MedusaHeads(nn.Module):
         projection = rows.detach().to(dtype).clone() if truncated and not cfg.own_lm_head else None
         self.register_buffer("projection", projection, persistent=False)
 
+    @property
+    def sequential(self) -> bool:
+        """Hydra heads: head k reads head k-1's features and the token drafted before it."""
+        return self.cfg.kind == "hydra"
+
     def features(self, hidden_states: torch.Tensor, token_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``[..., hidden]`` (and, token-conditioned, the pending tokens' embeddings ``[..., hidden]``)
-        -> each head's features before the vocabulary projection ``[..., K, hidden]``.
+        """``[..., hidden]`` -> each head's features before the vocabulary projection ``[..., K, hidden]``.
+
+        ``token_embeds``: token-conditioned Medusa heads, the pending tokens' embeddings
+        ``[..., hidden]``; Hydra heads, ``[..., K, hidden]`` the embeddings of x_1 (the pending token)
+        to x_K, the tokens each head reads (teacher forcing in training).
 
         Raises:
             ValueError: token-conditioned heads without ``token_embeds``.
@@ -167,8 +188,34 @@ class MedusaHeads(nn.Module):
             return torch.stack([blocks(hidden_states) for blocks in self.blocks], dim=-2)
         if token_embeds is None:
             raise ValueError("token-conditioned heads need the pending token's embedding (token_embeds)")
-        return torch.stack([blocks(hidden_states + F.linear(token_embeds, w))
-                            for blocks, w in zip(self.blocks, self.token_proj)], dim=-2)
+        if not self.sequential:
+            return torch.stack([blocks(hidden_states + F.linear(token_embeds, w))
+                                for blocks, w in zip(self.blocks, self.token_proj)], dim=-2)
+        feats, z = [], hidden_states
+        for k in range(self.cfg.num_heads):
+            z = self.head_step(k, z, token_embeds[..., k, :])
+            feats.append(z)
+        return torch.stack(feats, dim=-2)
+
+    def head_step(self, k: int, states: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+        """Head k+1's features ``[..., hidden]`` from its input state (h for the first head, else the
+        previous head's features) ``[..., hidden]`` and the embedding of the token it reads ``[..., hidden]``."""
+        return self.blocks[k](states + F.linear(token_embeds, self.token_proj[k]))
+
+    def project(self, feats: torch.Tensor, lm_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                head: Optional[int] = None) -> torch.Tensor:
+        """Features -> float32 logits over the draft vocabulary: ``[..., K, hidden] -> [..., K, V_d]``,
+        or for one ``head`` (0-based) ``[..., hidden] -> [..., V_d]``. ``lm_head`` as in
+        :meth:`draft_vocab_logits`."""
+        if self.lm_heads is not None:
+            if head is not None:
+                return F.linear(feats, self.lm_heads[head]).float()
+            return torch.stack([F.linear(feats[..., k, :], w) for k, w in enumerate(self.lm_heads)], dim=-2).float()
+        if self.projection is not None:
+            return F.linear(feats, self.projection).float()
+        if lm_head is None:
+            raise ValueError("heads that share the target's lm_head need it passed as lm_head")
+        return lm_head(feats).float()
 
     def draft_vocab_logits(self, hidden_states: torch.Tensor,
                            lm_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
@@ -177,14 +224,34 @@ class MedusaHeads(nn.Module):
         without truncation). ``lm_head`` is the target's projection, used only by heads that share
         the full lm_head (e.g. :meth:`mtpctl.runtime.model.Decoder.logits`); ``token_embeds`` as in
         :meth:`features`."""
-        feats = self.features(hidden_states, token_embeds)
-        if self.lm_heads is not None:
-            return torch.stack([F.linear(feats[..., k, :], w) for k, w in enumerate(self.lm_heads)], dim=-2).float()
-        if self.projection is not None:
-            return F.linear(feats, self.projection).float()
-        if lm_head is None:
-            raise ValueError("heads that share the target's lm_head need it passed as lm_head")
-        return lm_head(feats).float()
+        return self.project(self.features(hidden_states, token_embeds), lm_head)
+
+    def draft_tree(self, hidden_state: torch.Tensor, pending: int, tree: "StaticTree", max_nodes: int,
+                   embed: Callable[[torch.Tensor], torch.Tensor],
+                   lm_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> Draft:
+        """Hydra heads: the draft tree of ``tree``'s first ``max_nodes`` paths, grown level by level
+        from the target's hidden state ``[hidden]`` at the pending token ``pending``.
+
+        A node at depth d-1 (the pending token at depth 0) is expanded by head d from its own state
+        and token; its rank-r child is the head's r-th candidate. One head call per depth, batched
+        over the nodes expanded there. ``embed`` maps token ids ``[M]`` to embeddings ``[M, hidden]``.
+        """
+        paths = tree.paths[:min(len(tree.paths), max_nodes)]
+        tokens: Dict[tuple, int] = {(): pending}
+        states: Dict[tuple, torch.Tensor] = {(): hidden_state}
+        for depth in range(1, max(len(p) for p in paths) + 1):
+            level = [p for p in paths if len(p) == depth]
+            expand = sorted({p[:-1] for p in level})
+            z = self.head_step(depth - 1, torch.stack([states[q] for q in expand]),
+                               embed(torch.tensor([tokens[q] for q in expand])))
+            top = self.project(z, lm_head, head=depth - 1).topk(1 + max(p[-1] for p in level), dim=-1).indices
+            if self.token_map is not None:
+                top = self.token_map[top]
+            row = {q: j for j, q in enumerate(expand)}
+            for p in level:
+                tokens[p] = int(top[row[p[:-1]], p[-1]])
+                states[p] = z[row[p[:-1]]]
+        return Draft([tokens[p] for p in paths], tree.parents[:len(paths)])
 
     def forward(self, hidden_states: torch.Tensor,
                 lm_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
@@ -196,7 +263,8 @@ class MedusaHeads(nn.Module):
             lm_head: the target's vocabulary projection ``[..., hidden] -> [..., vocab]``, for heads
                 that share the full lm_head.
             full_vocab: False returns :meth:`draft_vocab_logits` (training).
-            token_embeds: ``[..., hidden]`` embeddings of the pending tokens (token-conditioned heads).
+            token_embeds: embeddings of the tokens the heads read (token-conditioned heads), see
+                :meth:`features`.
 
         Returns:
             ``[..., K, vocab]`` float32 (-inf outside a truncated draft vocabulary); head k's row
@@ -361,20 +429,24 @@ def tree_from_accuracy(topk_accuracy: Sequence[Sequence[float]], nodes: int) -> 
 
 
 class MedusaDrafter:
-    """Drafts a static tree from the MTP heads' logits at the target's last committed row.
+    """Drafts a static tree from the MTP heads at the target's last committed row.
 
-    The engine computes the heads with the verify pass (:meth:`StepOutput.draft_logits`), so a step
-    is one fused draft/verify call; this class only picks each head's top-k and lays out the tree.
+    Medusa heads run with the verify pass (:meth:`StepOutput.draft_logits`), so a step is one fused
+    draft/verify call; this class only picks each head's top-k and lays out the tree. Hydra heads
+    (``sequential``) grow the tree level by level from that row (:meth:`StepOutput.draft_tree`).
     Candidates are deterministic (q one-hot), so rejection sampling stays lossless.
     """
 
-    def __init__(self, tree: StaticTree):
+    def __init__(self, tree: StaticTree, sequential: bool = False):
         self.tree = tree
+        self.sequential = sequential
 
     def propose(self, context: Sequence[int], max_tokens: int, last: Optional[TargetStep] = None) -> Draft:
         if last is None or max_tokens <= 0:
             return Draft([])
-        # [K, vocab], -inf outside a draft vocabulary; context[-1] is the pending token
+        if self.sequential:  # context[-1] is the pending token
+            return last.out.draft_tree(last.row, context[-1], self.tree, max_tokens)
+        # [K, vocab], -inf outside a draft vocabulary
         logits = last.out.draft_logits(last.row, context[-1])
         topk = logits[: self.tree.depth].topk(self.tree.max_rank, dim=-1).indices
         return self.tree.draft(topk, max_tokens)

@@ -116,7 +116,7 @@ class Session:
                 StaticTree.from_paths(cfg.tree or [[0]], cfg.num_heads)
         elif tree.depth > cfg.num_heads:
             raise BadInput(f"the draft tree is {tree.depth} deep; the heads predict {cfg.num_heads} tokens")
-        return MedusaDrafter(tree)
+        return MedusaDrafter(tree, sequential=heads.sequential)
 
     @property
     def mode(self) -> str:
