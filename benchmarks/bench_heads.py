@@ -25,6 +25,7 @@ from sections import write_section
 
 from mtpctl.convert.sources import resolve_model
 from mtpctl.runtime.bench import cpu_model, load_prompts, run_interleaved, summarize
+from mtpctl.runtime.drafters import MergedDrafter, NgramDrafter
 from mtpctl.runtime.heads import HeadsConfig
 from mtpctl.runtime.sampling import SamplingParams
 from mtpctl.runtime.session import Session
@@ -41,22 +42,30 @@ def parse_args(argv=None):
     p.add_argument("--trees", default="4,8,16", help="tree sizes (nodes) to try in every mode")
     p.add_argument("--limit", type=int, default=2, help="prompts per category of the built-in set")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--ngram", type=int, default=0,
+                   help="also run n-gram drafting alone and merged with each heads tree, this many tokens (0 = off)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--write", type=Path, default=None, help="replace the bench_heads section of this file")
     return p.parse_args(argv)
 
 
-def run_mode(folder, heads_dir, mode, trees, prompts, max_new):
+def run_mode(folder, heads_dir, mode, trees, prompts, max_new, ngram=0):
     dtype, weights = MODES[mode]
     session = Session(folder, dtype, weights)
     heads = session.load_heads(heads_dir)
     ids = [session.codec.encode_messages(list(p.messages)) for p in prompts]
     greedy = SamplingParams()
     methods = {"plain": lambda x: session.generate(x, max_new, greedy)}
+    if ngram:
+        methods[f"ngram-{ngram}"] = lambda x: session.generate(x, max_new, greedy, NgramDrafter(), ngram)
     for n in trees:
         drafter = session.heads_drafter(heads, tree_nodes=n)
         methods[f"heads-{n}"] = (lambda d: lambda x: session.generate(x, max_new, greedy, d, len(d.tree.paths),
                                                                        heads=heads))(drafter)
+        if ngram:
+            merged = MergedDrafter([(drafter, n), (NgramDrafter(), ngram)])
+            methods[f"heads-{n}+ngram-{ngram}"] = (lambda d, k: lambda x: session.generate(
+                x, max_new, greedy, d, k, heads=heads))(merged, n + ngram)
     runs = run_interleaved(methods, ids, 1, progress=lambda line: print(f"{mode}: {line}", file=sys.stderr))
     plain = runs["plain"]
     rows = []
@@ -116,7 +125,7 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     rows = []
     for mode in args.modes.split(","):
-        rows += run_mode(folder, args.heads, mode, trees, prompts, args.max_new_tokens)
+        rows += run_mode(folder, args.heads, mode, trees, prompts, args.max_new_tokens, args.ngram)
     text = render(rows, args, HeadsConfig.load(args.heads), time.perf_counter() - start)
     print(json.dumps(rows, indent=1))
     if args.write:

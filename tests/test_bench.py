@@ -56,7 +56,9 @@ def test_gates_exit_1_naming_the_method(capsys, tiny_folder, prompt_file, tmp_pa
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (["--methods", "plain,heads"], "needs --heads DIR"),
+    (["--methods", "plain,heads"], "need --heads DIR"),
+    (["--methods", "plain,heads+ngram"], "need --heads DIR"),
+    (["--tree-nodes", "4"], "go with the heads methods"),
     (["--methods", "plain,bogus"], "unknown method"),
     (["--categories", "poetry"], "no prompt in category"),
 ])
@@ -115,3 +117,27 @@ def test_unwritable_outputs_fail_before_any_work(capsys, tiny_folder, prompt_fil
                  "--json", str(tmp_path / "missing" / "b.json")])
     out, err = capsys.readouterr()
     assert code == 2 and "cannot write" in err and out == "" and "round" not in err
+
+
+def test_heads_and_heads_plus_ngram_methods(capsys, tiny_folder, prompt_file, tmp_path):
+    import torch
+
+    from mtpctl.runtime.heads import HeadsConfig, MedusaHeads
+    from mtpctl.runtime.weights import weights_hash
+
+    cfg = json.loads((tiny_folder / "config.json").read_text())
+    heads = MedusaHeads(HeadsConfig("hydra", 2, 1, False, cfg["hidden_size"], cfg["vocab_size"], token_conditioned=True,
+                                    target_hash=weights_hash(tiny_folder), tree=[[0], [1], [0, 0]]))
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    (tmp_path / "heads").mkdir()
+    heads.save(tmp_path / "heads")
+    code, out, err, report = bench(capsys, tiny_folder, prompt_file, tmp_path, "--methods", "plain,heads,heads+ngram",
+                                   "--heads", str(tmp_path / "heads"), "--draft-len", "3")
+    assert code == 0, err
+    methods = {m["method"]: m for m in report["methods"]}
+    assert list(methods) == ["plain", "heads", "heads+ngram"]
+    for name in ("heads", "heads+ngram"):  # both drafted, and (greedy, lossless) wrote plain's tokens
+        assert methods[name]["acceptance_rate"] is not None
+        assert methods[name]["new_tokens"] == methods["plain"]["new_tokens"]
+        assert methods[name]["peak_memory_bytes"] > methods["plain"]["peak_memory_bytes"]  # + the heads' weights

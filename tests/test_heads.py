@@ -397,3 +397,41 @@ def test_hydra_config_must_be_token_conditioned(tmp_path, model):
     (tmp_path / "mtp_config.json").write_text(json.dumps(cfg))
     with pytest.raises(CorruptModel, match="token_conditioned"):
         MedusaHeads.load(tmp_path)
+
+
+class FixedDrafter:
+    def __init__(self, draft):
+        self.draft = draft
+
+    def propose(self, context, max_tokens, last=None):
+        from mtpctl.runtime.drafters import Draft
+
+        return Draft(self.draft.tokens[:max_tokens], None if self.draft.parents is None else self.draft.parents[:max_tokens],
+                     self.draft.probs)
+
+
+def test_merged_drafter_builds_a_trie_of_the_drafters_paths():
+    from mtpctl.runtime.drafters import Draft, MergedDrafter
+
+    tree = FixedDrafter(Draft([7, 8, 9, 4], [-1, -1, 0, 0]))  # 7 -> (9, 4), 8
+    chain = FixedDrafter(Draft([7, 9, 5, 6]))  # shares 7 -> 9, then extends it
+    merged = MergedDrafter([(tree, 4), (chain, 4)]).propose([1, 2], 10)
+    assert merged.tokens == [7, 8, 9, 4, 5, 6] and merged.parents == [-1, -1, 0, 0, 2, 4]
+    cut = MergedDrafter([(tree, 4), (chain, 4)]).propose([1, 2], 5)  # the total budget binds
+    assert cut.tokens == [7, 8, 9, 4, 5] and cut.parents == [-1, -1, 0, 0, 2]
+    own_budget = MergedDrafter([(tree, 2), (chain, 1)]).propose([1, 2], 10)  # 7 shared: nothing new
+    assert own_budget.tokens == [7, 8] and own_budget.parents == [-1, -1]
+    sampled = FixedDrafter(Draft([3], probs=torch.ones(1, 10) / 10))
+    with pytest.raises(ValueError, match="deterministic"):
+        MergedDrafter([(sampled, 1)]).propose([1], 4)
+
+
+def test_heads_merged_with_ngram_decode_losslessly(model, reference):
+    from mtpctl.runtime.drafters import MergedDrafter, NgramDrafter
+
+    heads = random_hydra(model, 3)
+    drafter = MergedDrafter([(MedusaDrafter(StaticTree.from_paths(TREES["mixed"], 3), sequential=True), 6),
+                             (NgramDrafter(3, 1), 3)])
+    result = run(model, drafter, 9, heads=heads)
+    assert result.token_ids == reference
+    assert max(result.stats.drafted_per_step) > 6  # the n-gram chain added nodes of its own

@@ -238,8 +238,9 @@ def test_generate_with_heads_end_to_end(tiny_folder, tmp_path, capsys, monkeypat
                  "--response-tokens", "12", "--epochs", "1", "--kind", "hydra", "--out", str(hydra)]) == 0
     assert HeadsConfig.load(hydra).kind == "hydra" and HeadsConfig.load(hydra).token_conditioned
     capsys.readouterr()
-    assert main(plain_args + ["--speculate", "heads", "--heads", str(hydra)]) == 0
-    assert json.loads(capsys.readouterr().out)["token_ids"] == plain["token_ids"]
+    for speculate in ("heads", "heads+ngram"):
+        assert main(plain_args + ["--speculate", speculate, "--heads", str(hydra)]) == 0
+        assert json.loads(capsys.readouterr().out)["token_ids"] == plain["token_ids"]
     assert main(["export", str(tiny_folder), "--heads", str(hydra), "--onnx", str(tmp_path / "x")]) == 2
     assert "hydra heads" in capsys.readouterr().err
     for extra, words in [(["--tree", str(deep)], "3 deep"), (["--heads", str(other)], "another model")]:

@@ -14,11 +14,11 @@ from mtpctl.cli.backends import backend_option, open_session
 from mtpctl.convert.sources import DEFAULT_MODEL
 from mtpctl.errors import BadInput, GateFailed
 from mtpctl.runtime.bench import cpu_model, load_prompts, run_interleaved, summarize, transformers_runner
-from mtpctl.runtime.drafters import NgramDrafter
+from mtpctl.runtime.drafters import MergedDrafter, NgramDrafter
 from mtpctl.runtime.sampling import SamplingParams
 from mtpctl.runtime.session import set_threads
 
-METHODS = ("plain", "ngram", "draft", "heads")
+METHODS = ("plain", "ngram", "draft", "heads", "heads+ngram")
 
 
 def parse_methods(text: str) -> List[str]:
@@ -38,11 +38,13 @@ Examples:
   mtpctl bench --baseline transformers --categories code,summarization --limit 3
   mtpctl bench --backend onnxruntime -m out/smollm2-onnx --methods plain,ngram --limit 2
   mtpctl bench --methods plain,heads --heads heads/smollm2 --fail-below-speedup 1.3
+  mtpctl bench --methods plain,heads,heads+ngram --heads heads/smollm2 --dtype bfloat16 --draft-len 3
   mtpctl bench --methods plain,draft --draft ./SmolLM2-135M-draft -m ./SmolLM2-360M --limit 1
 """)
 @click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True, help="Alias, folder, .gguf or hub id.")
 @click.option("--methods", default="plain,ngram", show_default=True,
-              help="Comma-separated: plain, ngram, draft (--draft), heads (--heads).")
+              help="Comma-separated: plain, ngram, draft (--draft), heads (--heads), heads+ngram (the heads' tree "
+                   "merged with a --draft-len prompt-lookup chain).")
 @click.option("--heads", "heads_dir", type=click.Path(file_okay=False), default=None,
               help="MTP head folder (mtpctl add-heads) for the heads method.")
 @click.option("--tree-nodes", type=click.IntRange(min=1), default=None,
@@ -77,9 +79,10 @@ def bench_cmd(model, methods, heads_dir, tree_nodes, prompts_path, categories, l
     progress to stderr. Gates exit with code 1 naming the methods that missed them.
     """
     names = parse_methods(methods)
-    if ("heads" in names) != bool(heads_dir) or (tree_nodes and "heads" not in names):
-        raise BadInput("the heads method needs --heads DIR (a folder made by mtpctl add-heads)" if "heads" in names
-                       else "--heads and --tree-nodes go with the heads method (--methods plain,heads)")
+    uses_heads = "heads" in names or "heads+ngram" in names
+    if uses_heads != bool(heads_dir) or (tree_nodes and not uses_heads):
+        raise BadInput("the heads methods need --heads DIR (a folder made by mtpctl add-heads)" if uses_heads
+                       else "--heads and --tree-nodes go with the heads methods (--methods plain,heads)")
     for target in (json_path, plot_path):
         if target:
             check_writable(Path(target))
@@ -103,16 +106,18 @@ def bench_cmd(model, methods, heads_dir, tree_nodes, prompts_path, categories, l
                                                                          dtype, max_new_tokens)
     elif draft_model:
         raise BadInput("--draft goes with the draft method (--methods plain,draft)")
-    if "heads" in names:
-        if not heads_dir:
-            raise BadInput("the heads method needs --heads DIR (a folder made by mtpctl add-heads)")
+    if uses_heads:
         heads = session.load_heads(heads_dir)
         drafter = session.heads_drafter(heads, None, tree_nodes)
-        runners["heads"] = lambda ids: session.generate(ids, max_new_tokens, sampling, drafter, len(drafter.tree.paths),
-                                                        heads=heads)
+        nodes = len(drafter.tree.paths)
+        merged = MergedDrafter([(drafter, nodes), (NgramDrafter(), draft_len)])
+        runners["heads"] = lambda ids: session.generate(ids, max_new_tokens, sampling, drafter, nodes, heads=heads)
+        runners["heads+ngram"] = lambda ids: session.generate(ids, max_new_tokens, sampling, merged, nodes + draft_len,
+                                                              heads=heads)
         # torch heads hold their own weights; heads fused into an exported graph are in its weights already
-        weight_bytes_by_method["heads"] = sum(t.numel() * t.element_size() for t in heads.state_dict().values()) \
+        head_bytes = sum(t.numel() * t.element_size() for t in heads.state_dict().values()) \
             if hasattr(heads, "state_dict") else 0
+        weight_bytes_by_method.update({"heads": head_bytes, "heads+ngram": head_bytes})
     elif heads_dir or tree_nodes:
         raise BadInput("--heads and --tree-nodes go with the heads method (--methods plain,heads)")
     runners = {n: runners[n] for n in names}

@@ -12,13 +12,13 @@ import click
 from mtpctl.convert.sources import DEFAULT_MODEL
 from mtpctl.cli.pair import DRAFT_LEN, generate_drafter
 from mtpctl.errors import BadInput, OutputClosed
-from mtpctl.runtime.drafters import NgramDrafter
+from mtpctl.runtime.drafters import MergedDrafter, NgramDrafter
 from mtpctl.runtime.heads import StaticTree
 from mtpctl.runtime.sampling import SamplingParams
 from mtpctl.cli.backends import backend_option, open_session
 from mtpctl.runtime.session import set_threads
 
-SPECULATE = ("none", "ngram", "draft", "heads")
+SPECULATE = ("none", "ngram", "draft", "heads", "heads+ngram")
 
 
 def read_prompt(prompt: Optional[str], prompt_file: Optional[str]) -> str:
@@ -48,6 +48,7 @@ Examples:
   mtpctl generate --speculate draft --draft ./SmolLM2-135M --draft-len auto -m ./SmolLM2-360M "Hi"
   mtpctl generate --speculate heads --heads heads/smollm2 --stats "Explain KV caches."
   mtpctl generate --speculate heads --heads heads/smollm2 --tree tree.yaml --dtype bfloat16 "Hi"
+  mtpctl generate --speculate heads+ngram --heads heads/smollm2 --dtype bfloat16 --stats "Summarize: ..."
   mtpctl generate --backend onnxruntime -m out/smollm2-onnx --speculate ngram "Repeat: a b c"
 """)
 @click.argument("prompt", required=False)
@@ -55,7 +56,9 @@ Examples:
 @click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True,
               help="Alias, checkpoint folder, .gguf file or hub repo id.")
 @click.option("--speculate", type=click.Choice(SPECULATE), default="none", show_default=True,
-              help="Drafter: none (plain decoding), ngram (prompt lookup), draft (a draft model, --draft) or heads (MTP heads, --heads).")
+              help="Drafter: none (plain decoding), ngram (prompt lookup), draft (a draft model, --draft), heads "
+                   "(MTP heads, --heads) or heads+ngram (the heads' tree and a prompt-lookup chain of --draft-len "
+                   "tokens merged into one draft tree).")
 @click.option("--heads", "heads_dir", type=click.Path(file_okay=False), default=None,
               help="MTP head folder (mtpctl add-heads) for --speculate heads.")
 @click.option("--tree", "tree_file", type=click.Path(dir_okay=False), default=None,
@@ -103,9 +106,12 @@ def generate_cmd(prompt, prompt_file, model, speculate, heads_dir, tree_file, tr
     text = read_prompt(prompt, prompt_file)
     if ngram_min > ngram_max:
         raise BadInput(f"--ngram-min ({ngram_min}) is larger than --ngram-max ({ngram_max})")
-    if speculate == "heads" and not heads_dir:  # checks that need no model come before loading it
-        raise BadInput("--speculate heads needs --heads DIR (a folder made by mtpctl add-heads)")
-    if speculate != "heads" and (heads_dir or tree_file or tree_nodes):
+    uses_heads = speculate in ("heads", "heads+ngram")
+    if uses_heads and not heads_dir:  # checks that need no model come before loading it
+        raise BadInput(f"--speculate {speculate} needs --heads DIR (a folder made by mtpctl add-heads)")
+    if speculate != "draft" and draft_len is None:
+        raise BadInput("--draft, --draft-map and --draft-len auto go with --speculate draft")
+    if not uses_heads and (heads_dir or tree_file or tree_nodes):
         raise BadInput("--heads, --tree and --tree-nodes go with --speculate heads")
     set_threads(threads)
     session = open_session(model, backend, dtype, weights, threads)
@@ -113,9 +119,14 @@ def generate_cmd(prompt, prompt_file, model, speculate, heads_dir, tree_file, tr
     heads, drafter = None, None
     if speculate == "ngram":
         drafter = NgramDrafter(ngram_max, ngram_min)
-    elif speculate == "heads":
+    elif uses_heads:
         heads, drafter = heads_drafter(session, heads_dir, tree_file, tree_nodes)
-        draft_len = len(drafter.tree.paths)
+        nodes = len(drafter.tree.paths)
+        if speculate == "heads+ngram":
+            drafter = MergedDrafter([(drafter, nodes), (NgramDrafter(ngram_max, ngram_min), draft_len)])
+            draft_len += nodes
+        else:
+            draft_len = nodes
     elif heads_dir or tree_file or tree_nodes:
         raise BadInput("--heads, --tree and --tree-nodes go with --speculate heads")
     sampling = SamplingParams(temperature, top_k, top_p, seed)

@@ -83,3 +83,47 @@ class NgramDrafter:
                 start = int(hits[-1]) + n
                 return Draft(ctx[start:start + max_tokens].tolist())
         return Draft([])
+
+
+class MergedDrafter:
+    """The proposals of several deterministic drafters merged into one draft tree: a trie of their
+    token paths, so a path two drafters share is verified once (e.g. MTP heads' tree plus a prompt
+    lookup chain: the heads guess generic continuations, the n-gram copies from the context).
+
+    Each drafter proposes up to its own budget of tokens; their new nodes are taken in order until
+    ``max_tokens`` nodes are reached.
+    Candidates stay deterministic (their draft distributions one-hot), so greedy and tree rejection
+    sampling over the merged tree stay lossless.
+
+    Args:
+        drafters: ``(drafter, max_nodes)`` pairs.
+
+    Raises:
+        ValueError (from :meth:`propose`): a drafter that samples its tokens (a draft with ``probs``),
+            whose distribution a merged tree cannot carry.
+    """
+
+    def __init__(self, drafters: Sequence[tuple]):
+        self.drafters = list(drafters)
+
+    def propose(self, context: Sequence[int], max_tokens: int, last: Optional[TargetStep] = None) -> Draft:
+        index: dict = {}  # token path -> node
+        tokens: List[int] = []
+        parents: List[int] = []
+        for drafter, budget in self.drafters:
+            if len(tokens) >= max_tokens:
+                break
+            draft = drafter.propose(context, budget, last)
+            if draft.probs is not None:
+                raise ValueError("MergedDrafter merges deterministic drafters only (this one samples)")
+            paths: List[tuple] = []
+            for i, token in enumerate(draft.tokens):
+                parent = i - 1 if draft.parents is None else draft.parents[i]
+                path = (paths[parent] if parent >= 0 else ()) + (token,)
+                paths.append(path)
+                if path in index or (len(path) > 1 and path[:-1] not in index) or len(tokens) >= max_tokens:
+                    continue
+                index[path] = len(tokens)
+                tokens.append(token)
+                parents.append(index[path[:-1]] if len(path) > 1 else -1)
+        return Draft(tokens, parents)
