@@ -127,19 +127,21 @@ def test_bfloat16_tree_nodes_equal_plain_decoding_of_their_path_at_any_capacity(
             assert torch.equal(out[node], row[0]), f"node {node}, capacity {capacity}"
 
 
-def test_attention_spans_depend_on_position_only():
-    from mtpctl.runtime.engine import SPAN_BLOCK, attention_spans
+def test_attention_heads_depend_on_position_only_and_stay_committed():
+    from mtpctl.runtime.engine import HEAD_BLOCK, MAX_DRAFT_DEPTH, TAIL, attention_plan, head_length
 
-    b = SPAN_BLOCK
-    assert attention_spans(torch.tensor([0, b - 1, b, 2 * b + 5]), 1000) == (b, b, 2 * b, 3 * b)
-    assert attention_spans(torch.tensor([2 * b + 5]), 3 * b - 1) == (3 * b - 1,)
-
-
-def test_engine_allocates_whole_spans_but_reports_its_capacity():
-    from mtpctl.runtime.engine import SPAN_BLOCK
-
-    engine = TorchEngine(random_decoder(), SPAN_BLOCK + 3)
-    assert engine.capacity == SPAN_BLOCK + 3 and engine.cache.capacity == 2 * SPAN_BLOCK
-    engine.prefill(list(range(SPAN_BLOCK + 3)))
-    with pytest.raises(ValueError, match="overflow"):
-        engine.verify([1])
+    b = HEAD_BLOCK
+    assert [head_length(p) for p in (0, b, 2 * b - 1, 2 * b, 3 * b + 5)] == [0, 0, 0, b, 2 * b]
+    for p in range(300):  # the tail (position - head + 1 slots) always fits, the head leaves room for a deep draft
+        assert p - head_length(p) + 1 <= TAIL and (p < b or p - head_length(p) >= MAX_DRAFT_DEPTH)
+    plan = attention_plan([None], 70, torch.tensor([0, 1, 1]), torch.tensor(
+        [[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool))[None]
+    assert plan.heads == (b, b, b) and plan.head_mask is None
+    # node 2 (depth 1, slot 72) reads committed slots 32..69, then the root (slot 70), then itself
+    assert plan.tail_slots[2, :40].tolist() == list(range(32, 70)) + [70, 72]
+    assert plan.tail_mask[2].sum() == 40 and plan.tail_mask[0].sum() == 39
+    chain = attention_plan([None], 0, torch.arange(100), None)[None]  # a long chain: tails in place
+    assert chain.tail_slots[99, :36].tolist() == list(range(64, 100)) and chain.heads[99] == 64
+    deep = torch.ones(MAX_DRAFT_DEPTH + 2, MAX_DRAFT_DEPTH + 2, dtype=torch.bool).tril()
+    with pytest.raises(ValueError, match="deeper"):
+        attention_plan([None], 70, torch.arange(MAX_DRAFT_DEPTH + 2), deep)

@@ -115,46 +115,58 @@ def tree_positions(parents: Sequence[int]) -> tuple:
     return torch.tensor(depth, dtype=torch.long), tree_mask
 
 
-#: attention spans are multiples of this many slots (a token at position p reads
-#: ``round_up(p + 1, SPAN_BLOCK)`` slots), so a pass costs what its context needs, not the capacity
-SPAN_BLOCK = 32
+#: a token's attention head (slots read in place) ends on a multiple of this many slots
+HEAD_BLOCK = 32
+#: slots of a token's attention tail (gathered in path order): the committed slots after its head,
+#: then its path; the head ends at least HEAD_BLOCK slots before the token, so draft trees may be up
+#: to ``MAX_DRAFT_DEPTH`` deep and still keep every head inside the committed slots (a chain's slots
+#: all sit at their positions already: any length)
+TAIL = 2 * HEAD_BLOCK
+MAX_DRAFT_DEPTH = TAIL - HEAD_BLOCK
 
 
-def slot_order(length: int, tree_mask: Optional[torch.Tensor], n: int, capacity: int) -> torch.Tensor:
-    """``[N, capacity]`` the order in which each of N new tokens reads the cache slots: the
-    committed slots ``[0, length)``, then the token's ancestors and itself root first (slots
-    ``length + index``), then the other slots (masked). Plain decoding of the token's path has those
-    keys and values at exactly these places, so the attention sums match it term for term. A chain
-    (``tree_mask`` None) reads the slots in their own order."""
-    order = torch.arange(capacity).repeat(n, 1)
-    if tree_mask is None:
-        return order
+def head_length(position: int) -> int:
+    """Head length of a token at ``position``: the largest multiple of ``HEAD_BLOCK`` that is at most
+    ``position - HEAD_BLOCK`` (0 near the start). A function of the position alone, so plain decoding
+    and a verify pass split a token's attention the same way; its tail then holds 33 to 64 slots."""
+    return max(0, (position - HEAD_BLOCK) // HEAD_BLOCK * HEAD_BLOCK)
+
+
+def attention_plan(windows, length: int, depth: torch.Tensor, tree_mask: Optional[torch.Tensor]) -> dict:
+    """Attention window -> :class:`AttentionPlan` of a decode or verify pass of N tokens at
+    positions ``length + depth`` after ``length`` committed slots; ``tree_mask [N, N]`` (None = a
+    chain) says which nodes are on each token's path.
+
+    Raises:
+        ValueError: a draft tree deeper than :data:`MAX_DRAFT_DEPTH` (chains may be any length).
+    """
+    n = depth.shape[0]
+    if tree_mask is not None and n and int(depth.max()) > MAX_DRAFT_DEPTH:
+        raise ValueError(f"a draft tree of depth {int(depth.max())} is deeper than the {MAX_DRAFT_DEPTH} the attention supports")
+    pos = (length + depth).tolist()
+    heads = tuple(head_length(p) for p in pos)
+    tail_slots = torch.zeros(n, TAIL, dtype=torch.long)
+    tail_pos = torch.zeros(n, TAIL, dtype=torch.long)
+    valid = torch.zeros(n, TAIL, dtype=torch.bool)
     for i in range(n):
-        path = length + tree_mask[i].nonzero().flatten()  # ancestors precede descendants
-        others = torch.ones(capacity, dtype=torch.bool)
-        others[:length] = False
-        others[path] = False
-        order[i, length:] = torch.cat((path, others.nonzero().flatten()))
-    return order
-
-
-def attention_spans(positions: torch.Tensor, capacity: int) -> tuple:
-    """Slots read by tokens at ``positions [N]``: ``round_up(position + 1, SPAN_BLOCK)``, at most
-    ``capacity``; a function of the position alone, so plain decoding and a verify pass reduce over
-    the same number of slots."""
-    spans = (positions + SPAN_BLOCK) // SPAN_BLOCK * SPAN_BLOCK
-    return tuple(min(int(s), capacity) for s in spans)
-
-
-def attention_plan(length: int, depth: torch.Tensor, tree_mask: Optional[torch.Tensor], capacity: int,
-                   masks: Dict[Optional[int], torch.Tensor]) -> tuple:
-    """The :class:`AttentionPlan` of a decode or verify pass of N tokens at positions
-    ``length + depth`` and its masks ``[1, 1, N, capacity]`` reordered to match it."""
-    order = slot_order(length, tree_mask, depth.shape[0], capacity)
-    plan = AttentionPlan(order, attention_spans(length + depth, capacity))
-    if tree_mask is not None:
-        masks = {w: m.gather(-1, order.expand_as(m)) for w, m in masks.items()}
-    return plan, masks
+        if tree_mask is None:  # a chain: every slot already sits at its position, as in plain decoding
+            slots = positions = list(range(heads[i], pos[i] + 1))
+        else:
+            path = tree_mask[i].nonzero().flatten().tolist()  # ancestors (root first), then itself
+            slots = list(range(heads[i], length)) + [length + j for j in path]
+            positions = list(range(heads[i], length)) + [length + int(depth[j]) for j in path]
+        tail_slots[i, :len(slots)] = torch.tensor(slots)
+        tail_pos[i, :len(slots)] = torch.tensor(positions)
+        valid[i, :len(slots)] = True
+    plans = {}
+    query = torch.tensor(pos)[:, None]
+    for window in set(windows):
+        tail_mask, head_mask = valid, None
+        if window is not None:
+            tail_mask = valid & (query - tail_pos < window)
+            head_mask = (query - torch.arange(max(heads))[None]) < window
+        plans[window] = AttentionPlan(heads, tail_slots, head_mask, tail_mask)
+    return plans
 
 
 def attention_masks(windows, length: int, depth: torch.Tensor, tree_mask: Optional[torch.Tensor],
@@ -163,9 +175,9 @@ def attention_masks(windows, length: int, depth: torch.Tensor, tree_mask: Option
     at positions ``length + depth`` written to slots ``[length, length + N)`` after ``length``
     committed slots (slot j holds position j). ``tree_mask [N, N]`` None means a chain (causal).
 
-    Decode and verify passes reorder these masks with :func:`attention_plan`, so that a token's
-    attention sums run over the same slots in the same order whether it is scored alone (plain
-    decoding) or inside a verify pass.
+    Prefill uses these masks; decode and verify passes use :func:`attention_plan` instead, so that a
+    token's attention sums run over the same slots in the same order whether it is scored alone
+    (plain decoding) or inside a verify pass.
     """
     n = depth.shape[0]
     pos = length + depth
@@ -195,10 +207,7 @@ class TorchEngine:
     def __init__(self, model: Decoder, capacity: int, heads: Optional[nn.Module] = None):
         self.model = model
         self.heads = heads
-        self._capacity = capacity
-        # slots allocated in whole attention spans, so no token's span is ever cut short by the end of
-        # the cache (a cut span would make results depend on the capacity)
-        self.cache = model.new_cache(-(-capacity // SPAN_BLOCK) * SPAN_BLOCK)
+        self.cache = model.new_cache(capacity)
 
     @property
     def length(self) -> int:
@@ -212,8 +221,8 @@ class TorchEngine:
 
     @property
     def capacity(self) -> int:
-        """Tokens the KV cache holds (its allocation is rounded up to whole attention spans)."""
-        return self._capacity
+        """KV cache slots allocated (tokens)."""
+        return self.cache.capacity
 
     @torch.inference_mode()
     def _forward(self, tokens: Sequence[int], parents: Optional[Sequence[int]], last_only: bool) -> StepOutput:
@@ -223,13 +232,14 @@ class TorchEngine:
             depth, tree_mask = torch.arange(len(tokens)), None
         else:
             depth, tree_mask = tree_positions(parents)
-        slots = self.cache.capacity
-        masks = attention_masks(self.model.cfg.layer_windows, self.length, depth, tree_mask, slots)
-        plan = None
-        if not last_only:  # prefill feeds plain and speculative decoding alike: it may use the fast kernel
-            plan, masks = attention_plan(self.length, depth, tree_mask, slots, masks)
+        windows = self.model.cfg.layer_windows
         ids = torch.tensor([list(tokens)], dtype=torch.long)
-        hidden = self.model(ids, (self.length + depth)[None], self.cache, masks, plan)[0]
+        positions = (self.length + depth)[None]
+        if last_only:  # prefill feeds plain and speculative decoding alike: it may use the fast kernel
+            masks = attention_masks(windows, self.length, depth, tree_mask, self.capacity)
+            hidden = self.model(ids, positions, self.cache, masks)[0]
+        else:
+            hidden = self.model(ids, positions, self.cache, None, attention_plan(windows, self.length, depth, tree_mask))[0]
         return StepOutput(self.model, hidden[-1:] if last_only else hidden, self.heads)
 
     def prefill(self, prompt_ids: Sequence[int]) -> StepOutput:

@@ -119,60 +119,96 @@ def _linear(x: torch.Tensor, weight, bias: Optional[torch.Tensor] = None) -> tor
     return F.linear(x, weight, bias)
 
 
+#: fp32 matmuls on this CPU compute a row the same way for any row count M >= 4 (not for M < 4), so
+#: attention products that mix tokens are padded to at least this many rows
+MIN_ROWS = 4
+
+
 @dataclass(frozen=True)
 class AttentionPlan:
-    """How the N tokens of a decode or verify pass read the KV cache (built by
-    :func:`mtpctl.runtime.engine.attention_plan`).
+    """How the N tokens of a decode or verify pass read the KV cache, for one attention window
+    (built by :func:`mtpctl.runtime.engine.attention_plan`).
+
+    Token i at position p reads two parts, laid out the same way whether it is decoded alone or
+    inside a verify pass (a tree node's path in the tail is where plain decoding has it):
+
+    - the head: cache slots ``[0, heads[i])`` in their own order; ``heads[i]`` is a function of p
+      alone (:func:`mtpctl.runtime.engine.head_length`), always inside the committed slots;
+    - the tail: ``tail_slots[i]``, the committed slots from ``heads[i]`` on, then the token's
+      ancestors and itself root first, padded to a fixed length (padding masked).
 
     Attributes:
-        slot_order: ``[N, capacity]`` long; token i reads slot ``slot_order[i, j]`` j-th (its masks
-            are given in that order).
-        spans: ``[N]`` how many slots (of that order) token i reads.
+        heads: ``[N]`` head length per token (slots).
+        tail_slots: ``[N, TAIL]`` long, cache slots of each token's tail.
+        head_mask: ``[N, max(heads)]`` bool (True = may attend), or None when every head slot may be
+            attended (no sliding window).
+        tail_mask: ``[N, TAIL]`` bool.
     """
 
-    slot_order: torch.Tensor
-    spans: Tuple[int, ...]
+    heads: Tuple[int, ...]
+    tail_slots: torch.Tensor
+    head_mask: Optional[torch.Tensor]
+    tail_mask: torch.Tensor
 
 
-def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-               scale: float, slot_order: torch.Tensor, spans: Sequence[int]) -> torch.Tensor:
+def _pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """``[..., M, K]`` -> at least ``MIN_ROWS`` rows (zero rows appended)."""
+    missing = MIN_ROWS - x.shape[-2]
+    return x if missing <= 0 else torch.cat((x, x.new_zeros(*x.shape[:-2], missing, x.shape[-1])), dim=-2)
+
+
+def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+               plan: AttentionPlan) -> torch.Tensor:
     """Grouped-query attention in float32, computed so that a token's result does not depend on the
     other tokens of its pass (batch-invariant): a verify pass gives bit for bit what plain decoding of
     each token's path gives, wherever the linear layers are batch-invariant too (bfloat16, int4).
 
-    q ``[batch, heads, N, head_dim]``; keys/values ``[batch, kv_heads, capacity, head_dim]``; mask
-    ``[1|batch, 1, N, capacity]`` bool (True = may attend), given in slot order; ``scale``
+    q ``[batch, heads, N, head_dim]``; keys/values ``[batch, kv_heads, slots, head_dim]``; ``scale``
     multiplies q.k (usually ``head_dim ** -0.5``). Returns ``[batch, heads, N, head_dim]``.
 
-    ``slot_order`` ``[N, capacity]``: token i reads the cache slots in the order ``slot_order[i]``:
-    the committed slots, then its own path (ancestors root first, then itself), then the rest
-    (masked). That is where plain decoding of the path has those keys and values, so the softmax
-    and the weighted sum run over the same values in the same order. ``spans`` ``[N]``: how many
-    slots token i reads (a function of its position only, :func:`mtpctl.runtime.engine.attention_spans`),
-    so the reductions have the same length too. Each token's keys and values are gathered into a
-    batch of identical ``[span, head_dim]`` matrices, one batched matmul per span;
-    ``F.scaled_dot_product_attention``'s CPU kernel lacks the property.
+    Each token attends over its head and tail (:class:`AttentionPlan`) as one softmax:
+    - head: ``q @ K[:head]`` and ``P @ V[:head]`` for all tokens with that head length in one matmul
+      (at least ``MIN_ROWS`` rows, where every row is computed alike);
+    - tail: the token's ``TAIL`` keys and values gathered into its own batch entry, one batched
+      matmul of identical shapes for all tokens.
+    The head reads a token's committed slots in place; the tail puts its path where plain decoding
+    has it, so the softmax and the weighted sums run over the same values in the same order and with
+    the same lengths. ``F.scaled_dot_product_attention``'s CPU kernel lacks the property.
     """
     b, heads, n, d = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
+    tail = plan.tail_slots.shape[1]
     qg = q.reshape(b, kv_heads, group, n, d).float().transpose(2, 3)  # [b, kv_heads, N, group, d]
+    slots = plan.tail_slots.flatten()
+    tail_k = keys.index_select(-2, slots).unflatten(-2, (n, tail))  # [b, kv_heads, N, TAIL, d]
+    tail_v = values.index_select(-2, slots).unflatten(-2, (n, tail))
+    tail_scores = torch.matmul(qg, tail_k.transpose(-1, -2))  # [b, kv_heads, N, group, TAIL]
     out = qg.new_empty(qg.shape)
-    for span in sorted(set(spans)):
-        rows = [i for i, s in enumerate(spans) if s == span]
+    for head in sorted(set(plan.heads)):
+        rows = [i for i, h in enumerate(plan.heads) if h == head]
         idx = None if len(rows) == n else torch.tensor(rows)
-        order = slot_order[:, :span] if idx is None else slot_order[idx, :span]  # [n_g, span]
-        k = keys.index_select(-2, order.flatten()).unflatten(-2, order.shape)  # [b, kv_heads, n_g, span, d]
-        v = values.index_select(-2, order.flatten()).unflatten(-2, order.shape)
-        allowed = mask[..., :span] if idx is None else mask[..., idx, :span]
-        allowed = allowed.reshape(allowed.shape[0], 1, len(rows), 1, span)
-        q_g = qg if idx is None else qg[:, :, idx]
-        scores = torch.matmul(q_g, k.transpose(-1, -2)) * scale  # [b, kv_heads, n_g, group, span]
-        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        pick = (lambda t: t) if idx is None else (lambda t: t[:, :, idx])
+        m = len(rows) * group
+        allowed = plan.tail_mask if idx is None else plan.tail_mask[idx]
+        scores = pick(tail_scores)
+        if head:
+            flat = _pad_rows(pick(qg).reshape(b, kv_heads, m, d))
+            head_scores = torch.matmul(flat, keys[:, :, :head].transpose(-1, -2))[:, :, :m]
+            scores = torch.cat((head_scores.reshape(b, kv_heads, len(rows), group, head), scores), dim=-1)
+            head_allowed = torch.ones(len(rows), head, dtype=torch.bool) if plan.head_mask is None else \
+                (plan.head_mask if idx is None else plan.head_mask[idx])[:, :head]
+            allowed = torch.cat((head_allowed, allowed), dim=-1)
+        scores = scores * scale
+        probs = torch.softmax(scores.masked_fill(~allowed[None, None, :, None], float("-inf")), dim=-1)
+        o = torch.matmul(probs[..., head:], pick(tail_v))  # [b, kv_heads, n_g, group, d]
+        if head:
+            flat = _pad_rows(probs[..., :head].reshape(b, kv_heads, m, head))
+            o = torch.matmul(flat, values[:, :, :head])[:, :, :m].reshape(o.shape) + o
         if idx is None:
-            out = torch.matmul(probs, v)
+            out = o
         else:
-            out[:, :, idx] = torch.matmul(probs, v)
+            out[:, :, idx] = o
     return out.transpose(2, 3).reshape(b, heads, n, d).to(q.dtype)
 
 
@@ -219,7 +255,7 @@ class DecoderLayer(nn.Module):
         self.q_norm = param(hd, dtype=norm_dtype) if cfg.qk_norm else None
         self.k_norm = param(hd, dtype=norm_dtype) if cfg.qk_norm else None
 
-    def forward(self, x, cos, sin, cache: KVCache, mask: torch.Tensor, plan: Optional[AttentionPlan] = None):
+    def forward(self, x, cos, sin, cache: KVCache, mask: Optional[torch.Tensor], plan: Optional[AttentionPlan] = None):
         """x ``[batch, N, hidden]`` -> ``[batch, N, hidden]``; writes this layer's N new KV slots.
 
         With a ``plan`` (decode and verify passes) attention is batch-invariant (:func:`_attention`);
@@ -241,7 +277,7 @@ class DecoderLayer(nn.Module):
         v = qkv[..., self.q_size + self.kv_size:].unflatten(-1, (cfg.num_key_value_heads, hd)).transpose(1, 2)
         keys, values = cache.write(self.index, k, v)
         if plan is not None:
-            attn = _attention(q, keys, values, mask, cfg.scale, plan.slot_order, plan.spans)
+            attn = _attention(q, keys, values, cfg.scale, plan)
         else:
             used = cache.length + n
             attn = F.scaled_dot_product_attention(q.float(), keys[:, :, :used], values[:, :, :used],
@@ -372,7 +408,8 @@ class Decoder(nn.Module):
         return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, c.head_dim, capacity, torch.float32)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
-                masks: Dict[Optional[int], torch.Tensor], plan: Optional[AttentionPlan] = None) -> torch.Tensor:
+                masks: Optional[Dict[Optional[int], torch.Tensor]],
+                plans: Optional[Dict[Optional[int], AttentionPlan]] = None) -> torch.Tensor:
         """Run N new tokens per row against the cache; their KV go to slots ``[length, length+N)``.
 
         Args:
@@ -380,10 +417,10 @@ class Decoder(nn.Module):
             position_ids: ``[batch, N]`` positions (a token's depth in a draft tree adds to ``length``).
             cache: the KV cache; not advanced here (the caller commits accepted slots).
             masks: attention window (None = full) -> bool mask ``[batch|1, 1, N, capacity]``
-                (True = may attend), from :func:`mtpctl.runtime.engine.attention_masks`.
-            plan: how each token reads the cache in decode and verify passes, so that it is
-                computed exactly as it would be alone (:class:`AttentionPlan`); None for prefill
-                and teacher-forced passes, where only speed matters (masks then in slot order).
+                (True = may attend), from :func:`mtpctl.runtime.engine.attention_masks`: prefill and
+                teacher-forced passes (the fused SDPA kernel, where only speed matters).
+            plans: instead of masks, for decode and verify passes: attention window ->
+                :class:`AttentionPlan`, so that each token is computed exactly as it would be alone.
 
         Returns:
             hidden_states after the final norm, ``[batch, N, hidden]``.
@@ -396,7 +433,10 @@ class Decoder(nn.Module):
             self.rope_local_cos[position_ids].unsqueeze(2), self.rope_local_sin[position_ids].unsqueeze(2))
         for layer, window, is_local in zip(self.layers, self.cfg.layer_windows, self.local_rope):
             cos, sin = local if is_local else rot
-            x = layer(x, cos, sin, cache, masks[window], plan)
+            if plans is not None:
+                x = layer(x, cos, sin, cache, None, plans[window])
+            else:
+                x = layer(x, cos, sin, cache, masks[window])
         return self.final_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     @property
