@@ -81,8 +81,9 @@ def run_mode(folder, heads_dir, mode, trees, prompts, max_new, ngram=0):
 
 def render(rows, args, cfg: HeadsConfig, seconds: float) -> str:
     t = cfg.training
-    lines = [BEGIN, "## MTP heads (Medusa, self-distilled) vs plain greedy of the same runtime", "",
-             f"Command: `python benchmarks/bench_heads.py --heads HEADS --modes {args.modes} --trees {args.trees} "
+    ngram = f" --ngram {args.ngram}" if args.ngram else ""
+    lines = [BEGIN, "## MTP heads (self-distilled) vs plain greedy of the same runtime", "",
+             f"Command: `python benchmarks/bench_heads.py --heads HEADS --modes {args.modes} --trees {args.trees}{ngram} "
              f"--limit {args.limit} --max-new-tokens {args.max_new_tokens} --write BENCHMARKS.md`, where HEADS is "
              "the output of `mtpctl add-heads --recipe recipes/smollm2-135m-medusa.yaml --out HEADS`.",
              "",
@@ -104,7 +105,11 @@ def render(rows, args, cfg: HeadsConfig, seconds: float) -> str:
         lines.append(f"| {r['mode']} | {r['method']} | {r['tokens_per_s']:.1f} | {speed} | {r['tau']:.2f} | {acc} | "
                      f"{r['same_as_plain']}/{r['prompts']} |")
     lines += ["", "- heads-N: a static tree of N nodes grown from the heads' held-out top-k accuracy "
-              "(`--tree-nodes N`). tau counts the bonus token, so plain decoding has tau = 1.",
+              "(`--tree-nodes N`). ngram-K: prompt lookup of up to K tokens. heads-N+ngram-K: the two merged "
+              "into one draft tree (`mtpctl generate --speculate heads+ngram --draft-len K`). tau counts the "
+              "bonus token, so plain decoding has tau = 1. Speedup: the median over prompts of plain's time "
+              "per token over the method's (p10-p90 in brackets). Acceptance by depth d: steps that accepted "
+              "a draft token at depth d / steps whose draft reached depth d.",
               "- float32 matmuls are not batch-invariant here, so a verify pass can flip an argmax at a "
               "near-tie (tests/test_heads.py checks the gap); in int4 and dense bfloat16 every kernel on the "
               "path is batch-invariant, so there the heads' output must equal plain greedy exactly.", END]

@@ -435,3 +435,29 @@ def test_heads_merged_with_ngram_decode_losslessly(model, reference):
     result = run(model, drafter, 9, heads=heads)
     assert result.token_ids == reference
     assert max(result.stats.drafted_per_step) > 6  # the n-gram chain added nodes of its own
+
+
+@pytest.mark.real
+def test_real_bfloat16_heads_and_ngram_trees_equal_plain_greedy_exactly(smollm2_folder):
+    """Dense bfloat16 is batch-invariant: oracle trees (the truth at rank 1 of head 1, so depth-2 and
+    deeper nodes sit at scattered slots), Hydra heads and a heads+ngram merged tree on the real SmolLM2
+    give plain greedy's tokens exactly, no near-tie allowance."""
+    from mtpctl.runtime.drafters import MergedDrafter, NgramDrafter
+    from mtpctl.runtime.session import Session
+
+    session = Session(smollm2_folder, "bfloat16")
+    model = session.model
+    prompt = session.encode("Repeat the list twice: red, green, blue, yellow. Then explain what a list is.")
+    plain = session.generate(prompt, 64, SamplingParams()).token_ids
+    hydra = random_hydra(model, 3).to(torch.bfloat16)
+    mixed = StaticTree.from_paths(TREES["mixed"], 3)
+    oracle = OracleTreeDrafter(StaticTree.from_paths(TREES["deep-second"], 4), plain, len(prompt),
+                               model.cfg.vocab_size, (1, 0, 0, 0))
+    for drafter, heads, n, accepts in [
+        (oracle, None, 5, True),
+        (MedusaDrafter(mixed, sequential=True), hydra, 6, False),  # random heads: mostly rejected drafts
+        (MergedDrafter([(MedusaDrafter(mixed, sequential=True), 6), (NgramDrafter(), 3)]), hydra, 9, True),
+    ]:
+        result = session.generate(prompt, 64, SamplingParams(), drafter, n, heads=heads)
+        assert result.token_ids == plain
+        assert result.stats.draft_tokens > 0 and (result.stats.accepted_tokens > 0 or not accepts)
