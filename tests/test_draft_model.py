@@ -10,25 +10,10 @@ import torch
 from helpers import greedy_reference, random_decoder, random_state_dict
 from mtpctl.runtime.config import DecoderConfig
 from mtpctl.runtime.draft_model import AUTO_START, DraftModelDrafter
-from mtpctl.runtime.engine import TorchEngine
-from mtpctl.runtime.generate import generate
 from mtpctl.runtime.model import Decoder
 from mtpctl.runtime.sampling import SamplingParams
-from mtpctl.runtime.stopping import StopChecker
 from stats_util import chi_square_rejects
-from test_generate import exact_sequence_probs
-
-PROMPT = [5, 17, 42, 99, 3, 250, 7, 5, 17]
-GREEDY = SamplingParams()
-
-
-def decode(ids):
-    return "".join(chr(ord("a") + t % 26) for t in ids)
-
-
-def run(model, drafter=None, draft_len=0, max_new=40, sampling=GREEDY, prompt=PROMPT):
-    engine = TorchEngine(model, len(prompt) + max_new + draft_len + 1)
-    return generate(engine, prompt, StopChecker((), (), max_new, decode), sampling, drafter, draft_len)
+from test_generate import PROMPT, exact_sequence_probs, run
 
 
 def perturbed(model: Decoder, seed: int, noise: float) -> Decoder:

@@ -136,12 +136,14 @@ def test_attention_heads_depend_on_position_only_and_stay_committed():
         assert p - head_length(p) + 1 <= TAIL and (p < b or p - head_length(p) >= MAX_DRAFT_DEPTH)
     plan = attention_plan([None], 70, torch.tensor([0, 1, 1]), torch.tensor(
         [[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool))[None]
-    assert plan.heads == (b, b, b) and plan.head_mask is None
+    assert [(g.head, g.rows) for g in plan.groups] == [(b, None)]
     # node 2 (depth 1, slot 72) reads committed slots 32..69, then the root (slot 70), then itself
     assert plan.tail_slots[2, :40].tolist() == list(range(32, 70)) + [70, 72]
-    assert plan.tail_mask[2].sum() == 40 and plan.tail_mask[0].sum() == 39
+    allowed = plan.groups[0].bias[0, 0, :, 0] == 0  # [3, head + TAIL]: head slots all allowed
+    assert allowed[2].sum() == b + 40 and allowed[0].sum() == b + 39 and bool(allowed[:, :b].all())
     chain = attention_plan([None], 0, torch.arange(100), None)[None]  # a long chain: tails in place
-    assert chain.tail_slots[99, :36].tolist() == list(range(64, 100)) and chain.heads[99] == 64
+    assert chain.tail_slots[99, :36].tolist() == list(range(64, 100))
+    assert [g.head for g in chain.groups] == [0, 32, 64]  # positions 0-63, 64-95, 96-99
     deep = torch.ones(MAX_DRAFT_DEPTH + 2, MAX_DRAFT_DEPTH + 2, dtype=torch.bool).tril()
     with pytest.raises(ValueError, match="deeper"):
         attention_plan([None], 70, torch.arange(MAX_DRAFT_DEPTH + 2), deep)

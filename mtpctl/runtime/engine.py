@@ -14,7 +14,7 @@ from typing import Dict, Optional, Sequence
 import torch
 from torch import nn
 
-from mtpctl.runtime.model import AttentionPlan, Decoder
+from mtpctl.runtime.model import AttentionGroup, AttentionPlan, Decoder
 
 
 class StepOutput:
@@ -115,6 +115,23 @@ def tree_positions(parents: Sequence[int]) -> tuple:
     return torch.tensor(depth, dtype=torch.long), tree_mask
 
 
+def graph_step_inputs(past: int, n: int, parents: Optional[Sequence[int]]) -> tuple:
+    """Position ids ``[1, N]`` and the bool attention mask ``[1, N, past + N]`` (True = may attend)
+    of a pass of N tokens (a chain, or a draft tree given ``parents``) after ``past`` committed ones,
+    as an exported graph takes them (:mod:`mtpctl.runtime.ort_engine`, :mod:`mtpctl.runtime.trt_engine`).
+
+    Raises:
+        ValueError: a parent index does not precede its child.
+    """
+    if parents is None:
+        depth, new = torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril()
+    else:
+        depth, new = tree_positions(parents)
+    mask = torch.ones(1, n, past + n, dtype=torch.bool)
+    mask[0, :, past:] = new
+    return (past + depth)[None], mask
+
+
 #: a token's attention head (slots read in place) ends on a multiple of this many slots
 HEAD_BLOCK = 32
 #: slots of a token's attention tail (gathered in path order): the committed slots after its head,
@@ -165,7 +182,16 @@ def attention_plan(windows, length: int, depth: torch.Tensor, tree_mask: Optiona
         if window is not None:
             tail_mask = valid & (query - tail_pos < window)
             head_mask = (query - torch.arange(max(heads))[None]) < window
-        plans[window] = AttentionPlan(heads, tail_slots, head_mask, tail_mask)
+        groups = []
+        for head in sorted(set(heads)):
+            rows = [i for i, h in enumerate(heads) if h == head]
+            allowed = tail_mask[rows]
+            if head:
+                allowed = torch.cat((torch.ones(len(rows), head, dtype=torch.bool) if head_mask is None
+                                     else head_mask[rows, :head], allowed), dim=-1)
+            bias = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))[None, None, :, None]
+            groups.append(AttentionGroup(head, None if len(rows) == n else torch.tensor(rows), bias))
+        plans[window] = AttentionPlan(tail_slots, tuple(groups))
     return plans
 
 
@@ -207,7 +233,7 @@ class TorchEngine:
     def __init__(self, model: Decoder, capacity: int, heads: Optional[nn.Module] = None):
         self.model = model
         self.heads = heads
-        self.cache = model.new_cache(capacity)
+        self.cache = model.new_cache(capacity, spare=TAIL)  # a lone token reads its tail in place
 
     @property
     def length(self) -> int:

@@ -17,14 +17,16 @@ class KVCache:
     """Keys and values of every layer.
 
     Attributes:
-        k, v: ``[layers, batch, kv_heads, capacity, head_dim]``.
+        k, v: ``[layers, batch, kv_heads, capacity + spare, head_dim]``; the ``spare`` slots past the
+            capacity are never written (zeros), so a fixed-size window read in place may run past
+            the last usable slot (the decode attention's tail, :func:`mtpctl.runtime.model._attention`).
         length: number of committed slots (tokens whose KV is final), the same for every batch row.
-        capacity: slots allocated (tokens).
+        capacity: slots that may hold tokens.
     """
 
     def __init__(self, layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype = torch.float32, device="cpu"):
-        shape = (layers, batch, kv_heads, capacity, head_dim)
+                 dtype: torch.dtype = torch.float32, device="cpu", spare: int = 0):
+        shape = (layers, batch, kv_heads, capacity + spare, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.length = 0

@@ -104,7 +104,7 @@ def _rms_norm_float32_scale(x: torch.Tensor, weight: torch.Tensor, eps: float) -
 def _linear(x: torch.Tensor, weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for a float weight or a :class:`PackedLinear`.
 
-    A dense bfloat16 product of one row is computed as two (the row and a zero row): this CPU's
+    A dense bfloat16 product of one row is computed as two (the row twice): this CPU's
     one-row bfloat16 kernel rounds differently from its many-row kernel on some inputs (a 1-ulp
     change in the MLP's down projection of a real SmolLM2 step), while products of 2 to 33 rows agree
     row for row. Plain decoding then computes each token exactly as a verify pass does, for about
@@ -114,7 +114,7 @@ def _linear(x: torch.Tensor, weight, bias: Optional[torch.Tensor] = None) -> tor
         y = weight(x)
         return y if bias is None else y + bias
     if weight.dtype == torch.bfloat16 and x.numel() == x.shape[-1]:
-        pair = torch.cat((x.reshape(1, -1), x.new_zeros(1, x.shape[-1])))
+        pair = x.reshape(1, -1).expand(2, -1)  # the row twice, without a copy
         return F.linear(pair, weight, bias)[:1].reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
@@ -125,36 +125,47 @@ MIN_ROWS = 4
 
 
 @dataclass(frozen=True)
+class AttentionGroup:
+    """The tokens of a pass that share a head length (see :class:`AttentionPlan`).
+
+    Attributes:
+        head: head length (slots read in place).
+        rows: ``[n_g]`` long, which tokens of the pass; None when the group is the whole pass.
+        bias: ``[1, 1, n_g, 1, head + TAIL]`` float32 added to the attention scores: 0 where the
+            token may attend, -inf where not (padding, slots outside a sliding window).
+    """
+
+    head: int
+    rows: Optional[torch.Tensor]
+    bias: torch.Tensor
+
+
+@dataclass(frozen=True)
 class AttentionPlan:
     """How the N tokens of a decode or verify pass read the KV cache, for one attention window
-    (built by :func:`mtpctl.runtime.engine.attention_plan`).
+    (built by :func:`mtpctl.runtime.engine.attention_plan`; the same for every layer of the window).
 
     Token i at position p reads two parts, laid out the same way whether it is decoded alone or
     inside a verify pass (a tree node's path in the tail is where plain decoding has it):
 
-    - the head: cache slots ``[0, heads[i])`` in their own order; ``heads[i]`` is a function of p
-      alone (:func:`mtpctl.runtime.engine.head_length`), always inside the committed slots;
-    - the tail: ``tail_slots[i]``, the committed slots from ``heads[i]`` on, then the token's
+    - the head: cache slots ``[0, head)`` in their own order; ``head`` is a function of p alone
+      (:func:`mtpctl.runtime.engine.head_length`), always inside the committed slots;
+    - the tail: ``tail_slots[i]``, the committed slots from the head's end on, then the token's
       ancestors and itself root first, padded to a fixed length (padding masked).
 
     Attributes:
-        heads: ``[N]`` head length per token (slots).
         tail_slots: ``[N, TAIL]`` long, cache slots of each token's tail.
-        head_mask: ``[N, max(heads)]`` bool (True = may attend), or None when every head slot may be
-            attended (no sliding window).
-        tail_mask: ``[N, TAIL]`` bool.
+        groups: the tokens grouped by head length, with their score biases.
     """
 
-    heads: Tuple[int, ...]
     tail_slots: torch.Tensor
-    head_mask: Optional[torch.Tensor]
-    tail_mask: torch.Tensor
+    groups: Tuple[AttentionGroup, ...]
 
 
 def _pad_rows(x: torch.Tensor) -> torch.Tensor:
     """``[..., M, K]`` -> at least ``MIN_ROWS`` rows (zero rows appended)."""
     missing = MIN_ROWS - x.shape[-2]
-    return x if missing <= 0 else torch.cat((x, x.new_zeros(*x.shape[:-2], missing, x.shape[-1])), dim=-2)
+    return x if missing <= 0 else F.pad(x, (0, 0, 0, missing))
 
 
 def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
@@ -173,42 +184,42 @@ def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
       matmul of identical shapes for all tokens.
     The head reads a token's committed slots in place; the tail puts its path where plain decoding
     has it, so the softmax and the weighted sums run over the same values in the same order and with
-    the same lengths. ``F.scaled_dot_product_attention``'s CPU kernel lacks the property.
+    the same lengths. ``F.scaled_dot_product_attention``'s CPU kernel lacks the property. A lone token
+    (plain decoding) reads its tail in place: the cache holds ``TAIL`` spare slots past its capacity
+    for that (:meth:`Decoder.new_cache`).
     """
     b, heads, n, d = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
     tail = plan.tail_slots.shape[1]
     qg = q.reshape(b, kv_heads, group, n, d).float().transpose(2, 3)  # [b, kv_heads, N, group, d]
-    slots = plan.tail_slots.flatten()
-    tail_k = keys.index_select(-2, slots).unflatten(-2, (n, tail))  # [b, kv_heads, N, TAIL, d]
-    tail_v = values.index_select(-2, slots).unflatten(-2, (n, tail))
+    if n == 1:  # one token: its tail slots are consecutive, read in place (the same values a gather gives)
+        start = int(plan.tail_slots[0, 0])
+        tail_k, tail_v = keys[:, :, None, start:start + tail], values[:, :, None, start:start + tail]
+    else:
+        slots = plan.tail_slots.flatten()
+        tail_k = keys.index_select(-2, slots).unflatten(-2, (n, tail))  # [b, kv_heads, N, TAIL, d]
+        tail_v = values.index_select(-2, slots).unflatten(-2, (n, tail))
     tail_scores = torch.matmul(qg, tail_k.transpose(-1, -2))  # [b, kv_heads, N, group, TAIL]
-    out = qg.new_empty(qg.shape)
-    for head in sorted(set(plan.heads)):
-        rows = [i for i, h in enumerate(plan.heads) if h == head]
-        idx = None if len(rows) == n else torch.tensor(rows)
-        pick = (lambda t: t) if idx is None else (lambda t: t[:, :, idx])
-        m = len(rows) * group
-        allowed = plan.tail_mask if idx is None else plan.tail_mask[idx]
+    out = None if len(plan.groups) == 1 else qg.new_empty(qg.shape)
+    for g in plan.groups:
+        pick = (lambda t: t) if g.rows is None else (lambda t: t[:, :, g.rows])
+        n_g = n if g.rows is None else len(g.rows)
+        m = n_g * group
         scores = pick(tail_scores)
-        if head:
+        if g.head:
             flat = _pad_rows(pick(qg).reshape(b, kv_heads, m, d))
-            head_scores = torch.matmul(flat, keys[:, :, :head].transpose(-1, -2))[:, :, :m]
-            scores = torch.cat((head_scores.reshape(b, kv_heads, len(rows), group, head), scores), dim=-1)
-            head_allowed = torch.ones(len(rows), head, dtype=torch.bool) if plan.head_mask is None else \
-                (plan.head_mask if idx is None else plan.head_mask[idx])[:, :head]
-            allowed = torch.cat((head_allowed, allowed), dim=-1)
-        scores = scores * scale
-        probs = torch.softmax(scores.masked_fill(~allowed[None, None, :, None], float("-inf")), dim=-1)
-        o = torch.matmul(probs[..., head:], pick(tail_v))  # [b, kv_heads, n_g, group, d]
-        if head:
-            flat = _pad_rows(probs[..., :head].reshape(b, kv_heads, m, head))
-            o = torch.matmul(flat, values[:, :, :head])[:, :, :m].reshape(o.shape) + o
-        if idx is None:
+            head_scores = torch.matmul(flat, keys[:, :, :g.head].transpose(-1, -2))[:, :, :m]
+            scores = torch.cat((head_scores.reshape(b, kv_heads, n_g, group, g.head), scores), dim=-1)
+        probs = torch.softmax(torch.add(g.bias, scores, alpha=scale), dim=-1)
+        o = torch.matmul(probs[..., g.head:], pick(tail_v))  # [b, kv_heads, n_g, group, d]
+        if g.head:
+            flat = _pad_rows(probs[..., :g.head].reshape(b, kv_heads, m, g.head))
+            o = torch.matmul(flat, values[:, :, :g.head])[:, :, :m].reshape(o.shape) + o
+        if out is None:
             out = o
         else:
-            out[:, :, idx] = o
+            out[:, :, g.rows] = o
     return out.transpose(2, 3).reshape(b, heads, n, d).to(q.dtype)
 
 
@@ -401,11 +412,13 @@ class Decoder(nn.Module):
                 put_norm(layer, "q_norm", p + "self_attn.q_norm.weight")
                 put_norm(layer, "k_norm", p + "self_attn.k_norm.weight")
 
-    def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
-        """An empty float32 KV cache for ``capacity`` tokens (attention runs in float32 in every
-        dtype, so keys and values are stored in it rather than converted at every step)."""
+    def new_cache(self, capacity: int, batch: int = 1, spare: int = 0) -> KVCache:
+        """An empty float32 KV cache for ``capacity`` tokens and ``spare`` never-written slots
+        (attention runs in float32 in every dtype, so keys and values are stored in it rather than
+        converted at every step)."""
         c = self.cfg
-        return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, c.head_dim, capacity, torch.float32)
+        return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, c.head_dim, capacity, torch.float32,
+                       spare=spare)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
                 masks: Optional[Dict[Optional[int], torch.Tensor]],

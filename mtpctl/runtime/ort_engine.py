@@ -219,20 +219,13 @@ class OrtEngine:
         self._present, self._length = None, 0
 
     def _run(self, tokens: Sequence[int], parents: Optional[Sequence[int]]) -> OrtStepOutput:
-        from mtpctl.runtime.engine import tree_positions
+        from mtpctl.runtime.engine import graph_step_inputs
 
         n, past = len(tokens), self._length
         if past + n > self._capacity:
             raise ValueError(f"KV cache overflow: {past + n} slots needed, {self._capacity} allocated")
-        if parents is None:
-            depth, new = np.arange(n), np.tril(np.ones((n, n), dtype=bool))
-        else:
-            d, tree_mask = tree_positions(parents)
-            depth, new = d.numpy(), tree_mask.numpy()
-        mask = np.ones((1, n, past + n), dtype=bool)
-        mask[0, :, past:] = new
-        outs = self.graph.run(np.asarray([tokens], dtype=np.int64), (past + depth)[None].astype(np.int64),
-                              mask, self._kv)
+        positions, mask = graph_step_inputs(past, n, parents)
+        outs = self.graph.run(np.asarray([tokens], dtype=np.int64), positions.numpy(), mask.numpy(), self._kv)
         heads = 1 if self.graph.has_heads else 0
         self._present = outs[2 + heads:]
         return OrtStepOutput(outs[0][0], outs[1][0], outs[2][0] if heads else None)

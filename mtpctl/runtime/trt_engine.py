@@ -283,19 +283,14 @@ class TrtEngine:
     def _run(self, tokens: Sequence[int], parents: Optional[Sequence[int]]) -> TrtStepOutput:
         import torch
 
-        from mtpctl.runtime.engine import tree_positions
+        from mtpctl.runtime.engine import graph_step_inputs
 
         n, past = len(tokens), self._length
         if past + n > self._capacity:
             raise ValueError(f"KV cache overflow: {past + n} slots needed, {self._capacity} allocated")
-        if parents is None:
-            depth, new = torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril()
-        else:
-            depth, new = tree_positions(parents)
-        mask = torch.ones(1, n, past + n, dtype=torch.bool)
-        mask[0, :, past:] = new
+        positions, mask = graph_step_inputs(past, n, parents)
         feeds = {"input_ids": torch.tensor([list(tokens)], dtype=torch.long).cuda(),
-                 "position_ids": (past + depth)[None].cuda(), "attention_mask": mask.cuda()}
+                 "position_ids": positions.cuda(), "attention_mask": mask.cuda()}
         feeds.update(zip(self.graph.names.past, self._kv))
         outs = self.graph.run(feeds)
         heads = 1 if self.graph.limits.num_heads else 0
