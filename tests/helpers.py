@@ -147,3 +147,21 @@ def gguf_grid_decoder(seed: int = 0) -> Decoder:
     model = Decoder(cfg, torch.bfloat16)
     model.load_hf_tensors(tensors, packed=True)
     return model
+
+
+def tree_path(parents: Sequence[int], node: int) -> List[int]:
+    """Node indices from the root down to ``node`` of a draft tree given by parent indices."""
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+def plain_decode_logits(model: Decoder, prompt: Sequence[int], tokens: Sequence[int], capacity: int) -> torch.Tensor:
+    """Logits ``[vocab]`` after ``prompt`` and then ``tokens`` fed one token per pass (plain decoding)."""
+    engine = TorchEngine(model, capacity)
+    engine.prefill(list(prompt))
+    for t in tokens:
+        row = engine.verify([t])[0]
+        engine.commit([0])
+    return row

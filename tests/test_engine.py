@@ -4,7 +4,7 @@ logits as token-by-token decoding, and committing a tree path leaves the cache a
 import pytest
 import torch
 
-from helpers import random_decoder
+from helpers import plain_decode_logits, random_decoder, tree_path
 from mtpctl.runtime.engine import TorchEngine, attention_masks, tree_positions
 
 # fp32 results differ by ~1e-6 relative between a block pass and single-token passes
@@ -106,7 +106,7 @@ def test_bfloat16_runs_close_to_float32():
 
 def test_bfloat16_tree_nodes_equal_plain_decoding_of_their_path_at_any_capacity():
     """Dense bfloat16 linear layers are batch-invariant (one-row products run as two) and every token
-    reads its path's slots in path order over a span set by its position alone, so a tree node equals
+    reads its path's slots where plain decoding has them (engine.attention_plan), so a tree node equals
     token-by-token decoding of its path bit for bit, whatever the cache capacity."""
     model = random_decoder(dtype=torch.bfloat16)
     parents = [-1, 0, 0, 1, 2, 2, 4]  # node 6's path: 0 -> 2 -> 4 -> 6 (scattered slots)
@@ -115,16 +115,9 @@ def test_bfloat16_tree_nodes_equal_plain_decoding_of_their_path_at_any_capacity(
     tree.prefill(PROMPT)
     out = tree.verify(tokens, parents)
     for node in range(len(tokens)):
-        path = [node]
-        while parents[path[-1]] >= 0:
-            path.append(parents[path[-1]])
+        path = [tokens[i] for i in tree_path(parents, node)]
         for capacity in (len(PROMPT) + len(path), 40, 100):
-            plain = TorchEngine(model, capacity)
-            plain.prefill(PROMPT)
-            for i in reversed(path):
-                row = plain.verify([tokens[i]])
-                plain.commit([0])
-            assert torch.equal(out[node], row[0]), f"node {node}, capacity {capacity}"
+            assert torch.equal(out[node], plain_decode_logits(model, PROMPT, path, capacity)), f"node {node}, capacity {capacity}"
 
 
 def test_attention_heads_depend_on_position_only_and_stay_committed():

@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import first_divergence, greedy_reference, random_decoder, top2_gap
+from helpers import first_divergence, greedy_reference, plain_decode_logits, random_decoder, top2_gap, tree_path
 from stats_util import chi_square_rejects
 from test_generate import PROMPT, decode, exact_sequence_probs
 
@@ -288,7 +288,8 @@ def test_token_conditioned_heads_read_the_pending_token(model, reference, tmp_pa
 
 def test_tree_nodes_on_the_int4_kernel_equal_plain_decoding_of_their_path_bit_for_bit():
     """A node whose ancestors sit at scattered slots of the verify pass reads them in its path's order
-    (engine.slot_order), so with row-invariant matmuls (int4 weights) it equals plain decoding exactly."""
+    (engine.attention_plan), so with row-invariant matmuls (int4 weights) it equals plain decoding of
+    its path exactly, one token per pass."""
     from helpers import gguf_grid_decoder
 
     model = gguf_grid_decoder()
@@ -298,13 +299,8 @@ def test_tree_nodes_on_the_int4_kernel_equal_plain_decoding_of_their_path_bit_fo
     tree.prefill(PROMPT)
     out = tree.verify(tokens, parents)
     for node in range(len(tokens)):
-        path = [node]
-        while parents[path[-1]] >= 0:
-            path.append(parents[path[-1]])
-        path = path[::-1]
-        plain = TorchEngine(model, 48)
-        plain.prefill(PROMPT)
-        logits = plain.verify([tokens[i] for i in path]).logits[-1]
+        path = tree_path(parents, node)
+        logits = plain_decode_logits(model, PROMPT, [tokens[i] for i in path], 48)
         assert torch.equal(out[node], logits), f"node {node} (path {path})"
 
 
@@ -325,7 +321,7 @@ def test_heads_decoding_with_int4_weights_is_bit_exact():
 @pytest.mark.real
 def test_real_int4_tree_nodes_equal_plain_decoding_of_their_path(smollm2_folder):
     """On the real SmolLM2 (int4 weights, 300-token context) a node whose ancestors sit at scattered
-    slots equals its path's plain decoding bit for bit (before engine.slot_order and matching matmul
+    slots equals its path's plain decoding bit for bit (before path-ordered slot reads and matching matmul
     layouts, depth >= 2 nodes were off by up to 0.5 in the logits)."""
     model = Decoder.from_folder(smollm2_folder, torch.bfloat16, packed=True)
     prompt, tokens = list(range(1000, 1300)), list(range(2000, 2012))
