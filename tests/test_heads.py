@@ -417,6 +417,12 @@ def test_merged_drafter_builds_a_trie_of_the_drafters_paths():
     assert cut.tokens == [7, 8, 9, 4, 5] and cut.parents == [-1, -1, 0, 0, 2]
     own_budget = MergedDrafter([(tree, 2), (chain, 1)]).propose([1, 2], 10)  # 7 shared: nothing new
     assert own_budget.tokens == [7, 8] and own_budget.parents == [-1, -1]
+    long_chain = FixedDrafter(Draft(list(range(100, 140))))  # 40 deep: cut at the engine's tree depth
+    from mtpctl.runtime.engine import MAX_DRAFT_DEPTH
+
+    merged_long = MergedDrafter([(long_chain, 40)]).propose([1], 64)
+    assert merged_long.depth == MAX_DRAFT_DEPTH == MergedDrafter([]).max_depth
+    assert merged_long.tokens == list(range(100, 100 + MAX_DRAFT_DEPTH))
     sampled = FixedDrafter(Draft([3], probs=torch.ones(1, 10) / 10))
     with pytest.raises(ValueError, match="deterministic"):
         MergedDrafter([(sampled, 1)]).propose([1], 4)

@@ -91,20 +91,24 @@ class MergedDrafter:
     lookup chain: the heads guess generic continuations, the n-gram copies from the context).
 
     Each drafter proposes up to its own budget of tokens; their new nodes are taken in order until
-    ``max_tokens`` nodes are reached.
+    ``max_tokens`` nodes are reached, and nodes deeper than ``max_depth`` are left out (a merged
+    draft is a tree, and the torch engine verifies trees up to
+    :data:`mtpctl.runtime.engine.MAX_DRAFT_DEPTH` deep).
     Candidates stay deterministic (their draft distributions one-hot), so greedy and tree rejection
     sampling over the merged tree stay lossless.
 
     Args:
         drafters: ``(drafter, max_nodes)`` pairs.
+        max_depth: the deepest node kept (draft tokens below the pending one).
 
     Raises:
         ValueError (from :meth:`propose`): a drafter that samples its tokens (a draft with ``probs``),
             whose distribution a merged tree cannot carry.
     """
 
-    def __init__(self, drafters: Sequence[tuple]):
+    def __init__(self, drafters: Sequence[tuple], max_depth: int = 32):
         self.drafters = list(drafters)
+        self.max_depth = max_depth
 
     def propose(self, context: Sequence[int], max_tokens: int, last: Optional[TargetStep] = None) -> Draft:
         index: dict = {}  # token path -> node
@@ -121,7 +125,8 @@ class MergedDrafter:
                 parent = i - 1 if draft.parents is None else draft.parents[i]
                 path = (paths[parent] if parent >= 0 else ()) + (token,)
                 paths.append(path)
-                if path in index or (len(path) > 1 and path[:-1] not in index) or len(tokens) >= max_tokens:
+                if path in index or (len(path) > 1 and path[:-1] not in index) or len(tokens) >= max_tokens \
+                        or len(path) > self.max_depth:
                     continue
                 index[path] = len(tokens)
                 tokens.append(token)

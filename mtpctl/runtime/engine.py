@@ -139,13 +139,14 @@ HEAD_BLOCK = 32
 #: to ``MAX_DRAFT_DEPTH`` deep and still keep every head inside the committed slots (a chain's slots
 #: all sit at their positions already: any length)
 TAIL = 2 * HEAD_BLOCK
-MAX_DRAFT_DEPTH = TAIL - HEAD_BLOCK
+MAX_DRAFT_DEPTH = TAIL - HEAD_BLOCK  # = MergedDrafter's default max_depth
 
 
 def head_length(position: int) -> int:
     """Head length of a token at ``position``: the largest multiple of ``HEAD_BLOCK`` that is at most
     ``position - HEAD_BLOCK`` (0 near the start). A function of the position alone, so plain decoding
-    and a verify pass split a token's attention the same way; its tail then holds 33 to 64 slots."""
+    and a verify pass split a token's attention the same way; its tail then holds 33 to 64 slots
+    (p + 1 below position 64)."""
     return max(0, (position - HEAD_BLOCK) // HEAD_BLOCK * HEAD_BLOCK)
 
 

@@ -149,7 +149,8 @@ class AttentionPlan:
     inside a verify pass (a tree node's path in the tail is where plain decoding has it):
 
     - the head: cache slots ``[0, head)`` in their own order; ``head`` is a function of p alone
-      (:func:`mtpctl.runtime.engine.head_length`), always inside the committed slots;
+      (:func:`mtpctl.runtime.engine.head_length`); for a draft tree it ends inside the committed slots
+      (a chain's own slots already sit at their positions, so its head may reach into them);
     - the tail: ``tail_slots[i]``, the committed slots from the head's end on, then the token's
       ancestors and itself root first, padded to a fixed length (padding masked).
 
