@@ -77,7 +77,9 @@ Examples:
 @click.option("--lr", type=float, default=None)
 @click.option("--batch-tokens", type=int, default=None, help="Positions per micro-batch [default: 256].")
 @click.option("--grad-accum", type=int, default=None, help="Micro-batches per optimizer step [default: 1].")
-@click.option("--tree-nodes", type=int, default=None, help="Nodes of the default draft tree [default: 8].")
+@click.option("--tree-nodes", type=int, default=None,
+              help="Nodes of the draft tree stored in the head folder and used for its expected tau "
+                   "[default: 4, what generate grows by default].")
 @click.option("--seed", type=int, default=None, help="Same seed and data, same heads [default: 0].")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Head folder to write.")
 @click.option("--resume", is_flag=True, help="Continue this run from its last checkpoint.")
@@ -107,5 +109,5 @@ def add_heads_cmd(recipe, model, data, out, resume, overwrite, bundle, threads, 
     if as_json:
         click.echo(json.dumps(summary))
     else:
-        click.echo(f"wrote {out}: held-out top-1 per head {summary['held_out_top1']}, "
+        click.echo(f"mtpctl: wrote {out}: held-out top-1 per head {summary['held_out_top1']}, "
                    f"expected tau of the default tree {summary['expected_tau']}", err=True)

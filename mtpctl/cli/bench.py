@@ -268,8 +268,8 @@ def check_gates(report: dict, min_speedup: Optional[float], max_p99_ms: Optional
     for m in report["methods"]:
         if min_speedup is not None and m["method"] != "plain" and m.get("speedup") is not None \
                 and m["speedup"] < min_speedup:
-            misses.append(f"{m['method']} speedup {m['speedup']:.2f} < {min_speedup}")
+            misses.append(f"{m['method']} speedup {m['speedup']:.3f} < {min_speedup}")
         if max_p99_ms is not None and m["itl_ms_p99"] is not None and m["itl_ms_p99"] > max_p99_ms:
-            misses.append(f"{m['method']} p99 ITL {m['itl_ms_p99']:.1f} ms > {max_p99_ms}")
+            misses.append(f"{m['method']} p99 ITL {m['itl_ms_p99']:.2f} ms > {max_p99_ms}")
     if misses:
         raise GateFailed("gate missed: " + "; ".join(misses))

@@ -112,7 +112,7 @@ def generate_cmd(prompt, prompt_file, model, speculate, heads_dir, tree_file, tr
     if speculate != "draft" and draft_len is None:
         raise BadInput("--draft, --draft-map and --draft-len auto go with --speculate draft")
     if not uses_heads and (heads_dir or tree_file or tree_nodes):
-        raise BadInput("--heads, --tree and --tree-nodes go with --speculate heads")
+        raise BadInput("--heads, --tree and --tree-nodes go with --speculate heads or heads+ngram")
     set_threads(threads)
     session = open_session(model, backend, dtype, weights, threads)
     prompt_ids = session.encode(text, chat=not no_chat)
@@ -128,7 +128,7 @@ def generate_cmd(prompt, prompt_file, model, speculate, heads_dir, tree_file, tr
         else:
             draft_len = nodes
     elif heads_dir or tree_file or tree_nodes:
-        raise BadInput("--heads, --tree and --tree-nodes go with --speculate heads")
+        raise BadInput("--heads, --tree and --tree-nodes go with --speculate heads or heads+ngram")
     sampling = SamplingParams(temperature, top_k, top_p, seed)
     draft_info = None
     if speculate == "draft":

@@ -78,7 +78,7 @@ class TrainSettings:
     grad_accum: int = 1
     head_decay: float = 0.8  # loss weight of head k is head_decay ** (k - 1)
     holdout: float = 0.05  # fraction of sequences held out for accuracy
-    tree_nodes: int = 8  # nodes of the default draft tree
+    tree_nodes: int = 4  # nodes of the default draft tree (the size generate uses by default, session.DEFAULT_TREE_NODES)
     seed: int = 0
 
     def check(self) -> None:
