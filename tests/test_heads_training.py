@@ -256,3 +256,15 @@ def test_an_unreachable_hub_dataset_is_one_clear_error(tiny_folder, tmp_path, ca
                          "--out", str(tmp_path / "out")], capsys)
     assert code == 2 and "cannot download dataset 'someone/chats'" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_tree_deeper_than_verification_supports_is_bad_input(tiny_folder):
+    from mtpctl.runtime.heads import StaticTree
+    from mtpctl.runtime.session import Session
+
+    session = Session(tiny_folder)
+    heads = MedusaHeads(HeadsConfig("medusa", 40, 0, False, session.model.cfg.hidden_size, session.model.cfg.vocab_size))
+    deep = StaticTree.from_paths([[0] * d for d in range(1, 41)], 40)
+    with pytest.raises(BadInput, match="up to 32"):
+        session.heads_drafter(heads, deep)
+    assert session.heads_drafter(heads, StaticTree.from_paths([[0] * d for d in range(1, 33)], 40)).tree.depth == 32

@@ -11,6 +11,8 @@ from typing import List, Optional, Protocol, Sequence
 
 import torch
 
+from mtpctl.runtime.engine import MAX_DRAFT_DEPTH
+
 
 @dataclass
 class Draft:
@@ -106,7 +108,7 @@ class MergedDrafter:
             whose distribution a merged tree cannot carry.
     """
 
-    def __init__(self, drafters: Sequence[tuple], max_depth: int = 32):
+    def __init__(self, drafters: Sequence[tuple], max_depth: int = MAX_DRAFT_DEPTH):
         self.drafters = list(drafters)
         self.max_depth = max_depth
 

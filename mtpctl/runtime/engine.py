@@ -139,7 +139,7 @@ HEAD_BLOCK = 32
 #: to ``MAX_DRAFT_DEPTH`` deep and still keep every head inside the committed slots (a chain's slots
 #: all sit at their positions already: any length)
 TAIL = 2 * HEAD_BLOCK
-MAX_DRAFT_DEPTH = TAIL - HEAD_BLOCK  # = MergedDrafter's default max_depth
+MAX_DRAFT_DEPTH = TAIL - HEAD_BLOCK
 
 
 def head_length(position: int) -> int:

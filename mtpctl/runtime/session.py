@@ -10,7 +10,7 @@ import torch
 
 from mtpctl.errors import BadInput, UnsupportedModel
 from mtpctl.runtime.drafters import Drafter
-from mtpctl.runtime.engine import TorchEngine
+from mtpctl.runtime.engine import MAX_DRAFT_DEPTH, TorchEngine
 from mtpctl.runtime.generate import GenerationResult, generate
 from mtpctl.runtime.heads import (
     HeadsConfig,
@@ -116,6 +116,8 @@ class Session:
                 StaticTree.from_paths(cfg.tree or [[0]], cfg.num_heads)
         elif tree.depth > cfg.num_heads:
             raise BadInput(f"the draft tree is {tree.depth} deep; the heads predict {cfg.num_heads} tokens")
+        if tree.depth > MAX_DRAFT_DEPTH:
+            raise BadInput(f"the draft tree is {tree.depth} deep; verification supports trees up to {MAX_DRAFT_DEPTH}")
         return MedusaDrafter(tree, sequential=heads.sequential)
 
     @property
