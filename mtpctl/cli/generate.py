@@ -109,7 +109,7 @@ def generate_cmd(prompt, prompt_file, model, speculate, heads_dir, tree_file, tr
     uses_heads = speculate in ("heads", "heads+ngram")
     if uses_heads and not heads_dir:  # checks that need no model come before loading it
         raise BadInput(f"--speculate {speculate} needs --heads DIR (a folder made by mtpctl add-heads)")
-    if speculate != "draft" and draft_len is None:
+    if speculate != "draft" and (draft_model or draft_map or draft_len is None):
         raise BadInput("--draft, --draft-map and --draft-len auto go with --speculate draft")
     if not uses_heads and (heads_dir or tree_file or tree_nodes):
         raise BadInput("--heads, --tree and --tree-nodes go with --speculate heads or heads+ngram")
@@ -127,14 +127,10 @@ def generate_cmd(prompt, prompt_file, model, speculate, heads_dir, tree_file, tr
             draft_len += nodes
         else:
             draft_len = nodes
-    elif heads_dir or tree_file or tree_nodes:
-        raise BadInput("--heads, --tree and --tree-nodes go with --speculate heads or heads+ngram")
     sampling = SamplingParams(temperature, top_k, top_p, seed)
     draft_info = None
     if speculate == "draft":
         drafter, draft_len, draft_info = generate_drafter(session, draft_model, draft_map, sampling, draft_len, dtype)
-    elif draft_model or draft_map or draft_len is None:
-        raise BadInput("--draft, --draft-map and --draft-len auto go with --speculate draft")
     on_text = None if as_json else _stream
     result = session.generate(prompt_ids, max_new_tokens, sampling, drafter,
                               draft_len if drafter else 0, stop_strings, on_text, heads, acceptance)
