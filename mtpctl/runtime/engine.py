@@ -57,8 +57,7 @@ class StepOutput:
         Raises:
             ValueError: the engine has no MTP heads, or token-conditioned heads get no ``token``.
         """
-        if self.heads is None:
-            raise ValueError("this engine runs no MTP heads")
+        self._require_heads()
         i = i % len(self)
         key = (i, token)
         if key not in self._draft:
@@ -79,12 +78,15 @@ class StepOutput:
         Raises:
             ValueError: the engine has no MTP heads.
         """
-        if self.heads is None:
-            raise ValueError("this engine runs no MTP heads")
+        self._require_heads()
         dtype = self.hidden_states.dtype
         with torch.inference_mode():
             return self.heads.draft_tree(self.hidden_states[i % len(self)], token, tree, max_nodes,
                                          embed=lambda ids: self.model.embed[ids].to(dtype), lm_head=self.model.logits)
+
+    def _require_heads(self) -> None:
+        if self.heads is None:
+            raise ValueError("this engine runs no MTP heads")
 
     @property
     def logits(self) -> torch.Tensor:

@@ -67,6 +67,10 @@ class HeadsConfig:
     format_version: int = FORMAT_VERSION
     mtpctl_version: str = ""
 
+    def __post_init__(self) -> None:
+        if self.kind == "hydra" and not self.token_conditioned:
+            raise ValueError("hydra heads read tokens, so token_conditioned must be true")
+
     def save(self, folder: Path) -> None:
         """Write ``mtp_config.json`` into ``folder``."""
         (Path(folder) / CONFIG_FILE).write_text(json.dumps(asdict(self), indent=2) + "\n", encoding="utf-8")
@@ -94,8 +98,6 @@ class HeadsConfig:
             raise CorruptModel(f"{path} is not a valid head config: {err}") from err
         if cfg.kind not in KINDS:
             raise UnsupportedModel(f"{path}: head kind {cfg.kind!r} is not supported (known: {', '.join(KINDS)})")
-        if cfg.kind == "hydra" and not cfg.token_conditioned:
-            raise CorruptModel(f"{path}: hydra heads read tokens, so token_conditioned must be true")
         if cfg.num_heads < 1 or cfg.head_layers < 0:
             raise CorruptModel(f"{path}: num_heads {cfg.num_heads} and head_layers {cfg.head_layers} are not valid")
         return cfg
@@ -141,8 +143,6 @@ class MedusaHeads(nn.Module):
     def __init__(self, cfg: HeadsConfig, dtype: torch.dtype = torch.float32,
                  target_lm_head: Optional[torch.Tensor] = None, token_map: Optional[torch.Tensor] = None):
         super().__init__()
-        if cfg.kind == "hydra" and not cfg.token_conditioned:
-            raise ValueError("hydra heads read tokens: their config must be token_conditioned")
         self.cfg = cfg
         self.blocks = nn.ModuleList(
             nn.Sequential(*(ResBlock(cfg.hidden_size, dtype) for _ in range(cfg.head_layers)))
@@ -236,7 +236,7 @@ class MedusaHeads(nn.Module):
         and token; its rank-r child is the head's r-th candidate. One head call per depth, batched
         over the nodes expanded there. ``embed`` maps token ids ``[M]`` to embeddings ``[M, hidden]``.
         """
-        paths = tree.paths[:min(len(tree.paths), max_nodes)]
+        paths = tree.paths[:max_nodes]
         tokens: Dict[tuple, int] = {(): pending}
         states: Dict[tuple, torch.Tensor] = {(): hidden_state}
         for depth in range(1, max(len(p) for p in paths) + 1):
