@@ -180,14 +180,14 @@ def attention_plan(windows, length: int, depth: torch.Tensor, tree_mask: Optiona
         valid[i, :len(slots)] = True
     plans = {}
     query = torch.tensor(pos)[:, None]
+    by_head = {head: [i for i, h in enumerate(heads) if h == head] for head in sorted(set(heads))}
     for window in set(windows):
         tail_mask, head_mask = valid, None
         if window is not None:
             tail_mask = valid & (query - tail_pos < window)
             head_mask = (query - torch.arange(max(heads))[None]) < window
         groups = []
-        for head in sorted(set(heads)):
-            rows = [i for i, h in enumerate(heads) if h == head]
+        for head, rows in by_head.items():
             allowed = tail_mask[rows]
             if head:
                 allowed = torch.cat((torch.ones(len(rows), head, dtype=torch.bool) if head_mask is None
