@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_labels_are_the_targets_predictions_k_places_ahead():
     # two sequences of lengths 5 and 3; pred holds the target's argmax at each position
     feats = Features(torch.zeros(8, 4), torch.tensor([10, 11, 12, 13, 14, 20, 21, 22]), torch.tensor([0, 5, 8]),
-                     torch.tensor([0, 0]))
+                     torch.tensor([0, 0]), torch.zeros(8, dtype=torch.long))
     labels = head_labels(feats, torch.tensor([0, 2, 5, 6]), 3, None)
     # head k at position t learns pred[t + k], within the same sequence (else -100)
     assert labels.tolist() == [[11, 12, 13], [13, 14, -100], [21, 22, -100], [22, -100, -100]]
@@ -58,7 +58,7 @@ def test_hydra_heads_read_the_targets_tokens_and_every_head_learns():
     for p in heads.parameters():
         torch.nn.init.normal_(p, std=0.05)
     feats = Features(torch.randn(8, model.cfg.hidden_size), torch.tensor([10, 11, 12, 13, 14, 20, 21, 22]),
-                     torch.tensor([0, 5, 8]), torch.tensor([0, 0]))
+                     torch.tensor([0, 5, 8]), torch.tensor([0, 0]), torch.zeros(8, dtype=torch.long))
     embeds = pending_embeds(heads, feats, torch.tensor([0, 6]), model.embed)
     assert embeds.shape == (2, 3, model.cfg.hidden_size)
     assert torch.equal(embeds[0], model.embed[torch.tensor([10, 11, 12])])
@@ -233,16 +233,19 @@ def test_generate_with_heads_end_to_end(tiny_folder, tmp_path, capsys, monkeypat
     other = tmp_path / "other"
     (other / "mtp_config.json").write_text(json.dumps(cfg))
     (other / "mtp_heads.safetensors").write_bytes((heads / "mtp_heads.safetensors").read_bytes())
-    hydra = tmp_path / "hydra"
-    assert main(["add-heads", "-m", str(tiny_folder), "--data", str(data), "--self-distill", "--num-heads", "2",
-                 "--response-tokens", "12", "--epochs", "1", "--kind", "hydra", "--out", str(hydra)]) == 0
-    assert HeadsConfig.load(hydra).kind == "hydra" and HeadsConfig.load(hydra).token_conditioned
-    capsys.readouterr()
-    for speculate in ("heads", "heads+ngram"):
-        assert main(plain_args + ["--speculate", speculate, "--heads", str(hydra)]) == 0
-        assert json.loads(capsys.readouterr().out)["token_ids"] == plain["token_ids"]
-    assert main(["export", str(tiny_folder), "--heads", str(hydra), "--onnx", str(tmp_path / "x")]) == 2
-    assert "hydra heads" in capsys.readouterr().err
+    for kind in ("hydra", "eagle"):  # heads that draft level by level: torch backend only
+        folder = tmp_path / kind
+        assert main(["add-heads", "-m", str(tiny_folder), "--data", str(data), "--self-distill", "--num-heads", "2",
+                     "--response-tokens", "12", "--epochs", "1", "--kind", kind, "--out", str(folder)]) == 0
+        cfg = HeadsConfig.load(folder)
+        assert cfg.kind == kind and (cfg.token_conditioned if kind == "hydra" else cfg.layer is not None)
+        assert len(cfg.topk_accuracy) == 2 and cfg.training["held_out_top1"]
+        capsys.readouterr()
+        for speculate in ("heads", "heads+ngram"):
+            assert main(plain_args + ["--speculate", speculate, "--heads", str(folder), "--tree-nodes", "4"]) == 0
+            assert json.loads(capsys.readouterr().out)["token_ids"] == plain["token_ids"]
+        assert main(["export", str(tiny_folder), "--heads", str(folder), "--onnx", str(tmp_path / "x")]) == 2
+        assert f"{kind} heads" in capsys.readouterr().err
     for extra, words in [(["--tree", str(deep)], "3 deep"), (["--heads", str(other)], "another model")]:
         args = plain_args + ["--speculate", "heads"] + (["--heads", str(heads)] if "--heads" not in extra else []) + extra
         assert main(args) == 2

@@ -52,6 +52,7 @@ def read_recipe(path: str) -> dict:
 Examples:
   mtpctl add-heads --recipe recipes/smollm2-135m-medusa.yaml --out heads/smollm2
   mtpctl add-heads --recipe recipes/smollm2-135m-medusa.yaml --kind hydra --out heads/hydra
+  mtpctl add-heads --recipe recipes/smollm2-135m-eagle.yaml --out heads/eagle
   mtpctl add-heads -m smollm2-135m --kind medusa --num-heads 3 --self-distill \\
       --data prompts.jsonl --data notes.txt --out heads/mine --epochs 3 --seed 1
   torchrun --nproc-per-node 2 -m mtpctl.cli.main add-heads --recipe R.yaml --out heads/ddp
@@ -59,9 +60,10 @@ Examples:
 """)
 @click.option("--recipe", type=click.Path(dir_okay=False), help="YAML recipe (model, data, settings); options override it.")
 @click.option("-m", "--model", default=None, help=f"Target: alias, folder, .gguf or hub id [default: {DEFAULT_MODEL}].")
-@click.option("--kind", type=click.Choice(["medusa", "hydra"]), default=None,
+@click.option("--kind", type=click.Choice(["medusa", "hydra", "eagle"]), default=None,
               help="medusa: independent heads; hydra: head k reads head k-1 and the token drafted before "
-                   "it (always token-conditioned; torch backend only) [default: medusa].")
+                   "it (always token-conditioned); eagle: one transformer layer drafting from the target's "
+                   "features, --num-heads steps deep (hydra and eagle: torch backend only) [default: medusa].")
 @click.option("--num-heads", type=int, default=None, help="K heads; head k predicts k+1 tokens past the next [default: 4].")
 @click.option("--head-layers", type=int, default=None, help="Residual blocks per head [default: 1].")
 @click.option("--own-lm-head", is_flag=True, default=None, help="A trainable vocabulary projection per head.")

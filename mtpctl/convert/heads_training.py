@@ -45,10 +45,12 @@ from mtpctl.runtime.heads import (
     StaticTree,
     tree_from_accuracy,
 )
+from mtpctl.runtime.eagle import layer_config_for
 from mtpctl.runtime.model import Decoder
 from mtpctl.runtime.tokenizer import TextCodec
 from mtpctl.runtime.weights import weights_hash
 
+FEATURES_FORMAT = 2  # 2: input ids cached too (EAGLE reads them); a new format recomputes the cache
 EVAL_RANKS = 10  # top-k accuracy measured per head (the deepest rank a grown tree can use)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -95,6 +97,8 @@ class TrainSettings:
             raise BadInput(f"epochs and lr must be > 0, got {self.epochs} and {self.lr}")
         if not 0 < self.holdout < 1 or not 0 <= self.warmup < 1 or not 0 < self.head_decay <= 1:
             raise BadInput("holdout must be in (0, 1), warmup in [0, 1), head-decay in (0, 1]")
+        if self.kind == "eagle" and self.own_lm_head:
+            raise BadInput("eagle heads project through the target's lm_head: drop --own-lm-head")
         if self.distill_dtype not in DTYPES:
             raise BadInput(f"distill dtype {self.distill_dtype!r}: choose from {', '.join(DTYPES)}")
 
@@ -105,13 +109,14 @@ class Features:
 
     hidden ``[P, hidden]`` (bfloat16) and pred ``[P]`` (int64) for all P positions of all sequences
     back to back; ``offsets [S + 1]`` where each sequence starts; ``loss_from [S]`` its first position
-    with a loss; with soft labels ``soft_ids``/``soft_probs`` ``[P, m]``.
+    with a loss; ``ids [P]`` the input token ids; with soft labels ``soft_ids``/``soft_probs`` ``[P, m]``.
     """
 
     hidden: torch.Tensor
     pred: torch.Tensor
     offsets: torch.Tensor
     loss_from: torch.Tensor
+    ids: torch.Tensor
     soft_ids: Optional[torch.Tensor] = None
     soft_probs: Optional[torch.Tensor] = None
 
@@ -219,6 +224,7 @@ def compute_features(model: Decoder, sequences: Sequence[tuple], settings: Train
         bar.close()
     lengths = torch.tensor([0] + [len(ids) for ids, _ in sequences])
     return Features(torch.cat(hidden), torch.cat(pred), lengths.cumsum(0), torch.tensor([lf for _, lf in sequences]),
+                    torch.tensor([i for ids, _ in sequences for i in ids], dtype=torch.long),
                     torch.cat(soft_ids) if soft_ids else None, torch.cat(soft_probs) if soft_probs else None)
 
 
@@ -346,12 +352,14 @@ class Trainer:
             self.vocab_index[token_map] = torch.arange(len(token_map))
         self.hcfg = HeadsConfig(settings.kind, settings.num_heads, settings.head_layers, settings.own_lm_head,
                                 cfg.hidden_size, cfg.vocab_size, len(token_map) if token_map is not None else 0,
-                                token_conditioned=settings.condition_on_token or settings.kind == "hydra")
-        self.heads = MedusaHeads(self.hcfg, torch.float32, target.dense_lm_head().float(), token_map)
+                                token_conditioned=settings.condition_on_token or settings.kind == "hydra",
+                                layer=layer_config_for(cfg) if settings.kind == "eagle" else None)
+        self.heads = self._new_heads(token_map)
         split = torch.randperm(len(feats.loss_from), generator=torch.Generator().manual_seed(settings.seed)).tolist()
         n_eval = max(1, int(round(settings.holdout * len(split)))) if len(split) > 1 else 0
-        self.eval_pos = example_positions(feats, sorted(split[:n_eval]))
-        self.train_pos = example_positions(feats, sorted(split[n_eval:] or split))
+        self.eval_seqs, self.train_seqs = sorted(split[:n_eval]), sorted(split[n_eval:] or split)
+        self.eval_pos = example_positions(feats, self.eval_seqs)
+        self.train_pos = example_positions(feats, self.train_seqs)
         if len(self.train_pos) == 0:
             raise BadInput("the training data leaves no position to train on (sequences too short)")
         self.model = self.heads
@@ -359,9 +367,16 @@ class Trainer:
             self.model = torch.nn.parallel.DistributedDataParallel(self.heads)
         self.params = [p for p in self.heads.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=settings.lr, weight_decay=settings.weight_decay)
-        per_epoch = math.ceil(len(self.train_pos) / (settings.batch_tokens * settings.grad_accum))
-        self.total_steps = max(1, int(round(per_epoch * settings.epochs)))
+        self.epoch_steps = self._epoch_steps()
+        self.total_steps = max(1, int(round(self.epoch_steps * settings.epochs)))
         self.progress = Progress()
+
+    def _new_heads(self, token_map: Optional[torch.Tensor]) -> torch.nn.Module:
+        return MedusaHeads(self.hcfg, torch.float32, self.target.dense_lm_head().float(), token_map)
+
+    def _epoch_steps(self) -> int:
+        """Optimizer steps per epoch."""
+        return math.ceil(len(self.train_pos) / (self.s.batch_tokens * self.s.grad_accum))
 
     def _draft_vocab(self) -> torch.Tensor:
         """The ``draft_vocab`` most frequent target predictions in the data (ids ascending)."""
@@ -418,7 +433,7 @@ class Trainer:
         """Run (or continue) training; checkpoint every epoch and at the end. Returns the progress."""
         if resume:
             self._load_checkpoint()
-        epoch_steps = math.ceil(len(self.train_pos) / (self.s.batch_tokens * self.s.grad_accum))
+        epoch_steps = self.epoch_steps
         bar = _bar(self.total_steps, "train")
         if bar:
             bar.update(self.progress.step)
@@ -566,6 +581,7 @@ def add_heads(target_folder: Path, target_name: str, data: Sequence[Path], out: 
     records = read_records(data)
     shape = {k: getattr(settings, k) for k in ("self_distill", "response_tokens", "distill_dtype", "max_seq_len",
                                                 "soft_labels", "soft_top")}
+    shape["features_format"] = FEATURES_FORMAT
     feat_dir = Path(home) / "work" / f"features-{run_key(target_hash, data_fingerprint(data), shape)}"
     work = Path(home) / "work" / f"heads-{run_key(feat_dir.name, asdict(settings))}"
     feat_path = feat_dir / "features.safetensors"
@@ -588,7 +604,12 @@ def add_heads(target_folder: Path, target_name: str, data: Sequence[Path], out: 
         torch.distributed.barrier()
     feats = Features.load(feat_path)
     work.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(target, feats, settings, work)
+    if settings.kind == "eagle":
+        from mtpctl.convert.eagle_training import EagleTrainer
+
+        trainer = EagleTrainer(target, feats, settings, work)
+    else:
+        trainer = Trainer(target, feats, settings, work)
     log(f"training {settings.num_heads} {settings.kind} heads on {len(trainer.train_pos)} positions "
         f"({len(trainer.eval_pos)} held out), {trainer.total_steps} optimizer steps")
     t0 = time.perf_counter()

@@ -353,8 +353,8 @@ def load_heads_for(heads_dir: Path, model: Decoder, target_hash: str) -> MedusaH
     """
     cfg = HeadsConfig.load(heads_dir)
     check_heads_match(cfg, model.cfg.hidden_size, model.cfg.vocab_size, target_hash)
-    if cfg.kind == "hydra":
-        raise UnsupportedModel(f"{heads_dir}: hydra heads draft level by level from the tokens they draft, "
+    if cfg.kind != "medusa":
+        raise UnsupportedModel(f"{heads_dir}: {cfg.kind} heads draft level by level from the tokens they draft, "
                                "which neither one fused graph pass nor vLLM's or TensorRT-LLM's Medusa layout "
                                "can run: use them with the torch backend (mtpctl generate --heads)")
     return MedusaHeads.load(heads_dir, torch.float32, model.dense_lm_head())

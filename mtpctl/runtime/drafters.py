@@ -42,10 +42,14 @@ class Draft:
 class TargetStep:
     """The target's last forward pass as a drafter sees it: ``out`` (a
     :class:`~mtpctl.runtime.engine.StepOutput`) and ``row``, the row whose prediction is the pending
-    token. MTP drafters read ``out.hidden_states[row]`` or ``out.draft_logits(row)``."""
+    token. MTP drafters read ``out.hidden_states[row]`` or ``out.draft_logits(row)``. After a verify
+    pass ``rows`` lists the rows it committed (the accepted path, ``row`` last); after prefill it is
+    None and the torch engine's output carries every prompt row as ``out.prompt_hidden_states``
+    (EAGLE reads the hidden states of every committed position)."""
 
     out: object
     row: int
+    rows: Optional[List[int]] = None  # [m] rows of ``out`` committed, in position order; None after prefill
 
 
 class Drafter(Protocol):

@@ -27,10 +27,12 @@ class StepOutput:
     cheaper than N one-row calls).
     """
 
-    def __init__(self, model: Decoder, hidden_states: torch.Tensor, heads: Optional[nn.Module] = None):
+    def __init__(self, model: Decoder, hidden_states: torch.Tensor, heads: Optional[nn.Module] = None,
+                 prompt_hidden_states: Optional[torch.Tensor] = None):
         self.model = model
         self.heads = heads
         self.hidden_states = hidden_states  # [N, hidden], after the final norm
+        self.prompt_hidden_states = prompt_hidden_states  # prefill: [T, hidden] every prompt row; else None
         self._rows: Dict[int, torch.Tensor] = {}
         self._all: Optional[torch.Tensor] = None
         self._draft: Dict[tuple, torch.Tensor] = {}
@@ -269,7 +271,9 @@ class TorchEngine:
             hidden = self.model(ids, positions, self.cache, masks)[0]
         else:
             hidden = self.model(ids, positions, self.cache, None, attention_plan(windows, self.length, depth, tree_mask))[0]
-        return StepOutput(self.model, hidden[-1:] if last_only else hidden, self.heads)
+        if last_only:
+            return StepOutput(self.model, hidden[-1:], self.heads, prompt_hidden_states=hidden)
+        return StepOutput(self.model, hidden, self.heads)
 
     def prefill(self, prompt_ids: Sequence[int]) -> StepOutput:
         """Reset the cache, run and commit the prompt; returns the last position's output (one row)."""

@@ -124,7 +124,7 @@ def generate(engine, prompt_ids: Sequence[int], stop: StopChecker, sampling: Sam
         else:
             result = accept_rejection_sampling(draft.tokens, out, sampling, generator, draft.probs, draft.parents)
         engine.commit(result.rows)
-        last = TargetStep(out, result.rows[-1])
+        last = TargetStep(out, result.rows[-1], list(result.rows))
         pending = result.next_token
         before = len(stop.tokens)
         done = _commit(result.tokens, stop, on_text)

@@ -35,11 +35,12 @@ from torch import nn
 
 from mtpctl.errors import BadInput, CorruptModel, UnsupportedModel
 from mtpctl.runtime.drafters import Draft, TargetStep
+from mtpctl.runtime.eagle import EagleLayerConfig
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "mtp_config.json"
 WEIGHTS_FILE = "mtp_heads.safetensors"
-KINDS = ("medusa", "hydra")
+KINDS = ("medusa", "hydra", "eagle")
 
 
 @dataclass
@@ -51,8 +52,8 @@ class HeadsConfig:
     token, from which trees of any size are built (:func:`tree_from_accuracy`).
     """
 
-    kind: str  # "medusa" or "hydra" (sequential heads; always token-conditioned)
-    num_heads: int  # K
+    kind: str  # "medusa", "hydra" (sequential heads; always token-conditioned) or "eagle" (one draft layer)
+    num_heads: int  # K: the deepest draft (for eagle, the draft steps evaluated)
     head_layers: int  # residual blocks per head
     own_lm_head: bool  # a trainable vocabulary projection per head (else the target's lm_head)
     hidden_size: int
@@ -66,10 +67,17 @@ class HeadsConfig:
     training: dict = field(default_factory=dict)  # the settings and figures of the training run
     format_version: int = FORMAT_VERSION
     mtpctl_version: str = ""
+    layer: Optional[EagleLayerConfig] = None  # eagle: the draft layer's shapes (a mapping in the JSON)
 
     def __post_init__(self) -> None:
         if self.kind == "hydra" and not self.token_conditioned:
             raise ValueError("hydra heads read tokens, so token_conditioned must be true")
+        if isinstance(self.layer, dict):
+            self.layer = EagleLayerConfig(**self.layer)
+        if (self.kind == "eagle") != (self.layer is not None):
+            raise ValueError("eagle heads, and only they, need the draft layer's shapes (layer)")
+        if self.kind == "eagle" and self.own_lm_head:
+            raise ValueError("eagle heads project through the target's lm_head (own_lm_head must be false)")
 
     def save(self, folder: Path) -> None:
         """Write ``mtp_config.json`` into ``folder``."""
@@ -276,57 +284,83 @@ class MedusaHeads(nn.Module):
         full = logits.new_full(logits.shape[:-1] + (self.cfg.vocab_size,), float("-inf"))
         return full.index_copy_(-1, self.token_map, logits)
 
-    def expected_tensors(self) -> Dict[str, Tuple[int, ...]]:
-        """Tensor name -> shape in ``mtp_heads.safetensors``."""
-        return {name: tuple(p.shape) for name, p in self.state_dict().items()}
-
     def save(self, folder: Path) -> None:
-        """Write ``mtp_config.json`` and ``mtp_heads.safetensors`` (float32) into an existing ``folder``
-        (callers write to a temporary folder and rename it, see :mod:`mtpctl.convert.heads_training`)."""
-        from safetensors.torch import save_file
-
-        self.cfg.save(folder)
-        save_file({k: (v.detach().float() if v.is_floating_point() else v).contiguous()
-                   for k, v in self.state_dict().items()},
-                  str(Path(folder) / WEIGHTS_FILE), metadata={"format": "pt", "mtpctl_kind": self.cfg.kind})
+        """Write the head folder's two files into an existing ``folder`` (see :func:`save_heads`)."""
+        save_heads(self, folder)
 
     @classmethod
     def load(cls, folder: Path, dtype: torch.dtype = torch.float32,
              target_lm_head: Optional[torch.Tensor] = None) -> "MedusaHeads":
-        """Load heads from a head folder, strictly (missing, unexpected, mis-shaped, NaN tensors).
-
-        Args:
-            target_lm_head: ``[vocab, hidden]`` the target's lm_head weight, needed by heads with a
-                truncated draft vocabulary that share it (see :class:`MedusaHeads`).
+        """Load medusa or hydra heads strictly; see :func:`load_heads` (which loads every kind).
 
         Raises:
-            BadInput, CorruptModel, UnsupportedModel: see :meth:`HeadsConfig.load` and
-                :func:`mtpctl.runtime.weights.load_tensors`; BadInput also when ``target_lm_head``
-                is needed and missing or mis-shaped.
+            BadInput, CorruptModel, UnsupportedModel: see :func:`load_heads`; BadInput also for an
+                eagle head folder.
         """
-        from mtpctl.runtime.weights import load_tensors
-
         cfg = HeadsConfig.load(folder)
-        shape = (cfg.vocab_size, cfg.hidden_size)
-        if cfg.own_lm_head or cfg.draft_vocab_size:
-            if target_lm_head is None or tuple(target_lm_head.shape) != shape:
-                raise BadInput(f"heads in {folder} need the target's lm_head {list(shape)}")
-        with torch.device("meta"):  # shapes only, no memory
-            placeholder = torch.zeros(shape) if cfg.own_lm_head or cfg.draft_vocab_size else None
-            token_map = torch.zeros(cfg.draft_vocab_size, dtype=torch.long) if cfg.draft_vocab_size else None
-            shapes = cls(cfg, dtype, placeholder, token_map).expected_tensors()
-        path = Path(folder) / WEIGHTS_FILE
-        if not path.is_file():
-            raise CorruptModel(f"{folder} has {CONFIG_FILE} but no {WEIGHTS_FILE}")
-        tensors = load_tensors([path], shapes)
-        if token_map is not None:
-            token_map = tensors["token_map"]
-            if int(token_map.min()) < 0 or int(token_map.max()) >= cfg.vocab_size or len(set(token_map.tolist())) != len(token_map):
-                raise CorruptModel(f"{path}: token_map holds ids outside the vocabulary or repeats one")
-        heads = cls(cfg, dtype, target_lm_head, token_map)
-        heads.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()})
-        heads.requires_grad_(False)
-        return heads
+        if cfg.kind == "eagle":
+            raise BadInput(f"{folder} holds an eagle head: load it with load_heads")
+        return load_strict(cls, folder, cfg, dtype, target_lm_head)
+
+
+def load_heads(folder: Path, dtype: torch.dtype = torch.float32,
+               target_lm_head: Optional[torch.Tensor] = None) -> nn.Module:
+    """Load MTP heads of any kind from a head folder: :class:`MedusaHeads` (medusa, hydra) or
+    :class:`~mtpctl.runtime.eagle.EagleHead` (eagle); strictly (missing, unexpected, mis-shaped,
+    NaN tensors are errors).
+
+    Args:
+        target_lm_head: ``[vocab, hidden]`` the target's lm_head weight, needed by heads with a
+            truncated draft vocabulary or their own lm_heads (see :class:`MedusaHeads`).
+
+    Raises:
+        BadInput, CorruptModel, UnsupportedModel: see :meth:`HeadsConfig.load` and
+            :func:`mtpctl.runtime.weights.load_tensors`; BadInput also when ``target_lm_head``
+            is needed and missing or mis-shaped.
+    """
+    from mtpctl.runtime.eagle import EagleHead
+
+    cfg = HeadsConfig.load(folder)
+    return load_strict(EagleHead if cfg.kind == "eagle" else MedusaHeads, folder, cfg, dtype, target_lm_head)
+
+
+def load_strict(cls, folder: Path, cfg: HeadsConfig, dtype: torch.dtype,
+                target_lm_head: Optional[torch.Tensor]) -> nn.Module:
+    """Build ``cls(cfg, dtype, target_lm_head, token_map)`` from ``folder``'s weights, strictly."""
+    from mtpctl.runtime.weights import load_tensors
+
+    shape = (cfg.vocab_size, cfg.hidden_size)
+    if cfg.own_lm_head or cfg.draft_vocab_size:
+        if target_lm_head is None or tuple(target_lm_head.shape) != shape:
+            raise BadInput(f"heads in {folder} need the target's lm_head {list(shape)}")
+    with torch.device("meta"):  # shapes only, no memory
+        placeholder = torch.zeros(shape) if cfg.own_lm_head or cfg.draft_vocab_size else None
+        token_map = torch.zeros(cfg.draft_vocab_size, dtype=torch.long) if cfg.draft_vocab_size else None
+        shapes = {name: tuple(t.shape) for name, t in cls(cfg, dtype, placeholder, token_map).state_dict().items()}
+    path = Path(folder) / WEIGHTS_FILE
+    if not path.is_file():
+        raise CorruptModel(f"{folder} has {CONFIG_FILE} but no {WEIGHTS_FILE}")
+    tensors = load_tensors([path], shapes)
+    if token_map is not None:
+        token_map = tensors["token_map"]
+        if int(token_map.min()) < 0 or int(token_map.max()) >= cfg.vocab_size or len(set(token_map.tolist())) != len(token_map):
+            raise CorruptModel(f"{path}: token_map holds ids outside the vocabulary or repeats one")
+    heads = cls(cfg, dtype, target_lm_head, token_map)
+    heads.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()})
+    heads.requires_grad_(False)
+    return heads
+
+
+def save_heads(heads: nn.Module, folder: Path) -> None:
+    """Write ``mtp_config.json`` and ``mtp_heads.safetensors`` (float32) of any head kind into an
+    existing ``folder`` (callers write to a temporary folder and rename it, see
+    :mod:`mtpctl.convert.heads_training`)."""
+    from safetensors.torch import save_file
+
+    heads.cfg.save(folder)
+    save_file({k: (v.detach().float() if v.is_floating_point() else v).contiguous()
+               for k, v in heads.state_dict().items()},
+              str(Path(folder) / WEIGHTS_FILE), metadata={"format": "pt", "mtpctl_kind": heads.cfg.kind})
 
 
 def check_heads_match(cfg: HeadsConfig, hidden_size: int, vocab_size: int, target_hash: Optional[str]) -> None:

@@ -158,6 +158,7 @@ class OrtStepOutput:
     def __init__(self, logits: np.ndarray, hidden: np.ndarray, medusa: Optional[np.ndarray]):
         self.logits = torch.from_numpy(logits)
         self.hidden_states = torch.from_numpy(hidden)
+        self.prompt_hidden_states = None  # this backend returns the prompt's last row only
         self._medusa = None if medusa is None else torch.from_numpy(medusa)
 
     def __len__(self) -> int:

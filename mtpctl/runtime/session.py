@@ -12,12 +12,13 @@ from mtpctl.errors import BadInput, UnsupportedModel
 from mtpctl.runtime.drafters import Drafter
 from mtpctl.runtime.engine import MAX_DRAFT_DEPTH, TorchEngine
 from mtpctl.runtime.generate import GenerationResult, generate
+from mtpctl.runtime.eagle import EagleDrafter
 from mtpctl.runtime.heads import (
     HeadsConfig,
     MedusaDrafter,
-    MedusaHeads,
     StaticTree,
     check_heads_match,
+    load_heads,
     tree_from_accuracy,
 )
 from mtpctl.runtime.model import DTYPES, Decoder
@@ -71,10 +72,11 @@ class Session:
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
                  drafter: Optional[Drafter] = None, draft_len: int = 0, stop_strings: Sequence[str] = (),
-                 on_text: Optional[Callable[[str], None]] = None, heads: Optional[MedusaHeads] = None,
+                 on_text: Optional[Callable[[str], None]] = None, heads: Optional[torch.nn.Module] = None,
                  acceptance: str = "exact") -> GenerationResult:
         """Generate up to ``max_new_tokens`` after ``prompt_ids``; see :func:`mtpctl.runtime.generate.generate`.
-        ``heads`` (from :meth:`load_heads`) run with every verify pass, for a :class:`MedusaDrafter`.
+        ``heads`` (from :meth:`load_heads`) run with every verify pass, for a :class:`MedusaDrafter`
+        (an :class:`~mtpctl.runtime.eagle.EagleDrafter` holds its head itself).
 
         Raises:
             BadInput: ``max_new_tokens`` < 1, or the prompt does not fit the model's context.
@@ -90,19 +92,20 @@ class Session:
             self._target_hash = weights_hash(self.folder)
         return self._target_hash
 
-    def load_heads(self, folder: Path) -> MedusaHeads:
-        """MTP heads from a head folder, in this session's dtype, checked against this target.
+    def load_heads(self, folder: Path) -> torch.nn.Module:
+        """MTP heads of any kind (:func:`mtpctl.runtime.heads.load_heads`) from a head folder, in this
+        session's dtype, checked against this target.
 
         Raises:
             BadInput: not a head folder, or heads made for another model (sizes or weight hash).
-            CorruptModel, UnsupportedModel: see :meth:`MedusaHeads.load`.
+            CorruptModel, UnsupportedModel: see :func:`mtpctl.runtime.heads.load_heads`.
         """
         cfg = HeadsConfig.load(folder)
         check_heads_match(cfg, self.model.cfg.hidden_size, self.model.cfg.vocab_size, self.target_hash())
-        return MedusaHeads.load(folder, self.model.dtype, self.model.dense_lm_head())
+        return load_heads(folder, self.model.dtype, self.model.dense_lm_head())
 
-    def heads_drafter(self, heads: MedusaHeads, tree: Optional[StaticTree] = None,
-                      tree_nodes: Optional[int] = None) -> MedusaDrafter:
+    def heads_drafter(self, heads: torch.nn.Module, tree: Optional[StaticTree] = None,
+                      tree_nodes: Optional[int] = None) -> Drafter:
         """A drafter over ``tree``; else a tree of ``tree_nodes`` grown from the heads' held-out
         accuracy; else the default size for this dtype and weights (:data:`DEFAULT_TREE_NODES`).
 
@@ -118,6 +121,9 @@ class Session:
             raise BadInput(f"the draft tree is {tree.depth} deep; the heads predict {cfg.num_heads} tokens")
         if tree.depth > MAX_DRAFT_DEPTH:
             raise BadInput(f"the draft tree is {tree.depth} deep; verification supports trees up to {MAX_DRAFT_DEPTH}")
+        if cfg.kind == "eagle":
+            dtype = self.model.dtype
+            return EagleDrafter(heads, tree, lambda ids: self.model.embed[ids].to(dtype), self.model.logits)
         return MedusaDrafter(tree, sequential=heads.sequential)
 
     @property

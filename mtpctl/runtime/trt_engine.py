@@ -172,6 +172,7 @@ class TrtStepOutput:
 
     def __init__(self, logits, hidden, medusa):
         self.logits, self.hidden_states, self._medusa = logits, hidden, medusa
+        self.prompt_hidden_states = None  # this backend returns the prompt's last row only
 
     def __len__(self) -> int:
         return self.logits.shape[0]

@@ -1,0 +1,158 @@
+"""EAGLE draft head (kind ``eagle``): the drafter's tree equals the training-time unrolled layer along
+every path, decoding with it is lossless, its folder loads strictly, and training reaches every step."""
+
+import json
+
+import pytest
+import torch
+from helpers import greedy_reference, random_decoder
+from test_generate import PROMPT
+from test_heads import TREES, run
+
+from mtpctl.errors import BadInput, CorruptModel
+from mtpctl.runtime.drafters import TargetStep
+from mtpctl.runtime.eagle import EagleDrafter, EagleHead, layer_config_for
+from mtpctl.runtime.engine import TorchEngine
+from mtpctl.runtime.heads import HeadsConfig, MedusaHeads, StaticTree, load_heads
+from mtpctl.runtime.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_decoder(seed=3)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return greedy_reference(model, PROMPT, 40)
+
+
+def random_eagle(model, depth=4, seed=0, draft_vocab=0):
+    cfg = HeadsConfig("eagle", depth, 0, False, model.cfg.hidden_size, model.cfg.vocab_size, draft_vocab,
+                      layer=layer_config_for(model.cfg))
+    token_map = torch.arange(0, 2 * draft_vocab, 2) if draft_vocab else None
+    head = EagleHead(cfg, torch.float32, model.dense_lm_head().float(), token_map)
+    gen = torch.Generator().manual_seed(seed)
+    for p in head.parameters():
+        p.data = p.data + 0.3 * torch.randn(p.shape, generator=gen)
+    return head.requires_grad_(False)
+
+
+def drafter(model, head, paths):
+    return EagleDrafter(head, StaticTree.from_paths(paths, head.cfg.num_heads), lambda ids: model.embed[ids],
+                        model.logits)
+
+
+def test_tree_nodes_equal_the_unrolled_layer_along_their_path(model):
+    """Node at depth d of the drafted tree is the rank-r candidate of draft step d of
+    :meth:`EagleHead.forward` (training-time test) run on the prompt plus the node's own path: decode
+    and training see the same attention and inputs."""
+    head = random_eagle(model)
+    out = TorchEngine(model, 64).prefill(PROMPT)
+    pending = int(out[0].argmax())
+    paths = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
+    draft = drafter(model, head, paths).propose(PROMPT + [pending], 7, TargetStep(out, 0))
+    tree = StaticTree.from_paths(paths, 4)
+    assert draft.parents == tree.parents
+    n = len(PROMPT)
+    for node, path in enumerate(tree.paths):
+        chain = [draft.tokens[tree.paths.index(path[:d])] for d in range(1, len(path))]
+        tokens = PROMPT[1:] + [pending] + chain  # row p reads token p + 1
+        feats = torch.zeros(1, len(tokens), model.cfg.hidden_size)
+        feats[0, :n] = out.prompt_hidden_states  # rows past the prompt read predicted features only
+        outs = head(feats, model.embed[torch.tensor([tokens])], torch.ones(1, len(tokens), dtype=torch.bool), len(path))
+        g = outs[len(path) - 1][0, n - 1 + len(path) - 1]
+        ranked = head.logits(g, model.logits).topk(2).indices.tolist()
+        assert draft.tokens[node] == ranked[path[-1]], f"node {path}"
+
+
+def test_siblings_get_children_from_their_own_token(model):
+    head = random_eagle(model, seed=1)
+    out = TorchEngine(model, 64).prefill(PROMPT)
+    pending = int(out[0].argmax())
+    draft = drafter(model, head, [[0], [1], [0, 0], [1, 0], [0, 1], [1, 1]]).propose(PROMPT + [pending], 6, TargetStep(out, 0))
+    assert draft.parents == [-1, -1, 0, 0, 1, 1]
+    assert draft.tokens[2:4] != draft.tokens[4:6]  # the children of [0] and of [1] differ
+
+
+@pytest.mark.parametrize("shape", ["chain", "mixed", "deep-second"])
+@pytest.mark.parametrize("draft_vocab", [0, 64])
+def test_eagle_decoding_is_lossless(model, reference, shape, draft_vocab):
+    head = random_eagle(model, draft_vocab=draft_vocab)
+    tree = TREES[shape]
+    result = run(model, drafter(model, head, tree), len(tree))
+    assert result.token_ids == reference
+    assert sum(result.stats.drafted_per_step) > 0
+
+
+def test_the_drafter_must_see_every_target_pass(model):
+    head = random_eagle(model)
+    d = drafter(model, head, [[0]])
+    engine = TorchEngine(model, 64)
+    out = engine.prefill(PROMPT)
+    pending = int(out[0].argmax())
+    d.propose(PROMPT + [pending], 1, TargetStep(out, 0))
+    verified = engine.verify([pending])
+    engine.commit([0])
+    with pytest.raises(ValueError, match="every target pass"):  # two tokens committed, one row given
+        d.propose(PROMPT + [pending, 7, 9], 1, TargetStep(verified, 0, [0]))
+
+
+def test_perfect_draft_layer_is_accepted_fully(model, reference):
+    """A drafter whose candidates are always the target's tokens accepts every draft: with an
+    untrained layer tau is near 1, so a full-accept run checks the accounting, not luck."""
+    head = random_eagle(model)
+    tree = [[0], [0, 0], [0, 0, 0]]
+    result = run(model, drafter(model, head, tree), 3)
+    assert result.token_ids == reference
+    assert result.stats.tau == pytest.approx(sum(result.stats.accepted_per_step) / result.stats.decode_steps)
+
+
+def test_sampling_with_eagle_is_reproducible_and_uses_rejection_sampling(model):
+    head = random_eagle(model)
+    sampling = SamplingParams(temperature=0.8, seed=5)
+    a = run(model, drafter(model, head, TREES["mixed"]), 6, sampling=sampling)
+    b = run(model, drafter(model, head, TREES["mixed"]), 6, sampling=sampling)
+    assert a.token_ids == b.token_ids
+
+
+def test_eagle_folder_round_trip_and_strict_load(tmp_path, model):
+    head = random_eagle(model, draft_vocab=64)
+    head.save(tmp_path)
+    loaded = load_heads(tmp_path, torch.float32, model.dense_lm_head())
+    assert isinstance(loaded, EagleHead) and loaded.cfg.layer == head.cfg.layer
+    for name, value in head.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+    with pytest.raises(BadInput, match="load_heads"):
+        MedusaHeads.load(tmp_path)
+    raw = json.loads((tmp_path / "mtp_config.json").read_text())
+    raw.pop("layer")
+    (tmp_path / "mtp_config.json").write_text(json.dumps(raw))
+    with pytest.raises(CorruptModel, match="layer"):
+        load_heads(tmp_path, torch.float32, model.dense_lm_head())
+
+
+def test_eagle_config_refuses_own_lm_head(model):
+    with pytest.raises(ValueError, match="own_lm_head"):
+        HeadsConfig("eagle", 2, 0, True, model.cfg.hidden_size, model.cfg.vocab_size, layer=layer_config_for(model.cfg))
+
+
+def test_every_draft_step_gets_a_loss_and_gradients_reach_the_first_step(model):
+    """The loss of the last unrolled step alone reaches the layer through every earlier step's
+    predicted feature (training-time test), and the prediction rows are causal: changing a later
+    row's token leaves earlier rows' outputs unchanged."""
+    head = random_eagle(model, depth=3)
+    head.requires_grad_(True)
+    feats = torch.randn(2, 6, model.cfg.hidden_size, requires_grad=True)
+    tokens = model.embed[torch.randint(0, model.cfg.vocab_size, (2, 6))]
+    valid = torch.ones(2, 6, dtype=torch.bool)
+    outs = head(feats, tokens, valid, 3)
+    assert len(outs) == 3 and all(o.shape == (2, 6, model.cfg.hidden_size) for o in outs)
+    outs[2][:, 5].sum().backward()
+    assert feats.grad[:, :4].abs().sum() > 0  # step 3 at row 5 read the target's rows <= 3
+    assert feats.grad[:, 4:].abs().sum() == 0  # ... and nothing of rows 4 and 5's true features
+    changed = tokens.clone()
+    changed[:, 5] = model.embed[1]
+    again = head(feats.detach(), changed, valid, 3)
+    for s in range(3):
+        torch.testing.assert_close(again[s][:, :5], outs[s][:, :5].detach())
