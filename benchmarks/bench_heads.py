@@ -30,7 +30,16 @@ from mtpctl.runtime.heads import HeadsConfig
 from mtpctl.runtime.sampling import SamplingParams
 from mtpctl.runtime.session import Session
 
-BEGIN, END = "<!-- bench_heads:begin -->", "<!-- bench_heads:end -->"
+#: how each head kind's section of BENCHMARKS.md is made: the add-heads arguments, the section markers
+RECIPES = {"medusa": "--recipe recipes/smollm2-135m-medusa.yaml",
+           "hydra": "--recipe recipes/smollm2-135m-medusa.yaml --kind hydra",
+           "eagle": "--recipe recipes/smollm2-135m-eagle.yaml"}
+
+
+def markers(kind: str) -> tuple:
+    """(begin, end) markers of a head kind's section (Medusa keeps the original unnamed ones)."""
+    name = "bench_heads" if kind == "medusa" else f"bench_heads_{kind}"
+    return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
 MODES = {"float32": ("float32", "dense"), "bfloat16": ("bfloat16", "dense"), "int4": ("bfloat16", "int4")}
 
 
@@ -82,18 +91,24 @@ def run_mode(folder, heads_dir, mode, trees, prompts, max_new, ngram=0):
 def render(rows, args, cfg: HeadsConfig, seconds: float) -> str:
     t = cfg.training
     ngram = f" --ngram {args.ngram}" if args.ngram else ""
-    lines = [BEGIN, "## MTP heads (self-distilled) vs plain greedy of the same runtime", "",
+    begin, end = markers(cfg.kind)
+    title = "MTP heads (self-distilled)" if cfg.kind == "medusa" else f"{cfg.kind} heads (self-distilled)"
+    lines = [begin, f"## {title} vs plain greedy of the same runtime", "",
              f"Command: `python benchmarks/bench_heads.py --heads HEADS --modes {args.modes} --trees {args.trees}{ngram} "
              f"--limit {args.limit} --max-new-tokens {args.max_new_tokens} --write BENCHMARKS.md`, where HEADS is "
-             "the output of `mtpctl add-heads --recipe recipes/smollm2-135m-medusa.yaml --out HEADS`.",
+             f"the output of `mtpctl add-heads {RECIPES[cfg.kind]} --out HEADS`.",
              "",
              f"Machine: {cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
              f"Python {platform.python_version()}; {rows[0]['prompts']} prompts of the built-in set "
              f"({args.limit} per category; the heads never saw them), greedy, {args.max_new_tokens} new tokens; "
              f"one interleaved run per mode, {seconds / 60:.1f} min in all.", "",
-             f"Heads: {cfg.num_heads} x {cfg.kind}, {cfg.head_layers} block(s), draft vocabulary "
-             f"{cfg.draft_vocab_size or 'full'}, token-conditioned: {cfg.token_conditioned}; trained on "
-             f"{t.get('positions')} positions; held-out top-1 per head {t.get('held_out_top1')} (held-out "
+             (f"Heads: one EAGLE layer, {cfg.num_heads} draft steps unrolled in training"
+              if cfg.kind == "eagle" else
+              f"Heads: {cfg.num_heads} x {cfg.kind}, {cfg.head_layers} block(s), token-conditioned: "
+              f"{cfg.token_conditioned}") +
+             f", draft vocabulary {cfg.draft_vocab_size or 'full'}; trained on "
+             f"{t.get('positions')} positions; held-out top-1 per head (per draft step, given the earlier "
+             f"ones right, for hydra and eagle) {t.get('held_out_top1')} (held-out "
              "sequences of the recipe's own prompt set); recipe wall time "
              f"{t.get('timings_s', {}).get('total_s', '?')} s (features and training; self-distillation included "
              "when not cached).", "",
@@ -112,7 +127,7 @@ def render(rows, args, cfg: HeadsConfig, seconds: float) -> str:
               "a draft token at depth d / steps whose draft reached depth d.",
               "- float32 matmuls are not batch-invariant here, so a verify pass can flip an argmax at a "
               "near-tie (tests/test_heads.py checks the gap); in int4 and dense bfloat16 every kernel on the "
-              "path is batch-invariant, so there the heads' output must equal plain greedy exactly.", END]
+              "path is batch-invariant, so there the heads' output must equal plain greedy exactly.", end]
     return "\n".join(lines)
 
 
@@ -131,10 +146,11 @@ def main(argv=None) -> None:
     rows = []
     for mode in args.modes.split(","):
         rows += run_mode(folder, args.heads, mode, trees, prompts, args.max_new_tokens, args.ngram)
-    text = render(rows, args, HeadsConfig.load(args.heads), time.perf_counter() - start)
+    cfg = HeadsConfig.load(args.heads)
+    text = render(rows, args, cfg, time.perf_counter() - start)
     print(json.dumps(rows, indent=1))
     if args.write:
-        write_section(args.write, text, BEGIN, END)
+        write_section(args.write, text, *markers(cfg.kind))
 
 
 if __name__ == "__main__":

@@ -271,3 +271,9 @@ def test_a_tree_deeper_than_verification_supports_is_bad_input(tiny_folder):
     with pytest.raises(BadInput, match="up to 32"):
         session.heads_drafter(heads, deep)
     assert session.heads_drafter(heads, StaticTree.from_paths([[0] * d for d in range(1, 33)], 40)).tree.depth == 32
+
+
+def test_settings_name_the_bad_dtype():
+    for name in ("distill_dtype", "features_dtype"):
+        with pytest.raises(BadInput, match=name.replace("_", " ")):
+            TrainSettings(**{name: "float16"}).check()

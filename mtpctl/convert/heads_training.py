@@ -69,6 +69,7 @@ class TrainSettings:
     response_tokens: int = 128  # longest self-distilled response
     distill_batch: int = 32  # prompts decoded together
     distill_dtype: str = "bfloat16"
+    features_dtype: str = "float32"  # the target's teacher-forced pass that gives hidden states and labels
     max_seq_len: int = 512  # longer sequences are cut
     soft_labels: bool = False  # KL to the target's top-m distribution instead of CE to its argmax
     soft_top: int = 16  # m
@@ -99,8 +100,9 @@ class TrainSettings:
             raise BadInput("holdout must be in (0, 1), warmup in [0, 1), head-decay in (0, 1]")
         if self.kind == "eagle" and self.own_lm_head:
             raise BadInput("eagle heads project through the target's lm_head: drop --own-lm-head")
-        if self.distill_dtype not in DTYPES:
-            raise BadInput(f"distill dtype {self.distill_dtype!r}: choose from {', '.join(DTYPES)}")
+        for name in ("distill_dtype", "features_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise BadInput(f"{name.replace('_', ' ')} {getattr(self, name)!r}: choose from {', '.join(DTYPES)}")
 
 
 @dataclass
@@ -579,8 +581,8 @@ def add_heads(target_folder: Path, target_name: str, data: Sequence[Path], out: 
     codec = TextCodec(target_folder)
     target_hash = weights_hash(target_folder)
     records = read_records(data)
-    shape = {k: getattr(settings, k) for k in ("self_distill", "response_tokens", "distill_dtype", "max_seq_len",
-                                                "soft_labels", "soft_top")}
+    shape = {k: getattr(settings, k) for k in ("self_distill", "response_tokens", "distill_dtype", "features_dtype",
+                                                "max_seq_len", "soft_labels", "soft_top")}
     shape["features_format"] = FEATURES_FORMAT
     feat_dir = Path(home) / "work" / f"features-{run_key(target_hash, data_fingerprint(data), shape)}"
     work = Path(home) / "work" / f"heads-{run_key(feat_dir.name, asdict(settings))}"
@@ -595,8 +597,10 @@ def add_heads(target_folder: Path, target_name: str, data: Sequence[Path], out: 
         timings["data_s"] = round(time.perf_counter() - t0, 1)
         t0 = time.perf_counter()
         log(f"features: one target pass over {len(sequences)} sequences "
-            f"({sum(len(s) for s, _ in sequences)} tokens), cached in {feat_dir}")
-        compute_features(target, sequences, settings).save(feat_path)
+            f"({sum(len(s) for s, _ in sequences)} tokens, {settings.features_dtype}), cached in {feat_dir}")
+        features_model = target if settings.features_dtype == "float32" else \
+            Decoder.from_folder(target_folder, DTYPES[settings.features_dtype])
+        compute_features(features_model, sequences, settings).save(feat_path)
         timings["features_s"] = round(time.perf_counter() - t0, 1)
     elif _rank() == 0:
         log(f"features: reusing {feat_path}")
