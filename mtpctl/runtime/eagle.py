@@ -107,11 +107,6 @@ class EagleHead(nn.Module):
 
         save_heads(self, folder)
 
-    @property
-    def sequential(self) -> bool:
-        """EAGLE drafts level by level from its own outputs (like Hydra heads)."""
-        return True
-
     def attention_inputs(self, feats: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor) -> tuple:
         """Rows ``(f_p, e(x_{p+1}))`` -> ``(x, q, k, v)``: the residual stream ``x [..., T, H]``, rotated
         queries ``[..., A, T, D]`` and keys ``[..., G, T, D]``, values ``[..., G, T, D]``.
