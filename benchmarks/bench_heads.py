@@ -91,12 +91,14 @@ def run_mode(folder, heads_dir, mode, trees, prompts, max_new, ngram=0):
 def render(rows, args, cfg: HeadsConfig, seconds: float) -> str:
     t = cfg.training
     ngram = f" --ngram {args.ngram}" if args.ngram else ""
+    threads = f" --threads {args.threads}" if args.threads else ""
     begin, end = markers(cfg.kind)
     title = "MTP heads (self-distilled)" if cfg.kind == "medusa" else f"{cfg.kind} heads (self-distilled)"
     lines = [begin, f"## {title} vs plain greedy of the same runtime", "",
-             f"Command: `python benchmarks/bench_heads.py --heads HEADS --modes {args.modes} --trees {args.trees}{ngram} "
-             f"--limit {args.limit} --max-new-tokens {args.max_new_tokens} --write BENCHMARKS.md`, where HEADS is "
-             f"the output of `mtpctl add-heads {RECIPES[cfg.kind]} --out HEADS`.",
+             f"Command: `.venv/bin/python benchmarks/bench_heads.py --heads HEADS --modes {args.modes} "
+             f"--trees {args.trees}{ngram} --limit {args.limit} --max-new-tokens {args.max_new_tokens}{threads}` "
+             f"(`--write {args.write.name if args.write else 'FILE'}` replaces this section), where HEADS is "
+             f"the output of `.venv/bin/mtpctl add-heads {RECIPES[cfg.kind]} --out HEADS`.",
              "",
              f"Machine: {cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
              f"Python {platform.python_version()}; {rows[0]['prompts']} prompts of the built-in set "

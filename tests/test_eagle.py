@@ -31,6 +31,7 @@ def random_eagle(model, depth=4, seed=0, draft_vocab=0):
     cfg = HeadsConfig("eagle", depth, 0, False, model.cfg.hidden_size, model.cfg.vocab_size, draft_vocab,
                       layer=layer_config_for(model.cfg))
     token_map = torch.arange(0, 2 * draft_vocab, 2) if draft_vocab else None
+    torch.manual_seed(seed)  # the layer's own initialisation draws from the global generator
     head = EagleHead(cfg, torch.float32, model.dense_lm_head().float(), token_map)
     gen = torch.Generator().manual_seed(seed)
     for p in head.parameters():
@@ -125,8 +126,13 @@ def test_eagle_folder_round_trip_and_strict_load(tmp_path, model):
 
 
 def test_eagle_config_refuses_own_lm_head(model):
+    from mtpctl.convert.heads_training import TrainSettings
+
     with pytest.raises(ValueError, match="own_lm_head"):
         HeadsConfig("eagle", 2, 0, True, model.cfg.hidden_size, model.cfg.vocab_size, layer=layer_config_for(model.cfg))
+    for option, words in [("own_lm_head", "--own-lm-head"), ("condition_on_token", "--condition-on-token")]:
+        with pytest.raises(BadInput, match=words):
+            TrainSettings(kind="eagle", **{option: True}).check()
 
 
 def test_every_draft_step_gets_a_loss_and_gradients_reach_the_first_step(model):

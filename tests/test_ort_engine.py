@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
+
 import pytest
 import torch
 
@@ -21,7 +24,8 @@ from mtpctl.runtime.model import Decoder  # noqa: E402
 from mtpctl.runtime.ort_engine import OrtEngine, OrtGraph, OrtSession, verify_manifest  # noqa: E402
 from mtpctl.runtime.sampling import SamplingParams  # noqa: E402
 from mtpctl.runtime.stopping import StopChecker  # noqa: E402
-from mtpctl.errors import BadInput, CorruptModel  # noqa: E402
+from mtpctl.errors import BadInput, CorruptModel, UnsupportedModel  # noqa: E402
+from mtpctl.runtime.eagle import layer_config_for  # noqa: E402
 
 GEMMA = dict(model_type="gemma3_text", sliding_window=4, layer_types=["sliding_attention", "full_attention"],
              query_pre_attn_scalar=16, final_logit_softcapping=30.0, rope_local_base_freq=100.0)
@@ -168,6 +172,14 @@ def test_session_heads_from_the_export(tiny_folder, tmp_path):
         session.load_heads(other)
     with pytest.raises(BadInput, match="without MTP heads"):
         OrtSession(tmp_path / "plain").load_heads(heads_dir)
+    eagle = tmp_path / "eagle"  # heads no graph can run: say so first, not "re-export with them"
+    eagle.mkdir()
+    cfg = json.loads((heads_dir / "mtp_config.json").read_text())
+    model_cfg = Decoder.from_folder(tiny_folder).cfg
+    cfg.update(kind="eagle", layer=asdict(layer_config_for(model_cfg)))
+    (eagle / "mtp_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModel, match="torch backend only"):
+        OrtSession(tmp_path / "plain").load_heads(eagle)
 
 
 @pytest.mark.parametrize("own", [False, True])

@@ -111,5 +111,6 @@ def add_heads_cmd(recipe, model, data, out, resume, overwrite, bundle, threads, 
     if as_json:
         click.echo(json.dumps(summary))
     else:
-        click.echo(f"mtpctl: wrote {out}: held-out top-1 per head {summary['held_out_top1']}, "
-                   f"expected tau of the default tree {summary['expected_tau']}", err=True)
+        unit = "draft step" if settings.kind == "eagle" else "head"
+        click.echo(f"mtpctl: wrote {out}: held-out top-1 per {unit} {summary['held_out_top1']}, expected tau "
+                   f"of the default tree {summary['expected_tau']} (on held-out prompts of the training set)", err=True)

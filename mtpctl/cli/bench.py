@@ -48,7 +48,7 @@ Examples:
 @click.option("--heads", "heads_dir", type=click.Path(file_okay=False), default=None,
               help="MTP head folder (mtpctl add-heads) for the heads method.")
 @click.option("--tree-nodes", type=click.IntRange(min=1), default=None,
-              help="Draft tree size for the heads method [default: by dtype].")
+              help="Draft tree size for the heads method [default: 4].")
 @click.option("--prompts", "prompts_path", type=click.Path(dir_okay=False), help="JSONL prompt set (default: built-in).")
 @click.option("--categories", default=None, help="Only these categories (comma-separated).")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="At most N prompts per category.")

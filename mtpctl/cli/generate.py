@@ -64,7 +64,7 @@ Examples:
 @click.option("--tree", "tree_file", type=click.Path(dir_okay=False), default=None,
               help="Draft tree for --speculate heads: YAML/JSON list of paths of top-k ranks, e.g. [[0],[1],[0,0]].")
 @click.option("--tree-nodes", type=click.IntRange(min=1), default=None,
-              help="Size of the draft tree grown from the heads' accuracy [default: by dtype].")
+              help="Size of the draft tree grown from the heads' accuracy [default: 4].")
 @click.option("--acceptance", type=click.Choice(["exact", "typical"]), default="exact", show_default=True,
               help="exact: lossless; typical: Medusa's typical acceptance when sampling (lossy).")
 @click.option("--draft-len", type=DRAFT_LEN, default=3, show_default=True,

@@ -30,6 +30,8 @@ class EagleTrainer(Trainer):
     """:class:`~mtpctl.convert.heads_training.Trainer` for an EAGLE head: micro-batches are groups of
     whole sequences of at most ``batch_tokens`` tokens (at least one sequence per process)."""
 
+    unit = "draft step"
+
     def _new_heads(self, token_map: Optional[torch.Tensor]) -> torch.nn.Module:
         return EagleHead(self.hcfg, torch.float32, self.target.dense_lm_head().float(), token_map)
 

@@ -100,6 +100,8 @@ class TrainSettings:
             raise BadInput("holdout must be in (0, 1), warmup in [0, 1), head-decay in (0, 1]")
         if self.kind == "eagle" and self.own_lm_head:
             raise BadInput("eagle heads project through the target's lm_head: drop --own-lm-head")
+        if self.kind == "eagle" and self.condition_on_token:
+            raise BadInput("an eagle head always reads the next token: drop --condition-on-token")
         for name in ("distill_dtype", "features_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise BadInput(f"{name.replace('_', ' ')} {getattr(self, name)!r}: choose from {', '.join(DTYPES)}")
@@ -352,9 +354,11 @@ class Trainer:
         if token_map is not None:
             self.vocab_index = torch.full((cfg.vocab_size,), -100, dtype=torch.long)
             self.vocab_index[token_map] = torch.arange(len(token_map))
-        self.hcfg = HeadsConfig(settings.kind, settings.num_heads, settings.head_layers, settings.own_lm_head,
-                                cfg.hidden_size, cfg.vocab_size, len(token_map) if token_map is not None else 0,
-                                token_conditioned=settings.condition_on_token or settings.kind == "hydra",
+        eagle = settings.kind == "eagle"  # one layer that always reads the next token: no blocks per head
+        self.hcfg = HeadsConfig(settings.kind, settings.num_heads, 0 if eagle else settings.head_layers,
+                                settings.own_lm_head, cfg.hidden_size, cfg.vocab_size,
+                                len(token_map) if token_map is not None else 0,
+                                token_conditioned=(settings.condition_on_token or settings.kind == "hydra") and not eagle,
                                 layer=layer_config_for(cfg) if settings.kind == "eagle" else None)
         self.heads = self._new_heads(token_map)
         split = torch.randperm(len(feats.loss_from), generator=torch.Generator().manual_seed(settings.seed)).tolist()
@@ -372,6 +376,9 @@ class Trainer:
         self.epoch_steps = self._epoch_steps()
         self.total_steps = max(1, int(round(self.epoch_steps * settings.epochs)))
         self.progress = Progress()
+
+    #: what one accuracy figure is about, in progress lines
+    unit = "head"
 
     def _new_heads(self, token_map: Optional[torch.Tensor]) -> torch.nn.Module:
         return MedusaHeads(self.hcfg, torch.float32, self.target.dense_lm_head().float(), token_map)
@@ -462,7 +469,7 @@ class Trainer:
                 self.progress.history.append(entry)
                 if bar:
                     bar.write(f"mtpctl: step {entry['step']}/{self.total_steps} loss {entry['loss']} "
-                              f"held-out top-1 per head {entry['top1']}", file=sys.stderr)
+                              f"held-out top-1 per {self.unit} {entry['top1']}", file=sys.stderr)
                 if on_eval:
                     on_eval(entry)
                 self._save_checkpoint()
@@ -614,7 +621,9 @@ def add_heads(target_folder: Path, target_name: str, data: Sequence[Path], out: 
         trainer = EagleTrainer(target, feats, settings, work)
     else:
         trainer = Trainer(target, feats, settings, work)
-    log(f"training {settings.num_heads} {settings.kind} heads on {len(trainer.train_pos)} positions "
+    what = (f"an eagle head ({settings.num_heads} draft steps)" if settings.kind == "eagle"
+            else f"{settings.num_heads} {settings.kind} heads")
+    log(f"training {what} on {len(trainer.train_pos)} positions "
         f"({len(trainer.eval_pos)} held out), {trainer.total_steps} optimizer steps")
     t0 = time.perf_counter()
     progress = trainer.train(resume)

@@ -60,6 +60,9 @@ class EagleHead(nn.Module):
     SiLU-gated MLP, RoPE). With ``cfg.draft_vocab_size`` V_d > 0 the logits cover the ``token_map``
     ``[V_d]`` rows of the target's frozen lm_head (derived, never saved).
 
+    Weights start as N(0, 0.02) draws from torch's global generator (``add-heads`` seeds it with
+    ``--seed``), norms at one.
+
     Args:
         cfg: a :class:`~mtpctl.runtime.heads.HeadsConfig` of kind ``eagle`` (``layer`` set).
         dtype: parameter dtype.

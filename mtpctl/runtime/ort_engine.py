@@ -286,11 +286,17 @@ class FusedHeadsMixin:
 
         Raises:
             BadInput: the export has no heads, or ``folder`` holds other heads.
+            UnsupportedModel: ``folder`` holds heads no exported graph can run (hydra, eagle).
         """
-        from mtpctl.runtime.heads import CONFIG_FILE, WEIGHTS_FILE
+        from mtpctl.runtime.heads import CONFIG_FILE, WEIGHTS_FILE, HeadsConfig
 
-        heads = self.manifest_heads()
         folder = Path(folder)
+        if folder.resolve() != self.folder.resolve() and (folder / CONFIG_FILE).is_file():
+            kind = HeadsConfig.load(folder).kind
+            if kind != "medusa":
+                raise UnsupportedModel(f"{folder} holds {kind} heads, which run on the torch backend only "
+                                       "(--backend torch)")
+        heads = self.manifest_heads()
         if folder.resolve() != self.folder.resolve():
             if not (folder / CONFIG_FILE).is_file():
                 raise BadInput(f"{folder} is not an MTP head folder (no {CONFIG_FILE})")
