@@ -9,7 +9,7 @@ from helpers import greedy_reference, random_decoder
 from test_generate import PROMPT
 from test_heads import TREES, run
 
-from mtpctl.errors import BadInput, CorruptModel
+from mtpctl.errors import BadInput, CorruptModel, UnsupportedModel
 from mtpctl.runtime.drafters import TargetStep
 from mtpctl.runtime.eagle import EagleDrafter, EagleHead, layer_config_for
 from mtpctl.runtime.engine import TorchEngine
@@ -118,10 +118,20 @@ def test_eagle_folder_round_trip_and_strict_load(tmp_path, model):
         assert torch.equal(loaded.state_dict()[name], value), name
     with pytest.raises(BadInput, match="load_heads"):
         MedusaHeads.load(tmp_path)
-    raw = json.loads((tmp_path / "mtp_config.json").read_text())
-    raw.pop("layer")
-    (tmp_path / "mtp_config.json").write_text(json.dumps(raw))
-    with pytest.raises(CorruptModel, match="layer"):
+    good = json.loads((tmp_path / "mtp_config.json").read_text())
+    for change, error in [({"layer": None}, CorruptModel), ({"layer": [4, 2, 16, 128]}, CorruptModel),
+                          ({"layer": {**good["layer"], "attention_heads": 4.0}}, CorruptModel),
+                          ({"layer": {**good["layer"], "rope_theta": 0}}, CorruptModel),
+                          ({"num_heads": "3"}, CorruptModel), ({"kind": "eagle3"}, UnsupportedModel)]:
+        (tmp_path / "mtp_config.json").write_text(json.dumps({**good, **change}))
+        with pytest.raises(error):
+            load_heads(tmp_path, torch.float32, model.dense_lm_head())
+    (tmp_path / "mtp_config.json").write_text(json.dumps(good))
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(tmp_path / "mtp_heads.safetensors"))
+    save_file({**tensors, "token_map": tensors["token_map"].float()}, str(tmp_path / "mtp_heads.safetensors"))
+    with pytest.raises(CorruptModel, match="token_map"):
         load_heads(tmp_path, torch.float32, model.dense_lm_head())
 
 
@@ -130,7 +140,8 @@ def test_eagle_config_refuses_own_lm_head(model):
 
     with pytest.raises(ValueError, match="own_lm_head"):
         HeadsConfig("eagle", 2, 0, True, model.cfg.hidden_size, model.cfg.vocab_size, layer=layer_config_for(model.cfg))
-    for option, words in [("own_lm_head", "--own-lm-head"), ("condition_on_token", "--condition-on-token")]:
+    for option, words in [("own_lm_head", "--own-lm-head"), ("condition_on_token", "--condition-on-token"),
+                          ("soft_labels", "--soft-labels")]:
         with pytest.raises(BadInput, match=words):
             TrainSettings(kind="eagle", **{option: True}).check()
 
@@ -156,7 +167,7 @@ def test_every_draft_step_gets_a_loss_and_gradients_reach_the_first_step(model):
         torch.testing.assert_close(again[s][:, :5], outs[s][:, :5].detach())
 
 
-def test_trainer_rows_labels_and_loss_rows(model, tmp_path):
+def test_trainer_rows_labels_and_loss_rows(model, tmp_path, monkeypatch):
     """Row p of a sequence reads ids[p + 1] and learns pred[p + 1]; step s (0-based) trains rows
     p >= s and p >= loss_from - 1; groups hold whole sequences."""
     from mtpctl.convert.eagle_training import EagleTrainer
@@ -176,6 +187,13 @@ def test_trainer_rows_labels_and_loss_rows(model, tmp_path):
                     [[0, 1, 1, 1], [0, 1, 1, 0]],   # step 2: rows p >= 1
                     [[0, 0, 1, 1], [0, 0, 1, 0]]]   # step 3: rows p >= 2
     assert trainer._group([0, 1]) == [[1, 0]]  # shortest first, packed under batch_tokens
+    trainer.s.batch_tokens = 4  # one sequence a group, until DDP needs one per process
+    assert trainer._group([0, 1]) == [[1], [0]]
+    monkeypatch.setattr("mtpctl.convert.eagle_training._world", lambda: 2)
+    assert trainer._group([0, 1]) == [[1, 0]]
+    with pytest.raises(BadInput, match="2 processes"):
+        trainer._group([0])
+    monkeypatch.undo()
     loss, per_step = trainer._loss([0, 1], trainer._label_counts([0, 1]))
     loss.backward()
     assert per_step.shape == (3,) and bool((per_step > 0).all())

@@ -246,7 +246,10 @@ def test_generate_with_heads_end_to_end(tiny_folder, tmp_path, capsys, monkeypat
             assert json.loads(capsys.readouterr().out)["token_ids"] == plain["token_ids"]
         assert main(["export", str(tiny_folder), "--heads", str(folder), "--onnx", str(tmp_path / "x")]) == 2
         assert f"{kind} heads" in capsys.readouterr().err
-    for extra, words in [(["--tree", str(deep)], "3 deep"), (["--heads", str(other)], "another model")]:
+    wide = tmp_path / "wide.yaml"
+    wide.write_text("[[300]]\n")  # the tiny vocabulary has 259 tokens
+    for extra, words in [(["--tree", str(deep)], "3 deep"), (["--heads", str(other)], "another model"),
+                         (["--tree", str(wide)], "rank 300")]:
         args = plain_args + ["--speculate", "heads"] + (["--heads", str(heads)] if "--heads" not in extra else []) + extra
         assert main(args) == 2
         assert words in capsys.readouterr().err

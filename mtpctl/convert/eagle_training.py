@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from mtpctl.convert.heads_training import EVAL_RANKS, Trainer, _rank, _world
+from mtpctl.errors import BadInput
 from mtpctl.runtime.eagle import EagleHead
 
 FEATURE_LOSS_WEIGHT = 1.0  # EAGLE's feature regression, next to each step's cross-entropy
@@ -49,6 +50,11 @@ class EagleTrainer(Trainer):
                 groups[-1].append(s)
             else:
                 groups.append([s])
+        if len(groups) > 1 and len(groups[-1]) < _world():  # a short last group joins the one before
+            groups[-2].extend(groups.pop())
+        if groups and len(groups[0]) < _world():
+            raise BadInput(f"{len(seqs)} sequence(s) cannot be shared by {_world()} processes: use fewer "
+                           "processes or more data")
         return groups
 
     def _batches(self):

@@ -46,6 +46,7 @@ from mtpctl.runtime.heads import (
     tree_from_accuracy,
 )
 from mtpctl.runtime.eagle import layer_config_for
+from mtpctl.runtime.engine import MAX_DRAFT_DEPTH
 from mtpctl.runtime.model import Decoder
 from mtpctl.runtime.tokenizer import TextCodec
 from mtpctl.runtime.weights import weights_hash
@@ -102,6 +103,11 @@ class TrainSettings:
             raise BadInput("eagle heads project through the target's lm_head: drop --own-lm-head")
         if self.kind == "eagle" and self.condition_on_token:
             raise BadInput("an eagle head always reads the next token: drop --condition-on-token")
+        if self.kind == "eagle" and self.soft_labels:
+            raise BadInput("eagle heads train on the target's argmax only: drop --soft-labels")
+        if self.num_heads > MAX_DRAFT_DEPTH:
+            raise BadInput(f"num-heads must be at most {MAX_DRAFT_DEPTH} (the deepest draft tree verification "
+                           f"supports), got {self.num_heads}")
         for name in ("distill_dtype", "features_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise BadInput(f"{name.replace('_', ' ')} {getattr(self, name)!r}: choose from {', '.join(DTYPES)}")

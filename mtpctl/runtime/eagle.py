@@ -46,9 +46,13 @@ class EagleLayerConfig:
     rms_norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
-        if min(self.attention_heads, self.kv_heads, self.head_dim, self.intermediate_size) < 1 or \
-                self.attention_heads % self.kv_heads:
-            raise ValueError(f"EAGLE layer shapes are not valid: {self}")
+        sizes = (self.attention_heads, self.kv_heads, self.head_dim, self.intermediate_size)
+        numbers = (self.rope_theta, self.rms_norm_eps)
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes) or \
+                self.attention_heads % self.kv_heads or self.head_dim % 2 or \
+                not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in numbers):
+            raise ValueError(f"EAGLE layer shapes are not valid (positive integer sizes, heads divisible by "
+                             f"KV heads, an even head_dim, rope_theta and rms_norm_eps > 0): {self}")
 
 
 class EagleHead(nn.Module):

@@ -74,6 +74,8 @@ class HeadsConfig:
             raise ValueError("hydra heads read tokens, so token_conditioned must be true")
         if isinstance(self.layer, dict):
             self.layer = EagleLayerConfig(**self.layer)
+        elif self.layer is not None and not isinstance(self.layer, EagleLayerConfig):
+            raise ValueError(f"layer must be a mapping of the draft layer's shapes, got {self.layer!r}")
         if (self.kind == "eagle") != (self.layer is not None):
             raise ValueError("eagle heads, and only they, need the draft layer's shapes (layer)")
         if self.kind == "eagle" and self.own_lm_head:
@@ -101,11 +103,15 @@ class HeadsConfig:
             if not isinstance(version, int) or version > FORMAT_VERSION:
                 raise UnsupportedModel(f"{path}: format_version {version!r}; this mtpctl reads up to "
                                        f"{FORMAT_VERSION} (upgrade mtpctl)")
+            if raw.get("kind") not in KINDS:
+                raise UnsupportedModel(f"{path}: head kind {raw.get('kind')!r} is not supported (known: "
+                                       f"{', '.join(KINDS)})")
             cfg = cls(**raw)
+            if not all(isinstance(getattr(cfg, n), int) for n in ("num_heads", "head_layers", "hidden_size",
+                                                                    "vocab_size", "draft_vocab_size")):
+                raise ValueError("sizes must be integers")
         except (ValueError, TypeError, AttributeError) as err:
             raise CorruptModel(f"{path} is not a valid head config: {err}") from err
-        if cfg.kind not in KINDS:
-            raise UnsupportedModel(f"{path}: head kind {cfg.kind!r} is not supported (known: {', '.join(KINDS)})")
         if cfg.num_heads < 1 or cfg.head_layers < 0:
             raise CorruptModel(f"{path}: num_heads {cfg.num_heads} and head_layers {cfg.head_layers} are not valid")
         return cfg
@@ -336,11 +342,15 @@ def load_strict(cls, folder: Path, cfg: HeadsConfig, dtype: torch.dtype,
     with torch.device("meta"):  # shapes only, no memory
         placeholder = torch.zeros(shape) if cfg.own_lm_head or cfg.draft_vocab_size else None
         token_map = torch.zeros(cfg.draft_vocab_size, dtype=torch.long) if cfg.draft_vocab_size else None
-        shapes = {name: tuple(t.shape) for name, t in cls(cfg, dtype, placeholder, token_map).state_dict().items()}
+        expected = cls(cfg, dtype, placeholder, token_map).state_dict()
     path = Path(folder) / WEIGHTS_FILE
     if not path.is_file():
         raise CorruptModel(f"{folder} has {CONFIG_FILE} but no {WEIGHTS_FILE}")
-    tensors = load_tensors([path], shapes)
+    tensors = load_tensors([path], {name: tuple(t.shape) for name, t in expected.items()})
+    for name, t in tensors.items():
+        if t.is_floating_point() != expected[name].is_floating_point():
+            raise CorruptModel(f"{path}: tensor {name!r} is {t.dtype}; expected "
+                               f"{'a floating point' if expected[name].is_floating_point() else 'an integer'} dtype")
     if token_map is not None:
         token_map = tensors["token_map"]
         if int(token_map.min()) < 0 or int(token_map.max()) >= cfg.vocab_size or len(set(token_map.tolist())) != len(token_map):

@@ -110,7 +110,8 @@ class Session:
         accuracy; else the default size for this dtype and weights (:data:`DEFAULT_TREE_NODES`).
 
         Raises:
-            BadInput: a tree deeper than the heads, or a size < 1.
+            BadInput: a tree deeper than the heads or than verification supports, a rank past the
+                heads' candidates, or a size < 1.
         """
         cfg = heads.cfg
         if tree is None:
@@ -121,6 +122,9 @@ class Session:
             raise BadInput(f"the draft tree is {tree.depth} deep; the heads predict {cfg.num_heads} tokens")
         if tree.depth > MAX_DRAFT_DEPTH:
             raise BadInput(f"the draft tree is {tree.depth} deep; verification supports trees up to {MAX_DRAFT_DEPTH}")
+        candidates = cfg.draft_vocab_size or cfg.vocab_size
+        if tree.max_rank > candidates:
+            raise BadInput(f"the draft tree asks for rank {tree.max_rank - 1}; the heads rank {candidates} candidates")
         if cfg.kind == "eagle":
             dtype = self.model.dtype
             return EagleDrafter(heads, tree, lambda ids: self.model.embed[ids].to(dtype), self.model.logits)
