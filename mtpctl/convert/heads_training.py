@@ -351,6 +351,9 @@ class Trainer:
         work: folder for checkpoints (``--resume`` continues from ``work/checkpoint.*``).
     """
 
+    #: what one accuracy figure is about, in progress lines
+    unit = "head"
+
     def __init__(self, target: Decoder, feats: Features, settings: TrainSettings, work: Path):
         self.target, self.feats, self.s, self.work = target, feats, settings, work
         cfg = target.cfg
@@ -365,7 +368,7 @@ class Trainer:
                                 settings.own_lm_head, cfg.hidden_size, cfg.vocab_size,
                                 len(token_map) if token_map is not None else 0,
                                 token_conditioned=(settings.condition_on_token or settings.kind == "hydra") and not eagle,
-                                layer=layer_config_for(cfg) if settings.kind == "eagle" else None)
+                                layer=layer_config_for(cfg) if eagle else None)
         self.heads = self._new_heads(token_map)
         split = torch.randperm(len(feats.loss_from), generator=torch.Generator().manual_seed(settings.seed)).tolist()
         n_eval = max(1, int(round(settings.holdout * len(split)))) if len(split) > 1 else 0
@@ -382,9 +385,6 @@ class Trainer:
         self.epoch_steps = self._epoch_steps()
         self.total_steps = max(1, int(round(self.epoch_steps * settings.epochs)))
         self.progress = Progress()
-
-    #: what one accuracy figure is about, in progress lines
-    unit = "head"
 
     def _new_heads(self, token_map: Optional[torch.Tensor]) -> torch.nn.Module:
         return MedusaHeads(self.hcfg, torch.float32, self.target.dense_lm_head().float(), token_map)
