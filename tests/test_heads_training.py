@@ -90,9 +90,29 @@ def test_batched_self_distillation_equals_one_prompt_at_a_time():
     model = random_decoder(seed=2)
     prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9]]
     got = batch_greedy(model, prompts, 12, eos_ids={258}, batch_size=3)
-    for prompt, response in zip(prompts, got):
-        assert response == greedy_reference(model, prompt, 12)[:len(response)]
-        assert len(response) == 12 or response[-1] == 258
+    for prompt, d in zip(prompts, got):
+        assert d.response == greedy_reference(model, prompt, 12)[:len(d.response)]
+        assert len(d.response) == 12 or d.response[-1] == 258
+        assert d.hidden is None and d.pred is None
+
+
+def test_kept_features_equal_a_teacher_forced_pass():
+    """Self-distillation's own hidden states and argmax tokens serve as features: every position of
+    prompt + response, as one teacher-forced pass over the finished sequence gives them."""
+    from mtpctl.convert.heads_training import TrainSequence, compute_features
+
+    model = random_decoder(seed=2)
+    prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9], [4]]
+    eos = {int(batch_greedy(model, [[9, 9]], 5, set())[0].response[2])}  # one row stops early
+    got = batch_greedy(model, prompts, 6, eos_ids=eos, batch_size=4, keep_features=True)
+    assert len(got[2].response) == 3  # ended at its EOS, 3 rows kept on going
+    for prompt, d in zip(prompts, got):
+        ids = prompt + d.response
+        assert d.hidden.shape == (len(ids), model.cfg.hidden_size) and d.pred.shape == (len(ids),)
+        assert d.pred[len(prompt) - 1:-1].tolist() == d.response
+        ref = compute_features(model, [TrainSequence(ids, len(prompt))], TrainSettings())
+        torch.testing.assert_close(d.hidden.float(), ref.hidden.float(), atol=0.02, rtol=0.02)  # bf16 storage
+        assert d.pred.tolist() == ref.pred.tolist()
 
 
 def write_data(folder: Path) -> Path:

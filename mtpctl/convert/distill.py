@@ -31,12 +31,15 @@ class Record:
 
 
 @dataclass
-class Sequence_:
-    """Token ids of one training sequence and where its loss starts (0 for plain text; the first
-    response position for a self-distilled prompt)."""
+class TrainSequence:
+    """Token ids ``[T]`` of one training sequence and where its loss starts (0 for plain text; the first
+    response position for a self-distilled prompt); with ``hidden`` ``[T, hidden]`` and ``pred`` ``[T]``
+    when self-distillation kept what the target computed (no second pass needed)."""
 
     ids: List[int]
     loss_from: int
+    hidden: Optional[torch.Tensor] = None
+    pred: Optional[torch.Tensor] = None
 
 
 HF_DATASET = "hf://datasets/"
@@ -119,8 +122,24 @@ def _parse_jsonl(path: Path, content: str) -> List[Record]:
     return out
 
 
+@dataclass
+class Distilled:
+    """The target's greedy response to one prompt and, when asked for, what it computed on the way.
+
+    hidden ``[P + R, hidden]`` (the model's dtype) and pred ``[P + R]`` (int64): the final hidden state
+    and the argmax of the logits at every position of prompt + response (P prompt tokens, R response
+    tokens); ``pred[P - 1 + j]`` is response token j, the last one predicts past the response. None
+    unless ``keep_features``.
+    """
+
+    response: List[int]
+    hidden: Optional[torch.Tensor] = None
+    pred: Optional[torch.Tensor] = None
+
+
 def batch_greedy(model: Decoder, prompts: Sequence[List[int]], max_new_tokens: int, eos_ids: Set[int],
-                 batch_size: int = 32, progress: Optional[Callable[[int], None]] = None) -> List[List[int]]:
+                 batch_size: int = 32, progress: Optional[Callable[[int], None]] = None,
+                 keep_features: bool = False) -> List[Distilled]:
     """Greedy responses of the target to many prompts, ``batch_size`` at a time (left-padded).
 
     A bfloat16 decode step over 32 rows costs about what one row does on this CPU (the weights are
@@ -132,25 +151,27 @@ def batch_greedy(model: Decoder, prompts: Sequence[List[int]], max_new_tokens: i
         max_new_tokens: response length cap (tokens).
         eos_ids: a response ends at (and includes) its first EOS.
         progress: called with the number of prompts finished after each batch.
+        keep_features: also keep the hidden states and argmax tokens of every position (what a
+            teacher-forced pass over prompt + response would give, computed in the same batch), so
+            training needs no second pass of the target over the sequences.
 
     Returns:
-        one response (token ids) per prompt, in order.
+        one :class:`Distilled` per prompt, in order.
     """
-    out: List[List[int]] = []
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch
-    responses = {}
+    results = {}
     for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
-        for i, resp in zip(chunk, _greedy_batch(model, [prompts[i] for i in chunk], max_new_tokens, eos_ids)):
-            responses[i] = resp
+        found = _greedy_batch(model, [prompts[i] for i in chunk], max_new_tokens, eos_ids, keep_features)
+        results.update(zip(chunk, found))
         if progress:
             progress(len(chunk))
-    out = [responses[i] for i in range(len(prompts))]
-    return out
+    return [results[i] for i in range(len(prompts))]
 
 
 @torch.inference_mode()
-def _greedy_batch(model: Decoder, prompts: List[List[int]], max_new: int, eos_ids: Set[int]) -> List[List[int]]:
+def _greedy_batch(model: Decoder, prompts: List[List[int]], max_new: int, eos_ids: Set[int],
+                  keep: bool) -> List[Distilled]:
     b, longest = len(prompts), max(len(p) for p in prompts)
     pad = [longest - len(p) for p in prompts]
     ids = torch.tensor([[0] * pad[r] + prompts[r] for r in range(b)], dtype=torch.long)
@@ -160,22 +181,45 @@ def _greedy_batch(model: Decoder, prompts: List[List[int]], max_new: int, eos_id
     slot_pos = (torch.arange(longest + max_new)[None] - torch.tensor(pad)[:, None]).clamp(min=0)  # [b, cap]
     cache = model.new_cache(longest + max_new, batch=b)
     responses: List[List[int]] = [[] for _ in range(b)]
+    kept: List[list] = [[] for _ in range(b)]  # per row: (hidden [n, d], pred [n]) pieces in position order
     done = torch.zeros(b, dtype=torch.bool)
-    start, n = 0, longest
+    start, n, step = 0, longest, 0
     while True:
+        finished = bool(done.all())  # with keep, one more pass feeds the last response tokens
         queries = torch.arange(start, start + n)
         masks = _batch_masks(model, valid, slot_pos, queries)
         hidden = model(ids, slot_pos[:, queries], cache, masks)
         cache.advance(n)
         nxt = model.logits(hidden[:, -1]).argmax(-1)  # [b]
+        if keep:
+            _keep_step(model, kept, hidden, nxt, pad, responses, step)
+        if finished:
+            return _distilled(responses, kept)
         for r in range(b):
             if not done[r]:
                 responses[r].append(int(nxt[r]))
                 done[r] = int(nxt[r]) in eos_ids or len(responses[r]) >= max_new
-        if bool(done.all()):
-            return responses
-        start, n = start + n, 1
+        if bool(done.all()) and not keep:
+            return _distilled(responses, kept)
+        start, n, step = start + n, 1, step + 1
         ids = nxt[:, None]
+
+
+def _keep_step(model: Decoder, kept: List[list], hidden: torch.Tensor, nxt: torch.Tensor, pad: List[int],
+               responses: List[List[int]], step: int) -> None:
+    """Keep what a pass computed: at step 0 (prefill) every prompt position of every row; at step s the
+    position of response token s - 1, for the rows that have one."""
+    for r in range(len(kept)):
+        if step == 0:
+            h = hidden[r, pad[r]:]
+            kept[r].append((h, model.logits(h).argmax(-1)))
+        elif len(responses[r]) >= step:
+            kept[r].append((hidden[r, -1:], nxt[r:r + 1]))
+
+
+def _distilled(responses: List[List[int]], kept: List[list]) -> List[Distilled]:
+    return [Distilled(resp, torch.cat([h for h, _ in pieces]), torch.cat([p for _, p in pieces])) if pieces
+            else Distilled(resp) for resp, pieces in zip(responses, kept)]
 
 
 def _batch_masks(model: Decoder, valid: torch.Tensor, slot_pos: torch.Tensor, queries: torch.Tensor) -> dict:

@@ -3,9 +3,11 @@
 Pipeline (Cai et al. 2024, "Medusa", Medusa-1: the base model stays frozen):
 
 1. data: text records, or prompts answered by the target itself (:mod:`mtpctl.convert.distill`);
-2. features: one teacher-forced pass of the target over every sequence gives the hidden states
-   ``[T, hidden]`` (after the final norm) and the target's own prediction at each position (argmax,
-   and with ``soft_labels`` its top-m distribution). They are cached on disk, keyed by the target's
+2. features: the hidden states ``[T, hidden]`` (after the final norm) and the target's own prediction
+   at each position (argmax, and with ``soft_labels`` its top-m distribution) of every sequence. For
+   self-distilled sequences self-distillation keeps them as it generates (when ``distill_dtype`` equals
+   ``features_dtype`` and without soft labels); otherwise, and for text records, one teacher-forced
+   pass of the target gives them. They are cached on disk, keyed by the target's
    weight hash, the data and the settings that shape them, so epochs, re-runs and ``--resume`` never
    re-run the target;
 3. training: head k (1-based) at position t learns the target's prediction for token t+1+k, i.e.
@@ -36,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from mtpctl import __version__
-from mtpctl.convert.distill import Record, batch_greedy, read_records
+from mtpctl.convert.distill import Record, TrainSequence, batch_greedy, read_records
 from mtpctl.errors import BadInput, MtpctlError
 from mtpctl.runtime.heads import (
     KINDS,
@@ -51,7 +53,8 @@ from mtpctl.runtime.model import Decoder
 from mtpctl.runtime.tokenizer import TextCodec
 from mtpctl.runtime.weights import weights_hash
 
-FEATURES_FORMAT = 2  # 2: input ids cached too (EAGLE reads them); a new format recomputes the cache
+FEATURES_FORMAT = 3  # 2: input ids cached too (EAGLE reads them); 3: kept from self-distillation
+# (a new format recomputes the cache)
 EVAL_RANKS = 10  # top-k accuracy measured per head (the deepest rank a grown tree can use)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -173,8 +176,9 @@ def _world() -> int:
 
 
 def build_sequences(records: Sequence[Record], codec: TextCodec, settings: TrainSettings,
-                    distill_model: Optional[Callable[[], Decoder]]) -> List[tuple]:
-    """Records -> ``(ids, loss_from)`` sequences; prompts are answered by the target (self-distillation).
+                    distill_model: Optional[Callable[[], Decoder]]) -> List[TrainSequence]:
+    """Records -> training sequences; prompts are answered by the target (self-distillation), which
+    keeps its hidden states and predictions when :func:`keeps_features` says they can serve as features.
 
     Raises:
         BadInput: prompt records without ``self_distill``.
@@ -184,7 +188,7 @@ def build_sequences(records: Sequence[Record], codec: TextCodec, settings: Train
         if r.text is not None:
             ids = [int(i) for i in codec.tokenizer(r.text)["input_ids"]][: settings.max_seq_len]
             if len(ids) > 1:
-                texts.append((ids, 0))
+                texts.append(TrainSequence(ids, 0))
         else:
             prompts.append(codec.encode_messages(r.messages)[: settings.max_seq_len - 1])
     if prompts and not settings.self_distill:
@@ -196,26 +200,42 @@ def build_sequences(records: Sequence[Record], codec: TextCodec, settings: Train
         log(f"self-distillation: the target answers {len(prompts)} prompts ({settings.distill_batch} at a time, "
             f"{settings.distill_dtype})")
         bar = _bar(len(prompts), "distill")
-        responses = batch_greedy(model, prompts, settings.response_tokens, codec.eos_ids, settings.distill_batch,
-                                 progress=bar.update if bar else None)
+        found = batch_greedy(model, prompts, settings.response_tokens, codec.eos_ids, settings.distill_batch,
+                             progress=bar.update if bar else None, keep_features=keeps_features(settings))
         if bar:
             bar.close()
-        for p, resp in zip(prompts, responses):
-            sequences.append(((p + resp)[: settings.max_seq_len], len(p)))
+        for p, d in zip(prompts, found):
+            n = min(len(p) + len(d.response), settings.max_seq_len)
+            sequences.append(TrainSequence((p + d.response)[:n], len(p), None if d.hidden is None else d.hidden[:n],
+                                           None if d.pred is None else d.pred[:n]))
     if not sequences:
         raise BadInput("the training data holds no sequence of two tokens or more")
     return sequences
 
 
+def keeps_features(settings: TrainSettings) -> bool:
+    """Whether self-distillation's own pass gives the features: same dtype, and no soft labels (their
+    top-m distributions come from the teacher-forced pass)."""
+    return settings.distill_dtype == settings.features_dtype and not settings.soft_labels
+
+
 @torch.inference_mode()
-def compute_features(model: Decoder, sequences: Sequence[tuple], settings: TrainSettings,
+def compute_features(model: Optional[Decoder], sequences: Sequence[TrainSequence], settings: TrainSettings,
                      chunk_tokens: int = 4096) -> Features:
-    """One teacher-forced target pass per sequence (batched by length): hidden states and predictions."""
+    """Features of every sequence: kept from self-distillation where a sequence has them, else one
+    teacher-forced pass of ``model`` (which may be None when every sequence has them)."""
     from mtpctl.runtime.engine import attention_masks
 
     hidden, pred, soft_ids, soft_probs = [], [], [], []
     bar = _bar(len(sequences), "features")
-    for ids, _ in sequences:
+    for seq in sequences:
+        if seq.hidden is not None:
+            hidden.append(seq.hidden.to(torch.bfloat16))
+            pred.append(seq.pred)
+            if bar:
+                bar.update(1)
+            continue
+        ids = seq.ids
         cache = model.new_cache(len(ids))
         depth = torch.arange(len(ids))
         masks = attention_masks(model.cfg.layer_windows, 0, depth, None, len(ids))
@@ -232,9 +252,9 @@ def compute_features(model: Decoder, sequences: Sequence[tuple], settings: Train
             bar.update(1)
     if bar:
         bar.close()
-    lengths = torch.tensor([0] + [len(ids) for ids, _ in sequences])
-    return Features(torch.cat(hidden), torch.cat(pred), lengths.cumsum(0), torch.tensor([lf for _, lf in sequences]),
-                    torch.tensor([i for ids, _ in sequences for i in ids], dtype=torch.long),
+    lengths = torch.tensor([0] + [len(s.ids) for s in sequences])
+    return Features(torch.cat(hidden), torch.cat(pred), lengths.cumsum(0), torch.tensor([s.loss_from for s in sequences]),
+                    torch.tensor([i for s in sequences for i in s.ids], dtype=torch.long),
                     torch.cat(soft_ids) if soft_ids else None, torch.cat(soft_probs) if soft_probs else None)
 
 
@@ -609,9 +629,10 @@ def add_heads(target_folder: Path, target_name: str, data: Sequence[Path], out: 
                                     lambda: Decoder.from_folder(target_folder, DTYPES[settings.distill_dtype]))
         timings["data_s"] = round(time.perf_counter() - t0, 1)
         t0 = time.perf_counter()
-        log(f"features: one target pass over {len(sequences)} sequences "
-            f"({sum(len(s) for s, _ in sequences)} tokens, {settings.features_dtype}), cached in {feat_dir}")
-        features_model = target if settings.features_dtype == "float32" else \
+        todo = [s for s in sequences if s.hidden is None]
+        log(f"features: {len(sequences) - len(todo)} sequences kept from self-distillation, one target pass over "
+            f"{len(todo)} ({sum(len(s.ids) for s in todo)} tokens, {settings.features_dtype}); cached in {feat_dir}")
+        features_model = None if not todo else target if settings.features_dtype == "float32" else \
             Decoder.from_folder(target_folder, DTYPES[settings.features_dtype])
         compute_features(features_model, sequences, settings).save(feat_path)
         timings["features_s"] = round(time.perf_counter() - t0, 1)
