@@ -126,13 +126,14 @@ def writing(r):
                      f"Write three quiz questions about {t} with answers."])
 
 
+COUNT = 320  # prompts written; the hand-written files (written_*.jsonl) carry most of the variety
 KINDS = [chat, chat, code, math, math, summary, extraction, rewrite, lists, translate, qa, explain_code, writing]
 
 if __name__ == "__main__":
     rng = random.Random(2026)
     seen = set()
     attempt = 0
-    while len(seen) < 960 and attempt < 100_000:  # kinds in turn; a kind out of new prompts is skipped
+    while len(seen) < COUNT and attempt < 100_000:  # kinds in turn; a kind out of new prompts is skipped
         kind = KINDS[attempt % len(KINDS)]
         attempt += 1
         prompt = kind(rng)
