@@ -12,7 +12,7 @@ import torch
 
 from helpers import greedy_reference, random_decoder
 from mtpctl.cli.main import main
-from mtpctl.convert.distill import batch_greedy, read_records
+from mtpctl.convert.distill import Record, batch_greedy, read_records
 from mtpctl.convert.heads_training import (Features, Trainer, TrainSettings, add_heads, head_labels, head_losses,
                                            lr_at)
 from mtpctl.errors import BadInput
@@ -300,3 +300,44 @@ def test_settings_name_the_bad_dtype():
     for name in ("distill_dtype", "features_dtype"):
         with pytest.raises(BadInput, match=name.replace("_", " ")):
             TrainSettings(**{name: "float16"}).check()
+
+
+def test_max_seq_len_below_two_tokens_is_bad_input():
+    """A training sequence needs two tokens: max_seq_len 1 cut every prompt to nothing and the batched
+    greedy prefill failed with an IndexError instead of a one-line error."""
+    with pytest.raises(BadInput, match="max-seq-len must be at least 2, got 1"):
+        TrainSettings(max_seq_len=1).check()
+    with pytest.raises(BadInput, match="max-seq-len must be at least 2, got 0"):
+        TrainSettings(max_seq_len=0).check()
+    TrainSettings(max_seq_len=2).check()
+
+
+def test_kept_features_are_cut_with_their_sequences(tiny_folder):
+    """Text and prompt records mixed, max_seq_len cutting prompt + response: the kept hidden states and
+    argmax tokens are cut alike, stay in sequence order and equal a teacher-forced pass over the same ids."""
+    from mtpctl.convert.heads_training import TrainSequence, build_sequences, compute_features
+    from mtpctl.runtime.model import Decoder
+    from mtpctl.runtime.tokenizer import TextCodec
+
+    codec = TextCodec(tiny_folder)
+    model = Decoder.from_folder(tiny_folder, torch.float32)
+    records = [Record(text="abc " * 20), Record(messages=[{"role": "user", "content": "hi"}]),
+               Record(text="de"), Record(messages=[{"role": "user", "content": "x" * 20}, {"role": "assistant", "content": "y"},
+                                                   {"role": "user", "content": "z"}])]
+    settings = TrainSettings(self_distill=True, response_tokens=12, distill_batch=2, distill_dtype="float32",
+                             features_dtype="float32", max_seq_len=30)
+    seqs = build_sequences(records, codec, settings, lambda: model)
+    assert [s.hidden is None for s in seqs] == [True, True, False, False]  # texts first, then the prompts
+    prompt_lens = [len(codec.encode_messages(r.messages)) for r in records if r.messages]
+    assert [s.loss_from for s in seqs[2:]] == [min(n, 29) for n in prompt_lens]
+    assert len(seqs[3].ids) == 30 and seqs[3].loss_from == 29  # the prompt cut to 29 tokens, its response to 1
+    for s in seqs:
+        assert s.hidden is None or (s.hidden.shape[0] == len(s.ids) == s.pred.shape[0])
+    got = compute_features(model, seqs, settings)
+    ref = compute_features(model, [TrainSequence(s.ids, s.loss_from) for s in seqs], settings)
+    assert torch.equal(got.offsets, ref.offsets) and torch.equal(got.ids, ref.ids)
+    assert got.pred.tolist() == ref.pred.tolist()
+    torch.testing.assert_close(got.hidden.float(), ref.hidden.float(), atol=0.05, rtol=0.01)
+    # labels line up: on every response position but the last, pred[t] is the token at t + 1
+    for s in seqs[2:]:
+        assert s.pred[s.loss_from - 1:-1].tolist() == s.ids[s.loss_from:]

@@ -93,9 +93,12 @@ class TrainSettings:
         if self.kind not in KINDS:
             raise BadInput(f"head kind {self.kind!r} is not available (choose from {', '.join(KINDS)})")
         for name in ("num_heads", "batch_tokens", "grad_accum", "response_tokens", "distill_batch",
-                     "max_seq_len", "tree_nodes", "soft_top"):
+                     "tree_nodes", "soft_top"):
             if getattr(self, name) < 1:
                 raise BadInput(f"{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.max_seq_len < 2:
+            raise BadInput(f"max-seq-len must be at least 2, got {self.max_seq_len} (a training sequence needs "
+                           "two tokens)")
         if self.head_layers < 0 or self.draft_vocab < 0:
             raise BadInput("head-layers and draft-vocab must be >= 0")
         if not self.epochs > 0 or not self.lr > 0:
