@@ -24,6 +24,7 @@ trains on its share of each batch, gradients are averaged, and rank 0 writes the
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
@@ -638,6 +639,7 @@ def add_heads(target_folder: Path, target_name: str, data: Sequence[Path], out: 
         features_model = None if not todo else target if settings.features_dtype == "float32" else \
             Decoder.from_folder(target_folder, DTYPES[settings.features_dtype])
         compute_features(features_model, sequences, settings).save(feat_path)
+        del sequences, features_model  # the kept hidden states (~0.4 GB for the recipe) are on disk now
         timings["features_s"] = round(time.perf_counter() - t0, 1)
     elif _rank() == 0:
         log(f"features: reusing {feat_path}")
@@ -691,12 +693,16 @@ def expected_accepted(acc: Sequence[Sequence[float]], tree: StaticTree) -> float
     return total
 
 
+DISTRIBUTED_TIMEOUT = datetime.timedelta(hours=6)
+
+
 def init_distributed() -> bool:
     """Join the process group when launched by ``torchrun`` (gloo on CPU); True when distributed."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or torch.distributed.is_initialized():
         return torch.distributed.is_initialized()
     try:
-        torch.distributed.init_process_group("gloo")
+        # the other ranks wait at a barrier while rank 0 self-distills (minutes to hours)
+        torch.distributed.init_process_group("gloo", timeout=DISTRIBUTED_TIMEOUT)
     except (RuntimeError, ValueError) as err:
         raise MtpctlError(f"cannot join the torchrun process group: {err}") from err
     return True
