@@ -22,15 +22,34 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_labels_are_the_targets_predictions_k_places_ahead():
-    # two sequences of lengths 5 and 3; pred holds the target's argmax at each position
+    # two sequences of lengths 5 and 3; pred holds the target's argmax at each position, and the
+    # input ids follow it (a self-distilled response: ids[t + 1] == pred[t])
     feats = Features(torch.zeros(8, 4), torch.tensor([10, 11, 12, 13, 14, 20, 21, 22]), torch.tensor([0, 5, 8]),
-                     torch.tensor([0, 0]), torch.zeros(8, dtype=torch.long))
+                     torch.tensor([0, 0]), torch.tensor([9, 10, 11, 12, 13, 19, 20, 21]))
     labels = head_labels(feats, torch.tensor([0, 2, 5, 6]), 3, None)
     # head k at position t learns pred[t + k], within the same sequence (else -100)
     assert labels.tolist() == [[11, 12, 13], [13, 14, -100], [21, 22, -100], [22, -100, -100]]
     vocab_index = torch.full((30,), -100)
     vocab_index[torch.tensor([11, 13, 22])] = torch.tensor([0, 1, 2])
     assert head_labels(feats, torch.tensor([0]), 3, vocab_index).tolist() == [[0, -100, 1]]
+
+
+def test_labels_are_kept_only_where_the_tokens_before_them_follow_the_targets_path():
+    """Plain text's tokens are not the target's: head k's label pred[t + k] is what the target says after
+    ids[t + 2 .. t + k], which matches what the heads draft only where those ids are the target's own
+    predictions (ids[t + j + 1] == pred[t + j], j = 1..k-1; and j = 0 for heads that do not read the
+    next token)."""
+    pred = torch.tensor([10, 11, 12, 13, 14, 15, 16])
+    ids = torch.tensor([1, 2, 11, 3, 13, 14, 15])  # on the path at t + 1 = 2, 4, 5, 6 (pred[1], pred[3..5])
+    feats = Features(torch.zeros(7, 4), pred, torch.tensor([0, 7]), torch.tensor([0]), ids)
+    got = head_labels(feats, torch.tensor([0, 1, 2, 3]), 3, None)
+    assert got.tolist() == [[11, 12, -100],    # t=0: ids[2] == pred[1], ids[3] != pred[2]
+                            [12, -100, -100],  # t=1: ids[3] != pred[2]
+                            [13, 14, 15],      # t=2: ids[4], ids[5] follow pred[3], pred[4]
+                            [14, 15, 16]]
+    # heads that do not read the next token also need ids[t + 1] == pred[t]
+    got = head_labels(feats, torch.tensor([0, 1, 3]), 3, None, reads_next=False)
+    assert got.tolist() == [[-100, -100, -100], [12, -100, -100], [14, 15, 16]]
 
 
 def test_every_head_gets_a_loss_and_a_gradient():
@@ -48,8 +67,8 @@ def test_every_head_gets_a_loss_and_a_gradient():
 
 
 def test_hydra_heads_read_the_targets_tokens_and_every_head_learns():
-    """Hydra head k reads pred[t + k - 1] (teacher forcing on the target's own tokens) and head k-1's
-    features, so a loss on the last head alone sends gradients to every head."""
+    """Hydra head k reads ids[t + k] (teacher forcing on the tokens that follow, the target's own along
+    its path) and head k-1's features, so a loss on the last head alone sends gradients to every head."""
     from mtpctl.convert.heads_training import pending_embeds
 
     model = random_decoder(seed=1)
@@ -58,11 +77,11 @@ def test_hydra_heads_read_the_targets_tokens_and_every_head_learns():
     for p in heads.parameters():
         torch.nn.init.normal_(p, std=0.05)
     feats = Features(torch.randn(8, model.cfg.hidden_size), torch.tensor([10, 11, 12, 13, 14, 20, 21, 22]),
-                     torch.tensor([0, 5, 8]), torch.tensor([0, 0]), torch.zeros(8, dtype=torch.long))
+                     torch.tensor([0, 5, 8]), torch.tensor([0, 0]), torch.tensor([9, 10, 11, 12, 13, 19, 20, 21]))
     embeds = pending_embeds(heads, feats, torch.tensor([0, 6]), model.embed)
     assert embeds.shape == (2, 3, model.cfg.hidden_size)
     assert torch.equal(embeds[0], model.embed[torch.tensor([10, 11, 12])])
-    assert torch.equal(embeds[1, :2], model.embed[torch.tensor([21, 22])])  # past the end: clamped, unused
+    assert torch.equal(embeds[1, 0], model.embed[21])  # later ones past the end: clamped, unused
     logits = heads(feats.hidden[torch.tensor([0, 6])], model.logits, full_vocab=False, token_embeds=embeds)
     labels = head_labels(feats, torch.tensor([0, 6]), 3, None)
     head_losses(logits, labels)[2].backward()

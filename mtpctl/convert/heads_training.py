@@ -11,7 +11,10 @@ Pipeline (Cai et al. 2024, "Medusa", Medusa-1: the base model stays frozen):
    weight hash, the data and the settings that shape them, so epochs, re-runs and ``--resume`` never
    re-run the target;
 3. training: head k (1-based) at position t learns the target's prediction for token t+1+k, i.e.
-   ``pred[t + k]``; loss = sum_k decay^(k-1) * CE (or KL to the target's distribution with
+   ``pred[t + k]``, where the tokens between follow the target's own path (``ids[t + j + 1] ==
+   pred[t + j]`` for 0 < j < k; from j = 0 for heads that do not read the next token), as they do along
+   any path the target accepts at decode time (a self-distilled response always; plain text only
+   where it happens to); loss = sum_k decay^(k-1) * CE (or KL to the target's distribution with
    ``soft_labels``); AdamW, linear warm-up then cosine decay, gradient accumulation; positions are
    independent examples (the heads see one hidden state), shuffled with a seeded generator;
 4. evaluation: per-head top-k accuracy on held-out sequences; the default draft tree is grown from
@@ -273,14 +276,24 @@ def example_positions(feats: Features, seq_ids: Sequence[int]) -> torch.Tensor:
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
 
 
-def head_labels(feats: Features, positions: torch.Tensor, num_heads: int, vocab_index: Optional[torch.Tensor]) -> torch.Tensor:
+def head_labels(feats: Features, positions: torch.Tensor, num_heads: int, vocab_index: Optional[torch.Tensor],
+                reads_next: bool = True) -> torch.Tensor:
     """Labels ``[B, K]`` for positions ``[B]``: head k's label is ``pred[t + k]`` inside the same
-    sequence, else -100 (ignored); with a draft vocabulary, the label's index in it (-100 outside)."""
+    sequence where the tokens between follow the target's path (``ids[t + j + 1] == pred[t + j]`` for
+    j = 1..k-1, and for j = 0 too unless the heads read the next token, ``reads_next``), else -100
+    (ignored); with a draft vocabulary, the label's index in it (-100 outside)."""
     seq = torch.searchsorted(feats.offsets, positions, right=True) - 1
     end = feats.offsets[seq + 1]
     ks = torch.arange(1, num_heads + 1)
     target = positions[:, None] + ks[None]
-    labels = torch.where(target < end[:, None], feats.pred[target.clamp(max=len(feats.pred) - 1)], torch.tensor(-100))
+    last = len(feats.pred) - 1
+    steps = positions[:, None] + torch.arange(num_heads)[None]  # t + j, j = 0..K-1
+    on_path = feats.ids[(steps + 1).clamp(max=last)] == feats.pred[steps.clamp(max=last)]  # [B, K]
+    if reads_next:
+        on_path[:, 0] = True
+    on_path = on_path.long().cumprod(dim=1).bool()  # head k needs every step j < k on the path
+    inside = target < end[:, None]
+    labels = torch.where(inside & on_path, feats.pred[target.clamp(max=last)], torch.tensor(-100))
     if vocab_index is not None:
         labels = torch.where(labels >= 0, vocab_index[labels.clamp(min=0)], labels)
     return labels
@@ -322,7 +335,7 @@ def topk_accuracy(heads: MedusaHeads, lm_head, feats: Features, positions: torch
     counts = torch.zeros(k_heads)
     for start in range(0, len(positions), batch):
         pos = positions[start:start + batch]
-        labels = head_labels(feats, pos, k_heads, None)
+        labels = head_labels(feats, pos, k_heads, None, heads.cfg.token_conditioned)
         logits = heads.draft_vocab_logits(feats.hidden[pos].float(), lm_head, pending_embeds(heads, feats, pos, embed))
         top = logits.topk(ranks, dim=-1).indices  # [B, K, ranks] in draft-vocab indices
         if heads.token_map is not None:
@@ -335,17 +348,19 @@ def topk_accuracy(heads: MedusaHeads, lm_head, feats: Features, positions: torch
 
 def pending_embeds(heads: MedusaHeads, feats: Features, positions: torch.Tensor,
                    embed: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """Embeddings of the tokens the heads read at each position ``[B]``, the target's own
-    predictions (as at decode time, and along every path the target accepts): for token-conditioned
-    Medusa heads the pending token ``pred[t]``, ``[B, hidden]``; for Hydra heads ``pred[t + k]`` for
-    k = 0..K-1, ``[B, K, hidden]`` (past a sequence's end the tokens are arbitrary: every later
-    head's label there is ignored). None for plain Medusa heads."""
+    """Embeddings of the tokens the heads read at each position ``[B]``: the tokens that follow it,
+    which along every path the target accepts are its own predictions (at decode time the pending
+    token is ``pred[t]``; :func:`head_labels` keeps a label only where the tokens before it are on the
+    target's path). Token-conditioned Medusa heads: ``ids[t + 1]``, ``[B, hidden]``; Hydra heads
+    ``ids[t + 1 + k]`` for k = 0..K-1, ``[B, K, hidden]`` (past a sequence's end the tokens are
+    arbitrary: every later head's label there is ignored). None for plain Medusa heads."""
     if not heads.cfg.token_conditioned:
         return None
+    last = len(feats.ids) - 1
     if not heads.sequential:
-        return embed[feats.pred[positions]].float()
-    index = positions[:, None] + torch.arange(heads.cfg.num_heads)[None]
-    return embed[feats.pred[index.clamp(max=len(feats.pred) - 1)]].float()
+        return embed[feats.ids[(positions + 1).clamp(max=last)]].float()
+    index = positions[:, None] + 1 + torch.arange(heads.cfg.num_heads)[None]
+    return embed[feats.ids[index.clamp(max=last)]].float()
 
 
 def _bar(total: int, desc: str):
@@ -445,14 +460,15 @@ class Trainer:
 
     def _label_counts(self, pos: torch.Tensor) -> torch.Tensor:
         """Labelled positions per head ``[K]`` in a whole micro-batch (all ranks together)."""
-        return (head_labels(self.feats, pos, self.s.num_heads, self.vocab_index) >= 0).sum(0).float()
+        return (head_labels(self.feats, pos, self.s.num_heads, self.vocab_index, self.hcfg.token_conditioned)
+                >= 0).sum(0).float()
 
     def _loss(self, pos: torch.Tensor, counts: torch.Tensor) -> tuple:
         """(weighted loss, per-head losses ``[K]``) of this rank's positions ``pos``; each head's loss
         is its sum over ``pos`` divided by ``counts`` (the whole micro-batch's labelled positions) times
         the world size, so DDP's gradient average equals one process on the whole micro-batch."""
         s = self.s
-        labels = head_labels(self.feats, pos, s.num_heads, self.vocab_index)
+        labels = head_labels(self.feats, pos, s.num_heads, self.vocab_index, self.hcfg.token_conditioned)
         logits = self.model(self.feats.hidden[pos].float(), self.lm_head, full_vocab=False,
                             token_embeds=pending_embeds(self.heads, self.feats, pos, self.target.embed))
         soft = None
