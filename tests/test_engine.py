@@ -120,6 +120,26 @@ def test_bfloat16_tree_nodes_equal_plain_decoding_of_their_path_at_any_capacity(
             assert torch.equal(out[node], plain_decode_logits(model, PROMPT, path, capacity)), f"node {node}, capacity {capacity}"
 
 
+def test_tails_gathered_by_window_and_fixes_hold_the_planned_slots():
+    from mtpctl.runtime.engine import HEAD_BLOCK, TAIL, attention_plan, tree_positions
+    from mtpctl.runtime.model import _gather_tails
+
+    parents = [-1, 0, 0, 1, 2, 2, 4, 0]
+    depth, tree_mask = tree_positions(parents)
+    for length in (5, 40, 63, 64, 95, 150):
+        plan = attention_plan([None], length, depth, tree_mask)[None]
+        keys = torch.randn(1, 2, length + len(parents) + TAIL, 3)
+        got = _gather_tails(keys, plan, TAIL)  # [1, 2, N, TAIL, 3]
+        want = keys.index_select(2, plan.tail_slots.flatten()).unflatten(2, (len(parents), TAIL))
+        valid = plan.groups[0].bias[0, 0, :, 0, -TAIL:] == 0 if len(plan.groups) == 1 else None
+        if valid is None:  # tokens in several groups: compare every row's planned entries
+            valid = torch.zeros(len(parents), TAIL, dtype=torch.bool)
+            for g in plan.groups:
+                valid[g.rows if g.rows is not None else slice(None)] = g.bias[0, 0, :, 0, -TAIL:] == 0
+        assert plan.fixes is not None and int(valid.sum()) >= min(length + 1, HEAD_BLOCK + 1) * len(parents)
+        assert torch.equal(got[:, :, valid], want[:, :, valid]), f"length {length}"
+
+
 def test_attention_heads_depend_on_position_only_and_stay_committed():
     from mtpctl.runtime.engine import HEAD_BLOCK, MAX_DRAFT_DEPTH, TAIL, attention_plan, head_length
 
@@ -129,14 +149,20 @@ def test_attention_heads_depend_on_position_only_and_stay_committed():
         assert p - head_length(p) + 1 <= TAIL and (p < b or p - head_length(p) >= MAX_DRAFT_DEPTH)
     plan = attention_plan([None], 70, torch.tensor([0, 1, 1]), torch.tensor(
         [[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool))[None]
-    assert [(g.head, g.rows) for g in plan.groups] == [(b, None)]
-    # node 2 (depth 1, slot 72) reads committed slots 32..69, then the root (slot 70), then itself
-    assert plan.tail_slots[2, :40].tolist() == list(range(32, 70)) + [70, 72]
+    h = head_length(71)  # positions 70, 71, 71 share it
+    assert h == head_length(70) and h % b == 0 and 70 - h >= b
+    assert [(g.head, g.rows) for g in plan.groups] == [(h, None)]
+    # node 2 (depth 1, slot 72) reads committed slots h..69, then the root (slot 70), then itself
+    assert plan.tail_slots[2, :72 - h].tolist() == list(range(h, 70)) + [70, 72]
     allowed = plan.groups[0].bias[0, 0, :, 0] == 0  # [3, head + TAIL]: head slots all allowed
-    assert allowed[2].sum() == b + 40 and allowed[0].sum() == b + 39 and bool(allowed[:, :b].all())
+    assert allowed[2].sum() == 72 and allowed[0].sum() == 71 and bool(allowed[:, :h].all())
+    # tails are read as a window per token plus fixes: node 2's root and itself sit at slots 70, 72,
+    # where its window (from slot h) has 70, 71
+    assert plan.tail_start.tolist() == [h, h, h] and [t.tolist() for t in plan.fixes] == [[2], [71 - h], [72]]
     chain = attention_plan([None], 0, torch.arange(100), None)[None]  # a long chain: tails in place
-    assert chain.tail_slots[99, :36].tolist() == list(range(64, 100))
-    assert [g.head for g in chain.groups] == [0, 32, 64]  # positions 0-63, 64-95, 96-99
+    h = head_length(99)
+    assert chain.tail_slots[99, :100 - h].tolist() == list(range(h, 100)) and chain.fixes is None
+    assert [g.head for g in chain.groups] == sorted({head_length(p) for p in range(100)})
     deep = torch.ones(MAX_DRAFT_DEPTH + 2, MAX_DRAFT_DEPTH + 2, dtype=torch.bool).tril()
     with pytest.raises(ValueError, match="deeper"):
         attention_plan([None], 70, torch.arange(MAX_DRAFT_DEPTH + 2), deep)

@@ -307,12 +307,14 @@ def test_a_tree_deeper_than_verification_supports_is_bad_input(tiny_folder):
     from mtpctl.runtime.heads import StaticTree
     from mtpctl.runtime.session import Session
 
+    from mtpctl.runtime.engine import MAX_DRAFT_DEPTH as most
+
     session = Session(tiny_folder)
     heads = MedusaHeads(HeadsConfig("medusa", 40, 0, False, session.model.cfg.hidden_size, session.model.cfg.vocab_size))
     deep = StaticTree.from_paths([[0] * d for d in range(1, 41)], 40)
-    with pytest.raises(BadInput, match="up to 32"):
+    with pytest.raises(BadInput, match=f"up to {most}"):
         session.heads_drafter(heads, deep)
-    assert session.heads_drafter(heads, StaticTree.from_paths([[0] * d for d in range(1, 33)], 40)).tree.depth == 32
+    assert session.heads_drafter(heads, StaticTree.from_paths([[0] * d for d in range(1, most + 1)], 40)).tree.depth == most
 
 
 def test_settings_name_the_bad_dtype():

@@ -136,8 +136,10 @@ def graph_step_inputs(past: int, n: int, parents: Optional[Sequence[int]]) -> tu
     return (past + depth)[None], mask
 
 
-#: a token's attention head (slots read in place) ends on a multiple of this many slots
-HEAD_BLOCK = 32
+#: a token's attention head (slots read in place) ends on a multiple of this many slots (16: a tail of
+#: 32 slots; 32 cost a tree of 12 nodes about 3 ms more per verify pass in dense bfloat16, the longer
+#: tails' copies and batched matmuls)
+HEAD_BLOCK = 16
 #: slots of a token's attention tail (gathered in path order): the committed slots after its head,
 #: then its path; the head ends at least HEAD_BLOCK slots before the token, so draft trees may be up
 #: to ``MAX_DRAFT_DEPTH`` deep and still keep every head inside the committed slots (a chain's slots
@@ -149,8 +151,8 @@ MAX_DRAFT_DEPTH = TAIL - HEAD_BLOCK
 def head_length(position: int) -> int:
     """Head length of a token at ``position``: the largest multiple of ``HEAD_BLOCK`` that is at most
     ``position - HEAD_BLOCK`` (0 near the start). A function of the position alone, so plain decoding
-    and a verify pass split a token's attention the same way; its tail then holds 33 to 64 slots
-    (p + 1 below position 64)."""
+    and a verify pass split a token's attention the same way; its tail then holds HEAD_BLOCK + 1 to
+    TAIL slots (p + 1 below position TAIL)."""
     return max(0, (position - HEAD_BLOCK) // HEAD_BLOCK * HEAD_BLOCK)
 
 
@@ -180,6 +182,10 @@ def attention_plan(windows, length: int, depth: torch.Tensor, tree_mask: Optiona
         tail_slots[i, :len(slots)] = torch.tensor(slots)
         tail_pos[i, :len(slots)] = torch.tensor(positions)
         valid[i, :len(slots)] = True
+    tail_start = torch.tensor(heads, dtype=torch.long)
+    moved = valid & (tail_slots != tail_start[:, None] + torch.arange(TAIL)[None])  # not where the window has them
+    rows, cols = moved.nonzero(as_tuple=True)
+    fixes = (rows, cols, tail_slots[rows, cols]) if len(rows) else None
     plans = {}
     query = torch.tensor(pos)[:, None]
     by_head = {head: [i for i, h in enumerate(heads) if h == head] for head in sorted(set(heads))}
@@ -196,7 +202,7 @@ def attention_plan(windows, length: int, depth: torch.Tensor, tree_mask: Optiona
                                      else head_mask[rows, :head], allowed), dim=-1)
             bias = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))[None, None, :, None]
             groups.append(AttentionGroup(head, None if len(rows) == n else torch.tensor(rows), bias))
-        plans[window] = AttentionPlan(tail_slots, tuple(groups))
+        plans[window] = AttentionPlan(tail_slots, tuple(groups), tail_start, fixes)
     return plans
 
 

@@ -155,18 +155,40 @@ class AttentionPlan:
       ancestors and itself root first, padded to a fixed length (padding masked).
 
     Attributes:
-        tail_slots: ``[N, TAIL]`` long, cache slots of each token's tail.
+        tail_slots: ``[N, TAIL]`` long, cache slots of each token's tail (padding: slot 0).
         groups: the tokens grouped by head length, with their score biases.
+        tail_start: ``[N]`` long, each token's head length: its tail is read as the ``TAIL`` slots
+            from there (one contiguous window per token, a cheap copy), then ``fixes`` put the
+            entries of ``tail_slots`` that differ (a tree node's ancestors, which sit elsewhere in the
+            pass) in place; padding entries read whatever the window holds (masked, probability 0).
+        fixes: ``(rows [F], cols [F], slots [F])`` long: ``tail[rows[f], cols[f]]`` reads cache slot
+            ``slots[f]``; None when every token's path sits in its window (plain decoding, chains).
     """
 
     tail_slots: torch.Tensor
     groups: Tuple[AttentionGroup, ...]
+    tail_start: torch.Tensor
+    fixes: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
 
 
 def _pad_rows(x: torch.Tensor) -> torch.Tensor:
     """``[..., M, K]`` -> at least ``MIN_ROWS`` rows (zero rows appended)."""
     missing = MIN_ROWS - x.shape[-2]
     return x if missing <= 0 else F.pad(x, (0, 0, 0, missing))
+
+
+def _gather_tails(x: torch.Tensor, plan: AttentionPlan, tail: int) -> torch.Tensor:
+    """Each token's tail of ``x`` ``[batch, kv_heads, slots, head_dim]`` (a layer's keys or values),
+    ``[batch, kv_heads, N, TAIL, head_dim]``: the window of ``TAIL`` slots from its ``tail_start``,
+    with the plan's ``fixes`` applied, so that the valid entries are the slots of ``tail_slots``."""
+    b, kv, slots, d = x.shape
+    s = x.stride()
+    windows = x.as_strided((b, kv, slots - tail + 1, tail, d), (s[0], s[1], s[2], s[2], s[3]))
+    out = windows.index_select(2, plan.tail_start)
+    if plan.fixes is not None:
+        rows, cols, src = plan.fixes
+        out[:, :, rows, cols] = x[:, :, src]
+    return out
 
 
 def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
@@ -198,9 +220,8 @@ def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
         start = int(plan.tail_slots[0, 0])
         tail_k, tail_v = keys[:, :, None, start:start + tail], values[:, :, None, start:start + tail]
     else:
-        slots = plan.tail_slots.flatten()
-        tail_k = keys.index_select(-2, slots).unflatten(-2, (n, tail))  # [b, kv_heads, N, TAIL, d]
-        tail_v = values.index_select(-2, slots).unflatten(-2, (n, tail))
+        tail_k = _gather_tails(keys, plan, tail)  # [b, kv_heads, N, TAIL, d]
+        tail_v = _gather_tails(values, plan, tail)
     tail_scores = torch.matmul(qg, tail_k.transpose(-1, -2))  # [b, kv_heads, N, group, TAIL]
     out = None if len(plan.groups) == 1 else qg.new_empty(qg.shape)
     for g in plan.groups:
