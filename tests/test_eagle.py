@@ -169,23 +169,32 @@ def test_every_draft_step_gets_a_loss_and_gradients_reach_the_first_step(model):
 
 def test_trainer_rows_labels_and_loss_rows(model, tmp_path, monkeypatch):
     """Row p of a sequence reads ids[p + 1] and learns pred[p + 1]; step s (0-based) trains rows
-    p >= s and p >= loss_from - 1; groups hold whole sequences."""
+    p >= s and p >= loss_from - 1 whose rows p - s + 1 .. p read the target's own predictions
+    (ids[q + 1] == pred[q]); groups hold whole sequences."""
     from mtpctl.convert.eagle_training import EagleTrainer
     from mtpctl.convert.heads_training import Features, TrainSettings
 
     h = model.cfg.hidden_size
-    feats = Features(torch.randn(9, h), torch.arange(100, 109), torch.tensor([0, 5, 9]), torch.tensor([2, 0]),
-                     torch.arange(200, 209))
+    # the ids follow pred (a self-distilled response: ids[p + 1] == pred[p]) except where noted
+    ids = torch.tensor([199, 100, 101, 102, 103, 204, 105, 106, 107])
+    feats = Features(torch.randn(9, h), torch.arange(100, 109), torch.tensor([0, 5, 9]), torch.tensor([2, 0]), ids)
     settings = TrainSettings(kind="eagle", num_heads=3, holdout=0.5, batch_tokens=64, epochs=1)
     trainer = EagleTrainer(model, feats, settings, tmp_path)
     batch = trainer._batch([0, 1])
-    assert batch["tokens"].tolist() == [[201, 202, 203, 204], [206, 207, 208, 0]]
+    assert batch["tokens"].tolist() == [[100, 101, 102, 103], [105, 106, 107, 0]]
     assert batch["labels"].tolist() == [[101, 102, 103, 104], [106, 107, 108, -100]]
     assert torch.equal(batch["next_feats"][0, :4], feats.hidden[1:5]) and torch.equal(batch["feats"][1, :3], feats.hidden[5:8])
     rows = trainer._loss_rows(batch).int().tolist()
     assert rows == [[[0, 1, 1, 1], [1, 1, 1, 0]],   # step 1: sequence 0 from loss_from - 1 = 1 on
                     [[0, 1, 1, 1], [0, 1, 1, 0]],   # step 2: rows p >= 1
                     [[0, 0, 1, 1], [0, 0, 1, 0]]]   # step 3: rows p >= 2
+    # off the target's path (plain text): ids[3] != pred[2], so row 2 reads a token no accepted draft
+    # gives; a later step that stands on it (step 2 at row 2, step 3 at rows 2 and 3) learns nothing
+    off = Features(feats.hidden, feats.pred, feats.offsets, feats.loss_from, ids.clone().index_fill_(0, torch.tensor([3]), 999))
+    trainer.feats = off
+    assert trainer._loss_rows(trainer._batch([0])).int().tolist() == [[[0, 1, 1, 1]], [[0, 1, 0, 1]], [[0, 0, 0, 0]]]
+    assert trainer._loss_rows(trainer._batch([0]), labelled=False).int().tolist()[1:] == [[[0, 1, 0, 1]], [[0, 0, 0, 0]]]
+    trainer.feats = feats
     assert trainer._group([0, 1]) == [[1, 0]]  # shortest first, packed under batch_tokens
     trainer.s.batch_tokens = 4  # one sequence a group, until DDP needs one per process
     assert trainer._group([0, 1]) == [[1], [0]]

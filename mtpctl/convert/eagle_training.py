@@ -5,8 +5,11 @@ and the next token x_{p+1}; at each unrolled draft step s = 1..K (training-time 
 :meth:`mtpctl.runtime.eagle.EagleHead.forward`) it learns the target's prediction for token p + 2,
 ``pred[p + 1]``: cross-entropy over the draft vocabulary, plus EAGLE's smooth-L1 regression of the
 predicted feature to the target's f_{p+1} (Li et al. 2024), step s weighted ``head_decay^(s-1)``.
-Step s has rows p >= s - 1 (a draft s tokens after the target's row p - s + 1). As for Medusa heads,
-self-distilled sequences learn from the row before their response on (``loss_from - 1``).
+Step s has rows p >= s - 1 (a draft s tokens after the target's row p - s + 1) whose tokens read at
+steps 2..s follow the target's own path (``ids[q + 1] == pred[q]`` for q = p - s + 2 .. p: at decode time
+they are the earlier steps' drafts, and the label only counts if those were accepted), as for Medusa
+heads (:func:`mtpctl.convert.heads_training.head_labels`); always true on self-distilled responses. As
+for Medusa heads, self-distilled sequences learn from the row before their response on (``loss_from - 1``).
 
 Per-step top-k accuracy on held-out sequences is conditional on the earlier drafts being right
 (teacher forcing), so the product along a tree path is the chance the target accepts it.
@@ -75,7 +78,8 @@ class EagleTrainer(Trainer):
         b, h = len(seqs), f.hidden.shape[1]
         out = {"feats": torch.zeros(b, t, h), "next_feats": torch.zeros(b, t, h),
                "tokens": torch.zeros(b, t, dtype=torch.long), "labels": torch.full((b, t), -100),
-               "valid": torch.zeros(b, t, dtype=torch.bool), "first": torch.zeros(b, dtype=torch.long)}
+               "valid": torch.zeros(b, t, dtype=torch.bool), "first": torch.zeros(b, dtype=torch.long),
+               "on_path": torch.zeros(b, t, dtype=torch.bool)}
         for i, s in enumerate(seqs):
             start, end = int(f.offsets[s]), int(f.offsets[s + 1])
             n = end - start - 1
@@ -85,17 +89,24 @@ class EagleTrainer(Trainer):
             labels = f.pred[start + 1:end]
             out["labels"][i, :n] = self.vocab_index[labels] if self.vocab_index is not None else labels
             out["valid"][i, :n] = True
+            out["on_path"][i, :n] = f.ids[start + 1:end] == f.pred[start:end - 1]  # row p reads the target's own prediction
             out["first"][i] = max(int(f.loss_from[s]) - 1, 0)
         return out
 
     def _loss_rows(self, batch: dict, labelled: bool = True) -> torch.Tensor:
         """``[K, B, T]`` rows that carry a loss at each draft step (``labelled``: only rows whose
-        label is in the draft vocabulary)."""
+        label is in the draft vocabulary): step s (0-based) at row p needs rows p - s + 1 .. p on the
+        target's path (the tokens they read are drafts of the earlier steps at decode time)."""
         t = batch["labels"].shape[1]
         rows = torch.arange(t)
         steps = torch.arange(self.s.num_heads)[:, None, None]
         ok = batch["labels"] >= 0 if labelled else batch["valid"]
-        return (rows[None, None] >= batch["first"][None, :, None]) & (rows[None, None] >= steps) & ok[None]
+        path = torch.ones(self.s.num_heads, *ok.shape, dtype=torch.bool)
+        for s in range(1, self.s.num_heads):
+            shifted = torch.zeros_like(batch["on_path"])
+            shifted[:, s - 1:] = batch["on_path"][:, :t - s + 1]  # row p: on_path[p - s + 1]
+            path[s] = path[s - 1] & shifted
+        return (rows[None, None] >= batch["first"][None, :, None]) & (rows[None, None] >= steps) & ok[None] & path
 
     def _label_counts(self, seqs: Sequence[int]) -> torch.Tensor:
         return self._loss_rows(self._batch(seqs)).sum((1, 2)).float()
