@@ -249,6 +249,23 @@ def test_cli_bad_input_exits_2_with_one_line(tiny_folder, tmp_path, capsys, monk
         assert len(lines) == 1 and words in lines[0] and "Traceback" not in err
 
 
+def test_no_flags_turn_a_recipes_on_settings_off(tiny_folder, tmp_path, capsys, monkeypatch):
+    """A recipe's on/off settings are overridden by the --no- forms (recipe heads that are
+    token-conditioned cannot go to vLLM's layout; --no-condition-on-token makes ones that can)."""
+    monkeypatch.setenv("MTPCTL_HOME", str(tmp_path / "home"))
+    data = write_data(tmp_path)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"version: 1\nmodel: {tiny_folder}\ndata: [{data.name}]\nsettings:\n"
+                      "  condition_on_token: true\n  self_distill: true\n  num_heads: 2\n  response_tokens: 8\n"
+                      "  epochs: 0.2\n")
+    for extra, conditioned in (([], True), (["--no-condition-on-token"], False)):
+        out = tmp_path / f"heads-{conditioned}"
+        assert main(["add-heads", "--recipe", str(recipe), "--out", str(out), *extra]) == 0
+        assert HeadsConfig.load(out).token_conditioned is conditioned
+    code, err = run_cli(["add-heads", "--recipe", str(recipe), "--no-self-distill", "--out", str(tmp_path / "x")], capsys)
+    assert code == 2 and "--self-distill" in err
+
+
 def test_generate_with_heads_end_to_end(tiny_folder, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("MTPCTL_HOME", str(tmp_path / "home"))
     data = write_data(tmp_path)

@@ -50,13 +50,13 @@ def read_recipe(path: str) -> dict:
 
 @click.command("add-heads", epilog="""\b
 Examples:
-  mtpctl add-heads --recipe recipes/smollm2-135m-medusa.yaml --out heads/smollm2
-  mtpctl add-heads --recipe recipes/smollm2-135m-medusa.yaml --kind hydra --out heads/hydra
-  mtpctl add-heads --recipe recipes/smollm2-135m-eagle.yaml --out heads/eagle
+  mtpctl add-heads --recipe recipes/smollm2-135m-medusa.yaml --out heads/smollm2-medusa
+  mtpctl add-heads --recipe recipes/smollm2-135m-medusa.yaml --kind hydra --out heads/smollm2-hydra
+  mtpctl add-heads --recipe recipes/smollm2-135m-eagle.yaml --out heads/smollm2-eagle
   mtpctl add-heads -m smollm2-135m --kind medusa --num-heads 3 --self-distill \\
       --data prompts.jsonl --data notes.txt --out heads/mine --epochs 3 --seed 1
   torchrun --nproc-per-node 2 -m mtpctl.cli.main add-heads --recipe R.yaml --out heads/ddp
-  mtpctl generate --speculate heads --heads heads/smollm2 "Explain KV caches."
+  mtpctl generate --speculate heads --heads heads/smollm2-medusa --dtype bfloat16 "Explain KV caches."
 """)
 @click.option("--recipe", type=click.Path(dir_okay=False), help="YAML recipe (model, data, settings); options override it.")
 @click.option("-m", "--model", default=None, help=f"Target: alias, folder, .gguf or hub id [default: {DEFAULT_MODEL}].")
@@ -66,17 +66,19 @@ Examples:
                    "features, --num-heads steps deep (hydra and eagle: torch backend only) [default: medusa].")
 @click.option("--num-heads", type=int, default=None, help="K heads; head k predicts k+1 tokens past the next [default: 4].")
 @click.option("--head-layers", type=int, default=None, help="Residual blocks per head [default: 1].")
-@click.option("--own-lm-head", is_flag=True, default=None, help="A trainable vocabulary projection per head.")
+@click.option("--own-lm-head/--no-own-lm-head", default=None, help="A trainable vocabulary projection per head.")
 @click.option("--draft-vocab", type=int, default=None, help="Heads score only the N most frequent tokens (0 = all).")
-@click.option("--condition-on-token", is_flag=True, default=None,
+@click.option("--condition-on-token/--no-condition-on-token", default=None,
               help="Heads also read the pending token's embedding (more accurate; torch and ONNX only).")
 @click.option("--data", "data", multiple=True, type=click.Path(),
-              help="Training data: .txt, .jsonl (text/prompt/messages records) or hf://datasets/OWNER/NAME (repeatable).")
-@click.option("--self-distill", is_flag=True, default=None, help="The target answers prompt records itself.")
+              help="Training data: .txt, .jsonl (text/prompt/messages records) or hf://datasets/OWNER/NAME "
+                   "(repeatable; replaces the recipe's data).")
+@click.option("--self-distill/--no-self-distill", default=None, help="The target answers prompt records itself.")
 @click.option("--response-tokens", type=int, default=None, help="Longest self-distilled response [default: 128].")
-@click.option("--soft-labels", is_flag=True, default=None, help="KL to the target's distribution instead of CE.")
-@click.option("--epochs", type=float, default=None)
-@click.option("--lr", type=float, default=None)
+@click.option("--soft-labels/--no-soft-labels", default=None,
+              help="Cross-entropy to the target's top-16 distribution instead of its argmax.")
+@click.option("--epochs", type=float, default=None, help="Passes over the training positions [default: 2].")
+@click.option("--lr", type=float, default=None, help="Peak AdamW learning rate [default: 1e-3].")
 @click.option("--batch-tokens", type=int, default=None, help="Positions per micro-batch [default: 256].")
 @click.option("--grad-accum", type=int, default=None, help="Micro-batches per optimizer step [default: 1].")
 @click.option("--tree-nodes", type=int, default=None,

@@ -37,8 +37,8 @@ Examples:
   mtpctl bench --methods plain,ngram --fail-below-speedup 1.1 --fail-above-p99-ms 80 || exit $?
   mtpctl bench --baseline transformers --categories code,summarization --limit 3
   mtpctl bench --backend onnxruntime -m out/smollm2-onnx --methods plain,ngram --limit 2
-  mtpctl bench --methods plain,heads --heads heads/smollm2 --fail-below-speedup 1.3
-  mtpctl bench --methods plain,heads,heads+ngram --heads heads/smollm2 --dtype bfloat16 --draft-len 3
+  mtpctl bench --methods plain,heads --heads heads/smollm2-medusa --fail-below-speedup 1.3
+  mtpctl bench --methods plain,heads,heads+ngram --heads heads/smollm2-medusa --dtype bfloat16 --draft-len 3
   mtpctl bench --methods plain,draft --draft ./SmolLM2-135M-draft -m ./SmolLM2-360M --limit 1
 """)
 @click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True, help="Alias, folder, .gguf or hub id.")
@@ -62,7 +62,7 @@ Examples:
 @backend_option
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
 @click.option("--weights", type=click.Choice(["dense", "int4"]), default="dense", show_default=True)
-@click.option("--threads", type=click.IntRange(min=1), default=None)
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: torch's).")
 @click.option("--baseline", type=click.Choice(["none", "transformers"]), default="none", show_default=True,
               help="Add HF transformers' generate (plain and prompt lookup) as peers.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write every figure to this JSON file.")

@@ -46,9 +46,9 @@ Examples:
   mtpctl generate --temperature 0.8 --top-p 0.95 --seed 1 --stop "\\n\\n" "Once upon a time"
   mtpctl generate --dtype bfloat16 --weights int4 --speculate ngram "Repeat: a b c"
   mtpctl generate --speculate draft --draft ./SmolLM2-135M --draft-len auto -m ./SmolLM2-360M "Hi"
-  mtpctl generate --speculate heads --heads heads/smollm2 --stats "Explain KV caches."
-  mtpctl generate --speculate heads --heads heads/smollm2 --tree tree.yaml --dtype bfloat16 "Hi"
-  mtpctl generate --speculate heads+ngram --heads heads/smollm2 --dtype bfloat16 --stats "Summarize: ..."
+  mtpctl generate --speculate heads --heads heads/smollm2-medusa --stats "Explain KV caches."
+  mtpctl generate --speculate heads --heads heads/smollm2-medusa --tree tree.yaml --dtype bfloat16 "Hi"
+  mtpctl generate --speculate heads+ngram --heads heads/smollm2-medusa --dtype bfloat16 --stats "Summarize: ..."
   mtpctl generate --backend onnxruntime -m out/smollm2-onnx --speculate ngram "Repeat: a b c"
 """)
 @click.argument("prompt", required=False)

@@ -34,7 +34,7 @@ def cli(debug: bool) -> None:
     Examples:
       mtpctl generate "Write a haiku about caches."
       mtpctl generate --speculate ngram --stats --prompt-file notes.txt
-      mtpctl bench --methods plain,ngram --fail-below-speedup 1.1
+      mtpctl bench --methods plain,ngram --limit 1 --fail-below-speedup 1.1
       mtpctl models list
     """
 
