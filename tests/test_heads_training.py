@@ -52,6 +52,39 @@ def test_labels_are_kept_only_where_the_tokens_before_them_follow_the_targets_pa
     assert got.tolist() == [[-100, -100, -100], [12, -100, -100], [14, 15, 16]]
 
 
+def test_labels_equal_a_token_by_token_reference_on_random_sequences():
+    """head_labels against its definition, written as loops, on random back-to-back sequences (ids
+    mostly on the target's path), both head kinds, with and without a draft vocabulary."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(150):
+        lens = [rng.randint(1, 10) for _ in range(rng.randint(1, 4))]
+        total, vocab, k_heads = sum(lens), rng.choice([3, 50]), rng.randint(1, 5)
+        pred = [rng.randrange(vocab) for _ in range(total)]
+        ids = [rng.randrange(vocab)] + [pred[t - 1] if rng.random() < 0.75 else rng.randrange(vocab) for t in range(1, total)]
+        offsets = torch.tensor([0] + lens).cumsum(0)
+        feats = Features(torch.zeros(total, 2), torch.tensor(pred), offsets, torch.zeros(len(lens), dtype=torch.long),
+                         torch.tensor(ids))
+        vocab_index = None
+        if rng.random() < 0.3:
+            vocab_index = torch.full((vocab,), -100)
+            vocab_index[torch.tensor(rng.sample(range(vocab), vocab // 2 + 1))] = torch.arange(vocab // 2 + 1)
+        positions = sorted(rng.sample(range(total), rng.randint(1, total)))
+        for reads_next in (True, False):
+            want = []
+            for t in positions:
+                end = int(offsets[offsets > t][0])  # the end of t's sequence
+                row = []
+                for k in range(1, k_heads + 1):
+                    ok = t + k < end and all(ids[t + j + 1] == pred[t + j] for j in range(1 if reads_next else 0, k))
+                    label = pred[t + k] if ok else -100
+                    row.append(int(vocab_index[label]) if ok and vocab_index is not None else label)
+                want.append(row)
+            got = head_labels(feats, torch.tensor(positions), k_heads, vocab_index, reads_next)
+            assert got.tolist() == want, (lens, ids, pred, positions, reads_next)
+
+
 def test_every_head_gets_a_loss_and_a_gradient():
     model = random_decoder(seed=1)
     cfg = HeadsConfig("medusa", 3, 1, False, model.cfg.hidden_size, model.cfg.vocab_size)
