@@ -158,7 +158,7 @@ def test_attention_heads_depend_on_position_only_and_stay_committed():
     assert allowed[2].sum() == 72 and allowed[0].sum() == 71 and bool(allowed[:, :h].all())
     # tails are read as a window per token plus fixes: node 2's root and itself sit at slots 70, 72,
     # where its window (from slot h) has 70, 71
-    assert plan.tail_start.tolist() == [h, h, h] and [t.tolist() for t in plan.fixes] == [[2], [71 - h], [72]]
+    assert plan.tail_slots[:, 0].tolist() == [h, h, h] and [t.tolist() for t in plan.fixes] == [[2], [71 - h], [72]]
     chain = attention_plan([None], 0, torch.arange(100), None)[None]  # a long chain: tails in place
     h = head_length(99)
     assert chain.tail_slots[99, :100 - h].tolist() == list(range(h, 100)) and chain.fixes is None

@@ -182,8 +182,7 @@ def attention_plan(windows, length: int, depth: torch.Tensor, tree_mask: Optiona
         tail_slots[i, :len(slots)] = torch.tensor(slots)
         tail_pos[i, :len(slots)] = torch.tensor(positions)
         valid[i, :len(slots)] = True
-    tail_start = torch.tensor(heads, dtype=torch.long)
-    moved = valid & (tail_slots != tail_start[:, None] + torch.arange(TAIL)[None])  # not where the window has them
+    moved = valid & (tail_slots != tail_slots[:, :1] + torch.arange(TAIL)[None])  # not where the window has them
     rows, cols = moved.nonzero(as_tuple=True)
     fixes = (rows, cols, tail_slots[rows, cols]) if len(rows) else None
     plans = {}
@@ -202,7 +201,7 @@ def attention_plan(windows, length: int, depth: torch.Tensor, tree_mask: Optiona
                                      else head_mask[rows, :head], allowed), dim=-1)
             bias = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))[None, None, :, None]
             groups.append(AttentionGroup(head, None if len(rows) == n else torch.tensor(rows), bias))
-        plans[window] = AttentionPlan(tail_slots, tuple(groups), tail_start, fixes)
+        plans[window] = AttentionPlan(tail_slots, tuple(groups), fixes)
     return plans
 
 

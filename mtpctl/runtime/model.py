@@ -155,19 +155,19 @@ class AttentionPlan:
       ancestors and itself root first, padded to a fixed length (padding masked).
 
     Attributes:
-        tail_slots: ``[N, TAIL]`` long, cache slots of each token's tail (padding: slot 0).
+        tail_slots: ``[N, TAIL]`` long, cache slots of each token's tail (padding: slot 0); its first
+            column is the token's head length, where the tail starts.
         groups: the tokens grouped by head length, with their score biases.
-        tail_start: ``[N]`` long, each token's head length: its tail is read as the ``TAIL`` slots
-            from there (one contiguous window per token, a cheap copy), then ``fixes`` put the
-            entries of ``tail_slots`` that differ (a tree node's ancestors, which sit elsewhere in the
-            pass) in place; padding entries read whatever the window holds (masked, probability 0).
-        fixes: ``(rows [F], cols [F], slots [F])`` long: ``tail[rows[f], cols[f]]`` reads cache slot
-            ``slots[f]``; None when every token's path sits in its window (plain decoding, chains).
+        fixes: ``(rows [F], cols [F], slots [F])`` long, the entries of ``tail_slots`` that a window of
+            ``TAIL`` consecutive slots from the tail's start does not hold (a tree node's ancestors,
+            which sit elsewhere in the pass): tails are read as that window (one contiguous copy per
+            token), then these are put in place; padding entries read whatever the window holds
+            (masked, probability 0). None when every token's path sits in its window (plain decoding,
+            chains).
     """
 
     tail_slots: torch.Tensor
     groups: Tuple[AttentionGroup, ...]
-    tail_start: torch.Tensor
     fixes: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
 
 
@@ -179,12 +179,12 @@ def _pad_rows(x: torch.Tensor) -> torch.Tensor:
 
 def _gather_tails(x: torch.Tensor, plan: AttentionPlan, tail: int) -> torch.Tensor:
     """Each token's tail of ``x`` ``[batch, kv_heads, slots, head_dim]`` (a layer's keys or values),
-    ``[batch, kv_heads, N, TAIL, head_dim]``: the window of ``TAIL`` slots from its ``tail_start``,
+    ``[batch, kv_heads, N, TAIL, head_dim]``: the window of ``TAIL`` slots from its tail's start,
     with the plan's ``fixes`` applied, so that the valid entries are the slots of ``tail_slots``."""
     b, kv, slots, d = x.shape
     s = x.stride()
     windows = x.as_strided((b, kv, slots - tail + 1, tail, d), (s[0], s[1], s[2], s[2], s[3]))
-    out = windows.index_select(2, plan.tail_start)
+    out = windows.index_select(2, plan.tail_slots[:, 0])
     if plan.fixes is not None:
         rows, cols, src = plan.fixes
         out[:, :, rows, cols] = x[:, :, src]
