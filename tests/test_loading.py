@@ -11,6 +11,7 @@ from helpers import tiny_config_dict
 from mtpctl.errors import CorruptModel, UnsupportedModel
 from mtpctl.runtime.config import DecoderConfig
 from mtpctl.runtime.model import Decoder
+from mtpctl.runtime.quant import BlockedLinear, blocked_layout_available
 
 
 @pytest.fixture
@@ -30,6 +31,16 @@ def test_loads_and_ties_lm_head(folder):
     model = Decoder.from_folder(folder)
     assert model.lm_head is model.embed
     assert model.layers[0].qkv.shape == ((4 + 2 * 2) * 16, 64)  # q, k, v fused
+
+
+@pytest.mark.skipif(not blocked_layout_available(), reason="this torch build has no oneDNN linear ops")
+def test_bfloat16_linears_are_held_blocked_with_the_same_values(folder):
+    dense = Decoder.from_folder(folder)
+    model = Decoder.from_folder(folder, torch.bfloat16)
+    assert isinstance(model.layers[0].qkv, BlockedLinear) and isinstance(model.lm_head, BlockedLinear)
+    assert torch.equal(model.layers[0].qkv.dense(), dense.layers[0].qkv.bfloat16())
+    assert torch.equal(model.dense_lm_head(), model.embed)  # tied: the embedding stays dense
+    assert model.weight_bytes == dense.weight_bytes // 2 + model.lm_head.nbytes  # the untied blocked copy
 
 
 @pytest.mark.parametrize("change, message", [

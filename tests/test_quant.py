@@ -1,9 +1,13 @@
-"""Exact int4 packing of weights that lie on a Q4_1 or Q8_0 grid."""
+"""CPU weight layouts: exact int4 packing of weights that lie on a Q4_1 or Q8_0 grid, and oneDNN's
+blocked layout for dense bfloat16 weights."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from mtpctl.runtime.quant import pack_exact
+from mtpctl.runtime.quant import BlockedLinear, blocked_layout_available, pack_exact
+
+needs_onednn = pytest.mark.skipif(not blocked_layout_available(), reason="this torch build has no oneDNN linear ops")
 
 
 def q4_1_grid(n=64, k=96, seed=0):
@@ -56,3 +60,33 @@ def test_weights_off_the_grid_are_left_alone():
     nudged[3, 7] += 1e-3
     assert pack_exact(nudged) is None
     assert pack_exact(q4_1_grid()[:, :80].contiguous()) is None  # K not a multiple of the group size
+
+
+@needs_onednn
+def test_blocked_weight_keeps_its_values():
+    w = torch.randn(96, 64).bfloat16()
+    blocked = BlockedLinear(w)
+    assert torch.equal(blocked.dense(), w)
+    x = torch.randn(3, 5, 64).bfloat16()
+    torch.testing.assert_close(blocked(x).float(), F.linear(x, w).float(), atol=0.02, rtol=0.01)
+    assert blocked(x).shape == (3, 5, 96)
+
+
+@needs_onednn
+def test_blocked_rows_do_not_depend_on_the_block():
+    """Each row alone (computed as the row twice), and inside blocks of 2 to 33 rows, comes out the
+    same: what lossless verification in dense bfloat16 rests on. Large-magnitude rows too, where a
+    one-row kernel's different rounding would show."""
+    g = torch.Generator().manual_seed(0)
+    blocked = BlockedLinear((torch.randn(1536, 576, generator=g) * 0.05).bfloat16())
+    x = (torch.randn(33, 576, generator=g) * torch.logspace(-2, 2, 33)[:, None]).bfloat16()
+    full = blocked(x)
+    for rows in (2, 3, 8, 16, 17, 32):
+        assert torch.equal(blocked(x[:rows]), full[:rows])
+    for i in range(33):
+        assert torch.equal(blocked(x[i]), full[i])
+
+
+def test_blocked_layout_refuses_other_dtypes():
+    with pytest.raises(ValueError, match="bfloat16"):
+        BlockedLinear(torch.randn(4, 4))

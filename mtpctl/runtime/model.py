@@ -26,7 +26,7 @@ from torch import nn
 from mtpctl.errors import UnsupportedModel
 from mtpctl.runtime.config import DecoderConfig, RopeConfig
 from mtpctl.runtime.kv_cache import KVCache
-from mtpctl.runtime.quant import PackedLinear, pack_exact
+from mtpctl.runtime.quant import BlockedLinear, PackedLinear, blocked_layout_available, pack_exact
 from mtpctl.runtime.weights import load_tensors, safetensors_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -102,7 +102,7 @@ def _rms_norm_float32_scale(x: torch.Tensor, weight: torch.Tensor, eps: float) -
 
 
 def _linear(x: torch.Tensor, weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for a float weight or a :class:`PackedLinear`.
+    """``x @ weight.T + bias`` for a float weight, a :class:`PackedLinear` or a :class:`BlockedLinear`.
 
     A dense bfloat16 product of one row is computed as two (the row twice): this CPU's
     one-row bfloat16 kernel rounds differently from its many-row kernel on some inputs (a 1-ulp
@@ -110,7 +110,7 @@ def _linear(x: torch.Tensor, weight, bias: Optional[torch.Tensor] = None) -> tor
     row for row. Plain decoding then computes each token exactly as a verify pass does, for about
     the cost of one row (tests/test_engine.py).
     """
-    if isinstance(weight, PackedLinear):
+    if isinstance(weight, (PackedLinear, BlockedLinear)):
         y = weight(x)
         return y if bias is None else y + bias
     if weight.dtype == torch.bfloat16 and x.numel() == x.shape[-1]:
@@ -386,14 +386,23 @@ class Decoder(nn.Module):
 
         With ``packed``, each linear weight on a Q4_1/Q8_0 grid (detected on the checkpoint's float32
         values, see :func:`pack_exact`) is held as a :class:`PackedLinear` instead; their names are
-        listed in ``packed_weights``.
+        listed in ``packed_weights``. In bfloat16 the other linear weights are held as
+        :class:`BlockedLinear` (oneDNN's blocked layout, the same values) where torch has oneDNN.
         """
+        blocked = self.dtype == torch.bfloat16 and blocked_layout_available()
+
+        def hold(owner, attr, module) -> None:
+            owner._parameters.pop(attr, None)  # a Parameter slot cannot hold a module
+            setattr(owner, attr, module)
+
         def try_pack(owner, attr, value) -> bool:
             packing = pack_exact(value, self.dtype) if packed and attr in LINEARS else None
             if packing is not None:
-                owner._parameters.pop(attr, None)  # a Parameter slot cannot hold a module
-                setattr(owner, attr, packing)
+                hold(owner, attr, packing)
                 self.packed_weights.append(f"{getattr(owner, 'index', 'model')}.{attr}")
+            elif blocked and attr in LINEARS:  # dense bfloat16: oneDNN's blocked layout, same values
+                hold(owner, attr, BlockedLinear(value.to(self.dtype)))
+                return True
             return packing is not None
 
         def put(owner, attr, *names):
@@ -476,11 +485,13 @@ class Decoder(nn.Module):
 
     @property
     def weight_bytes(self) -> int:
-        """Memory held by the weights (dense parameters and packed int4 codes with their scales), bytes."""
+        """Memory held by the weights (dense parameters, blocked bfloat16 weights, packed int4 codes with
+        their scales), bytes."""
         dense = {id(p): p.numel() * p.element_size() for p in self.parameters()}
         packed = sum(t.numel() * t.element_size() for m in self.modules() if isinstance(m, PackedLinear)
                      for part in m.parts for t in part)
-        return sum(dense.values()) + packed
+        blocked = sum(m.nbytes for m in self.modules() if isinstance(m, BlockedLinear))
+        return sum(dense.values()) + packed + blocked
 
     @property
     def logits_by_row(self) -> bool:
@@ -497,6 +508,8 @@ class Decoder(nn.Module):
     def dense_lm_head(self) -> torch.Tensor:
         """The lm_head weight ``[vocab, hidden]`` as a dense tensor (a packed one is unpacked through
         its own kernel, so the values are those the model computes with)."""
+        if isinstance(self.lm_head, BlockedLinear):
+            return self.lm_head.dense()
         if not isinstance(self.lm_head, PackedLinear):
             return self.lm_head.detach()
         with torch.inference_mode():
