@@ -27,6 +27,7 @@ from mtpctl.convert.sources import resolve_model
 from mtpctl.runtime.bench import cpu_model, load_prompts, run_interleaved, summarize
 from mtpctl.runtime.drafters import MergedDrafter, NgramDrafter
 from mtpctl.runtime.heads import HeadsConfig
+from mtpctl.runtime.retrieval import DATASTORE_FILE, Datastore, RetrievalDrafter
 from mtpctl.runtime.sampling import SamplingParams
 from mtpctl.runtime.session import Session
 
@@ -53,16 +54,20 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--ngram", type=int, default=0,
                    help="also run n-gram drafting alone and merged with each heads tree, this many tokens (0 = off)")
+    p.add_argument("--retrieval", type=int, default=0,
+                   help="also merge a retrieval tree of this many nodes (the heads' datastore) into each "
+                        "heads+ngram tree (0 = off; needs --ngram)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--write", type=Path, default=None, help="replace the bench_heads section of this file")
     return p.parse_args(argv)
 
 
-def run_mode(folder, heads_dir, mode, trees, prompts, max_new, ngram=0):
+def run_mode(folder, heads_dir, mode, trees, prompts, max_new, ngram=0, retrieval=0):
     dtype, weights = MODES[mode]
     session = Session(folder, dtype, weights)
     heads = session.load_heads(heads_dir)
     ids = [session.codec.encode_messages(list(p.messages)) for p in prompts]
+    store = Datastore.load(Path(heads_dir) / DATASTORE_FILE, session.vocab_size) if retrieval else None
     greedy = SamplingParams()
     methods = {"plain": lambda x: session.generate(x, max_new, greedy)}
     if ngram:
@@ -75,6 +80,10 @@ def run_mode(folder, heads_dir, mode, trees, prompts, max_new, ngram=0):
             merged = MergedDrafter([(drafter, n), (NgramDrafter(), ngram)])
             methods[f"heads-{n}+ngram-{ngram}"] = (lambda d, k: lambda x: session.generate(
                 x, max_new, greedy, d, k, heads=heads))(merged, n + ngram)
+        if ngram and retrieval:
+            merged = MergedDrafter([(drafter, n), (NgramDrafter(), ngram), (RetrievalDrafter(store), retrieval)])
+            methods[f"heads-{n}+ngram-{ngram}+retrieval-{retrieval}"] = (lambda d, k: lambda x: session.generate(
+                x, max_new, greedy, d, k, heads=heads))(merged, n + ngram + retrieval)
     runs = run_interleaved(methods, ids, 1, progress=lambda line: print(f"{mode}: {line}", file=sys.stderr))
     plain = runs["plain"]
     rows = []
@@ -91,6 +100,7 @@ def run_mode(folder, heads_dir, mode, trees, prompts, max_new, ngram=0):
 def render(rows, args, cfg: HeadsConfig, seconds: float) -> str:
     t = cfg.training
     ngram = f" --ngram {args.ngram}" if args.ngram else ""
+    ngram += f" --retrieval {args.retrieval}" if args.retrieval else ""
     threads = f" --threads {args.threads}" if args.threads else ""
     begin, end = markers(cfg.kind)
     title = "MTP heads (self-distilled)" if cfg.kind == "medusa" else f"{cfg.kind} heads (self-distilled)"
@@ -123,7 +133,9 @@ def render(rows, args, cfg: HeadsConfig, seconds: float) -> str:
                      f"{r['same_as_plain']}/{r['prompts']} |")
     lines += ["", "- heads-N: a static tree of N nodes grown from the heads' held-out top-k accuracy "
               "(`--tree-nodes N`). ngram-K: prompt lookup of up to K tokens. heads-N+ngram-K: the two merged "
-              "into one draft tree (`mtpctl generate --speculate heads+ngram --draft-len K`). tau counts the "
+              "into one draft tree (`mtpctl generate --speculate heads+ngram --draft-len K`); +retrieval-R: a "
+              "retrieval tree of R nodes (REST) from the datastore the heads carry, the target's own "
+              "self-distilled text, merged in too (`--speculate heads+ngram+retrieval --retrieval-nodes R`). tau counts the "
               "bonus token, so plain decoding has tau = 1. Speedup: the median over prompts of plain's time "
               "per token over the method's (p10-p90 in brackets). Acceptance by depth d: steps that accepted "
               "a draft token at depth d / steps whose draft reached depth d.",
@@ -147,7 +159,7 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     rows = []
     for mode in args.modes.split(","):
-        rows += run_mode(folder, args.heads, mode, trees, prompts, args.max_new_tokens, args.ngram)
+        rows += run_mode(folder, args.heads, mode, trees, prompts, args.max_new_tokens, args.ngram, args.retrieval)
     cfg = HeadsConfig.load(args.heads)
     text = render(rows, args, cfg, time.perf_counter() - start)
     print(json.dumps(rows, indent=1))

@@ -56,10 +56,11 @@ def test_gates_exit_1_naming_the_method(capsys, tiny_folder, prompt_file, tmp_pa
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (["--methods", "plain,heads"], "need --heads DIR"),
-    (["--methods", "plain,heads+ngram"], "need --heads DIR"),
-    (["--tree-nodes", "4"], "go with the heads methods"),
-    (["--methods", "plain,bogus"], "unknown method"),
+    (["--methods", "plain,heads"], "needs --heads DIR"),
+    (["--methods", "plain,heads+ngram"], "needs --heads DIR"),
+    (["--tree-nodes", "4"], "go with the heads drafter"),
+    (["--methods", "plain,bogus"], "unknown drafter"),
+    (["--methods", "plain,retrieval"], "needs --datastore FILE"),
     (["--categories", "poetry"], "no prompt in category"),
 ])
 def test_bad_bench_arguments(capsys, tiny_folder, prompt_file, args, fragment):

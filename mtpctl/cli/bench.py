@@ -14,19 +14,21 @@ from mtpctl.cli.backends import backend_option, open_session
 from mtpctl.convert.sources import DEFAULT_MODEL
 from mtpctl.errors import BadInput, GateFailed
 from mtpctl.runtime.bench import cpu_model, load_prompts, run_interleaved, summarize, transformers_runner
-from mtpctl.runtime.drafters import MergedDrafter, NgramDrafter
+from mtpctl.cli.drafting import DraftOptions, build_drafter, check_options, load_parts, parse_drafters
 from mtpctl.runtime.sampling import SamplingParams
 from mtpctl.runtime.session import set_threads
 
-METHODS = ("plain", "ngram", "draft", "heads", "heads+ngram")
-
-
 def parse_methods(text: str) -> List[str]:
-    """``plain,ngram`` -> the list, ``plain`` first (the speedup baseline); BadInput on an unknown name."""
+    """``plain,ngram`` -> the list, ``plain`` first (the speedup baseline). A method is ``plain``,
+    ``draft``, or a drafter spec of :func:`mtpctl.cli.drafting.parse_drafters` (``heads+ngram``).
+
+    Raises:
+        BadInput: an unknown method.
+    """
     names = [n.strip() for n in text.split(",") if n.strip()]
     for name in names:
-        if name not in METHODS:
-            raise BadInput(f"unknown method {name!r} (choose from {', '.join(METHODS)})")
+        if name != "plain":
+            parse_drafters(name)
     return ["plain"] + [n for n in dict.fromkeys(names) if n != "plain"]
 
 
@@ -39,16 +41,22 @@ Examples:
   mtpctl bench --backend onnxruntime -m out/smollm2-onnx --methods plain,ngram --limit 2
   mtpctl bench --methods plain,heads --heads heads/smollm2-medusa --fail-below-speedup 1.3
   mtpctl bench --methods plain,heads,heads+ngram --heads heads/smollm2-medusa --dtype bfloat16 --draft-len 3
+  mtpctl bench --methods plain,heads+ngram,heads+ngram+retrieval --heads heads/smollm2-medusa --dtype bfloat16
   mtpctl bench --methods plain,draft --draft ./SmolLM2-135M-draft -m ./SmolLM2-360M --limit 1
 """)
 @click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True, help="Alias, folder, .gguf or hub id.")
 @click.option("--methods", default="plain,ngram", show_default=True,
-              help="Comma-separated: plain, ngram, draft (--draft), heads (--heads), heads+ngram (the heads' tree "
-                   "merged with a --draft-len prompt-lookup chain).")
+              help="Comma-separated: plain, draft (--draft), or drafters as in generate --speculate: ngram, heads "
+                   "(--heads), retrieval (--datastore or the heads' datastore) or several joined by '+' "
+                   "(heads+ngram merges the heads' tree with a --draft-len prompt-lookup chain).")
 @click.option("--heads", "heads_dir", type=click.Path(file_okay=False), default=None,
-              help="MTP head folder (mtpctl add-heads) for the heads method.")
+              help="MTP head folder (mtpctl add-heads) for the heads methods.")
 @click.option("--tree-nodes", type=click.IntRange(min=1), default=None,
-              help="Draft tree size for the heads method [default: 4].")
+              help="Draft tree size for the heads methods [default: 4].")
+@click.option("--datastore", type=click.Path(dir_okay=False), default=None,
+              help="Retrieval datastore for the retrieval methods [default: the one in --heads].")
+@click.option("--retrieval-nodes", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Nodes of the retrieval drafter's tree.")
 @click.option("--prompts", "prompts_path", type=click.Path(dir_okay=False), help="JSONL prompt set (default: built-in).")
 @click.option("--categories", default=None, help="Only these categories (comma-separated).")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="At most N prompts per category.")
@@ -70,7 +78,7 @@ Examples:
 @click.option("--fail-below-speedup", type=float, default=None, help="Exit 1 if a method's speedup is below X.")
 @click.option("--fail-above-p99-ms", type=float, default=None, help="Exit 1 if a method's p99 ITL is above Y ms.")
 @click.option("--debug", is_flag=True, help="Show the full traceback of an error.")
-def bench_cmd(model, methods, heads_dir, tree_nodes, prompts_path, categories, limit, repeats, max_new_tokens, temperature, seed,
+def bench_cmd(model, methods, heads_dir, tree_nodes, datastore, retrieval_nodes, prompts_path, categories, limit, repeats, max_new_tokens, temperature, seed,
               draft_len, draft_model, backend, dtype, weights, threads, baseline, json_path, plot_path, fail_below_speedup,
               fail_above_p99_ms, debug) -> None:
     """Run decoding methods on the same prompts in one process and compare them.
@@ -79,10 +87,12 @@ def bench_cmd(model, methods, heads_dir, tree_nodes, prompts_path, categories, l
     progress to stderr. Gates exit with code 1 naming the methods that missed them.
     """
     names = parse_methods(methods)
-    uses_heads = "heads" in names or "heads+ngram" in names
-    if uses_heads != bool(heads_dir) or (tree_nodes and not uses_heads):
-        raise BadInput("the heads methods need --heads DIR (a folder made by mtpctl add-heads)" if uses_heads
-                       else "--heads and --tree-nodes go with the heads methods (--methods plain,heads)")
+    drafter_parts = {n: parse_drafters(n) for n in names if n not in ("plain", "draft")}
+    used = tuple(p for parts in drafter_parts.values() for p in parts)
+    opts = DraftOptions(heads_dir, None, tree_nodes, draft_len, datastore=datastore, retrieval_nodes=retrieval_nodes)
+    if heads_dir and "heads" not in used and "retrieval" not in used:
+        raise BadInput("--heads goes with the heads or retrieval methods (--methods plain,heads)")
+    check_options(used, opts, "--methods")
     for target in (json_path, plot_path):
         if target:
             check_writable(Path(target))
@@ -96,30 +106,25 @@ def bench_cmd(model, methods, heads_dir, tree_nodes, prompts_path, categories, l
     encoded = [session.codec.encode_messages(list(p.messages)) for p in prompts]
     sampling = SamplingParams(temperature, seed=seed)
 
-    def method(drafter, k):
-        return lambda ids: session.generate(ids, max_new_tokens, sampling, drafter, k)
+    def method(drafter, k, with_heads=None):
+        return lambda ids: session.generate(ids, max_new_tokens, sampling, drafter, k, heads=with_heads)
 
-    runners = {"plain": method(None, 0), "ngram": method(NgramDrafter(), draft_len)}
+    runners = {"plain": method(None, 0)}
     weight_bytes_by_method = {}
     if "draft" in names:
         runners["draft"], weight_bytes_by_method["draft"] = draft_method(session, draft_model, sampling, draft_len,
                                                                          dtype, max_new_tokens)
     elif draft_model:
         raise BadInput("--draft goes with the draft method (--methods plain,draft)")
-    if uses_heads:
-        heads = session.load_heads(heads_dir)
-        drafter = session.heads_drafter(heads, None, tree_nodes)
-        nodes = len(drafter.tree.paths)
-        merged = MergedDrafter([(drafter, nodes), (NgramDrafter(), draft_len)])
-        runners["heads"] = lambda ids: session.generate(ids, max_new_tokens, sampling, drafter, nodes, heads=heads)
-        runners["heads+ngram"] = lambda ids: session.generate(ids, max_new_tokens, sampling, merged, nodes + draft_len,
-                                                              heads=heads)
-        # torch heads hold their own weights; heads fused into an exported graph are in its weights already
-        head_bytes = sum(t.numel() * t.element_size() for t in heads.state_dict().values()) \
-            if hasattr(heads, "state_dict") else 0
-        weight_bytes_by_method.update({"heads": head_bytes, "heads+ngram": head_bytes})
-    elif heads_dir or tree_nodes:
-        raise BadInput("--heads and --tree-nodes go with the heads method (--methods plain,heads)")
+    heads, store = load_parts(session, used, opts)
+    # torch heads hold their own weights; heads fused into an exported graph are in its weights already
+    head_bytes = sum(t.numel() * t.element_size() for t in heads.state_dict().values()) \
+        if hasattr(heads, "state_dict") else 0
+    for name, parts in drafter_parts.items():
+        drafter, k = build_drafter(session, parts, opts, heads, store)
+        runners[name] = method(drafter, k, heads if "heads" in parts else None)
+        weight_bytes_by_method[name] = (head_bytes if "heads" in parts else 0) + \
+            (store.tokens.nbytes + store.keys.nbytes if "retrieval" in parts else 0)
     runners = {n: runners[n] for n in names}
     if baseline == "transformers":
         for name, lookup in (("hf", 0), ("hf-prompt-lookup", draft_len)):

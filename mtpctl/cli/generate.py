@@ -12,14 +12,10 @@ import click
 from mtpctl.convert.sources import DEFAULT_MODEL
 from mtpctl.cli.pair import DRAFT_LEN, generate_drafter
 from mtpctl.errors import BadInput, OutputClosed
-from mtpctl.runtime.drafters import MergedDrafter, NgramDrafter
-from mtpctl.runtime.heads import StaticTree
+from mtpctl.cli.drafting import DraftOptions, build_drafter, check_options, load_parts, parse_drafters
 from mtpctl.runtime.sampling import SamplingParams
 from mtpctl.cli.backends import backend_option, open_session
 from mtpctl.runtime.session import set_threads
-
-SPECULATE = ("none", "ngram", "draft", "heads", "heads+ngram")
-
 
 def read_prompt(prompt: Optional[str], prompt_file: Optional[str]) -> str:
     """The prompt from the argument, ``-`` (stdin) or ``--prompt-file``; BadInput if none or both."""
@@ -49,16 +45,18 @@ Examples:
   mtpctl generate --speculate heads --heads heads/smollm2-medusa --stats "Explain KV caches."
   mtpctl generate --speculate heads --heads heads/smollm2-medusa --tree tree.yaml --dtype bfloat16 "Hi"
   mtpctl generate --speculate heads+ngram --heads heads/smollm2-medusa --dtype bfloat16 --stats "Summarize: ..."
+  mtpctl generate --speculate heads+ngram+retrieval --heads heads/smollm2-medusa --dtype bfloat16 "Hi"
   mtpctl generate --backend onnxruntime -m out/smollm2-onnx --speculate ngram "Repeat: a b c"
 """)
 @click.argument("prompt", required=False)
 @click.option("--prompt-file", type=click.Path(dir_okay=False), help="Read the prompt from a file.")
 @click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True,
               help="Alias, checkpoint folder, .gguf file or hub repo id.")
-@click.option("--speculate", type=click.Choice(SPECULATE), default="none", show_default=True,
-              help="Drafter: none (plain decoding), ngram (prompt lookup), draft (a draft model, --draft), heads "
-                   "(MTP heads, --heads) or heads+ngram (the heads' tree and a prompt-lookup chain of --draft-len "
-                   "tokens merged into one draft tree).")
+@click.option("--speculate", default="none", show_default=True,
+              help="Drafter: none (plain decoding), draft (a draft model, --draft), or one or more of heads (MTP "
+                   "heads, --heads), ngram (prompt lookup, a chain of --draft-len tokens) and retrieval (a tree of "
+                   "--retrieval-nodes continuations from a datastore of the target's own text) joined by '+', "
+                   "merged into one draft tree: e.g. heads+ngram+retrieval.")
 @click.option("--heads", "heads_dir", type=click.Path(file_okay=False), default=None,
               help="MTP head folder (mtpctl add-heads) for --speculate heads.")
 @click.option("--tree", "tree_file", type=click.Path(dir_okay=False), default=None,
@@ -74,6 +72,10 @@ Examples:
               help="Draft model for --speculate draft (alias, folder, .gguf); check it with mtpctl pair.")
 @click.option("--draft-map", type=click.Path(dir_okay=False), default=None,
               help="Id map from mtpctl pair --out (else computed from the tokenizers).")
+@click.option("--datastore", type=click.Path(dir_okay=False), default=None,
+              help="Retrieval datastore (mtp_datastore.safetensors) [default: the one in --heads].")
+@click.option("--retrieval-nodes", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Nodes of the retrieval drafter's tree.")
 @click.option("--ngram-max", type=click.IntRange(min=1), default=3, show_default=True,
               help="Longest n-gram the prompt-lookup drafter matches.")
 @click.option("--ngram-min", type=click.IntRange(min=1), default=2, show_default=True,
@@ -94,7 +96,8 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, ids, stats) instead of text.")
 @click.option("--stats", is_flag=True, help="Print speculation and speed figures to stderr.")
 @click.option("--debug", is_flag=True, help="Show the full traceback of an error.")
-def generate_cmd(prompt, prompt_file, model, speculate, heads_dir, tree_file, tree_nodes, acceptance, draft_len, draft_model, draft_map, ngram_max, ngram_min, max_new_tokens,
+def generate_cmd(prompt, prompt_file, model, speculate, heads_dir, tree_file, tree_nodes, acceptance, draft_len, draft_model, draft_map,
+                 datastore, retrieval_nodes, ngram_max, ngram_min, max_new_tokens,
                  temperature, top_k, top_p, seed, stop_strings, no_chat, backend, dtype, weights, threads, as_json,
                  stats, debug) -> None:
     """Generate text from PROMPT ('-' reads stdin), streaming it to stdout.
@@ -106,30 +109,24 @@ def generate_cmd(prompt, prompt_file, model, speculate, heads_dir, tree_file, tr
     text = read_prompt(prompt, prompt_file)
     if ngram_min > ngram_max:
         raise BadInput(f"--ngram-min ({ngram_min}) is larger than --ngram-max ({ngram_max})")
-    uses_heads = speculate in ("heads", "heads+ngram")
-    if uses_heads and not heads_dir:  # checks that need no model come before loading it
-        raise BadInput(f"--speculate {speculate} needs --heads DIR (a folder made by mtpctl add-heads)")
-    if speculate != "draft" and (draft_model or draft_map or draft_len is None):
-        raise BadInput("--draft, --draft-map and --draft-len auto go with --speculate draft")
-    if not uses_heads and (heads_dir or tree_file or tree_nodes):
-        raise BadInput("--heads, --tree and --tree-nodes go with --speculate heads or heads+ngram")
+    parts = parse_drafters(speculate)
+    opts = DraftOptions(heads_dir, tree_file, tree_nodes, draft_len, ngram_max, ngram_min, datastore, retrieval_nodes)
+    if parts != ("draft",):  # checks that need no model come before loading it
+        if draft_model or draft_map or draft_len is None:
+            raise BadInput("--draft, --draft-map and --draft-len auto go with --speculate draft")
+        check_options(parts, opts)
+    elif heads_dir or tree_file or tree_nodes or datastore:
+        raise BadInput("--heads, --tree, --tree-nodes and --datastore do not go with --speculate draft")
     set_threads(threads)
     session = open_session(model, backend, dtype, weights, threads)
     prompt_ids = session.encode(text, chat=not no_chat)
     heads, drafter = None, None
-    if speculate == "ngram":
-        drafter = NgramDrafter(ngram_max, ngram_min)
-    elif uses_heads:
-        heads, drafter = heads_drafter(session, heads_dir, tree_file, tree_nodes)
-        nodes = len(drafter.tree.paths)
-        if speculate == "heads+ngram":
-            drafter = MergedDrafter([(drafter, nodes), (NgramDrafter(ngram_max, ngram_min), draft_len)])
-            draft_len += nodes
-        else:
-            draft_len = nodes
+    if parts and parts != ("draft",):
+        heads, store = load_parts(session, parts, opts)
+        drafter, draft_len = build_drafter(session, parts, opts, heads, store)
     sampling = SamplingParams(temperature, top_k, top_p, seed)
     draft_info = None
-    if speculate == "draft":
+    if parts == ("draft",):
         drafter, draft_len, draft_info = generate_drafter(session, draft_model, draft_map, sampling, draft_len, dtype)
     on_text = None if as_json else _stream
     result = session.generate(prompt_ids, max_new_tokens, sampling, drafter,
@@ -144,29 +141,6 @@ def generate_cmd(prompt, prompt_file, model, speculate, heads_dir, tree_file, tr
         _stream("\n")
     if stats:
         click.echo(format_stats(result.stats.to_dict()), err=True)
-
-
-def heads_drafter(session, heads_dir: Optional[str], tree_file: Optional[str], tree_nodes: Optional[int]):
-    """(heads, drafter) for --speculate heads; BadInput without --heads or with a bad tree file."""
-    if not heads_dir:
-        raise BadInput("--speculate heads needs --heads DIR (a folder made by mtpctl add-heads)")
-    heads = session.load_heads(heads_dir)
-    tree = read_tree(tree_file, heads.cfg.num_heads) if tree_file else None
-    return heads, session.heads_drafter(heads, tree, tree_nodes)
-
-
-def read_tree(path: str, num_heads: int) -> StaticTree:
-    """A draft tree file: YAML or JSON, a list of paths (``[[0], [1], [0, 0]]``) or ``{"tree": [...]}``."""
-    import yaml
-
-    try:
-        raw = yaml.safe_load(open(path, encoding="utf-8").read())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
-        raise BadInput(f"cannot read tree file {path}: {err}") from err
-    paths = raw.get("tree") if isinstance(raw, dict) else raw
-    if not isinstance(paths, list):
-        raise BadInput(f"tree file {path}: expected a list of paths such as [[0], [1], [0, 0]]")
-    return StaticTree.from_paths(paths, num_heads)
 
 
 def _stream(piece: str) -> None:

@@ -19,7 +19,8 @@ Pipeline (Cai et al. 2024, "Medusa", Medusa-1: the base model stays frozen):
    independent examples (the heads see one hidden state), shuffled with a seeded generator;
 4. evaluation: per-head top-k accuracy on held-out sequences; the default draft tree is grown from
    it (:func:`mtpctl.runtime.heads.tree_from_accuracy`);
-5. output: ``mtp_config.json`` + ``mtp_heads.safetensors`` written to a temporary folder and renamed.
+5. output: ``mtp_config.json`` + ``mtp_heads.safetensors`` + ``mtp_datastore.safetensors`` (the training
+   sequences as a retrieval datastore) written to a temporary folder and renamed.
 
 Under ``torchrun --nproc-per-node N`` (DDP, gloo on CPU) rank 0 prepares the features, every rank
 trains on its share of each batch, gradients are averaged, and rank 0 writes the output.
@@ -54,6 +55,7 @@ from mtpctl.runtime.heads import (
 from mtpctl.runtime.eagle import layer_config_for
 from mtpctl.runtime.engine import MAX_DRAFT_DEPTH
 from mtpctl.runtime.model import Decoder
+from mtpctl.runtime.retrieval import DATASTORE_FILE, Datastore
 from mtpctl.runtime.tokenizer import TextCodec
 from mtpctl.runtime.weights import weights_hash
 
@@ -574,6 +576,14 @@ def data_fingerprint(paths: Sequence[Path]) -> List[str]:
     return [hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in paths]
 
 
+def write_datastore(feats: Features, path: Path) -> Path:
+    """Write the training sequences (prompts and the target's self-distilled responses) as a
+    retrieval datastore (:mod:`mtpctl.runtime.retrieval`) to ``path``; returns ``path``."""
+    ids, offsets = feats.ids.tolist(), feats.offsets.tolist()
+    Datastore.from_sequences([ids[a:b] for a, b in zip(offsets[:-1], offsets[1:])]).save(path)
+    return path
+
+
 def write_output(out: Path, heads: MedusaHeads, overwrite: bool, extra_files: Dict[str, Path]) -> None:
     """Write the head folder to ``out`` atomically: a temporary sibling folder, renamed when complete;
     an existing ``out`` is replaced only with ``overwrite`` (after the new one is complete).
@@ -688,10 +698,11 @@ def add_heads(target_folder: Path, target_name: str, data: Sequence[Path], out: 
         trainer.hcfg.mtpctl_version = __version__
         summary["timings_s"]["total_s"] = round(time.perf_counter() - started, 1)
         trainer.hcfg.training = summary
-        extra = {}
+        extra = {DATASTORE_FILE: write_datastore(feats, work / DATASTORE_FILE)}
+        summary["datastore_tokens"] = int(len(feats.ids))
         if bundle:
-            extra = {p.name: p for p in sorted(Path(target_folder).iterdir())
-                     if p.is_file() and not p.name.startswith(".")}
+            extra.update({p.name: p for p in sorted(Path(target_folder).iterdir())
+                          if p.is_file() and not p.name.startswith(".")})
         write_output(out, trainer.heads, overwrite, extra)
     if _world() > 1:
         torch.distributed.barrier()

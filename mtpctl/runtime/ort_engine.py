@@ -360,6 +360,10 @@ class OrtSession(FusedHeadsMixin):
         return self.graph.context_length
 
     @property
+    def vocab_size(self) -> int:
+        return self.graph.vocab_size
+
+    @property
     def weight_bytes(self) -> int:
         return self.graph.weight_bytes
 

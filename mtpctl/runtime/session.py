@@ -66,6 +66,11 @@ class Session:
         """The most tokens (prompt + output) the model can attend to."""
         return self.model.cfg.max_position_embeddings
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the model's lm_head: every token id it can produce is below this."""
+        return self.model.cfg.vocab_size
+
     def encode(self, prompt: str, chat: bool = True) -> list:
         """Prompt text -> ids (chat template applied when ``chat`` and the model has one)."""
         return self.codec.encode_prompt(prompt, chat)

@@ -351,6 +351,10 @@ class TrtSession(FusedHeadsMixin):
         return int(self.manifest["model"]["max_position_embeddings"])
 
     @property
+    def vocab_size(self) -> int:
+        return int(self.manifest["model"]["vocab_size"])
+
+    @property
     def weight_bytes(self) -> int:
         return (self.folder / ENGINE_FILE).stat().st_size
 

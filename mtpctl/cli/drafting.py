@@ -1,0 +1,126 @@
+"""Drafters named on the command line: ``mtpctl generate --speculate`` and ``mtpctl bench --methods``.
+
+A spec is ``none``, ``draft`` (a draft model, built by :mod:`mtpctl.cli.pair`), or one or more of
+``heads``, ``ngram`` and ``retrieval`` joined by ``+``: several are merged into one draft tree in that
+order (the heads' tree, then the prompt-lookup chain, then the retrieval tree).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Tuple
+
+from mtpctl.errors import BadInput
+from mtpctl.runtime.drafters import MergedDrafter, NgramDrafter
+from mtpctl.runtime.heads import StaticTree
+from mtpctl.runtime.retrieval import DATASTORE_FILE, Datastore, RetrievalDrafter
+
+MERGEABLE = ("heads", "ngram", "retrieval")
+
+
+def parse_drafters(spec: str) -> Tuple[str, ...]:
+    """``heads+ngram`` -> ``("heads", "ngram")`` in merge order; ``none`` -> ``()``; ``draft`` -> ``("draft",)``.
+
+    Raises:
+        BadInput: an unknown name, a name twice, or ``draft``/``none`` joined with others.
+    """
+    parts = tuple(p.strip() for p in spec.split("+"))
+    if parts in (("none",), ("draft",)):
+        return () if parts == ("none",) else parts
+    unknown = [p for p in parts if p not in MERGEABLE]
+    if unknown or len(set(parts)) != len(parts):
+        raise BadInput(f"unknown drafter {spec!r}: use none, draft, or one or more of "
+                       f"{', '.join(MERGEABLE)} joined by '+' (e.g. heads+ngram+retrieval)")
+    return tuple(p for p in MERGEABLE if p in parts)
+
+
+@dataclass
+class DraftOptions:
+    """Command-line settings of the mergeable drafters."""
+
+    heads_dir: Optional[str] = None  # --heads: MTP head folder (mtpctl add-heads)
+    tree_file: Optional[str] = None  # --tree: the heads' draft tree (paths of top-k ranks)
+    tree_nodes: Optional[int] = None  # --tree-nodes: size of a tree grown from the heads' accuracy
+    draft_len: int = 3  # --draft-len: tokens of the prompt-lookup chain
+    ngram_max: int = 3
+    ngram_min: int = 2
+    datastore: Optional[str] = None  # --datastore: retrieval datastore file (default: the heads folder's)
+    retrieval_nodes: int = 4  # --retrieval-nodes: nodes of the retrieval tree
+
+
+def check_options(parts: Tuple[str, ...], opts: DraftOptions, what: str = "--speculate") -> None:
+    """Reject options that the named drafters do not use, and missing ones, before a model loads.
+
+    Raises:
+        BadInput: heads options without ``heads``, ``heads`` without ``--heads``, or ``--datastore``
+            without ``retrieval``.
+    """
+    if "heads" in parts and not opts.heads_dir:
+        raise BadInput(f"{what} heads needs --heads DIR (a folder made by mtpctl add-heads)")
+    if "heads" not in parts and (opts.tree_file or opts.tree_nodes):
+        raise BadInput("--tree and --tree-nodes go with the heads drafter (e.g. --speculate heads)")
+    if "retrieval" not in parts and opts.datastore:
+        raise BadInput("--datastore goes with the retrieval drafter (e.g. --speculate retrieval)")
+    if "retrieval" in parts and not (opts.datastore or opts.heads_dir):
+        raise BadInput("the retrieval drafter needs --datastore FILE, or --heads DIR of heads that carry one")
+
+
+def datastore_path(opts: DraftOptions) -> Path:
+    """The datastore file: ``--datastore``, else the head folder's :data:`DATASTORE_FILE`.
+
+    Raises:
+        BadInput: no such file (heads made before datastores were written carry none).
+    """
+    path = Path(opts.datastore) if opts.datastore else Path(opts.heads_dir) / DATASTORE_FILE
+    if not path.is_file():
+        hint = "" if opts.datastore else " (heads made by an older mtpctl carry none: rerun mtpctl add-heads)"
+        raise BadInput(f"no retrieval datastore at {path}{hint}")
+    return path
+
+
+def build_drafter(session, parts: Tuple[str, ...], opts: DraftOptions, heads=None, store=None):
+    """``(drafter, draft_len)`` for mergeable ``parts``: one drafter alone, or their merged tree.
+
+    ``heads`` (from ``session.load_heads``) and ``store`` (a :class:`Datastore`) may be passed in
+    so that several drafters built for one run share them; ``draft_len`` is the most draft tokens
+    a step verifies.
+    """
+    members = []
+    for part in parts:
+        if part == "heads":
+            tree = read_tree(opts.tree_file, heads.cfg.num_heads) if opts.tree_file else None
+            drafter = session.heads_drafter(heads, tree, opts.tree_nodes)
+            members.append((drafter, len(drafter.tree.paths)))
+        elif part == "ngram":
+            members.append((NgramDrafter(opts.ngram_max, opts.ngram_min), opts.draft_len))
+        else:
+            members.append((RetrievalDrafter(store), opts.retrieval_nodes))
+    if len(members) == 1:
+        return members[0]
+    return MergedDrafter(members), sum(budget for _, budget in members)
+
+
+def load_parts(session, parts: Tuple[str, ...], opts: DraftOptions):
+    """``(heads, store)`` that ``parts`` need (None where not needed), checked against the model.
+
+    Raises:
+        BadInput: see :meth:`mtpctl.runtime.session.Session.load_heads` and :meth:`Datastore.load`.
+    """
+    heads = session.load_heads(opts.heads_dir) if "heads" in parts else None
+    store = Datastore.load(datastore_path(opts), session.vocab_size) if "retrieval" in parts else None
+    return heads, store
+
+
+def read_tree(path: str, num_heads: int) -> StaticTree:
+    """A draft tree file: YAML or JSON, a list of paths (``[[0], [1], [0, 0]]``) or ``{"tree": [...]}``."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load(open(path, encoding="utf-8").read())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise BadInput(f"cannot read tree file {path}: {err}") from err
+    paths = raw.get("tree") if isinstance(raw, dict) else raw
+    if not isinstance(paths, list):
+        raise BadInput(f"tree file {path}: expected a list of paths such as [[0], [1], [0, 0]]")
+    return StaticTree.from_paths(paths, num_heads)
