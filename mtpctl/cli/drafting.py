@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 
 from mtpctl.errors import BadInput
 from mtpctl.runtime.drafters import MergedDrafter, NgramDrafter
-from mtpctl.runtime.heads import StaticTree
+from mtpctl.runtime.heads import HeadsConfig, StaticTree
 from mtpctl.runtime.retrieval import DATASTORE_FILE, Datastore, RetrievalDrafter
 
 MERGEABLE = ("heads", "ngram", "retrieval")
@@ -53,11 +53,13 @@ def check_options(parts: Tuple[str, ...], opts: DraftOptions, what: str = "--spe
     """Reject options that the named drafters do not use, and missing ones, before a model loads.
 
     Raises:
-        BadInput: heads options without ``heads``, ``heads`` without ``--heads``, or ``--datastore``
-            without ``retrieval``.
+        BadInput: heads options without ``heads``, ``heads`` without ``--heads``, ``--heads`` without
+            ``heads`` or ``retrieval`` (the heads' datastore), or ``--datastore`` without ``retrieval``.
     """
     if "heads" in parts and not opts.heads_dir:
         raise BadInput(f"{what} heads needs --heads DIR (a folder made by mtpctl add-heads)")
+    if opts.heads_dir and "heads" not in parts and "retrieval" not in parts:
+        raise BadInput("--heads goes with the heads or retrieval drafters (e.g. --speculate heads)")
     if "heads" not in parts and (opts.tree_file or opts.tree_nodes):
         raise BadInput("--tree and --tree-nodes go with the heads drafter (e.g. --speculate heads)")
     if "retrieval" not in parts and opts.datastore:
@@ -105,10 +107,18 @@ def load_parts(session, parts: Tuple[str, ...], opts: DraftOptions):
     """``(heads, store)`` that ``parts`` need (None where not needed), checked against the model.
 
     Raises:
-        BadInput: see :meth:`mtpctl.runtime.session.Session.load_heads` and :meth:`Datastore.load`.
+        BadInput: see :meth:`mtpctl.runtime.session.Session.load_heads` and :meth:`Datastore.load`;
+            the datastore of heads made for a model with another vocabulary size.
     """
     heads = session.load_heads(opts.heads_dir) if "heads" in parts else None
-    store = Datastore.load(datastore_path(opts), session.vocab_size) if "retrieval" in parts else None
+    store = None
+    if "retrieval" in parts:
+        if not opts.datastore and heads is None:  # the heads' datastore, the heads themselves unchecked
+            cfg = HeadsConfig.load(opts.heads_dir)
+            if cfg.vocab_size != session.vocab_size:
+                raise BadInput(f"the heads in {opts.heads_dir} and their datastore were made for a model with "
+                               f"vocabulary {cfg.vocab_size} ({cfg.target}); the target has {session.vocab_size}")
+        store = Datastore.load(datastore_path(opts), session.vocab_size)
     return heads, store
 
 

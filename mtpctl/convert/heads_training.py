@@ -576,11 +576,12 @@ def data_fingerprint(paths: Sequence[Path]) -> List[str]:
     return [hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in paths]
 
 
-def write_datastore(feats: Features, path: Path) -> Path:
+def write_datastore(feats: Features, path: Path, vocab_size: int) -> Path:
     """Write the training sequences (prompts and the target's self-distilled responses) as a
-    retrieval datastore (:mod:`mtpctl.runtime.retrieval`) to ``path``; returns ``path``."""
+    retrieval datastore (:mod:`mtpctl.runtime.retrieval`) to ``path``, recording the target's
+    ``vocab_size``; returns ``path``."""
     ids, offsets = feats.ids.tolist(), feats.offsets.tolist()
-    Datastore.from_sequences([ids[a:b] for a, b in zip(offsets[:-1], offsets[1:])]).save(path)
+    Datastore.from_sequences([ids[a:b] for a, b in zip(offsets[:-1], offsets[1:])]).save(path, vocab_size)
     return path
 
 
@@ -698,7 +699,7 @@ def add_heads(target_folder: Path, target_name: str, data: Sequence[Path], out: 
         trainer.hcfg.mtpctl_version = __version__
         summary["timings_s"]["total_s"] = round(time.perf_counter() - started, 1)
         trainer.hcfg.training = summary
-        extra = {DATASTORE_FILE: write_datastore(feats, work / DATASTORE_FILE)}
+        extra = {DATASTORE_FILE: write_datastore(feats, work / DATASTORE_FILE, target.cfg.vocab_size)}
         summary["datastore_tokens"] = int(len(feats.ids))
         if bundle:
             extra.update({p.name: p for p in sorted(Path(target_folder).iterdir())

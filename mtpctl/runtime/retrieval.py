@@ -78,7 +78,8 @@ class Datastore:
 
         Raises:
             BadInput: unreadable file, other or missing tensors, a tensor of the wrong shape or
-                dtype, or token ids outside ``[0, vocab_size)`` (another model's datastore).
+                dtype, no token at all, token ids outside ``[0, vocab_size)`` or a recorded vocabulary
+                size other than ``vocab_size`` (another model's datastore).
         """
         try:
             tensors = load_file(str(path))
@@ -92,14 +93,30 @@ class Datastore:
                            f"got {tuple(tokens.shape)} {tokens.dtype}")
         tokens = tokens.to(torch.int64).numpy()
         body = tokens[tokens != SEPARATOR]
-        if len(body) and (body.min() < 0 or body.max() >= vocab_size):
+        if not len(body):
+            raise BadInput(f"datastore {path} holds no tokens (only sequence ends)")
+        if body.min() < 0 or body.max() >= vocab_size:
             raise BadInput(f"datastore {path} holds token ids outside this model's vocabulary "
                            f"(0..{vocab_size - 1}): it was made for another model")
+        made_for = cls._metadata(path).get("vocab_size")
+        if made_for is not None and made_for != str(vocab_size):
+            raise BadInput(f"datastore {path} was made for a model with vocabulary {made_for}; this one has "
+                           f"{vocab_size}: it was made for another model")
         return cls.from_tokens(tokens, key_len)
 
-    def save(self, path: Path) -> None:
-        """Write the token stream (int32) as safetensors."""
-        save_file({"tokens": torch.from_numpy(self.tokens.astype(np.int32))}, str(path))
+    @staticmethod
+    def _metadata(path: Path) -> dict:
+        """The file's safetensors metadata (string -> string; empty when it has none)."""
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as handle:
+            return handle.metadata() or {}
+
+    def save(self, path: Path, vocab_size: Optional[int] = None) -> None:
+        """Write the token stream (int32) as safetensors; ``vocab_size`` (the model's, recorded in the
+        file's metadata) makes :meth:`load` refuse the datastore for a model of another vocabulary."""
+        metadata = None if vocab_size is None else {"vocab_size": str(int(vocab_size))}
+        save_file({"tokens": torch.from_numpy(self.tokens.astype(np.int32))}, str(path), metadata=metadata)
 
     @property
     def key_len(self) -> int:

@@ -1,0 +1,58 @@
+"""Review of retrieval drafting (helper-25): option combinations and datastores of another model that
+the first version accepted silently."""
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from mtpctl.cli.main import main
+from mtpctl.errors import BadInput
+from mtpctl.runtime.heads import HeadsConfig
+from mtpctl.runtime.retrieval import DATASTORE_FILE, Datastore
+
+
+def heads_folder(folder, vocab: int):
+    """A head folder (config only) made for a model of ``vocab`` tokens, carrying a datastore whose
+    ids (1..4) fit any vocabulary."""
+    folder.mkdir(parents=True)
+    HeadsConfig(kind="medusa", num_heads=2, head_layers=1, own_lm_head=False, hidden_size=64, vocab_size=vocab,
+                target="other", target_hash="0" * 64, tree=[[0]], topk_accuracy=[[0.5]] * 2).save(folder)
+    Datastore.from_sequences([[1, 2, 3, 4]]).save(folder / DATASTORE_FILE)
+    return folder
+
+
+@pytest.mark.parametrize("speculate", ["none", "ngram"])
+def test_heads_without_a_drafter_that_uses_them_is_refused(capsys, tiny_folder, tmp_path, speculate):
+    """--heads was silently ignored by --speculate none/ngram (refused before retrieval came in)."""
+    heads = heads_folder(tmp_path / "heads", 259)
+    assert main(["generate", "-m", str(tiny_folder), "--speculate", speculate, "--heads", str(heads), "Hi"]) == 2
+    err = capsys.readouterr().err
+    assert "--heads goes with the heads or retrieval drafters" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_datastore_of_heads_for_another_vocabulary_is_refused(capsys, tiny_folder, tmp_path):
+    """Ids 1..4 fit the tiny vocabulary (259), but the heads (and their datastore) were made for a
+    model of 1000 tokens: another model (e.g. SmolLM2's datastore on Gemma 3, whose vocabulary holds
+    every SmolLM2 id)."""
+    args = ["generate", "-m", str(tiny_folder), "--max-new-tokens", "2", "--speculate", "retrieval", "--heads"]
+    assert main(args + [str(heads_folder(tmp_path / "other", 1000)), "Hi"]) == 2
+    err = capsys.readouterr().err
+    assert "vocabulary 1000" in err and len(err.strip().splitlines()) == 1
+    assert main(args + [str(heads_folder(tmp_path / "same", 259)), "Hi"]) == 0
+
+
+def test_a_recorded_vocabulary_size_must_match(tmp_path):
+    path = tmp_path / DATASTORE_FILE
+    Datastore.from_sequences([[1, 2, 3]]).save(path, vocab_size=1000)
+    with pytest.raises(BadInput, match="vocabulary 1000.*another model"):
+        Datastore.load(path, vocab_size=259)
+    assert len(Datastore.load(path, vocab_size=1000)) == 3
+    Datastore.from_sequences([[1, 2, 3]]).save(path)  # no record (older files): ids checked only
+    assert len(Datastore.load(path, vocab_size=259)) == 3
+
+
+def test_a_datastore_without_tokens_is_refused(tmp_path):
+    path = tmp_path / DATASTORE_FILE
+    save_file({"tokens": torch.tensor([-1, -1], dtype=torch.int32)}, str(path))
+    with pytest.raises(BadInput, match="holds no tokens"):
+        Datastore.load(path, vocab_size=259)
