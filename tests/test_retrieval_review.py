@@ -56,3 +56,12 @@ def test_a_datastore_without_tokens_is_refused(tmp_path):
     save_file({"tokens": torch.tensor([-1, -1], dtype=torch.int32)}, str(path))
     with pytest.raises(BadInput, match="holds no tokens"):
         Datastore.load(path, vocab_size=259)
+
+
+def test_bench_refuses_none_as_a_method(capsys, tiny_folder, tmp_path):
+    """'none' parses as a drafter spec (no drafter) and ran as a second plain method."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"category": "chat", "prompt": "hi"}\n')
+    assert main(["bench", "-m", str(tiny_folder), "--prompts", str(prompts), "--methods", "plain,none"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown method 'none'" in err and len(err.strip().splitlines()) == 1

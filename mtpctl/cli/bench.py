@@ -27,8 +27,8 @@ def parse_methods(text: str) -> List[str]:
     """
     names = [n.strip() for n in text.split(",") if n.strip()]
     for name in names:
-        if name != "plain":
-            parse_drafters(name)
+        if name != "plain" and not parse_drafters(name):
+            raise BadInput("unknown method 'none': plain decoding is the method 'plain'")
     return ["plain"] + [n for n in dict.fromkeys(names) if n != "plain"]
 
 
