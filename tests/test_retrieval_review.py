@@ -65,3 +65,24 @@ def test_bench_refuses_none_as_a_method(capsys, tiny_folder, tmp_path):
     assert main(["bench", "-m", str(tiny_folder), "--prompts", str(prompts), "--methods", "plain,none"]) == 2
     err = capsys.readouterr().err
     assert "unknown method 'none'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_add_heads_datastore_records_the_vocabulary_and_drafts_losslessly(capsys, tiny_folder, tmp_path, monkeypatch):
+    """The datastore add-heads writes (bfloat16 self-distillation, the default) carries the target's
+    vocabulary size, and heads+ngram+retrieval over it writes plain greedy's tokens in bfloat16."""
+    import json
+
+    monkeypatch.setenv("MTPCTL_HOME", str(tmp_path / "home"))
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"count: {i} {i + 1} {i + 2}"}) + "\n" for i in range(16)))
+    heads = tmp_path / "heads"
+    assert main(["add-heads", "-m", str(tiny_folder), "--data", str(data), "--self-distill", "--num-heads", "2",
+                 "--response-tokens", "12", "--epochs", "1", "--tree-nodes", "3", "--out", str(heads)]) == 0
+    assert Datastore._metadata(heads / DATASTORE_FILE) == {"vocab_size": "259"}
+    capsys.readouterr()
+    base = ["generate", "-m", str(tiny_folder), "--dtype", "bfloat16", "--max-new-tokens", "24", "--json", "count: 3 4"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(base + ["--speculate", "heads+ngram+retrieval", "--heads", str(heads), "--retrieval-nodes", "6"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["token_ids"] == plain["token_ids"] and spec["stats"]["draft_tokens"] > 0
