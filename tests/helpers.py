@@ -46,11 +46,11 @@ def random_state_dict(cfg: DecoderConfig, seed: int = 0, scale: float = 0.3) -> 
     return out
 
 
-def random_decoder(seed: int = 0, dtype=torch.float32, **overrides) -> Decoder:
-    """A tiny in-memory decoder with random weights."""
+def random_decoder(seed: int = 0, dtype=torch.float32, blocked: bool = False, **overrides) -> Decoder:
+    """A tiny in-memory decoder with random weights (``blocked``: linear weights in oneDNN's layout)."""
     cfg = DecoderConfig.from_dict(tiny_config_dict(**overrides))
     model = Decoder(cfg, dtype)
-    model.load_hf_tensors(random_state_dict(cfg, seed))
+    model.load_hf_tensors(random_state_dict(cfg, seed), blocked=blocked)
     return model
 
 

@@ -88,12 +88,14 @@ def test_percentile_and_acceptance_by_position():
 
 def test_peak_memory_is_weights_plus_largest_kv_cache(capsys, tiny_folder, prompt_file, tmp_path):
     from mtpctl.runtime.model import Decoder
+    from mtpctl.runtime.quant import blocked_layout_available
 
     code, out, err, report = bench(capsys, tiny_folder, prompt_file, tmp_path)
     assert code == 0, err
-    weights = Decoder.from_folder(tiny_folder).weight_bytes
+    weights = Decoder.from_folder(tiny_folder, blocked=True).weight_bytes  # as a Session holds them
     assert weights == 259 * 64 * 4 + sum(  # tied embedding once, then per layer: norms, qkv, o, gate_up, down
-        (64 + 64 + 128 * 64 + 64 * 64 + 256 * 64 + 64 * 128) * 4 for _ in range(2)) + 64 * 4
+        (64 + 64 + 128 * 64 + 64 * 64 + 256 * 64 + 64 * 128) * 4 for _ in range(2)) + 64 * 4 \
+        + (259 * 64 * 4 if blocked_layout_available() else 0)  # the lm_head's blocked copy of the embedding
     for m in report["methods"]:
         kv = m["peak_memory_bytes"] - weights
         assert kv > 0 and kv % (2 * 2 * 2 * 16 * 4) == 0  # k and v, layers, kv heads, head_dim, float32
@@ -142,3 +144,9 @@ def test_heads_and_heads_plus_ngram_methods(capsys, tiny_folder, prompt_file, tm
         assert methods[name]["acceptance_rate"] is not None
         assert methods[name]["new_tokens"] == methods["plain"]["new_tokens"]
         assert methods[name]["peak_memory_bytes"] > methods["plain"]["peak_memory_bytes"]  # + the heads' weights
+
+
+def test_method_names_are_canonical_drafter_specs():
+    from mtpctl.cli.bench import parse_methods
+
+    assert parse_methods("ngram+heads,heads+ngram,retrieval+ngram") == ["plain", "heads+ngram", "ngram+retrieval"]

@@ -6,6 +6,7 @@ import torch
 
 from helpers import plain_decode_logits, random_decoder, tree_path
 from mtpctl.runtime.engine import TorchEngine, attention_masks, tree_positions
+from mtpctl.runtime.quant import blocked_layout_available
 
 # fp32 results differ by ~1e-6 relative between a block pass and single-token passes
 # (matmuls are not batch-invariant); logits here reach ~10, hence atol 1e-4.
@@ -104,11 +105,15 @@ def test_bfloat16_runs_close_to_float32():
     assert (bf16.argmax(-1) == f32.argmax(-1)).float().mean() >= 0.7
 
 
-def test_bfloat16_tree_nodes_equal_plain_decoding_of_their_path_at_any_capacity():
-    """Dense bfloat16 linear layers are batch-invariant (one-row products run as two) and every token
-    reads its path's slots where plain decoding has them (engine.attention_plan), so a tree node equals
-    token-by-token decoding of its path bit for bit, whatever the cache capacity."""
-    model = random_decoder(dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype, blocked", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, True)])
+def test_tree_nodes_equal_plain_decoding_of_their_path_at_any_capacity(dtype, blocked):
+    """Dense bfloat16 linear layers, and float32 ones in oneDNN's blocked layout, are batch-invariant
+    (one-row products run as two) and every token reads its path's slots where plain decoding has them
+    (engine.attention_plan), so a tree node equals token-by-token decoding of its path bit for bit,
+    whatever the cache capacity."""
+    if blocked and not blocked_layout_available():
+        pytest.skip("this torch build has no oneDNN linear ops")
+    model = random_decoder(dtype=dtype, blocked=blocked)
     parents = [-1, 0, 0, 1, 2, 2, 4]  # node 6's path: 0 -> 2 -> 4 -> 6 (scattered slots)
     tokens = [11, 12, 13, 14, 15, 16, 17]
     tree = TorchEngine(model, 64)

@@ -34,13 +34,14 @@ def test_loads_and_ties_lm_head(folder):
 
 
 @pytest.mark.skipif(not blocked_layout_available(), reason="this torch build has no oneDNN linear ops")
-def test_bfloat16_linears_are_held_blocked_with_the_same_values(folder):
-    dense = Decoder.from_folder(folder)
-    model = Decoder.from_folder(folder, torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocked_linears_keep_the_same_values(folder, dtype):
+    dense = Decoder.from_folder(folder, dtype)
+    model = Decoder.from_folder(folder, dtype, blocked=True)
     assert isinstance(model.layers[0].qkv, BlockedLinear) and isinstance(model.lm_head, BlockedLinear)
-    assert torch.equal(model.layers[0].qkv.dense(), dense.layers[0].qkv.bfloat16())
+    assert torch.equal(model.layers[0].qkv.dense(), dense.layers[0].qkv)
     assert torch.equal(model.dense_lm_head(), model.embed)  # tied: the embedding stays dense
-    assert model.weight_bytes == dense.weight_bytes // 2 + model.lm_head.nbytes  # the untied blocked copy
+    assert model.weight_bytes == dense.weight_bytes + model.lm_head.nbytes  # + the untied blocked copy
 
 
 @pytest.mark.parametrize("change, message", [

@@ -63,30 +63,33 @@ def test_weights_off_the_grid_are_left_alone():
 
 
 @needs_onednn
-def test_blocked_weight_keeps_its_values():
-    w = torch.randn(96, 64).bfloat16()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocked_weight_keeps_its_values(dtype):
+    w = torch.randn(96, 64).to(dtype)
     blocked = BlockedLinear(w)
-    assert torch.equal(blocked.dense(), w)
-    x = torch.randn(3, 5, 64).bfloat16()
+    assert torch.equal(blocked.dense(), w) and blocked.nbytes == w.numel() * w.element_size()
+    x = torch.randn(3, 5, 64).to(dtype)
     torch.testing.assert_close(blocked(x).float(), F.linear(x, w).float(), atol=0.02, rtol=0.01)
     assert blocked(x).shape == (3, 5, 96)
 
 
 @needs_onednn
-def test_blocked_rows_do_not_depend_on_the_block():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1536, 576), (576, 1536), (960, 576)])
+def test_blocked_rows_do_not_depend_on_the_block(dtype, shape):
     """Each row alone (computed as the row twice), and inside blocks of 2 to 33 rows, comes out the
-    same: what lossless verification in dense bfloat16 rests on. Large-magnitude rows too, where a
-    one-row kernel's different rounding would show."""
+    same: what lossless verification rests on, in float32 too (torch's default float32 kernel is not
+    batch-invariant). Large-magnitude rows too, where a one-row kernel's different rounding would show."""
     g = torch.Generator().manual_seed(0)
-    blocked = BlockedLinear((torch.randn(1536, 576, generator=g) * 0.05).bfloat16())
-    x = (torch.randn(33, 576, generator=g) * torch.logspace(-2, 2, 33)[:, None]).bfloat16()
+    blocked = BlockedLinear((torch.randn(*shape, generator=g) * 0.05).to(dtype))
+    x = (torch.randn(33, shape[1], generator=g) * torch.logspace(-2, 2, 33)[:, None]).to(dtype)
     full = blocked(x)
-    for rows in (2, 3, 8, 16, 17, 32):
+    for rows in range(2, 33):
         assert torch.equal(blocked(x[:rows]), full[:rows])
     for i in range(33):
         assert torch.equal(blocked(x[i]), full[i])
 
 
 def test_blocked_layout_refuses_other_dtypes():
-    with pytest.raises(ValueError, match="bfloat16"):
-        BlockedLinear(torch.randn(4, 4))
+    with pytest.raises(ValueError, match="float32/bfloat16"):
+        BlockedLinear(torch.randn(4, 4).half())

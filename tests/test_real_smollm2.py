@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from helpers import ScriptedDrafter, first_divergence, top2_gap
+from mtpctl.runtime.quant import BlockedLinear, blocked_layout_available
 from mtpctl.runtime.drafters import NgramDrafter
 from mtpctl.runtime.engine import TorchEngine
 from mtpctl.runtime.sampling import SamplingParams
@@ -164,7 +165,18 @@ def test_bfloat16_verify_rows_equal_plain_decoding_bit_for_bit(smollm2_bf16):
     prefix, at every length of a real generation. Before one-row products were computed as two
     (model._linear), the chain's first row differed from plain decoding at 1 of these lengths (the
     MLP's down projection, 1 ulp), enough to flip a near-tie."""
-    session = smollm2_bf16
+    assert_verify_rows_equal_plain_decoding(smollm2_bf16)
+
+
+@pytest.mark.skipif(not blocked_layout_available(), reason="this torch build has no oneDNN linear ops")
+def test_float32_verify_rows_equal_plain_decoding_bit_for_bit(smollm2):
+    """float32 with the linear weights in oneDNN's blocked layout (what a Session uses): batch-invariant
+    too, unlike torch's default float32 kernel, so float32 verification is bit-exact as well."""
+    assert isinstance(smollm2.model.layers[0].gate_up, BlockedLinear)
+    assert_verify_rows_equal_plain_decoding(smollm2)
+
+
+def assert_verify_rows_equal_plain_decoding(session):
     ids = session.encode("Explain how a hash map works in three sentences.")
     tokens = session.generate(ids, 28, GREEDY).token_ids
     steps, chains = TorchEngine(session.model, 128), TorchEngine(session.model, 128)

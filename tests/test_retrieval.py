@@ -107,7 +107,8 @@ def test_retrieval_merged_with_heads_and_ngram_is_lossless(capsys, tiny_folder, 
     (["--speculate", "heads+bogus"], "unknown drafter"),
     (["--speculate", "ngram+ngram"], "unknown drafter"),
     (["--speculate", "draft+ngram"], "unknown drafter"),
-    (["--speculate", "ngram", "--datastore", "x.safetensors"], "--datastore goes with"),
+    (["--speculate", "ngram", "--datastore", "x.safetensors"], "--datastore and --retrieval-nodes go with"),
+    (["--speculate", "ngram", "--retrieval-nodes", "5"], "--datastore and --retrieval-nodes go with"),
     (["--speculate", "retrieval", "--datastore", "missing.safetensors"], "no retrieval datastore"),
 ])
 def test_bad_retrieval_arguments(capsys, tiny_folder, args, fragment):

@@ -96,7 +96,8 @@ def add_heads_cmd(recipe, model, data, out, resume, overwrite, bundle, threads, 
     """Graft MTP heads onto a model and train them by self-distillation (the base stays frozen).
 
     The target computes hidden states and its own predictions once (cached under $MTPCTL_HOME/work);
-    the heads then train on them. Writes mtp_config.json and mtp_heads.safetensors to --out.
+    the heads then train on them. Writes mtp_config.json, mtp_heads.safetensors and mtp_datastore.safetensors (the training
+    sequences, for --speculate retrieval) to --out.
     """
     spec = read_recipe(recipe) if recipe else {"settings": {}, "data": []}
     given = {k: v for k, v in options.items() if v is not None}

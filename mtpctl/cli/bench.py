@@ -14,7 +14,7 @@ from mtpctl.cli.backends import backend_option, open_session
 from mtpctl.convert.sources import DEFAULT_MODEL
 from mtpctl.errors import BadInput, GateFailed
 from mtpctl.runtime.bench import cpu_model, load_prompts, run_interleaved, summarize, transformers_runner
-from mtpctl.cli.drafting import DraftOptions, build_drafter, check_options, load_parts, parse_drafters
+from mtpctl.cli.drafting import DraftOptions, build_drafter, check_options, datastore_path, load_parts, parse_drafters
 from mtpctl.runtime.sampling import SamplingParams
 from mtpctl.runtime.session import set_threads
 
@@ -25,10 +25,11 @@ def parse_methods(text: str) -> List[str]:
     Raises:
         BadInput: an unknown method.
     """
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    for name in names:
+    names = []
+    for name in (n.strip() for n in text.split(",") if n.strip()):
         if name != "plain" and not parse_drafters(name):
             raise BadInput("unknown method 'none': plain decoding is the method 'plain'")
+        names.append(name if name == "plain" else "+".join(parse_drafters(name)))  # heads+ngram, not ngram+heads
     return ["plain"] + [n for n in dict.fromkeys(names) if n != "plain"]
 
 
@@ -36,12 +37,12 @@ def parse_methods(text: str) -> List[str]:
 Examples:
   mtpctl bench --methods plain,ngram --max-new-tokens 64
   mtpctl bench --dtype bfloat16 --weights int4 --methods plain,ngram --json bench.json --plot bench.png
-  mtpctl bench --methods plain,ngram --fail-below-speedup 1.1 --fail-above-p99-ms 80 || exit $?
+  mtpctl bench --methods plain,ngram --limit 1 --fail-below-speedup 1.1 --fail-above-p99-ms 80 || echo "exit $?"
   mtpctl bench --baseline transformers --categories code,summarization --limit 3
   mtpctl bench --backend onnxruntime -m out/smollm2-onnx --methods plain,ngram --limit 2
-  mtpctl bench --methods plain,heads --heads heads/smollm2-medusa --fail-below-speedup 1.3
-  mtpctl bench --methods plain,heads,heads+ngram --heads heads/smollm2-medusa --dtype bfloat16 --draft-len 3
-  mtpctl bench --methods plain,heads+ngram,heads+ngram+retrieval --heads heads/smollm2-medusa --dtype bfloat16
+  mtpctl bench --methods plain,heads --heads heads/smollm2-medusa --dtype bfloat16 --limit 1 --fail-below-speedup 1.1
+  mtpctl bench --methods plain,heads,heads+ngram --heads heads/smollm2-medusa --dtype bfloat16 --draft-len 3 --limit 2
+  mtpctl bench --methods plain,heads+ngram,heads+ngram+retrieval --heads heads/smollm2-medusa --dtype bfloat16 --limit 1
   mtpctl bench --methods plain,draft --draft ./SmolLM2-135M-draft -m ./SmolLM2-360M --limit 1
 """)
 @click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True, help="Alias, folder, .gguf or hub id.")
@@ -55,8 +56,8 @@ Examples:
               help="Draft tree size for the heads methods [default: 4].")
 @click.option("--datastore", type=click.Path(dir_okay=False), default=None,
               help="Retrieval datastore for the retrieval methods [default: the one in --heads].")
-@click.option("--retrieval-nodes", type=click.IntRange(min=1), default=4, show_default=True,
-              help="Nodes of the retrieval drafter's tree.")
+@click.option("--retrieval-nodes", type=click.IntRange(min=1), default=None,
+              help="Nodes of the retrieval drafter's tree [default: 4].")
 @click.option("--prompts", "prompts_path", type=click.Path(dir_okay=False), help="JSONL prompt set (default: built-in).")
 @click.option("--categories", default=None, help="Only these categories (comma-separated).")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="At most N prompts per category.")
@@ -133,7 +134,9 @@ def bench_cmd(model, methods, heads_dir, tree_nodes, datastore, retrieval_nodes,
     weight_bytes = session.model.weight_bytes if backend == "torch" else session.weight_bytes  # n-gram drafting holds no weights of its own
     report = build_report(runs, prompts, {name: weight_bytes + weight_bytes_by_method.get(name, 0) for name in names}, {
         "model": str(session.folder), "backend": backend, "dtype": dtype, "weights": weights, "max_new_tokens": max_new_tokens,
-        "temperature": temperature, "draft_len": draft_len, "draft": draft_model, "repeats": repeats, "prompts": len(prompts)})
+        "temperature": temperature, "draft_len": draft_len, "draft": draft_model, "repeats": repeats, "prompts": len(prompts),
+        "heads": heads_dir, "tree_nodes": tree_nodes, "datastore": str(datastore_path(opts)) if "retrieval" in used else None,
+        "retrieval_nodes": retrieval_nodes, "seed": seed})
     click.echo(format_table(report))
     if json_path:
         write_json(Path(json_path), report)
@@ -243,8 +246,9 @@ def plot(path: Path, report: dict, runs) -> None:
         raise BadInput("--plot needs matplotlib: pip install 'mtpctl[plot]'") from err
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     names = [m["method"] for m in report["methods"]]
-    left.bar(names, [m["tokens_per_s"] for m in report["methods"]])
-    left.set_ylabel("tokens/s")
+    left.barh(names, [m["tokens_per_s"] for m in report["methods"]])  # horizontal: long names stay readable
+    left.invert_yaxis()
+    left.set_xlabel("tokens/s")
     left.set_title("decoding speed")
     for m in report["methods"]:
         hist = m["accept_length_histogram"]
@@ -273,7 +277,7 @@ def check_gates(report: dict, min_speedup: Optional[float], max_p99_ms: Optional
     for m in report["methods"]:
         if min_speedup is not None and m["method"] != "plain" and m.get("speedup") is not None \
                 and m["speedup"] < min_speedup:
-            misses.append(f"{m['method']} speedup {m['speedup']:.3f} < {min_speedup}")
+            misses.append(f"{m['method']} speedup {m['speedup']:.4g} < {min_speedup}")
         if max_p99_ms is not None and m["itl_ms_p99"] is not None and m["itl_ms_p99"] > max_p99_ms:
             misses.append(f"{m['method']} p99 ITL {m['itl_ms_p99']:.2f} ms > {max_p99_ms}")
     if misses:

@@ -17,6 +17,7 @@ from mtpctl.runtime.heads import HeadsConfig, StaticTree
 from mtpctl.runtime.retrieval import DATASTORE_FILE, Datastore, RetrievalDrafter
 
 MERGEABLE = ("heads", "ngram", "retrieval")
+RETRIEVAL_NODES = 4  # default size of the retrieval tree
 
 
 def parse_drafters(spec: str) -> Tuple[str, ...]:
@@ -46,7 +47,7 @@ class DraftOptions:
     ngram_max: int = 3
     ngram_min: int = 2
     datastore: Optional[str] = None  # --datastore: retrieval datastore file (default: the heads folder's)
-    retrieval_nodes: int = 4  # --retrieval-nodes: nodes of the retrieval tree
+    retrieval_nodes: Optional[int] = None  # --retrieval-nodes: nodes of the retrieval tree (None: RETRIEVAL_NODES)
 
 
 def check_options(parts: Tuple[str, ...], opts: DraftOptions, what: str = "--speculate") -> None:
@@ -56,14 +57,17 @@ def check_options(parts: Tuple[str, ...], opts: DraftOptions, what: str = "--spe
         BadInput: heads options without ``heads``, ``heads`` without ``--heads``, ``--heads`` without
             ``heads`` or ``retrieval`` (the heads' datastore), or ``--datastore`` without ``retrieval``.
     """
+    def example(name: str) -> str:
+        return f"--speculate {name}" if what == "--speculate" else f"--methods plain,{name}"
+
     if "heads" in parts and not opts.heads_dir:
         raise BadInput(f"{what} heads needs --heads DIR (a folder made by mtpctl add-heads)")
     if opts.heads_dir and "heads" not in parts and "retrieval" not in parts:
-        raise BadInput("--heads goes with the heads or retrieval drafters (e.g. --speculate heads)")
+        raise BadInput(f"--heads goes with the heads or retrieval drafters (e.g. {example('heads')})")
     if "heads" not in parts and (opts.tree_file or opts.tree_nodes):
-        raise BadInput("--tree and --tree-nodes go with the heads drafter (e.g. --speculate heads)")
-    if "retrieval" not in parts and opts.datastore:
-        raise BadInput("--datastore goes with the retrieval drafter (e.g. --speculate retrieval)")
+        raise BadInput(f"--tree and --tree-nodes go with the heads drafter (e.g. {example('heads')})")
+    if "retrieval" not in parts and (opts.datastore or opts.retrieval_nodes):
+        raise BadInput(f"--datastore and --retrieval-nodes go with the retrieval drafter (e.g. {example('retrieval')})")
     if "retrieval" in parts and not (opts.datastore or opts.heads_dir):
         raise BadInput("the retrieval drafter needs --datastore FILE, or --heads DIR of heads that carry one")
 
@@ -76,7 +80,8 @@ def datastore_path(opts: DraftOptions) -> Path:
     """
     path = Path(opts.datastore) if opts.datastore else Path(opts.heads_dir) / DATASTORE_FILE
     if not path.is_file():
-        hint = "" if opts.datastore else " (heads made by an older mtpctl carry none: rerun mtpctl add-heads)"
+        hint = "" if opts.datastore else (" (add-heads writes one into the head folder; exports and heads made by "
+                                          "an older mtpctl carry none: name one with --datastore FILE)")
         raise BadInput(f"no retrieval datastore at {path}{hint}")
     return path
 
@@ -97,7 +102,7 @@ def build_drafter(session, parts: Tuple[str, ...], opts: DraftOptions, heads=Non
         elif part == "ngram":
             members.append((NgramDrafter(opts.ngram_max, opts.ngram_min), opts.draft_len))
         else:
-            members.append((RetrievalDrafter(store), opts.retrieval_nodes))
+            members.append((RetrievalDrafter(store), opts.retrieval_nodes or RETRIEVAL_NODES))
     if len(members) == 1:
         return members[0]
     return MergedDrafter(members), sum(budget for _, budget in members)

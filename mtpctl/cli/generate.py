@@ -39,7 +39,7 @@ Examples:
   mtpctl generate "What is speculative decoding?"
   mtpctl generate --speculate ngram --draft-len 6 --stats --prompt-file article.txt
   echo "Summarize: ..." | mtpctl generate --json - | jq .stats.tau
-  mtpctl generate --temperature 0.8 --top-p 0.95 --seed 1 --stop "\\n\\n" "Once upon a time"
+  mtpctl generate --temperature 0.8 --top-p 0.95 --seed 1 --stop $'\\n\\n' "Once upon a time"
   mtpctl generate --dtype bfloat16 --weights int4 --speculate ngram "Repeat: a b c"
   mtpctl generate --speculate draft --draft ./SmolLM2-135M --draft-len auto -m ./SmolLM2-360M "Hi"
   mtpctl generate --speculate heads --heads heads/smollm2-medusa --stats "Explain KV caches."
@@ -74,8 +74,8 @@ Examples:
               help="Id map from mtpctl pair --out (else computed from the tokenizers).")
 @click.option("--datastore", type=click.Path(dir_okay=False), default=None,
               help="Retrieval datastore (mtp_datastore.safetensors) [default: the one in --heads].")
-@click.option("--retrieval-nodes", type=click.IntRange(min=1), default=4, show_default=True,
-              help="Nodes of the retrieval drafter's tree.")
+@click.option("--retrieval-nodes", type=click.IntRange(min=1), default=None,
+              help="Nodes of the retrieval drafter's tree [default: 4].")
 @click.option("--ngram-max", type=click.IntRange(min=1), default=3, show_default=True,
               help="Longest n-gram the prompt-lookup drafter matches.")
 @click.option("--ngram-min", type=click.IntRange(min=1), default=2, show_default=True,
@@ -134,7 +134,7 @@ def generate_cmd(prompt, prompt_file, model, speculate, heads_dir, tree_file, tr
     if as_json:
         _stream(json.dumps({
             "text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
-            "model": str(session.folder), "speculate": speculate, "draft": draft_info, "draft_len": draft_len if drafter else 0,
+            "model": str(session.folder), "speculate": "+".join(parts) or "none", "draft": draft_info, "draft_len": draft_len if drafter else 0,
             "backend": backend, "dtype": dtype, "weights": weights, "stats": result.stats.to_dict(),
         }) + "\n")
     else:

@@ -174,7 +174,7 @@ def measure_drafts(target_folder: Path, pairings: List[Pairing], n_prompts: int,
     for p in pairings:
         if not p.usable:
             continue
-        draft = Decoder.from_folder(p.draft.folder, DTYPES[dtype])
+        draft = Decoder.from_folder(p.draft.folder, DTYPES[dtype], blocked=True)
         drafter = draft_model_drafter(p, draft, session.model.cfg.vocab_size, greedy, draft_len)
         speed, rate = run(drafter, k)
         click.echo(f"{p.draft.folder}: {speed:.1f} tokens/s, acceptance {rate}", err=True)

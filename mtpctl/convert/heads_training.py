@@ -603,6 +603,10 @@ def write_output(out: Path, heads: MedusaHeads, overwrite: bool, extra_files: Di
         heads.save(tmp)
         for name, src in extra_files.items():
             shutil.copy2(src, tmp / name)
+        umask = os.umask(0)
+        os.umask(umask)
+        for path in tmp.iterdir():  # safetensors writes owner-only files; these are ordinary outputs
+            os.chmod(path, 0o666 & ~umask)
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}"
             os.replace(out, old)
@@ -657,14 +661,14 @@ def add_heads(target_folder: Path, target_name: str, data: Sequence[Path], out: 
         feat_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         sequences = build_sequences(records, codec, settings,
-                                    lambda: Decoder.from_folder(target_folder, DTYPES[settings.distill_dtype]))
+                                    lambda: Decoder.from_folder(target_folder, DTYPES[settings.distill_dtype], blocked=True))
         timings["data_s"] = round(time.perf_counter() - t0, 1)
         t0 = time.perf_counter()
         todo = [s for s in sequences if s.hidden is None]
         log(f"features: {len(sequences) - len(todo)} sequences kept from self-distillation, one target pass over "
             f"{len(todo)} ({sum(len(s.ids) for s in todo)} tokens, {settings.features_dtype}); cached in {feat_dir}")
         features_model = None if not todo else target if settings.features_dtype == "float32" else \
-            Decoder.from_folder(target_folder, DTYPES[settings.features_dtype])
+            Decoder.from_folder(target_folder, DTYPES[settings.features_dtype], blocked=True)
         compute_features(features_model, sequences, settings).save(feat_path)
         del sequences, features_model  # the kept hidden states (~0.4 GB for the recipe) are on disk now
         timings["features_s"] = round(time.perf_counter() - t0, 1)

@@ -387,5 +387,5 @@ def session_drafter(session, draft_spec: str, sampling, draft_len: Optional[int]
     id_map = None
     if draft_map is not None:
         id_map = read_id_map(draft_map, session.folder, folder, pairing.target.logits_width, pairing.draft.logits_width)
-    draft = Decoder.from_folder(folder, DTYPES.get(dtype, torch.float32))
+    draft = Decoder.from_folder(folder, DTYPES.get(dtype, torch.float32), blocked=True)
     return draft_model_drafter(pairing, draft, model.cfg.vocab_size, sampling, draft_len, id_map, sampling.seed), pairing

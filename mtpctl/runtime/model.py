@@ -195,7 +195,8 @@ def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
                plan: AttentionPlan) -> torch.Tensor:
     """Grouped-query attention in float32, computed so that a token's result does not depend on the
     other tokens of its pass (batch-invariant): a verify pass gives bit for bit what plain decoding of
-    each token's path gives, wherever the linear layers are batch-invariant too (bfloat16, int4).
+    each token's path gives, wherever the linear layers are batch-invariant too (bfloat16, int4, and
+    float32 in oneDNN's blocked layout).
 
     q ``[batch, heads, N, head_dim]``; keys/values ``[batch, kv_heads, slots, head_dim]``; ``scale``
     multiplies q.k (usually ``head_dim ** -0.5``). Returns ``[batch, heads, N, head_dim]``.
@@ -362,12 +363,17 @@ class Decoder(nn.Module):
         self.local_rope = tuple(w is not None and cfg.rope_local is not None for w in cfg.layer_windows)
 
     @classmethod
-    def from_folder(cls, folder: Path, dtype: torch.dtype = torch.float32, packed: bool = False) -> "Decoder":
+    def from_folder(cls, folder: Path, dtype: torch.dtype = torch.float32, packed: bool = False,
+                    blocked: bool = False) -> "Decoder":
         """Load ``config.json`` and ``*.safetensors`` from a Hugging Face checkpoint folder, strictly.
 
         Args:
             packed: keep the linear weights that are 4-bit/8-bit group-quantized (GGUF Q4_1 / Q8_0
                 imports) packed for the int4 CPU kernel (:mod:`mtpctl.runtime.quant`); bfloat16 only.
+            blocked: hold the other linear weights in oneDNN's blocked layout (:class:`BlockedLinear`,
+                the same values, faster decode and verify passes) where torch has oneDNN. For
+                decoding; such a model has no ``state_dict`` entries for them and cannot be traced to
+                ONNX.
 
         Raises:
             CorruptModel: missing/unexpected/mis-shaped/NaN tensors, unreadable files.
@@ -378,18 +384,19 @@ class Decoder(nn.Module):
             raise UnsupportedModel("int4 weights run with bfloat16 activations: add --dtype bfloat16")
         model = cls(cfg, dtype)
         optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
-        model.load_hf_tensors(load_tensors(safetensors_files(Path(folder)), expected_tensors(cfg), optional), packed)
+        model.load_hf_tensors(load_tensors(safetensors_files(Path(folder)), expected_tensors(cfg), optional), packed,
+                              blocked)
         return model
 
-    def load_hf_tensors(self, t: Dict[str, torch.Tensor], packed: bool = False) -> None:
+    def load_hf_tensors(self, t: Dict[str, torch.Tensor], packed: bool = False, blocked: bool = False) -> None:
         """Copy checkpoint tensors (already checked by name and shape) into the fused parameters.
 
         With ``packed``, each linear weight on a Q4_1/Q8_0 grid (detected on the checkpoint's float32
         values, see :func:`pack_exact`) is held as a :class:`PackedLinear` instead; their names are
-        listed in ``packed_weights``. In bfloat16 the other linear weights are held as
+        listed in ``packed_weights``. With ``blocked`` the other linear weights are held as
         :class:`BlockedLinear` (oneDNN's blocked layout, the same values) where torch has oneDNN.
         """
-        blocked = self.dtype == torch.bfloat16 and blocked_layout_available()
+        blocked = blocked and blocked_layout_available()
 
         def hold(owner, attr, module) -> None:
             owner._parameters.pop(attr, None)  # a Parameter slot cannot hold a module
@@ -400,7 +407,7 @@ class Decoder(nn.Module):
             if packing is not None:
                 hold(owner, attr, packing)
                 self.packed_weights.append(f"{getattr(owner, 'index', 'model')}.{attr}")
-            elif blocked and attr in LINEARS:  # dense bfloat16: oneDNN's blocked layout, same values
+            elif blocked and attr in LINEARS:  # oneDNN's blocked layout, same values
                 hold(owner, attr, BlockedLinear(value.to(self.dtype)))
                 return True
             return packing is not None

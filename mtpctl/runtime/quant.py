@@ -1,5 +1,5 @@
 """CPU weight layouts: 4-bit packing of weights that already are group-quantized (GGUF Q4_1 / Q8_0
-imports), and oneDNN's blocked layout for dense bfloat16 weights (:class:`BlockedLinear`).
+imports), and oneDNN's blocked layout for dense float32/bfloat16 weights (:class:`BlockedLinear`).
 
 A GGUF checkpoint dequantized to float32 still holds, in every group of 32 input weights, values of
 the form ``d * q + m`` (Q4_1: q in 0..15) or ``d * q`` (Q8_0: q in -127..127). Such a matrix is
@@ -110,27 +110,33 @@ def blocked_layout_available() -> bool:
 
 
 class BlockedLinear(nn.Module):
-    """``y = x @ W.T`` for a dense bfloat16 weight ``[N, K]`` held in oneDNN's blocked ("prepacked")
-    layout, the layout torch's CPU compiler uses for frozen weights.
+    """``y = x @ W.T`` for a dense float32 or bfloat16 weight ``[N, K]`` held in oneDNN's blocked
+    ("prepacked") layout, the layout torch's CPU compiler uses for frozen weights.
 
     The values are the weight's own (no rounding: :meth:`dense` gives them back exactly). What
     changes is the kernel: reordered once at load instead of on every call, a decode step's linear
     layers run about 1.2x faster and a verify pass of 8-16 tokens about 1.3x faster on this project's
-    CPU (BENCHMARKS.md). oneDNN's one-row kernel rounds differently from its many-row kernel on some
-    inputs (172 of 7,624 rows of a real SmolLM2 generation), while blocks of 2 to 33 rows agree row
-    for row; so one row is computed as two (the row twice, no copy), as the dense path in
-    :func:`mtpctl.runtime.model._linear` does, and speculative verification still reproduces plain
-    decoding bit for bit (tests/test_quant.py, tests/test_engine.py).
+    CPU in bfloat16 (BENCHMARKS.md). oneDNN's one-row kernel rounds differently from its many-row
+    kernel on some inputs (in bfloat16, 172 of 7,624 rows of a real SmolLM2 generation), while blocks
+    of 2 to 33 rows agree row for row, in float32 as in bfloat16 (unlike torch's default float32
+    kernel); so one row is computed as two (the row twice, no copy), as the dense path in
+    :func:`mtpctl.runtime.model._linear` does, and speculative verification reproduces plain decoding
+    bit for bit (tests/test_quant.py, tests/test_engine.py).
 
-    Input ``[..., K]`` and output ``[..., N]``, bfloat16.
+    Input ``[..., K]`` and output ``[..., N]``, in the weight's dtype.
+
+    Raises:
+        ValueError: a weight that is not 2-D float32 or bfloat16.
     """
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
-        if weight.dtype != torch.bfloat16 or weight.dim() != 2:
-            raise ValueError(f"BlockedLinear holds 2-D bfloat16 weights, got {weight.dtype} {tuple(weight.shape)}")
+        if weight.dtype not in (torch.float32, torch.bfloat16) or weight.dim() != 2:
+            raise ValueError(f"BlockedLinear holds 2-D float32/bfloat16 weights, got {weight.dtype} "
+                             f"{tuple(weight.shape)}")
         self.blocked = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
         self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -140,9 +146,9 @@ class BlockedLinear(nn.Module):
         return y[:rows].reshape(*x.shape[:-1], self.out_features)
 
     def dense(self) -> torch.Tensor:
-        """The weight ``[N, K]`` as an ordinary (strided) bfloat16 tensor."""
+        """The weight ``[N, K]`` as an ordinary (strided) tensor."""
         return self.blocked.to_dense()
 
     @property
     def nbytes(self) -> int:
-        return self.out_features * self.in_features * 2
+        return self.out_features * self.in_features * self.dtype.itemsize

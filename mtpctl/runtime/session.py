@@ -56,7 +56,7 @@ class Session:
         self.folder = Path(folder)
         self._target_hash: Optional[str] = None
         self.codec = TextCodec(self.folder)
-        self.model = Decoder.from_folder(self.folder, DTYPES[dtype], packed=weights == "int4")
+        self.model = Decoder.from_folder(self.folder, DTYPES[dtype], packed=weights == "int4", blocked=True)
         if weights == "int4" and not self.model.packed_weights:
             raise UnsupportedModel(f"no weight of {self.folder} is 4-/8-bit group-quantized (GGUF Q4_1/Q8_0): "
                                    "use --weights dense")
