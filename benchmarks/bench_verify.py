@@ -4,9 +4,12 @@ Times ``TorchEngine.verify`` (the forward pass only: no logits, no drafting) aft
 ``--context`` tokens, for a plain one-token step, chains of N tokens and trees of N nodes (a root with a
 depth-2 spine and leaves), and prints a Markdown table of milliseconds per pass (median of ``--reps``)
 and the ratio to the plain step. A verify pass of N tokens costing r times a plain step pays off only
-when a step commits more than r tokens on average.
+when a step commits more than r tokens on average. ``--kernels default,blocked`` also times the dense
+modes with torch's default linear kernel (a Decoder loaded without oneDNN's blocked layout, which a
+Session uses), rows of the two alternating pass by pass.
 
     python benchmarks/bench_verify.py --modes bfloat16,int4 --context 200
+    python benchmarks/bench_verify.py --modes float32,bfloat16 --kernels default,blocked --sizes 8,16
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 
 from mtpctl.convert.sources import resolve_model
 from mtpctl.runtime.engine import TorchEngine
+from mtpctl.runtime.model import DTYPES, Decoder
 from mtpctl.runtime.session import Session
 
 MODES = {"float32": ("float32", "dense"), "bfloat16": ("bfloat16", "dense"), "int4": ("bfloat16", "int4")}
@@ -47,6 +51,8 @@ def main(argv=None) -> None:
     p.add_argument("--sizes", default="4,8", help="chain and tree sizes (tokens in the pass, the root included)")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--kernels", default="blocked",
+                   help="dense modes: blocked (a Session's oneDNN layout), default (torch's kernel) or both")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -54,19 +60,29 @@ def main(argv=None) -> None:
     sizes = [int(n) for n in args.sizes.split(",")]
     print(f"Context {args.context} tokens, {torch.get_num_threads()} threads, median of {args.reps} passes (ms; "
           "ratio to the plain step)\n")
-    print("| mode | plain | " + " | ".join(f"chain-{n}" for n in sizes) + " | " + " | ".join(f"tree-{n}" for n in sizes) + " |")
-    print("|---|---:|" + "---:|" * (2 * len(sizes)))
+    print("| mode | kernel | plain | " + " | ".join(f"chain-{n}" for n in sizes) + " | "
+          + " | ".join(f"tree-{n}" for n in sizes) + " |")
+    print("|---|---|---:|" + "---:|" * (2 * len(sizes)))
+    shapes = [("plain", 1)] + [(shape, n) for shape in ("chain", "tree") for n in sizes]
     for mode in args.modes.split(","):
-        session = Session(folder, *MODES[mode])
-        engine = TorchEngine(session.model, args.context + max(sizes) + 1)
-        engine.prefill(list(range(100, 100 + args.context)))
-        plain = time_pass(engine, [5], None, args.reps)
-        cells = [f"{plain:.1f}"]
-        for shape in ("chain", "tree"):
-            for n in sizes:
-                ms = time_pass(engine, [5] * n, None if shape == "chain" else tree_parents(n), args.reps)
-                cells.append(f"{ms:.1f} ({ms / plain:.2f}x)")
-        print(f"| {mode} | " + " | ".join(cells) + " |")
+        kernels = ["int4"] if mode == "int4" else args.kernels.split(",")
+        engines = {}
+        for kernel in kernels:
+            model = Session(folder, *MODES[mode]).model if kernel != "default" else \
+                Decoder.from_folder(folder, DTYPES[MODES[mode][0]])
+            engines[kernel] = TorchEngine(model, args.context + max(sizes) + 1)
+            engines[kernel].prefill(list(range(100, 100 + args.context)))
+        times = {(k, shape, n): [] for k in engines for shape, n in shapes}
+        for _ in range(args.reps):  # alternate the kernels pass by pass: load changes hit both alike
+            for shape, n in shapes:
+                for kernel, engine in engines.items():
+                    times[kernel, shape, n].append(time_pass(engine, [5] * n, tree_parents(n) if shape == "tree" else None, 1))
+        for kernel in engines:
+            plain = statistics.median(times[kernel, "plain", 1])
+            cells = [f"{plain:.1f}"] + [f"{statistics.median(times[kernel, shape, n]):.1f} "
+                                        f"({statistics.median(times[kernel, shape, n]) / plain:.2f}x)"
+                                        for shape, n in shapes[1:]]
+            print(f"| {mode} | {kernel} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
