@@ -59,7 +59,10 @@ def parse_args(argv=None):
                         "heads+ngram tree (0 = off; needs --ngram)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--write", type=Path, default=None, help="replace the bench_heads section of this file")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.retrieval and not args.ngram:
+        p.error("--retrieval merges into the heads+ngram trees: give --ngram too")
+    return args
 
 
 def run_mode(folder, heads_dir, mode, trees, prompts, max_new, ngram=0, retrieval=0):

@@ -14,7 +14,8 @@ from mtpctl.cli.backends import backend_option, open_session
 from mtpctl.convert.sources import DEFAULT_MODEL
 from mtpctl.errors import BadInput, GateFailed
 from mtpctl.runtime.bench import cpu_model, load_prompts, run_interleaved, summarize, transformers_runner
-from mtpctl.cli.drafting import DraftOptions, build_drafter, check_options, datastore_path, load_parts, parse_drafters
+from mtpctl.cli.drafting import (RETRIEVAL_NODES, DraftOptions, build_drafter, check_options, datastore_path,
+                                 load_parts, parse_drafters)
 from mtpctl.runtime.sampling import SamplingParams
 from mtpctl.runtime.session import set_threads
 
@@ -136,7 +137,7 @@ def bench_cmd(model, methods, heads_dir, tree_nodes, datastore, retrieval_nodes,
         "model": str(session.folder), "backend": backend, "dtype": dtype, "weights": weights, "max_new_tokens": max_new_tokens,
         "temperature": temperature, "draft_len": draft_len, "draft": draft_model, "repeats": repeats, "prompts": len(prompts),
         "heads": heads_dir, "tree_nodes": tree_nodes, "datastore": str(datastore_path(opts)) if "retrieval" in used else None,
-        "retrieval_nodes": retrieval_nodes, "seed": seed})
+        "retrieval_nodes": (retrieval_nodes or RETRIEVAL_NODES) if "retrieval" in used else None, "seed": seed})
     click.echo(format_table(report))
     if json_path:
         write_json(Path(json_path), report)

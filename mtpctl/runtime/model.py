@@ -515,8 +515,8 @@ class Decoder(nn.Module):
     def dense_lm_head(self) -> torch.Tensor:
         """The lm_head weight ``[vocab, hidden]`` as a dense tensor (a packed one is unpacked through
         its own kernel, so the values are those the model computes with)."""
-        if isinstance(self.lm_head, BlockedLinear):
-            return self.lm_head.dense()
+        if isinstance(self.lm_head, BlockedLinear):  # tied: the embedding holds the same values, no copy
+            return self.embed.detach() if self.cfg.tie_word_embeddings else self.lm_head.dense()
         if not isinstance(self.lm_head, PackedLinear):
             return self.lm_head.detach()
         with torch.inference_mode():
