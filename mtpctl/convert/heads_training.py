@@ -592,28 +592,14 @@ def write_output(out: Path, heads: MedusaHeads, overwrite: bool, extra_files: Di
     Raises:
         BadInput: ``out`` exists and ``overwrite`` is not set.
     """
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise BadInput(f"{out} already exists: choose another --out or add --overwrite")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    from mtpctl.convert.onnx_export import finish_output, prepare_output
+
+    tmp = prepare_output(Path(out), overwrite)
     try:
         heads.save(tmp)
         for name, src in extra_files.items():
             shutil.copy2(src, tmp / name)
-        umask = os.umask(0)
-        os.umask(umask)
-        for path in tmp.iterdir():  # safetensors writes owner-only files; these are ordinary outputs
-            os.chmod(path, 0o666 & ~umask)
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out)
+        finish_output(tmp, Path(out))  # ordinary file modes (safetensors writes owner-only files)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

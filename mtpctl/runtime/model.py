@@ -398,23 +398,22 @@ class Decoder(nn.Module):
         """
         blocked = blocked and blocked_layout_available()
 
-        def hold(owner, attr, module) -> None:
-            owner._parameters.pop(attr, None)  # a Parameter slot cannot hold a module
-            setattr(owner, attr, module)
-
-        def try_pack(owner, attr, value) -> bool:
-            packing = pack_exact(value, self.dtype) if packed and attr in LINEARS else None
-            if packing is not None:
-                hold(owner, attr, packing)
+        def hold_for_kernel(owner, attr, value) -> bool:
+            """Hold a linear weight packed (int4) or blocked (oneDNN) instead of as a Parameter."""
+            module = pack_exact(value, self.dtype) if packed and attr in LINEARS else None
+            if module is not None:
                 self.packed_weights.append(f"{getattr(owner, 'index', 'model')}.{attr}")
             elif blocked and attr in LINEARS:  # oneDNN's blocked layout, same values
-                hold(owner, attr, BlockedLinear(value.to(self.dtype)))
-                return True
-            return packing is not None
+                module = BlockedLinear(value.to(self.dtype))
+            else:
+                return False
+            owner._parameters.pop(attr, None)  # a Parameter slot cannot hold a module
+            setattr(owner, attr, module)
+            return True
 
         def put(owner, attr, *names):
             value = torch.cat([t[n] for n in names]) if len(names) > 1 else t[names[0]]
-            if not try_pack(owner, attr, value):
+            if not hold_for_kernel(owner, attr, value):
                 getattr(owner, attr).data.copy_(value)
 
         offset = self.cfg.norm_offset
@@ -424,8 +423,8 @@ class Decoder(nn.Module):
 
         put(self, "embed", "model.embed_tokens.weight")
         put_norm(self, "norm", "model.norm.weight")
-        if self.cfg.tie_word_embeddings:  # a packed head unties it; the embedding stays dense
-            try_pack(self, "lm_head", t["model.embed_tokens.weight"])
+        if self.cfg.tie_word_embeddings:  # a packed or blocked head unties it; the embedding stays dense
+            hold_for_kernel(self, "lm_head", t["model.embed_tokens.weight"])
         else:
             put(self, "lm_head", "lm_head.weight")
         for i, layer in enumerate(self.layers):

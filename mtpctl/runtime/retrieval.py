@@ -21,8 +21,8 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from mtpctl.errors import BadInput
 from mtpctl.runtime.drafters import Draft, TargetStep
@@ -82,7 +82,9 @@ class Datastore:
                 size other than ``vocab_size`` (another model's datastore).
         """
         try:
-            tensors = load_file(str(path))
+            with safe_open(str(path), framework="pt") as handle:  # one read: tensors and metadata
+                tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+                metadata = handle.metadata() or {}
         except (OSError, SafetensorError) as err:
             raise BadInput(f"cannot read datastore {path}: {err}") from err
         if set(tensors) != {"tokens"}:
@@ -98,19 +100,11 @@ class Datastore:
         if body.min() < 0 or body.max() >= vocab_size:
             raise BadInput(f"datastore {path} holds token ids outside this model's vocabulary "
                            f"(0..{vocab_size - 1}): it was made for another model")
-        made_for = cls._metadata(path).get("vocab_size")
+        made_for = metadata.get("vocab_size")
         if made_for is not None and made_for != str(vocab_size):
             raise BadInput(f"datastore {path} was made for a model with vocabulary {made_for}; this one has "
                            f"{vocab_size}: it was made for another model")
         return cls.from_tokens(tokens, key_len)
-
-    @staticmethod
-    def _metadata(path: Path) -> dict:
-        """The file's safetensors metadata (string -> string; empty when it has none)."""
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as handle:
-            return handle.metadata() or {}
 
     def save(self, path: Path, vocab_size: Optional[int] = None) -> None:
         """Write the token stream (int32) as safetensors; ``vocab_size`` (the model's, recorded in the
