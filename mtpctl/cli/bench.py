@@ -28,9 +28,10 @@ def parse_methods(text: str) -> List[str]:
     """
     names = []
     for name in (n.strip() for n in text.split(",") if n.strip()):
-        if name != "plain" and not parse_drafters(name):
+        parts = () if name == "plain" else parse_drafters(name)
+        if name != "plain" and not parts:
             raise BadInput("unknown method 'none': plain decoding is the method 'plain'")
-        names.append(name if name == "plain" else "+".join(parse_drafters(name)))  # heads+ngram, not ngram+heads
+        names.append("+".join(parts) or name)  # heads+ngram, not ngram+heads
     return ["plain"] + [n for n in dict.fromkeys(names) if n != "plain"]
 
 
@@ -92,8 +93,6 @@ def bench_cmd(model, methods, heads_dir, tree_nodes, datastore, retrieval_nodes,
     drafter_parts = {n: parse_drafters(n) for n in names if n not in ("plain", "draft")}
     used = tuple(p for parts in drafter_parts.values() for p in parts)
     opts = DraftOptions(heads_dir, None, tree_nodes, draft_len, datastore=datastore, retrieval_nodes=retrieval_nodes)
-    if heads_dir and "heads" not in used and "retrieval" not in used:
-        raise BadInput("--heads goes with the heads or retrieval methods (--methods plain,heads)")
     check_options(used, opts, "--methods")
     for target in (json_path, plot_path):
         if target:
