@@ -157,9 +157,10 @@ def tree_path(parents: Sequence[int], node: int) -> List[int]:
     return path[::-1]
 
 
-def plain_decode_logits(model: Decoder, prompt: Sequence[int], tokens: Sequence[int], capacity: int) -> torch.Tensor:
+def plain_decode_logits(model: Decoder, prompt: Sequence[int], tokens: Sequence[int], capacity: int,
+                        native=None) -> torch.Tensor:
     """Logits ``[vocab]`` after ``prompt`` and then ``tokens`` fed one token per pass (plain decoding)."""
-    engine = TorchEngine(model, capacity)
+    engine = TorchEngine(model, capacity, native=native)
     engine.prefill(list(prompt))
     for t in tokens:
         row = engine.verify([t])[0]

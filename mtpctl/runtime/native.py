@@ -1,0 +1,127 @@
+"""The native decode/verify attention kernel (``csrc/tree_attention.c``), built on first use.
+
+Decode and verify passes attend over a few hundred cached slots per token; torch runs that as
+about twenty small ops per layer (gathers, padded matmuls, softmax), which cost more than the
+arithmetic. The C kernel does one fused pass per (token, KV head) over an explicit slot list, in a
+fixed order, so it is batch-invariant by construction (see the source's header).
+
+The kernel is compiled with the system C compiler (``$CC``, else ``cc``) into
+``$MTPCTL_HOME/kernels/`` the first time it is needed (about a second) and loaded with ctypes; it
+uses OpenMP through the ``libgomp`` torch already loaded, so it shares torch's thread count. Where
+there is no compiler, or the build fails, :func:`load_kernel` returns None once, with a warning on
+stderr, and the engine keeps the pure-torch attention (:func:`mtpctl.runtime.model._attention`),
+which gives the same guarantee more slowly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from mtpctl.paths import mtpctl_home
+
+SOURCE = Path(__file__).with_name("csrc") / "tree_attention.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """Which cache slots each token of a decode or verify pass attends to, in order, for one
+    attention window (built by :func:`mtpctl.runtime.engine.slot_plan`).
+
+    Attributes:
+        starts: ``[N]`` long, first committed slot token i attends to (0, or where its sliding
+            window begins); it reads the committed slots ``[starts[i], length)``.
+        length: committed slots before the pass.
+        paths: ``[N, P]`` long, then the slots of its draft-tree path (ancestors root first, then
+            itself), -1 padded. Plain decoding lists ``[length]``.
+    """
+
+    starts: torch.Tensor
+    length: int
+    paths: torch.Tensor
+
+
+def kernel_takes(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether the kernel takes this attention shape: head_dim a multiple of 16 up to 512, and at
+    most 16 query heads per KV head."""
+    return kv_heads > 0 and heads % kv_heads == 0 and heads // kv_heads <= 16 and head_dim % 16 == 0 \
+        and head_dim <= 512
+
+
+def _build(out: Path) -> None:
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        raise OSError(f"no C compiler '{compiler}' on PATH")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        part = Path(tmp) / out.name
+        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(part), "-lm"], capture_output=True, text=True)
+        if done.returncode:
+            raise OSError(f"{compiler} failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+        os.replace(part, out)
+
+
+@lru_cache(maxsize=1)
+def load_kernel() -> Optional[ctypes.CDLL]:
+    """The compiled kernel (built into ``$MTPCTL_HOME/kernels`` if needed), or None where it cannot
+    be built (a warning on stderr, once); ``MTPCTL_NATIVE_ATTENTION=0`` turns it off."""
+    if os.environ.get("MTPCTL_NATIVE_ATTENTION", "1") == "0":
+        return None
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    path = mtpctl_home() / "kernels" / f"tree_attention-{key}.so"
+    try:
+        if not path.exists():
+            _build(path)
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        print(f"mtpctl: warning: native attention kernel unavailable ({e}); using torch's ops (slower)",
+              file=sys.stderr)
+        return None
+    lib.tree_attention.restype = ctypes.c_int
+    lib.tree_attention.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+                                   + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int])
+    return lib
+
+
+def tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                   plan: SlotPlan) -> torch.Tensor:
+    """Grouped-query attention of N tokens over their slot lists (:class:`SlotPlan`), in float32.
+
+    q ``[1, heads, N, head_dim]``; keys/values ``[1, kv_heads, slots, head_dim]`` float32 (one layer
+    of the KV cache); ``scale`` multiplies q.k. Returns ``[1, heads, N, head_dim]`` in q's dtype.
+
+    Raises:
+        OSError: the kernel could not be built (see :func:`load_kernel`).
+        ValueError: a batch other than 1, or shapes the kernel does not take (head_dim not a
+            multiple of 16 or above 512, a GQA group above 16).
+    """
+    lib = load_kernel()
+    if lib is None:
+        raise OSError("the native attention kernel is not available")
+    b, heads, n, d = q.shape
+    if b != 1 or keys.dtype != torch.float32 or not (keys[0].is_contiguous() and values[0].is_contiguous()):
+        raise ValueError("the native attention kernel takes batch 1 and a contiguous float32 KV cache")
+    qf = q[0].transpose(0, 1).float().contiguous()  # [N, heads, d]
+    k, v = keys[0], values[0]
+    out = torch.empty(n, heads, d)
+    starts = plan.starts.contiguous()
+    paths = plan.paths.contiguous()
+    rc = lib.tree_attention(qf.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[1], starts.data_ptr(), plan.length,
+                            paths.data_ptr(), paths.shape[1], n, heads, k.shape[0], d, scale, out.data_ptr(),
+                            torch.get_num_threads())
+    if rc:
+        raise ValueError(f"the native attention kernel does not take head_dim {d} with {heads} heads over "
+                         f"{k.shape[0]} KV heads")
+    return out.transpose(0, 1)[None].to(q.dtype)

@@ -1,0 +1,115 @@
+"""The native decode/verify attention kernel (mtpctl/runtime/native.py, csrc/tree_attention.c)."""
+
+import pytest
+import torch
+
+from mtpctl.runtime import native
+from mtpctl.runtime.engine import TorchEngine, slot_plan, tree_positions
+from mtpctl.runtime.native import SlotPlan, load_kernel, tree_attention
+
+from helpers import random_decoder
+
+pytestmark = pytest.mark.skipif(load_kernel() is None, reason="no C compiler here to build the native attention kernel")
+
+HEADS, KV_HEADS, D = 6, 2, 32
+
+
+def reference(q, keys, values, scale, plan):
+    """Float64 attention of each token over its slot list: [1, heads, N, d]."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    group = HEADS // KV_HEADS
+    for i in range(q.shape[2]):
+        slots = list(range(int(plan.starts[i]), plan.length)) + [int(s) for s in plan.paths[i] if s >= 0]
+        for h in range(HEADS):
+            k = keys[0, h // group, slots].double()
+            v = values[0, h // group, slots].double()
+            p = torch.softmax(k @ q[0, h, i].double() * scale, dim=0)
+            out[0, h, i] = p @ v
+    return out
+
+
+def random_inputs(n, slots=80, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, HEADS, n, D, generator=g)
+    keys = torch.randn(1, KV_HEADS, slots, D, generator=g)
+    values = torch.randn(1, KV_HEADS, slots, D, generator=g)
+    return q, keys, values
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_kernel_matches_a_float64_reference(window):
+    parents = [-1, 0, 0, 1, 2, 2, 4]
+    depth, tree_mask = tree_positions(parents)
+    q, keys, values = random_inputs(len(parents))
+    plan = slot_plan([window], 50, depth, tree_mask)[window]
+    got = tree_attention(q, keys, values, 0.3, plan)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    assert (got.double() - reference(q, keys, values, 0.3, plan)).abs().max() < 1e-5
+
+
+def test_slot_plan_lists_committed_slots_then_the_path():
+    depth, tree_mask = tree_positions([-1, 0, 0, 1])  # node 3's path: 0 -> 1 -> 3
+    plans = slot_plan([None, 4], 10, depth, tree_mask)
+    full, local = plans[None], plans[4]
+    assert full.length == 10 and full.starts.tolist() == [0, 0, 0, 0]
+    assert full.paths.tolist() == [[10, -1, -1], [10, 11, -1], [10, 12, -1], [10, 11, 13]]
+    # positions 10, 11, 11, 12 with a window of 4: committed slots from position - 3, path nodes within 3
+    assert local.starts.tolist() == [7, 8, 8, 9] and local.paths.tolist() == full.paths.tolist()
+    chain = slot_plan([None], 5, torch.arange(3), None)[None]
+    assert chain.paths.tolist() == [[5, -1, -1], [5, 6, -1], [5, 6, 7]]
+
+
+def test_a_token_gets_the_same_bits_alone_in_any_pass_and_at_any_thread_count():
+    """The property speculation rests on: a token's output depends on its query and its slot list only,
+    not on the other tokens of the pass, the thread count, or where the list splits between committed
+    slots and path (plain decoding has the path committed by then)."""
+    parents = [-1, 0, 0, 1, 2, 2, 4]
+    depth, tree_mask = tree_positions(parents)
+    q, keys, values = random_inputs(len(parents))
+    length = 50
+    plan = slot_plan([None], length, depth, tree_mask)[None]
+    together = tree_attention(q, keys, values, 0.3, plan)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = tree_attention(q, keys, values, 0.3, plan)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(together, one_thread)
+    for i in range(len(parents)):
+        path = [int(s) for s in plan.paths[i] if s >= 0]
+        alone = tree_attention(q[:, :, i:i + 1], keys, values, 0.3,
+                               SlotPlan(plan.starts[i:i + 1], length, plan.paths[i:i + 1, :len(path)]))
+        assert torch.equal(alone[:, :, 0], together[:, :, i]), f"token {i} alone"
+        # plain decoding of the path: its ancestors committed at the next slots, the token last
+        k2, v2 = keys.clone(), values.clone()
+        k2[:, :, length:length + len(path)] = keys[:, :, path]
+        v2[:, :, length:length + len(path)] = values[:, :, path]
+        plain = tree_attention(q[:, :, i:i + 1], k2, v2, 0.3, SlotPlan(torch.zeros(1, dtype=torch.long),
+                               length + len(path) - 1, torch.tensor([[length + len(path) - 1]])))
+        assert torch.equal(plain[:, :, 0], together[:, :, i]), f"token {i} as plain decoding"
+
+
+def test_shapes_the_kernel_does_not_take_fall_back_or_fail_clearly():
+    assert native.kernel_takes(9, 3, 64) and native.kernel_takes(4, 1, 256)
+    assert not native.kernel_takes(4, 2, 8) and not native.kernel_takes(4, 3, 16) and not native.kernel_takes(32, 1, 64)
+    model = random_decoder(head_dim=8)
+    assert not TorchEngine(model, 16).native  # torch's attention instead
+    with pytest.raises(ValueError, match="head_dim 8"):
+        TorchEngine(model, 16, native=True)
+
+
+def test_no_compiler_means_torch_attention_with_one_warning(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MTPCTL_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler")
+    load_kernel.cache_clear()
+    try:
+        assert load_kernel() is None and load_kernel() is None
+        assert capsys.readouterr().err.count("native attention kernel unavailable (no C compiler 'no-such-compiler'") == 1
+        assert not TorchEngine(random_decoder(), 16).native
+        monkeypatch.setenv("MTPCTL_NATIVE_ATTENTION", "0")
+        monkeypatch.delenv("CC")
+        load_kernel.cache_clear()
+        assert load_kernel() is None and not list(tmp_path.iterdir())  # off: nothing built
+    finally:
+        load_kernel.cache_clear()
