@@ -6,10 +6,12 @@ depth-2 spine and leaves), and prints a Markdown table of milliseconds per pass 
 and the ratio to the plain step. A verify pass of N tokens costing r times a plain step pays off only
 when a step commits more than r tokens on average. ``--kernels default,blocked`` also times the dense
 modes with torch's default linear kernel (a Decoder loaded without oneDNN's blocked layout, which a
-Session uses), rows of the two alternating pass by pass.
+Session uses), rows of the two alternating pass by pass. ``--attention torch,native`` likewise times
+torch's batch-invariant attention ops against the native kernel (``mtpctl.runtime.native``).
 
     python benchmarks/bench_verify.py --modes bfloat16,int4 --context 200
     python benchmarks/bench_verify.py --modes float32,bfloat16 --kernels default,blocked --sizes 8,16
+    python benchmarks/bench_verify.py --modes bfloat16,float32 --attention torch,native --sizes 8,16
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--kernels", default="blocked",
                    help="dense modes: blocked (a Session's oneDNN layout), default (torch's kernel) or both")
+    p.add_argument("--attention", default="native",
+                   help="native (the C kernel, where it builds), torch (torch's ops) or both")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -60,9 +64,9 @@ def main(argv=None) -> None:
     sizes = [int(n) for n in args.sizes.split(",")]
     print(f"Context {args.context} tokens, {torch.get_num_threads()} threads, median of {args.reps} passes (ms; "
           "ratio to the plain step)\n")
-    print("| mode | kernel | plain | " + " | ".join(f"chain-{n}" for n in sizes) + " | "
+    print("| mode | kernel | attention | plain | " + " | ".join(f"chain-{n}" for n in sizes) + " | "
           + " | ".join(f"tree-{n}" for n in sizes) + " |")
-    print("|---|---|---:|" + "---:|" * (2 * len(sizes)))
+    print("|---|---|---|---:|" + "---:|" * (2 * len(sizes)))
     shapes = [("plain", 1)] + [(shape, n) for shape in ("chain", "tree") for n in sizes]
     for mode in args.modes.split(","):
         kernels = ["int4"] if mode == "int4" else args.kernels.split(",")
@@ -70,8 +74,10 @@ def main(argv=None) -> None:
         for kernel in kernels:
             model = Session(folder, *MODES[mode]).model if kernel != "default" else \
                 Decoder.from_folder(folder, DTYPES[MODES[mode][0]])
-            engines[kernel] = TorchEngine(model, args.context + max(sizes) + 1)
-            engines[kernel].prefill(list(range(100, 100 + args.context)))
+            for attention in args.attention.split(","):
+                engine = TorchEngine(model, args.context + max(sizes) + 1, native=attention == "native")
+                engine.prefill(list(range(100, 100 + args.context)))
+                engines[kernel, attention] = engine
         times = {(k, shape, n): [] for k in engines for shape, n in shapes}
         for _ in range(args.reps):  # alternate the kernels pass by pass: load changes hit both alike
             for shape, n in shapes:
@@ -82,7 +88,7 @@ def main(argv=None) -> None:
             cells = [f"{plain:.1f}"] + [f"{statistics.median(times[kernel, shape, n]):.1f} "
                                         f"({statistics.median(times[kernel, shape, n]) / plain:.2f}x)"
                                         for shape, n in shapes[1:]]
-            print(f"| {mode} | {kernel} | " + " | ".join(cells) + " |")
+            print(f"| {mode} | {kernel[0]} | {kernel[1]} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
