@@ -59,34 +59,39 @@ def test_slot_plan_lists_committed_slots_then_the_path():
     assert chain.paths.tolist() == [[5, -1, -1], [5, 6, -1], [5, 6, 7]]
 
 
-def test_a_token_gets_the_same_bits_alone_in_any_pass_and_at_any_thread_count():
+@pytest.mark.parametrize("build", ["native", "portable"])
+def test_a_token_gets_the_same_bits_alone_in_any_pass_and_at_any_thread_count(build):
     """The property speculation rests on: a token's output depends on its query and its slot list only,
     not on the other tokens of the pass, the thread count, or where the list splits between committed
-    slots and path (plain decoding has the path committed by then)."""
+    slots and path (plain decoding has the path committed by then). Checked for the build this machine
+    runs (-march=native) and for the plain-C path other CPUs run."""
+    lib = load_kernel(portable=build == "portable")
+    assert lib is not None
     parents = [-1, 0, 0, 1, 2, 2, 4]
     depth, tree_mask = tree_positions(parents)
     q, keys, values = random_inputs(len(parents))
     length = 50
     plan = slot_plan([None], length, depth, tree_mask)[None]
-    together = tree_attention(q, keys, values, 0.3, plan)
+    together = tree_attention(q, keys, values, 0.3, plan, lib)
+    assert (together.double() - reference(q, keys, values, 0.3, plan)).abs().max() < 1e-5
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one_thread = tree_attention(q, keys, values, 0.3, plan)
+        one_thread = tree_attention(q, keys, values, 0.3, plan, lib)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(together, one_thread)
     for i in range(len(parents)):
         path = [int(s) for s in plan.paths[i] if s >= 0]
         alone = tree_attention(q[:, :, i:i + 1], keys, values, 0.3,
-                               SlotPlan(plan.starts[i:i + 1], length, plan.paths[i:i + 1, :len(path)]))
+                               SlotPlan(plan.starts[i:i + 1], length, plan.paths[i:i + 1, :len(path)]), lib)
         assert torch.equal(alone[:, :, 0], together[:, :, i]), f"token {i} alone"
         # plain decoding of the path: its ancestors committed at the next slots, the token last
         k2, v2 = keys.clone(), values.clone()
         k2[:, :, length:length + len(path)] = keys[:, :, path]
         v2[:, :, length:length + len(path)] = values[:, :, path]
         plain = tree_attention(q[:, :, i:i + 1], k2, v2, 0.3, SlotPlan(torch.zeros(1, dtype=torch.long),
-                               length + len(path) - 1, torch.tensor([[length + len(path) - 1]])))
+                               length + len(path) - 1, torch.tensor([[length + len(path) - 1]])), lib)
         assert torch.equal(plain[:, :, 0], together[:, :, i]), f"token {i} as plain decoding"
 
 

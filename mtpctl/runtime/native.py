@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -25,7 +26,7 @@ import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -60,30 +61,45 @@ def kernel_takes(heads: int, kv_heads: int, head_dim: int) -> bool:
         and head_dim <= 512
 
 
-def _build(out: Path) -> None:
+def _build(out: Path, flags: Tuple[str, ...]) -> None:
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise OSError(f"no C compiler '{compiler}' on PATH")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         part = Path(tmp) / out.name
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(part), "-lm"], capture_output=True, text=True)
+        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(part), "-lm"], capture_output=True, text=True)
         if done.returncode:
             raise OSError(f"{compiler} failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
-        os.replace(part, out)
+        os.replace(part, out)  # atomic: a concurrent build of the same key writes the same file
 
 
-@lru_cache(maxsize=1)
-def load_kernel() -> Optional[ctypes.CDLL]:
+def _cpu_signature() -> bytes:
+    """What -march=native compiles for: the CPU's model and feature flags (a cache shared by different
+    machines must not hand one a kernel built for another's instructions)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return platform.machine().encode() + platform.processor().encode()
+    keep = [line for line in lines if line.split(":")[0].strip() in ("model name", "flags", "Features", "CPU part")]
+    return "\n".join(sorted(set(keep))).encode()
+
+
+@lru_cache(maxsize=2)
+def load_kernel(portable: bool = False) -> Optional[ctypes.CDLL]:
     """The compiled kernel (built into ``$MTPCTL_HOME/kernels`` if needed), or None where it cannot
-    be built (a warning on stderr, once); ``MTPCTL_NATIVE_ATTENTION=0`` turns it off."""
+    be built (a warning on stderr, once); ``MTPCTL_NATIVE_ATTENTION=0`` turns it off.
+
+    ``portable`` builds without ``-march=native``: the kernel's plain-C path, which the default build
+    uses on CPUs without AVX-512 (the tests check it on machines that have AVX-512)."""
     if os.environ.get("MTPCTL_NATIVE_ATTENTION", "1") == "0":
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    flags = tuple(f for f in FLAGS if not (portable and f.startswith("-march")))
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + _cpu_signature()).hexdigest()[:12]
     path = mtpctl_home() / "kernels" / f"tree_attention-{key}.so"
     try:
         if not path.exists():
-            _build(path)
+            _build(path, flags)
         lib = ctypes.CDLL(str(path))
     except OSError as e:
         print(f"mtpctl: warning: native attention kernel unavailable ({e}); using torch's ops (slower)",
@@ -96,18 +112,19 @@ def load_kernel() -> Optional[ctypes.CDLL]:
 
 
 def tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-                   plan: SlotPlan) -> torch.Tensor:
+                   plan: SlotPlan, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
     """Grouped-query attention of N tokens over their slot lists (:class:`SlotPlan`), in float32.
 
     q ``[1, heads, N, head_dim]``; keys/values ``[1, kv_heads, slots, head_dim]`` float32 (one layer
-    of the KV cache); ``scale`` multiplies q.k. Returns ``[1, heads, N, head_dim]`` in q's dtype.
+    of the KV cache); ``scale`` multiplies q.k; ``lib`` the compiled kernel (default:
+    :func:`load_kernel`). Returns ``[1, heads, N, head_dim]`` in q's dtype.
 
     Raises:
         OSError: the kernel could not be built (see :func:`load_kernel`).
         ValueError: a batch other than 1, or shapes the kernel does not take (head_dim not a
             multiple of 16 or above 512, a GQA group above 16).
     """
-    lib = load_kernel()
+    lib = lib or load_kernel()
     if lib is None:
         raise OSError("the native attention kernel is not available")
     b, heads, n, d = q.shape

@@ -119,7 +119,7 @@ class BlockedLinear(nn.Module):
     CPU in bfloat16 (BENCHMARKS.md). oneDNN's one-row kernel rounds differently from its many-row
     kernel on some inputs (in bfloat16, 172 of 7,624 rows of a real SmolLM2 generation), while blocks
     of 2 to 33 rows agree row for row, in float32 as in bfloat16 (unlike torch's default float32
-    kernel); so one row is computed as two (the row twice, no copy), as the dense path in
+    kernel); so one row is computed as two (the row twice), as the dense path in
     :func:`mtpctl.runtime.model._linear` does, and speculative verification reproduces plain decoding
     bit for bit (tests/test_quant.py, tests/test_engine.py).
 
@@ -141,7 +141,8 @@ class BlockedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         rows = len(flat)
-        flat = flat.expand(2, -1) if rows == 1 else flat.contiguous()  # one row: the row twice
+        # one row: the row twice, copied (a stride-0 view of it costs oneDNN ~20 us more per call)
+        flat = flat.expand(2, -1).contiguous() if rows == 1 else flat.contiguous()
         y = torch.ops.mkldnn._linear_pointwise(flat, self.blocked, None, "none", [], "")
         return y[:rows].reshape(*x.shape[:-1], self.out_features)
 
