@@ -277,6 +277,9 @@ def test_token_conditioned_heads_read_the_pending_token(model, reference, tmp_pa
     engine = TorchEngine(model, 32, heads)
     out = engine.prefill(PROMPT)
     assert not torch.equal(out.draft_logits(0, 5), out.draft_logits(0, 6))  # the token changes the drafts
+    first_two = out.draft_logits(0, 5, heads=2)  # a tree two deep runs two heads: the same rows
+    assert first_two.shape == (2, model.cfg.vocab_size)
+    assert torch.allclose(first_two, out.draft_logits(0, 5)[:2], atol=1e-5)
     with pytest.raises(ValueError, match="pending token"):
         out.draft_logits(0)
     heads.save(tmp_path)

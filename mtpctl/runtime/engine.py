@@ -52,17 +52,19 @@ class StepOutput:
                 self._rows[i] = self.model.logits(self.hidden_states[i:i + 1])[0]
         return self._rows[i]
 
-    def draft_logits(self, i: int, token: Optional[int] = None) -> torch.Tensor:
+    def draft_logits(self, i: int, token: Optional[int] = None, heads: Optional[int] = None) -> torch.Tensor:
         """The MTP heads' logits at row i, ``[K, vocab]`` float32 (head k predicts the token k + 1
         places after row i's prediction ``token``, which token-conditioned heads read). Computed for
-        the rows a drafter reads (the accepted one), the K heads' vocabulary projections in one call.
+        the rows a drafter reads (the accepted one), the K heads' vocabulary projections in one call;
+        with ``heads`` only the first ``heads`` heads run (``[heads, vocab]``; Medusa heads, which
+        do not read each other).
 
         Raises:
             ValueError: the engine has no MTP heads, or token-conditioned heads get no ``token``.
         """
         self._require_heads()
         i = i % len(self)
-        key = (i, token)
+        key = (i, token, heads)
         if key not in self._draft:
             embeds = None
             if self.heads.cfg.token_conditioned:
@@ -70,7 +72,7 @@ class StepOutput:
                     raise ValueError("token-conditioned heads need the pending token")
                 embeds = self.model.embed[token].to(self.hidden_states.dtype)
             with torch.inference_mode():
-                self._draft[key] = self.heads(self.hidden_states[i], self.model.logits, token_embeds=embeds)
+                self._draft[key] = self.heads(self.hidden_states[i], self.model.logits, token_embeds=embeds, count=heads)
         return self._draft[key]
 
     def draft_tree(self, i: int, token: int, tree, max_nodes: int):

@@ -188,8 +188,10 @@ class MedusaHeads(nn.Module):
         """Hydra heads: head k reads head k-1's features and the token drafted before it."""
         return self.cfg.kind == "hydra"
 
-    def features(self, hidden_states: torch.Tensor, token_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``[..., hidden]`` -> each head's features before the vocabulary projection ``[..., K, hidden]``.
+    def features(self, hidden_states: torch.Tensor, token_embeds: Optional[torch.Tensor] = None,
+                 count: Optional[int] = None) -> torch.Tensor:
+        """``[..., hidden]`` -> each head's features before the vocabulary projection ``[..., K, hidden]``
+        (the first ``count`` heads only, ``[..., count, hidden]``, when given: Medusa heads).
 
         ``token_embeds``: token-conditioned Medusa heads, the pending tokens' embeddings
         ``[..., hidden]``; Hydra heads, ``[..., K, hidden]`` the embeddings of x_1 (the pending token)
@@ -198,13 +200,14 @@ class MedusaHeads(nn.Module):
         Raises:
             ValueError: token-conditioned heads without ``token_embeds``.
         """
+        blocks = self.blocks[:count] if count is not None and not self.sequential else self.blocks
         if self.token_proj is None:
-            return torch.stack([blocks(hidden_states) for blocks in self.blocks], dim=-2)
+            return torch.stack([b(hidden_states) for b in blocks], dim=-2)
         if token_embeds is None:
             raise ValueError("token-conditioned heads need the pending token's embedding (token_embeds)")
         if not self.sequential:
-            return torch.stack([blocks(hidden_states + F.linear(token_embeds, w))
-                                for blocks, w in zip(self.blocks, self.token_proj)], dim=-2)
+            return torch.stack([b(hidden_states + F.linear(token_embeds, w))
+                                for b, w in zip(blocks, self.token_proj)], dim=-2)
         feats, z = [], hidden_states
         for k in range(self.cfg.num_heads):
             z = self.head_step(k, z, token_embeds[..., k, :])
@@ -224,7 +227,8 @@ class MedusaHeads(nn.Module):
         if self.lm_heads is not None:
             if head is not None:
                 return F.linear(feats, self.lm_heads[head]).float()
-            return torch.stack([F.linear(feats[..., k, :], w) for k, w in enumerate(self.lm_heads)], dim=-2).float()
+            return torch.stack([F.linear(feats[..., k, :], w) for k, w in zip(range(feats.shape[-2]), self.lm_heads)],
+                               dim=-2).float()
         if self.projection is not None:
             return F.linear(feats, self.projection).float()
         if lm_head is None:
@@ -233,12 +237,12 @@ class MedusaHeads(nn.Module):
 
     def draft_vocab_logits(self, hidden_states: torch.Tensor,
                            lm_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                           token_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+                           token_embeds: Optional[torch.Tensor] = None, count: Optional[int] = None) -> torch.Tensor:
         """Logits over the draft vocabulary, ``[..., hidden] -> [..., K, V_d]`` float32 (V_d = vocab
         without truncation). ``lm_head`` is the target's projection, used only by heads that share
-        the full lm_head (e.g. :meth:`mtpctl.runtime.model.Decoder.logits`); ``token_embeds`` as in
-        :meth:`features`."""
-        return self.project(self.features(hidden_states, token_embeds), lm_head)
+        the full lm_head (e.g. :meth:`mtpctl.runtime.model.Decoder.logits`); ``token_embeds`` and
+        ``count`` (the first heads only) as in :meth:`features`."""
+        return self.project(self.features(hidden_states, token_embeds, count), lm_head)
 
     def draft_tree(self, hidden_state: torch.Tensor, pending: int, tree: "StaticTree", max_nodes: int,
                    embed: Callable[[torch.Tensor], torch.Tensor],
@@ -269,8 +273,9 @@ class MedusaHeads(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor,
                 lm_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                full_vocab: bool = True, token_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Draft logits of every head over the full vocabulary.
+                full_vocab: bool = True, token_embeds: Optional[torch.Tensor] = None,
+                count: Optional[int] = None) -> torch.Tensor:
+        """Draft logits of every head (or of the first ``count``) over the full vocabulary.
 
         Args:
             hidden_states: ``[..., hidden]``, the target's after its final norm.
@@ -279,12 +284,14 @@ class MedusaHeads(nn.Module):
             full_vocab: False returns :meth:`draft_vocab_logits` (training).
             token_embeds: embeddings of the tokens the heads read (token-conditioned heads), see
                 :meth:`features`.
+            count: run only the first ``count`` heads (a draft tree that deep needs no more);
+                None runs all K.
 
         Returns:
-            ``[..., K, vocab]`` float32 (-inf outside a truncated draft vocabulary); head k's row
+            ``[..., K, vocab]`` (``[..., count, vocab]``) float32 (-inf outside a truncated draft vocabulary); head k's row
             predicts the token k+1 places after the pending one.
         """
-        logits = self.draft_vocab_logits(hidden_states, lm_head, token_embeds)
+        logits = self.draft_vocab_logits(hidden_states, lm_head, token_embeds, count)
         if self.token_map is None or not full_vocab:
             return logits
         full = logits.new_full(logits.shape[:-1] + (self.cfg.vocab_size,), float("-inf"))
@@ -491,6 +498,6 @@ class MedusaDrafter:
         if self.sequential:  # context[-1] is the pending token
             return last.out.draft_tree(last.row, context[-1], self.tree, max_tokens)
         # [K, vocab], -inf outside a draft vocabulary
-        logits = last.out.draft_logits(last.row, context[-1])
+        logits = last.out.draft_logits(last.row, context[-1], heads=self.tree.depth)  # heads deeper than the tree: not run
         topk = logits[: self.tree.depth].topk(self.tree.max_rank, dim=-1).indices
         return self.tree.draft(topk, max_tokens)

@@ -167,17 +167,18 @@ class OrtStepOutput:
     def __getitem__(self, i: int) -> torch.Tensor:
         return self.logits[i % len(self)]
 
-    def draft_logits(self, i: int, token=None) -> torch.Tensor:
+    def draft_logits(self, i: int, token=None, heads=None) -> torch.Tensor:
         """The MTP heads' logits at row i, ``[K, vocab]``, computed in the graph (token-conditioned
         heads read the row's argmax there as the pending token, so ``token`` is not used: exact for
         greedy decoding; with sampling a pending token other than the argmax only lowers acceptance).
+        ``heads``: only the first ``heads`` rows (the graph runs all K).
 
         Raises:
             ValueError: the export has no MTP heads.
         """
         if self._medusa is None:
             raise ValueError("this export has no MTP heads (export with --heads DIR)")
-        return self._medusa[i % len(self)]
+        return self._medusa[i % len(self)][:heads]
 
 
 class OrtEngine:

@@ -180,11 +180,11 @@ class TrtStepOutput:
     def __getitem__(self, i: int):
         return self.logits[i % len(self)]
 
-    def draft_logits(self, i: int, token=None):
+    def draft_logits(self, i: int, token=None, heads=None):
         """As :meth:`mtpctl.runtime.ort_engine.OrtStepOutput.draft_logits` (``token`` unused)."""
         if self._medusa is None:
             raise ValueError("this engine has no MTP heads (export with --heads DIR)")
-        return self._medusa[i % len(self)]
+        return self._medusa[i % len(self)][:heads]
 
 
 class TrtGraph:
