@@ -19,6 +19,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -61,17 +62,40 @@ def kernel_takes(heads: int, kv_heads: int, head_dim: int) -> bool:
         and head_dim <= 512
 
 
+def _digest_file(out: Path) -> Path:
+    """The sidecar holding the sha256 of the library a build wrote at ``out``."""
+    return out.with_name(out.name + ".sha256")
+
+
+def _intact(out: Path) -> bool:
+    """Whether ``out`` holds the library a build wrote there (its sha256 matches the sidecar): a
+    truncated or otherwise damaged file, which dlopen may crash the process on (SIGBUS), is rebuilt
+    instead of loaded."""
+    try:
+        return _digest_file(out).read_text(encoding="ascii").strip() == hashlib.sha256(out.read_bytes()).hexdigest()
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 def _build(out: Path, flags: Tuple[str, ...]) -> None:
-    compiler = os.environ.get("CC") or "cc"
-    if shutil.which(compiler) is None:
+    try:
+        command = shlex.split(os.environ.get("CC") or "cc")  # CC may carry arguments ("ccache gcc")
+    except ValueError as e:
+        raise OSError(f"CC={os.environ['CC']!r} does not parse ({e})") from e
+    compiler = " ".join(command)
+    if not command or shutil.which(command[0]) is None:
         raise OSError(f"no C compiler '{compiler}' on PATH")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         part = Path(tmp) / out.name
-        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(part), "-lm"], capture_output=True, text=True)
+        done = subprocess.run([*command, *flags, str(SOURCE), "-o", str(part), "-lm"], capture_output=True, text=True)
         if done.returncode:
             raise OSError(f"{compiler} failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
-        os.replace(part, out)  # atomic: a concurrent build of the same key writes the same file
+        digest = Path(tmp) / _digest_file(out).name
+        digest.write_text(hashlib.sha256(part.read_bytes()).hexdigest() + "\n", encoding="ascii")
+        # each rename is atomic; a reader between the two sees a mismatch and rebuilds (harmless)
+        os.replace(part, out)
+        os.replace(digest, _digest_file(out))
 
 
 def _cpu_signature() -> bytes:
@@ -98,10 +122,11 @@ def load_kernel(portable: bool = False) -> Optional[ctypes.CDLL]:
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + _cpu_signature()).hexdigest()[:12]
     path = mtpctl_home() / "kernels" / f"tree_attention-{key}.so"
     try:
-        if not path.exists():
+        if not _intact(path):
             _build(path, flags)
         lib = ctypes.CDLL(str(path))
-    except OSError as e:
+        lib.tree_attention  # noqa: B018 (raises AttributeError where the library lacks the kernel)
+    except (OSError, AttributeError) as e:
         print(f"mtpctl: warning: native attention kernel unavailable ({e}); using torch's ops (slower)",
               file=sys.stderr)
         return None

@@ -1,0 +1,59 @@
+"""The native kernel's build cache (mtpctl/runtime/native.py) survives damaged files, and CC may carry
+arguments. A load after damage runs in a fresh process: dlopen hands a process the library it already
+loaded from a path, and a truncated library can kill the process that loads it (SIGBUS)."""
+
+import _ctypes
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from mtpctl.runtime.native import load_kernel
+
+pytestmark = pytest.mark.skipif(load_kernel() is None, reason="no C compiler here to build the native attention kernel")
+
+LOAD = ("import sys; from mtpctl.runtime.native import load_kernel; lib = load_kernel(); "
+        "sys.exit(0 if lib is not None and lib.tree_attention else 3)")
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("MTPCTL_HOME", str(tmp_path))
+    monkeypatch.delenv("MTPCTL_NATIVE_ATTENTION", raising=False)
+    load_kernel.cache_clear()
+    yield tmp_path
+    load_kernel.cache_clear()
+
+
+def built_library(home):
+    (lib,) = (home / "kernels").glob("tree_attention-*.so")
+    return lib
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "another library"])
+def test_a_damaged_cached_library_is_rebuilt_not_loaded(home, damage):
+    assert load_kernel() is not None
+    lib = built_library(home)
+    good = lib.read_bytes()
+    if damage == "truncated":
+        lib.write_bytes(good[:3000])  # loading this killed the process with SIGBUS
+    elif damage == "empty":
+        lib.write_bytes(b"")  # this was a warning and torch's ops on every run, never rebuilt
+    else:
+        shutil.copyfile(_ctypes.__file__, lib)  # a shared library without the kernel: was an AttributeError
+    again = subprocess.run([sys.executable, "-c", LOAD], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and again.stderr == "", (again.returncode, again.stderr)
+    assert built_library(home).read_bytes() == good  # rebuilt (the compiler's output is deterministic)
+
+
+def test_cc_may_carry_arguments(home, monkeypatch, capsys):
+    monkeypatch.setenv("CC", f"{shutil.which('cc') or shutil.which('gcc')} -O2")
+    assert load_kernel() is not None and capsys.readouterr().err == ""
+    monkeypatch.setenv("MTPCTL_HOME", str(home / "other"))
+    monkeypatch.setenv("CC", "cc 'unbalanced")
+    load_kernel.cache_clear()
+    assert load_kernel() is None
+    assert capsys.readouterr().err.startswith("mtpctl: warning: native attention kernel unavailable (CC=\"cc 'unbalanced\"")
