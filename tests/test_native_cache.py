@@ -1,15 +1,18 @@
-"""The native kernel's build cache (mtpctl/runtime/native.py) survives damaged files, and CC may carry
-arguments. A load after damage runs in a fresh process: dlopen hands a process the library it already
-loaded from a path, and a truncated library can kill the process that loads it (SIGBUS)."""
+"""The native kernel's build cache (mtpctl/runtime/native.py) survives damaged files, a hanging compiler and a
+missing source, and CC may carry arguments. A load after damage runs in a fresh process: dlopen hands a
+process the library it already loaded from a path, and a truncated library can kill the process that
+loads it (SIGBUS)."""
 
 import _ctypes
 import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
+from mtpctl.runtime import native
 from mtpctl.runtime.native import load_kernel
 
 pytestmark = pytest.mark.skipif(load_kernel() is None, reason="no C compiler here to build the native attention kernel")
@@ -57,3 +60,21 @@ def test_cc_may_carry_arguments(home, monkeypatch, capsys):
     load_kernel.cache_clear()
     assert load_kernel() is None
     assert capsys.readouterr().err.startswith("mtpctl: warning: native attention kernel unavailable (CC=\"cc 'unbalanced\"")
+
+
+def test_a_compiler_that_hangs_costs_the_build_timeout_then_torch_ops(home, monkeypatch, capsys, tmp_path):
+    hang = tmp_path / "hanging-cc"
+    hang.write_text("#!/bin/sh\nexec sleep 60\n")
+    hang.chmod(0o755)
+    monkeypatch.setenv("CC", str(hang))
+    monkeypatch.setattr(native, "BUILD_TIMEOUT_S", 0.5)
+    started = time.monotonic()
+    assert load_kernel() is None  # was: waited for the compiler forever
+    assert time.monotonic() - started < 30
+    assert f"({hang} did not finish in 0.5 s)" in capsys.readouterr().err
+
+
+def test_a_missing_kernel_source_means_torch_ops_not_a_crash(home, monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(native, "SOURCE", tmp_path / "missing.c")  # a package installed without csrc/
+    assert load_kernel() is None
+    assert "native attention kernel unavailable ([Errno 2] No such file or directory" in capsys.readouterr().err

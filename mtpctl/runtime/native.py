@@ -35,6 +35,8 @@ from mtpctl.paths import mtpctl_home
 
 SOURCE = Path(__file__).with_name("csrc") / "tree_attention.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+#: seconds a build may take (it takes about one): a compiler that hangs costs this, then torch's ops
+BUILD_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,11 @@ def _build(out: Path, flags: Tuple[str, ...]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         part = Path(tmp) / out.name
-        done = subprocess.run([*command, *flags, str(SOURCE), "-o", str(part), "-lm"], capture_output=True, text=True)
+        try:
+            done = subprocess.run([*command, *flags, str(SOURCE), "-o", str(part), "-lm"], capture_output=True,
+                                  text=True, timeout=BUILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired as e:
+            raise OSError(f"{compiler} did not finish in {BUILD_TIMEOUT_S:g} s") from e
         if done.returncode:
             raise OSError(f"{compiler} failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
         digest = Path(tmp) / _digest_file(out).name
@@ -119,9 +125,9 @@ def load_kernel(portable: bool = False) -> Optional[ctypes.CDLL]:
     if os.environ.get("MTPCTL_NATIVE_ATTENTION", "1") == "0":
         return None
     flags = tuple(f for f in FLAGS if not (portable and f.startswith("-march")))
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + _cpu_signature()).hexdigest()[:12]
-    path = mtpctl_home() / "kernels" / f"tree_attention-{key}.so"
     try:
+        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + _cpu_signature()).hexdigest()[:12]
+        path = mtpctl_home() / "kernels" / f"tree_attention-{key}.so"
         if not _intact(path):
             _build(path, flags)
         lib = ctypes.CDLL(str(path))
