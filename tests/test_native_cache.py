@@ -11,9 +11,11 @@ import sys
 import time
 
 import pytest
+import torch
 
 from mtpctl.runtime import native
-from mtpctl.runtime.native import load_kernel
+from mtpctl.runtime.engine import slot_plan, tree_positions
+from mtpctl.runtime.native import SlotPlan, load_kernel, tree_attention
 
 pytestmark = pytest.mark.skipif(load_kernel() is None, reason="no C compiler here to build the native attention kernel")
 
@@ -78,3 +80,32 @@ def test_a_missing_kernel_source_means_torch_ops_not_a_crash(home, monkeypatch, 
     monkeypatch.setattr(native, "SOURCE", tmp_path / "missing.c")  # a package installed without csrc/
     assert load_kernel() is None
     assert "native attention kernel unavailable ([Errno 2] No such file or directory" in capsys.readouterr().err
+
+
+def test_a_plan_that_does_not_fit_the_pass_is_refused_not_read_past():
+    """The C code trusts the plan's rows and the cache's size: a mismatch read past them."""
+    depth, tree_mask = tree_positions([-1, 0, 0])
+    q, keys = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 12, 16)
+    plan = slot_plan([None], 8, depth, tree_mask)[None]
+    assert tree_attention(q, keys, keys, 0.25, plan).shape == q.shape
+    for bad in (slot_plan([None], 8, depth[:2], tree_mask[:2, :2])[None],  # rows for 2 tokens, 3 in the pass
+                SlotPlan(plan.starts.int(), 8, plan.paths),  # int32 read as int64
+                SlotPlan(plan.starts, 10, plan.paths)):  # 10 + 3 slots in a cache of 12
+        with pytest.raises(ValueError, match="slot plan"):
+            tree_attention(q, keys, keys, 0.25, bad)
+
+
+def test_the_result_does_not_depend_on_torchs_default_dtype():
+    g = torch.Generator().manual_seed(0)
+    q, keys, values = (torch.randn(1, heads, n, 16, generator=g, dtype=torch.float32)
+                       for heads, n in ((4, 2), (2, 6), (2, 6)))
+    plan = slot_plan([None], 3, torch.arange(2), None)[None]
+    rows = []
+    for default in (torch.float32, torch.float64):
+        before = torch.get_default_dtype()
+        torch.set_default_dtype(default)
+        try:
+            rows.append(tree_attention(q, keys, values, 0.25, plan))  # was garbage under float64
+        finally:
+            torch.set_default_dtype(before)
+    assert rows[1].dtype == torch.float32 and torch.equal(rows[0], rows[1])

@@ -152,18 +152,25 @@ def tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sc
 
     Raises:
         OSError: the kernel could not be built (see :func:`load_kernel`).
-        ValueError: a batch other than 1, or shapes the kernel does not take (head_dim not a
-            multiple of 16 or above 512, a GQA group above 16).
+        ValueError: a batch other than 1, shapes the kernel does not take (head_dim not a
+            multiple of 16 or above 512, a GQA group above 16), or a plan that does not fit (not N
+            rows of long, or ``length + N`` past the cache's slots; its slots must lie below that).
     """
     lib = lib or load_kernel()
     if lib is None:
         raise OSError("the native attention kernel is not available")
     b, heads, n, d = q.shape
-    if b != 1 or keys.dtype != torch.float32 or not (keys[0].is_contiguous() and values[0].is_contiguous()):
+    if b != 1 or keys.dtype != torch.float32 or values.dtype != torch.float32 or keys.shape != values.shape \
+            or keys.shape[-1] != d or not (keys[0].is_contiguous() and values[0].is_contiguous()):
         raise ValueError("the native attention kernel takes batch 1 and a contiguous float32 KV cache")
+    # the C code trusts these (a mismatch read past the plan's rows or the cache: garbage or a crash)
+    if plan.starts.dtype != torch.long or plan.paths.dtype != torch.long or plan.starts.shape != (n,) \
+            or plan.paths.dim() != 2 or plan.paths.shape[0] != n or plan.length + n > keys.shape[2]:
+        raise ValueError(f"a slot plan of {tuple(plan.starts.shape)} starts, {tuple(plan.paths.shape)} paths after "
+                         f"{plan.length} slots does not fit {n} tokens and a cache of {keys.shape[2]} slots")
     qf = q[0].transpose(0, 1).float().contiguous()  # [N, heads, d]
     k, v = keys[0], values[0]
-    out = torch.empty(n, heads, d)
+    out = torch.empty(n, heads, d, dtype=torch.float32)  # whatever torch's default dtype
     starts = plan.starts.contiguous()
     paths = plan.paths.contiguous()
     rc = lib.tree_attention(qf.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[1], starts.data_ptr(), plan.length,
