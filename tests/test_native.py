@@ -57,6 +57,11 @@ def test_slot_plan_lists_committed_slots_then_the_path():
     assert local.starts.tolist() == [7, 8, 8, 9] and local.paths.tolist() == full.paths.tolist()
     chain = slot_plan([None], 5, torch.arange(3), None)[None]
     assert chain.paths.tolist() == [[5, -1, -1], [5, 6, -1], [5, 6, 7]]
+    from mtpctl.runtime.engine import MAX_DRAFT_DEPTH
+    deep = torch.ones(MAX_DRAFT_DEPTH + 2, MAX_DRAFT_DEPTH + 2, dtype=torch.bool).tril()
+    with pytest.raises(ValueError, match="deeper"):  # the torch path's limit, so both take the same drafts
+        slot_plan([None], 70, torch.arange(MAX_DRAFT_DEPTH + 2), deep)
+    assert slot_plan([None], 70, torch.arange(MAX_DRAFT_DEPTH + 2), None)[None].paths.shape[1] == MAX_DRAFT_DEPTH + 2
 
 
 @pytest.mark.parametrize("build", ["native", "portable"])
@@ -112,9 +117,10 @@ def test_no_compiler_means_torch_attention_with_one_warning(tmp_path, monkeypatc
         assert load_kernel() is None and load_kernel() is None
         assert capsys.readouterr().err.count("native attention kernel unavailable (no C compiler 'no-such-compiler'") == 1
         assert not TorchEngine(random_decoder(), 16).native
-        monkeypatch.setenv("MTPCTL_NATIVE_ATTENTION", "0")
         monkeypatch.delenv("CC")
-        load_kernel.cache_clear()
-        assert load_kernel() is None and not list(tmp_path.iterdir())  # off: nothing built
+        for off in ("0", "false", "Off", "no"):
+            monkeypatch.setenv("MTPCTL_NATIVE_ATTENTION", off)
+            load_kernel.cache_clear()
+            assert load_kernel() is None and not list(tmp_path.iterdir()), off  # off: nothing built
     finally:
         load_kernel.cache_clear()

@@ -215,8 +215,14 @@ def slot_plan(windows, length: int, depth: torch.Tensor, tree_mask: Optional[tor
 
     Token i lists the committed slots from its window's start, then its path's slots root first:
     exactly the slots, in the same order, that plain decoding of the path lists for it.
+
+    Raises:
+        ValueError: a draft tree deeper than :data:`MAX_DRAFT_DEPTH` (as :func:`attention_plan`, so
+            both attention paths accept the same drafts; chains may be any length).
     """
     n = depth.shape[0]
+    if tree_mask is not None and n and int(depth.max()) > MAX_DRAFT_DEPTH:  # the limit torch's ops have
+        raise ValueError(f"a draft tree of depth {int(depth.max())} is deeper than the {MAX_DRAFT_DEPTH} the attention supports")
     on_path = torch.ones(n, n, dtype=torch.bool).tril() if tree_mask is None else tree_mask
     pos = length + depth
     plans = {}

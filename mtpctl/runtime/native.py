@@ -118,11 +118,11 @@ def _cpu_signature() -> bytes:
 @lru_cache(maxsize=2)
 def load_kernel(portable: bool = False) -> Optional[ctypes.CDLL]:
     """The compiled kernel (built into ``$MTPCTL_HOME/kernels`` if needed), or None where it cannot
-    be built (a warning on stderr, once); ``MTPCTL_NATIVE_ATTENTION=0`` turns it off.
+    be built (a warning on stderr, once); ``MTPCTL_NATIVE_ATTENTION=0`` (or false/off/no) turns it off.
 
     ``portable`` builds without ``-march=native``: the kernel's plain-C path, which the default build
     uses on CPUs without AVX-512 (the tests check it on machines that have AVX-512)."""
-    if os.environ.get("MTPCTL_NATIVE_ATTENTION", "1") == "0":
+    if os.environ.get("MTPCTL_NATIVE_ATTENTION", "1").strip().lower() in ("0", "false", "off", "no"):
         return None
     flags = tuple(f for f in FLAGS if not (portable and f.startswith("-march")))
     try:
@@ -176,6 +176,9 @@ def tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sc
     rc = lib.tree_attention(qf.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[1], starts.data_ptr(), plan.length,
                             paths.data_ptr(), paths.shape[1], n, heads, k.shape[0], d, scale, out.data_ptr(),
                             torch.get_num_threads())
+    if rc == -2:
+        raise MemoryError(f"the native attention kernel could not allocate scratch memory for {n} tokens over "
+                          f"{plan.length} slots")
     if rc:
         raise ValueError(f"the native attention kernel does not take head_dim {d} with {heads} heads over "
                          f"{k.shape[0]} KV heads")

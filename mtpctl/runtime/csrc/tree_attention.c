@@ -99,7 +99,7 @@ static void weighted_sum(float *o, const float *p, const float *v, const int64_t
 }
 #endif
 
-/* Returns 0, or -1 when d or the GQA group exceed the kernel's limits, or scratch memory fails.
+/* Returns 0, -1 when d or the GQA group exceed the kernel's limits, or -2 when scratch memory fails.
  *   q      [n, heads, d]          float32, contiguous
  *   k, v   [kv_heads, cap, d]     float32, contiguous (one layer of the KV cache)
  *   starts [n]                    first committed slot each token attends to
@@ -152,5 +152,5 @@ int tree_attention(const float *q, const float *k, const float *v, int64_t cap, 
         free(slots);
         free(scores);
     }
-    return failed ? -1 : 0;
+    return failed ? -2 : 0;
 }
