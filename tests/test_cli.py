@@ -55,6 +55,19 @@ def test_generate_streams_text_and_stats_go_to_stderr(capsys, tiny_folder):
     assert "tau=" in err and "tau=" not in out
     code, js, _ = cli(capsys, "generate", "-m", tiny_folder, "--max-new-tokens", 8, "--json", "--no-chat", "hello")
     assert out == json.loads(js)["text"] + "\n"
+    from mtpctl.runtime.native import load_kernel
+    assert json.loads(js)["attention"] == ("native" if load_kernel() is not None else "torch")
+
+
+def test_generate_json_says_when_torch_attention_ran(capsys, tiny_folder, monkeypatch):
+    from mtpctl.runtime.native import load_kernel
+    monkeypatch.setenv("MTPCTL_NATIVE_ATTENTION", "off")
+    load_kernel.cache_clear()
+    try:
+        code, js, err = cli(capsys, "generate", "-m", tiny_folder, "--max-new-tokens", 4, "--json", "--no-chat", "hi")
+    finally:
+        load_kernel.cache_clear()
+    assert code == 0 and json.loads(js)["attention"] == "torch" and "warning" not in err  # on purpose: silent
 
 
 def test_prompt_from_stdin_and_file(capsys, tiny_folder, tmp_path, monkeypatch):

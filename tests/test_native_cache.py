@@ -109,3 +109,11 @@ def test_the_result_does_not_depend_on_torchs_default_dtype():
         finally:
             torch.set_default_dtype(before)
     assert rows[1].dtype == torch.float32 and torch.equal(rows[0], rows[1])
+
+
+def test_a_failed_build_reports_the_compilers_first_error_line():
+    stderr = ("k.c:3:10: fatal error: missing.h: No such file or directory\n    3 | #include <missing.h>\n"
+              "compilation terminated.\n")
+    assert native._first_error(stderr) == "k.c:3:10: fatal error: missing.h: No such file or directory"
+    assert native._first_error("something odd\nlast words\n") == "last words"
+    assert native._first_error("") == ""

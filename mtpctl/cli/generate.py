@@ -62,7 +62,7 @@ Examples:
 @click.option("--tree", "tree_file", type=click.Path(dir_okay=False), default=None,
               help="Draft tree for --speculate heads: YAML/JSON list of paths of top-k ranks, e.g. [[0],[1],[0,0]].")
 @click.option("--tree-nodes", type=click.IntRange(min=1), default=None,
-              help="Size of the draft tree grown from the heads' accuracy [default: 4].")
+              help="Size of the draft tree grown from the heads' accuracy [default: 4; 2 with --weights int4].")
 @click.option("--acceptance", type=click.Choice(["exact", "typical"]), default="exact", show_default=True,
               help="exact: lossless; typical: Medusa's typical acceptance when sampling (lossy).")
 @click.option("--draft-len", type=DRAFT_LEN, default=3, show_default=True,
@@ -135,7 +135,8 @@ def generate_cmd(prompt, prompt_file, model, speculate, heads_dir, tree_file, tr
         _stream(json.dumps({
             "text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
             "model": str(session.folder), "speculate": "+".join(parts) or "none", "draft": draft_info, "draft_len": draft_len if drafter else 0,
-            "backend": backend, "dtype": dtype, "weights": weights, "stats": result.stats.to_dict(),
+            "backend": backend, "dtype": dtype, "weights": weights,
+            "attention": session.attention if backend == "torch" else None, "stats": result.stats.to_dict(),
         }) + "\n")
     else:
         _stream("\n")

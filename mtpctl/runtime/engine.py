@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from mtpctl.runtime.model import AttentionGroup, AttentionPlan, Decoder
-from mtpctl.runtime.native import SlotPlan, kernel_takes, load_kernel
+from mtpctl.runtime.native import SlotPlan, kernel_runs
 
 
 class StepOutput:
@@ -282,8 +282,7 @@ class TorchEngine:
         self.heads = heads
         self.cache = model.new_cache(capacity, spare=TAIL)  # a lone token reads its tail in place
         cfg = model.cfg
-        self.native = (native is not False and kernel_takes(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-                       and load_kernel() is not None)
+        self.native = native is not False and kernel_runs(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         if native and not self.native:
             raise ValueError("native attention was asked for, but the kernel could not be built or does not take "
                              f"head_dim {cfg.head_dim} with {cfg.num_attention_heads} heads over {cfg.num_key_value_heads} KV heads")

@@ -64,6 +64,20 @@ def kernel_takes(heads: int, kv_heads: int, head_dim: int) -> bool:
         and head_dim <= 512
 
 
+def kernel_runs(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether decode and verify passes of this attention shape run on the kernel here: it takes the
+    shape (:func:`kernel_takes`) and it could be built and loaded (:func:`load_kernel`)."""
+    return kernel_takes(heads, kv_heads, head_dim) and load_kernel() is not None
+
+
+def _first_error(stderr: str) -> str:
+    """The compiler's first line that names an error (the cause, not "compilation terminated."), else
+    its last line; "" for no output."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower()]
+    return errors[0] if errors else (lines[-1] if lines else "")
+
+
 def _digest_file(out: Path) -> Path:
     """The sidecar holding the sha256 of the library a build wrote at ``out``."""
     return out.with_name(out.name + ".sha256")
@@ -96,7 +110,7 @@ def _build(out: Path, flags: Tuple[str, ...]) -> None:
         except subprocess.TimeoutExpired as e:
             raise OSError(f"{compiler} did not finish in {BUILD_TIMEOUT_S:g} s") from e
         if done.returncode:
-            raise OSError(f"{compiler} failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+            raise OSError(f"{compiler} failed: {_first_error(done.stderr) or f'exit status {done.returncode}'}")
         digest = Path(tmp) / _digest_file(out).name
         digest.write_text(hashlib.sha256(part.read_bytes()).hexdigest() + "\n", encoding="ascii")
         # each rename is atomic; a reader between the two sees a mismatch and rebuilds (harmless)

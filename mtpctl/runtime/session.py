@@ -11,6 +11,7 @@ import torch
 from mtpctl.errors import BadInput, UnsupportedModel
 from mtpctl.runtime.drafters import Drafter
 from mtpctl.runtime.engine import MAX_DRAFT_DEPTH, TorchEngine
+from mtpctl.runtime.native import kernel_runs
 from mtpctl.runtime.generate import GenerationResult, generate
 from mtpctl.runtime.eagle import EagleDrafter
 from mtpctl.runtime.heads import (
@@ -29,9 +30,10 @@ from mtpctl.runtime.weights import weights_hash
 
 WEIGHTS = ("dense", "int4")
 #: draft tree size (nodes) per mode when neither --tree nor --tree-nodes is given. Measured with the
-#: recipe's heads (BENCHMARKS.md, "MTP heads"): 4 nodes beat 8 in int4 (0.50x vs 0.34x plain) and dense
-#: bfloat16 (0.82x vs 0.65x); in float32 a verify pass grows fastest with N. Small trees everywhere.
-DEFAULT_TREE_NODES = {"float32": 4, "bfloat16": 4, "int4": 4}
+#: recipe's heads (BENCHMARKS.md, eighth session): 4 nodes beat 8 in float32 (1.67x vs 1.55x plain)
+#: and dense bfloat16 (1.59x vs 1.54x); in int4, whose kernel pays for every row, 2 nodes beat 3 and 4
+#: (1.04x, 1.01x, 0.83x).
+DEFAULT_TREE_NODES = {"float32": 4, "bfloat16": 4, "int4": 2}
 
 
 class Session:
@@ -65,6 +67,15 @@ class Session:
     def context_length(self) -> int:
         """The most tokens (prompt + output) the model can attend to."""
         return self.model.cfg.max_position_embeddings
+
+    @property
+    def attention(self) -> str:
+        """What decode and verify passes attend with: ``"native"`` (the C kernel,
+        :mod:`mtpctl.runtime.native`) or ``"torch"`` (torch's ops: no compiler, a shape the kernel
+        does not take, or ``MTPCTL_NATIVE_ATTENTION=0``). Greedy output can differ between the two at
+        near-ties; each is reproduced exactly by speculation."""
+        cfg = self.model.cfg
+        return "native" if kernel_runs(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) else "torch"
 
     @property
     def vocab_size(self) -> int:
