@@ -37,7 +37,7 @@ def parse_methods(text: str) -> List[str]:
 
 @click.command("bench", epilog="""\b
 Examples:
-  mtpctl bench --methods plain,ngram --max-new-tokens 64
+  mtpctl bench --methods plain,ngram --max-new-tokens 64 --limit 1
   mtpctl bench --dtype bfloat16 --weights int4 --methods plain,ngram --json bench.json --plot bench.png
   mtpctl bench --methods plain,ngram --limit 1 --fail-below-speedup 1.1 --fail-above-p99-ms 80 || echo "exit $?"
   mtpctl bench --baseline transformers --categories code,summarization --limit 3
@@ -45,7 +45,7 @@ Examples:
   mtpctl bench --methods plain,heads --heads heads/smollm2-medusa --dtype bfloat16 --limit 1 --fail-below-speedup 1.1
   mtpctl bench --methods plain,heads,heads+ngram --heads heads/smollm2-medusa --dtype bfloat16 --draft-len 3 --limit 2
   mtpctl bench --methods plain,heads+ngram,heads+ngram+retrieval --heads heads/smollm2-medusa --dtype bfloat16 --limit 1
-  mtpctl bench --methods plain,draft --draft ./SmolLM2-135M-draft -m ./SmolLM2-360M --limit 1
+  mtpctl bench --methods plain,draft --draft smollm2-135m -m gemma3-270m --limit 1
 """)
 @click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True, help="Alias, folder, .gguf or hub id.")
 @click.option("--methods", default="plain,ngram", show_default=True,

@@ -94,7 +94,7 @@ def export_cmd(model, heads_dir, onnx_out, fmt, out, trt, trt_precision, trt_max
         click.echo(json.dumps(manifest))
     else:
         total = sum(f["bytes"] for f in manifest["files"].values())
-        click.echo(f"{onnx_out}: {len(manifest['files'])} files, {total / 1e6:.1f} MB, "
+        click.echo(f"{onnx_out}: {len(manifest['files'])} files + manifest.json, {total / 1e6:.1f} MB, "
                    f"target sha256 {manifest['target_hash'][:12]}..., "
                    f"heads: {manifest['heads']['num_heads'] if manifest['heads'] else 'none'}")
 

@@ -38,10 +38,10 @@ def read_prompt(prompt: Optional[str], prompt_file: Optional[str]) -> str:
 Examples:
   mtpctl generate "What is speculative decoding?"
   mtpctl generate --speculate ngram --draft-len 6 --stats --prompt-file article.txt
-  echo "Summarize: ..." | mtpctl generate --json - | jq .stats.tau
+  echo "Summarize: ..." | mtpctl generate --speculate ngram --json - | jq .stats.tau
   mtpctl generate --temperature 0.8 --top-p 0.95 --seed 1 --stop $'\\n\\n' "Once upon a time"
   mtpctl generate --dtype bfloat16 --weights int4 --speculate ngram "Repeat: a b c"
-  mtpctl generate --speculate draft --draft ./SmolLM2-135M --draft-len auto -m ./SmolLM2-360M "Hi"
+  mtpctl generate --speculate draft --draft smollm2-135m --draft-len auto -m gemma3-270m "Hi"
   mtpctl generate --speculate heads --heads heads/smollm2-medusa --stats "Explain KV caches."
   mtpctl generate --speculate heads --heads heads/smollm2-medusa --tree tree.yaml --dtype bfloat16 "Hi"
   mtpctl generate --speculate heads+ngram --heads heads/smollm2-medusa --dtype bfloat16 --stats "Summarize: ..."

@@ -673,7 +673,7 @@ def add_heads(target_folder: Path, target_name: str, data: Sequence[Path], out: 
     what = (f"an eagle head ({settings.num_heads} draft steps)" if settings.kind == "eagle"
             else f"{settings.num_heads} {settings.kind} heads")
     log(f"training {what} on {len(trainer.train_pos)} positions "
-        f"({len(trainer.eval_pos)} held out), {trainer.total_steps} optimizer steps")
+        f"({len(trainer.eval_pos)} held out), {trainer.total_steps} optimizer step{'s' if trainer.total_steps != 1 else ''}")
     t0 = time.perf_counter()
     progress = trainer.train(resume)
     timings["train_s"] = round(time.perf_counter() - t0, 1)
