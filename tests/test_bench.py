@@ -150,3 +150,33 @@ def test_method_names_are_canonical_drafter_specs():
     from mtpctl.cli.bench import parse_methods
 
     assert parse_methods("ngram+heads,heads+ngram,retrieval+ngram") == ["plain", "heads+ngram", "ngram+retrieval"]
+
+
+def test_llamacpp_baseline_needs_its_package_and_a_gguf_model(capsys, tiny_folder, prompt_file, monkeypatch):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real_find_spec(name, *a))
+    code = main(["bench", "--model", str(tiny_folder), "--prompts", str(prompt_file), "--baseline", "llama.cpp"])
+    err = capsys.readouterr().err
+    assert code == 2 and "pip install llama-cpp-python" in err and len(err.strip().splitlines()) == 1
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "llama_cpp" else real_find_spec(name, *a))
+    code = main(["bench", "--model", str(tiny_folder), "--prompts", str(prompt_file), "--baseline", "llama.cpp"])
+    err = capsys.readouterr().err  # the tiny checkpoint was never a GGUF file
+    assert code == 2 and "no GGUF file behind this model" in err and len(err.strip().splitlines()) == 1
+
+
+def test_gguf_source_finds_the_file_behind_a_model(tmp_path):
+    from mtpctl.convert.sources import gguf_source
+    from mtpctl.errors import BadInput
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert gguf_source(str(gguf)) == gguf
+    folder = tmp_path / "imported"
+    folder.mkdir()
+    (folder / "mtpctl_import.json").write_text(json.dumps({"format_version": 1, "source": str(gguf)}))
+    assert gguf_source(str(folder)) == gguf
+    gguf.unlink()  # the file it came from is gone
+    with pytest.raises(BadInput, match="no GGUF file"):
+        gguf_source(str(folder))

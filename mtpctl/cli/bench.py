@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
@@ -11,9 +12,10 @@ from typing import Dict, List, Optional
 import click
 
 from mtpctl.cli.backends import backend_option, open_session
-from mtpctl.convert.sources import DEFAULT_MODEL
+from mtpctl.convert.sources import DEFAULT_MODEL, gguf_source
 from mtpctl.errors import BadInput, GateFailed
-from mtpctl.runtime.bench import cpu_model, load_prompts, run_interleaved, summarize, transformers_runner
+from mtpctl.runtime.bench import (cpu_model, llamacpp_runner, load_prompts, run_interleaved, summarize,
+                                  transformers_runner)
 from mtpctl.cli.drafting import (RETRIEVAL_NODES, DraftOptions, build_drafter, check_options, datastore_path,
                                  load_parts, parse_drafters)
 from mtpctl.runtime.sampling import SamplingParams
@@ -41,6 +43,7 @@ Examples:
   mtpctl bench --dtype bfloat16 --weights int4 --methods plain,ngram --json bench.json --plot bench.png
   mtpctl bench --methods plain,ngram --limit 1 --fail-below-speedup 1.1 --fail-above-p99-ms 80 || echo "exit $?"
   mtpctl bench --baseline transformers --categories code,summarization --limit 3
+  mtpctl bench --dtype bfloat16 --weights int4 --methods plain,ngram --baseline llama.cpp --limit 1
   mtpctl bench --backend onnxruntime -m out/smollm2-onnx --methods plain,ngram --limit 2
   mtpctl bench --methods plain,heads --heads heads/smollm2-medusa --dtype bfloat16 --limit 1 --fail-below-speedup 1.1
   mtpctl bench --methods plain,heads,heads+ngram --heads heads/smollm2-medusa --dtype bfloat16 --draft-len 3 --limit 2
@@ -74,8 +77,9 @@ Examples:
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
 @click.option("--weights", type=click.Choice(["dense", "int4"]), default="dense", show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: torch's).")
-@click.option("--baseline", type=click.Choice(["none", "transformers"]), default="none", show_default=True,
-              help="Add HF transformers' generate (plain and prompt lookup) as peers.")
+@click.option("--baseline", type=click.Choice(["none", "transformers", "llama.cpp"]), default="none", show_default=True,
+              help="Add peers: HF transformers' generate (plain and prompt lookup) on the checkpoint, or llama.cpp "
+                   "(llama-cpp-python, installed separately) on the model's GGUF file.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write every figure to this JSON file.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Draw tokens/s and accept lengths (PNG).")
 @click.option("--fail-below-speedup", type=float, default=None, help="Exit 1 if a method's speedup is below X.")
@@ -99,8 +103,16 @@ def bench_cmd(model, methods, heads_dir, tree_nodes, datastore, retrieval_nodes,
             check_writable(Path(target))
     if baseline == "transformers" and backend != "torch":
         raise BadInput("--baseline transformers runs on the checkpoint: use --backend torch")
-    if baseline == "transformers" and temperature > 0:
-        raise BadInput("--baseline transformers compares greedy decoding: use --temperature 0")
+    if baseline != "none" and temperature > 0:
+        raise BadInput(f"--baseline {baseline} compares greedy decoding: use --temperature 0")
+    gguf = None
+    if baseline == "llama.cpp":
+        if backend != "torch":
+            raise BadInput("--baseline llama.cpp compares with mtpctl's torch runtime: use --backend torch")
+        if importlib.util.find_spec("llama_cpp") is None:
+            raise BadInput("--baseline llama.cpp needs llama-cpp-python: pip install llama-cpp-python "
+                           "(it compiles llama.cpp from source, several minutes)")
+        gguf = gguf_source(model)
     prompts = select_prompts(load_prompts(Path(prompts_path) if prompts_path else None), categories, limit)
     set_threads(threads)
     session = open_session(model, backend, dtype, weights, threads)
@@ -130,6 +142,10 @@ def bench_cmd(model, methods, heads_dir, tree_nodes, datastore, retrieval_nodes,
     if baseline == "transformers":
         for name, lookup in (("hf", 0), ("hf-prompt-lookup", draft_len)):
             runners[name] = transformers_runner(session.folder, session.codec.eos_ids, max_new_tokens, lookup)
+    if gguf is not None:
+        import torch
+
+        runners["llama.cpp"] = llamacpp_runner(gguf, session.codec.eos_ids, max_new_tokens, torch.get_num_threads())
     runs = run_interleaved(runners, encoded, repeats, progress=lambda line: click.echo(line, err=True))
     weight_bytes = session.model.weight_bytes if backend == "torch" else session.weight_bytes  # n-gram drafting holds no weights of its own
     report = build_report(runs, prompts, {name: weight_bytes + weight_bytes_by_method.get(name, 0) for name in names}, {

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Dict, Optional
 
 from mtpctl import __version__
-from mtpctl.errors import CorruptModel, HubUnreachable, ModelNotFound
+from mtpctl.errors import BadInput, CorruptModel, HubUnreachable, ModelNotFound
 from mtpctl.paths import mtpctl_home
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -81,6 +81,29 @@ def resolve_model(spec: Optional[str]) -> Path:
         raise ModelNotFound(f"{path} is neither a checkpoint folder nor a .gguf file")
     raise ModelNotFound(f"unknown model {spec!r}: not an alias ({', '.join(ALIASES)}), "
                         "an existing folder, a .gguf file or a hub repo id (org/name)")
+
+
+def gguf_source(spec: Optional[str]) -> Path:
+    """The GGUF file behind ``--model``: an alias's file, a ``.gguf`` path, or the file a folder was
+    imported from (its ``mtpctl_import.json``), for peers that read GGUF themselves (llama.cpp).
+
+    Raises:
+        BadInput: a folder not imported from a GGUF file (or whose file is gone), or a hub id.
+        ModelNotFound: an alias whose package is not installed.
+    """
+    spec = spec or DEFAULT_MODEL
+    if spec in ALIASES:
+        return alias_gguf_path(spec)
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return path
+    record = path / "mtpctl_import.json"
+    if record.is_file():
+        source = Path(json.loads(record.read_text(encoding="utf-8")).get("source", ""))
+        if source.suffix == ".gguf" and source.is_file():
+            return source
+    raise BadInput(f"{spec}: no GGUF file behind this model (llama.cpp reads GGUF): pass an alias, a .gguf file, "
+                   "or a folder mtpctl imported from one whose file still exists")
 
 
 def alias_gguf_path(name: str) -> Path:

@@ -229,3 +229,36 @@ def transformers_runner(folder: Path, eos_ids: Sequence[int], max_new_tokens: in
         return GenerationResult(new, "", "eos" if new and new[-1] in eos else "length", stats)
 
     return run
+
+
+def llamacpp_runner(gguf: Path, eos_ids: Sequence[int], max_new_tokens: int, threads: int,
+                    context: int = 4096) -> Callable[[List[int]], GenerationResult]:
+    """A peer to compare with: llama.cpp (through llama-cpp-python) decoding the GGUF file itself,
+    greedy, from the same prompt token ids, on ``threads`` CPU threads. Its runs carry total time
+    and new tokens only (prefill included, as in mtpctl's runs).
+
+    Raises:
+        ImportError: llama-cpp-python is not installed.
+    """
+    import time
+
+    from llama_cpp import Llama
+
+    from mtpctl.runtime.generate import GenerationStats
+
+    llm = Llama(model_path=str(gguf), n_ctx=context, n_threads=threads, n_threads_batch=threads, verbose=False)
+    eos = set(eos_ids)
+
+    def run(prompt_ids: List[int]) -> GenerationResult:
+        llm.reset()
+        new: List[int] = []
+        start = time.perf_counter()
+        for token in llm.generate(prompt_ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            new.append(int(token))
+            if token in eos or len(new) >= max_new_tokens:
+                break
+        total_ms = (time.perf_counter() - start) * 1e3
+        stats = GenerationStats(prompt_tokens=len(prompt_ids), new_tokens=len(new), ttft_ms=None, total_ms=total_ms)
+        return GenerationResult(new, "", "eos" if new and new[-1] in eos else "length", stats)
+
+    return run
