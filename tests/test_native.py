@@ -89,7 +89,7 @@ def test_a_token_gets_the_same_bits_alone_in_any_pass_and_at_any_thread_count(bu
     for i in range(len(parents)):
         path = [int(s) for s in plan.paths[i] if s >= 0]
         alone = tree_attention(q[:, :, i:i + 1], keys, values, 0.3,
-                               SlotPlan(plan.starts[i:i + 1], length, plan.paths[i:i + 1, :len(path)]), lib)
+                               SlotPlan(plan.starts[i:i + 1], length, plan.paths[i:i + 1, :len(path)].contiguous()), lib)
         assert torch.equal(alone[:, :, 0], together[:, :, i]), f"token {i} alone"
         # plain decoding of the path: its ancestors committed at the next slots, the token last
         k2, v2 = keys.clone(), values.clone()

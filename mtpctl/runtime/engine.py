@@ -230,7 +230,7 @@ def slot_plan(windows, length: int, depth: torch.Tensor, tree_mask: Optional[tor
         allowed = on_path if window is None else on_path & ((pos[:, None] - pos[None, :]) < window)
         order = torch.argsort((~allowed).to(torch.int8), dim=1, stable=True)  # path nodes first, root first
         slots = torch.where(allowed, length + torch.arange(n), -1).gather(1, order)
-        paths = slots[:, :max(1, int(allowed.sum(1).max()))]
+        paths = slots[:, :max(1, int(allowed.sum(1).max()))].contiguous()  # once per pass, not per layer
         starts = torch.zeros(n, dtype=torch.long) if window is None else (pos - window + 1).clamp(0, length)
         plans[window] = SlotPlan(starts, length, paths)
     return plans

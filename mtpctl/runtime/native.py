@@ -50,6 +50,8 @@ class SlotPlan:
         length: committed slots before the pass.
         paths: ``[N, P]`` long, then the slots of its draft-tree path (ancestors root first, then
             itself), -1 padded. Plain decoding lists ``[length]``.
+
+    Both tensors are contiguous (the kernel reads them as flat arrays; :func:`tree_attention` checks).
     """
 
     starts: torch.Tensor
@@ -174,19 +176,20 @@ def tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sc
     if lib is None:
         raise OSError("the native attention kernel is not available")
     b, heads, n, d = q.shape
+    k, v = keys[0], values[0]
     if b != 1 or keys.dtype != torch.float32 or values.dtype != torch.float32 or keys.shape != values.shape \
-            or keys.shape[-1] != d or not (keys[0].is_contiguous() and values[0].is_contiguous()):
+            or keys.shape[-1] != d or not (k.is_contiguous() and v.is_contiguous()):
         raise ValueError("the native attention kernel takes batch 1 and a contiguous float32 KV cache")
     # the C code trusts these (a mismatch read past the plan's rows or the cache: garbage or a crash)
-    if plan.starts.dtype != torch.long or plan.paths.dtype != torch.long or plan.starts.shape != (n,) \
-            or plan.paths.dim() != 2 or plan.paths.shape[0] != n or plan.length + n > keys.shape[2]:
-        raise ValueError(f"a slot plan of {tuple(plan.starts.shape)} starts, {tuple(plan.paths.shape)} paths after "
-                         f"{plan.length} slots does not fit {n} tokens and a cache of {keys.shape[2]} slots")
+    starts, paths = plan.starts, plan.paths
+    if starts.dtype != torch.long or paths.dtype != torch.long or starts.shape != (n,) or paths.dim() != 2 \
+            or paths.shape[0] != n or plan.length + n > keys.shape[2] \
+            or not (starts.is_contiguous() and paths.is_contiguous()):
+        raise ValueError(f"a slot plan of {tuple(starts.shape)} starts, {tuple(paths.shape)} paths after "
+                         f"{plan.length} slots does not fit {n} tokens and a cache of {keys.shape[2]} slots "
+                         "(or is not contiguous long tensors)")
     qf = q[0].transpose(0, 1).float().contiguous()  # [N, heads, d]
-    k, v = keys[0], values[0]
     out = torch.empty(n, heads, d, dtype=torch.float32)  # whatever torch's default dtype
-    starts = plan.starts.contiguous()
-    paths = plan.paths.contiguous()
     rc = lib.tree_attention(qf.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[1], starts.data_ptr(), plan.length,
                             paths.data_ptr(), paths.shape[1], n, heads, k.shape[0], d, scale, out.data_ptr(),
                             torch.get_num_threads())
