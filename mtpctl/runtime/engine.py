@@ -159,6 +159,12 @@ def head_length(position: int) -> int:
     return max(0, (position - HEAD_BLOCK) // HEAD_BLOCK * HEAD_BLOCK)
 
 
+def _check_depth(depth: torch.Tensor, tree_mask: Optional[torch.Tensor]) -> None:
+    """ValueError for a draft tree deeper than :data:`MAX_DRAFT_DEPTH` (chains may be any length)."""
+    if tree_mask is not None and depth.shape[0] and int(depth.max()) > MAX_DRAFT_DEPTH:
+        raise ValueError(f"a draft tree of depth {int(depth.max())} is deeper than the {MAX_DRAFT_DEPTH} the attention supports")
+
+
 def attention_plan(windows, length: int, depth: torch.Tensor, tree_mask: Optional[torch.Tensor]) -> dict:
     """Attention window -> :class:`AttentionPlan` of a decode or verify pass of N tokens at
     positions ``length + depth`` after ``length`` committed slots; ``tree_mask [N, N]`` (None = a
@@ -168,8 +174,7 @@ def attention_plan(windows, length: int, depth: torch.Tensor, tree_mask: Optiona
         ValueError: a draft tree deeper than :data:`MAX_DRAFT_DEPTH` (chains may be any length).
     """
     n = depth.shape[0]
-    if tree_mask is not None and n and int(depth.max()) > MAX_DRAFT_DEPTH:
-        raise ValueError(f"a draft tree of depth {int(depth.max())} is deeper than the {MAX_DRAFT_DEPTH} the attention supports")
+    _check_depth(depth, tree_mask)
     pos = (length + depth).tolist()
     heads = tuple(head_length(p) for p in pos)
     tail_slots = torch.zeros(n, TAIL, dtype=torch.long)
@@ -221,8 +226,7 @@ def slot_plan(windows, length: int, depth: torch.Tensor, tree_mask: Optional[tor
             both attention paths accept the same drafts; chains may be any length).
     """
     n = depth.shape[0]
-    if tree_mask is not None and n and int(depth.max()) > MAX_DRAFT_DEPTH:  # the limit torch's ops have
-        raise ValueError(f"a draft tree of depth {int(depth.max())} is deeper than the {MAX_DRAFT_DEPTH} the attention supports")
+    _check_depth(depth, tree_mask)
     on_path = torch.ones(n, n, dtype=torch.bool).tril() if tree_mask is None else tree_mask
     pos = length + depth
     plans = {}
@@ -271,9 +275,9 @@ class TorchEngine:
             :class:`StepOutput` then offers ``draft_logits``.
         native: decode and verify passes attend with the native kernel (:mod:`mtpctl.runtime.native`)
             where it can be built and takes the model's attention shape (None, the default), always
-            (True: ValueError where it cannot), or never (False); torch's ops otherwise (:func:`attention_plan`). Either way each token of a verify
-            pass gets bit for bit what plain decoding gives it (the engine's ``native`` attribute
-            says which runs).
+            (True: ValueError where it cannot), or never (False: torch's ops, :func:`attention_plan`).
+            Either way each token of a verify pass gets bit for bit what plain decoding gives it
+            (the engine's ``native`` attribute says which runs).
     """
 
     def __init__(self, model: Decoder, capacity: int, heads: Optional[nn.Module] = None,
