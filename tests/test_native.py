@@ -115,7 +115,7 @@ def test_no_compiler_means_torch_attention_with_one_warning(tmp_path, monkeypatc
     load_kernel.cache_clear()
     try:
         assert load_kernel() is None and load_kernel() is None
-        assert capsys.readouterr().err.count("native attention kernel unavailable (no C compiler 'no-such-compiler'") == 1
+        assert capsys.readouterr().err.count("native kernels (attention, RMSNorm) unavailable (no C compiler 'no-such-compiler'") == 1
         assert not TorchEngine(random_decoder(), 16).native
         monkeypatch.delenv("CC")
         for off in ("0", "false", "Off", "no"):
@@ -124,3 +124,48 @@ def test_no_compiler_means_torch_attention_with_one_warning(tmp_path, monkeypatc
             assert load_kernel() is None and not list(tmp_path.iterdir()), off  # off: nothing built
     finally:
         load_kernel.cache_clear()
+
+
+NORM_CASES = [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),  # Llama: weight in x's dtype
+              (torch.bfloat16, torch.float32)]  # Gemma: a float32 (1 + w) weight
+
+
+@pytest.mark.parametrize("dtype,weight_dtype", NORM_CASES)
+def test_rms_norm_matches_the_torch_formula_to_rounding(dtype, weight_dtype):
+    from mtpctl.runtime.model import _rms_norm, _rms_norm_float32_scale
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(7, 576, generator=g) * 3).to(dtype)
+    w = (torch.rand(576, generator=g) + 0.5).to(weight_dtype)
+    torch_norm = _rms_norm_float32_scale if weight_dtype != dtype else _rms_norm
+    got, want = native.rms_norm(x, w, 1e-5), torch_norm(x, w, 1e-5)
+    assert got.dtype == dtype and got.shape == x.shape
+    h = x.double()
+    exact = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -22  # a little above the dtype's rounding
+    assert ((got.double() - exact).abs() <= exact.abs() * ulp * 2 + 1e-30).all()
+    # only the order of the sum of squares (and 1/sqrt against rsqrt) differs from torch's ops
+    assert ((got.double() - want.double()).abs() <= want.double().abs() * ulp * 2 + 1e-30).all()
+
+
+@pytest.mark.parametrize("dtype,weight_dtype", NORM_CASES)
+def test_rms_norm_gives_a_row_the_same_bits_alone_and_in_a_block(dtype, weight_dtype):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 9, 640, generator=g).to(dtype)
+    w = torch.randn(640, generator=g).to(weight_dtype)
+    block = native.rms_norm(x, w, 1e-6)
+    for b in range(2):
+        for i in range(9):
+            assert torch.equal(native.rms_norm(x[b, i], w, 1e-6), block[b, i])
+    strided = x.transpose(0, 1)  # a non-contiguous view is normed as its values
+    assert torch.equal(native.rms_norm(strided, w, 1e-6), block.transpose(0, 1))
+
+
+def test_rms_norm_refuses_what_it_does_not_take():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        native.rms_norm(torch.randn(2, 24), torch.ones(24), 1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        native.rms_norm(torch.randn(2, 32).bfloat16(), torch.ones(32, dtype=torch.float64), 1e-6)
+    with pytest.raises(ValueError, match="float16"):
+        native.rms_norm(torch.randn(2, 32).half(), torch.ones(32).half(), 1e-6)
+    assert native.norm_takes(576) and native.norm_takes(16384) and not native.norm_takes(16400)

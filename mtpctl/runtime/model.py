@@ -26,7 +26,7 @@ from torch import nn
 from mtpctl.errors import UnsupportedModel
 from mtpctl.runtime.config import DecoderConfig, RopeConfig
 from mtpctl.runtime.kv_cache import KVCache
-from mtpctl.runtime.native import SlotPlan, tree_attention
+from mtpctl.runtime.native import SlotPlan, norm_takes, rms_norm, tree_attention
 from mtpctl.runtime.quant import BlockedLinear, PackedLinear, blocked_layout_available, pack_exact
 from mtpctl.runtime.weights import load_tensors, safetensors_files
 
@@ -275,6 +275,8 @@ class DecoderLayer(nn.Module):
 
         norm_dtype = torch.float32 if cfg.norm_offset else dtype
         self.norm = _rms_norm_float32_scale if cfg.norm_offset else _rms_norm
+        # decode and verify passes on the native kernels (a SlotPlan) norm with the native RMSNorm too
+        self.native_norms = norm_takes(h) and (not cfg.qk_norm or norm_takes(hd))
         self.act = ACTIVATIONS[cfg.hidden_act]
         self.input_norm = param(h, dtype=norm_dtype)
         self.post_attention_norm = param(h, dtype=norm_dtype)
@@ -293,7 +295,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, cache: KVCache, mask: Optional[torch.Tensor], plan: Optional[AttentionPlan] = None):
         """x ``[batch, N, hidden]`` -> ``[batch, N, hidden]``; writes this layer's N new KV slots.
 
-        With a ``plan`` (decode and verify passes) attention is batch-invariant (:func:`_attention`);
+        With a ``plan`` (decode and verify passes) attention is batch-invariant (:func:`_attention`;
+        with a :class:`SlotPlan` the native kernel, and the native RMSNorm for this layer's norms);
         without one (prefill, teacher-forced batches) the fused SDPA kernel attends over the used
         slots only, which is faster for long N.
         """
@@ -301,7 +304,7 @@ class DecoderLayer(nn.Module):
         b, n, _ = x.shape
         hd = cfg.head_dim
         heads = cfg.num_attention_heads
-        norm = self.norm
+        norm = rms_norm if self.native_norms and isinstance(plan, SlotPlan) else self.norm
         qkv = _linear(norm(x, self.input_norm, cfg.rms_norm_eps), self.qkv, self.qkv_bias)
         qk = qkv[..., :self.q_size + self.kv_size].unflatten(-1, (heads + cfg.num_key_value_heads, hd))
         if self.q_norm is not None:
@@ -473,7 +476,9 @@ class Decoder(nn.Module):
                 (True = may attend), from :func:`mtpctl.runtime.engine.attention_masks`: prefill and
                 teacher-forced passes (the fused SDPA kernel, where only speed matters).
             plans: instead of masks, for decode and verify passes: attention window ->
-                :class:`AttentionPlan`, so that each token is computed exactly as it would be alone.
+                :class:`AttentionPlan`, so that each token is computed exactly as it would be alone
+                (:class:`SlotPlan`: the native attention kernel and native RMSNorm,
+                :mod:`mtpctl.runtime.native`).
 
         Returns:
             hidden_states after the final norm, ``[batch, N, hidden]``.
@@ -490,7 +495,9 @@ class Decoder(nn.Module):
                 x = layer(x, cos, sin, cache, None, plans[window])
             else:
                 x = layer(x, cos, sin, cache, masks[window])
-        return self.final_norm(x, self.norm, self.cfg.rms_norm_eps)
+        native = plans is not None and any(isinstance(p, SlotPlan) for p in plans.values()) \
+            and norm_takes(self.cfg.hidden_size)
+        return (rms_norm if native else self.final_norm)(x, self.norm, self.cfg.rms_norm_eps)
 
     @property
     def weight_bytes(self) -> int:

@@ -1,16 +1,18 @@
-"""The native decode/verify attention kernel (``csrc/tree_attention.c``), built on first use.
+"""The native decode/verify kernels (``csrc/tree_attention.c``, ``csrc/rms_norm.c``), built on first use.
 
 Decode and verify passes attend over a few hundred cached slots per token; torch runs that as
 about twenty small ops per layer (gathers, padded matmuls, softmax), which cost more than the
 arithmetic. The C kernel does one fused pass per (token, KV head) over an explicit slot list, in a
-fixed order, so it is batch-invariant by construction (see the source's header).
+fixed order, so it is batch-invariant by construction (see the source's header). The RMSNorm of
+those passes (61 a SmolLM2 step) is one C call per norm instead of six to eight torch ops, again
+with each row's sum in a fixed order.
 
-The kernel is compiled with the system C compiler (``$CC``, else ``cc``) into
+Both are compiled into one library with the system C compiler (``$CC``, else ``cc``) into
 ``$MTPCTL_HOME/kernels/`` the first time it is needed (about a second) and loaded with ctypes; it
 uses OpenMP through the ``libgomp`` torch already loaded, so it shares torch's thread count. Where
 there is no compiler, or the build fails, :func:`load_kernel` returns None once, with a warning on
-stderr, and the engine keeps the pure-torch attention (:func:`mtpctl.runtime.model._attention`),
-which gives the same guarantee more slowly.
+stderr, and the engine keeps the pure-torch attention (:func:`mtpctl.runtime.model._attention`)
+and norms, which give the same guarantee more slowly.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 
 from mtpctl.paths import mtpctl_home
 
-SOURCE = Path(__file__).with_name("csrc") / "tree_attention.c"
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("tree_attention.c", "rms_norm.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 #: seconds a build may take (it takes about one): a compiler that hangs costs this, then torch's ops
 BUILD_TIMEOUT_S = 120.0
@@ -107,7 +109,7 @@ def _build(out: Path, flags: Tuple[str, ...]) -> None:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         part = Path(tmp) / out.name
         try:
-            done = subprocess.run([*command, *flags, str(SOURCE), "-o", str(part), "-lm"], capture_output=True,
+            done = subprocess.run([*command, *flags, *map(str, SOURCES), "-o", str(part), "-lm"], capture_output=True,
                                   text=True, timeout=BUILD_TIMEOUT_S)
         except subprocess.TimeoutExpired as e:
             raise OSError(f"{compiler} did not finish in {BUILD_TIMEOUT_S:g} s") from e
@@ -142,16 +144,20 @@ def load_kernel(portable: bool = False) -> Optional[ctypes.CDLL]:
         return None
     flags = tuple(f for f in FLAGS if not (portable and f.startswith("-march")))
     try:
-        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + _cpu_signature()).hexdigest()[:12]
-        path = mtpctl_home() / "kernels" / f"tree_attention-{key}.so"
+        source = b"".join(path.read_bytes() for path in SOURCES)
+        key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_signature()).hexdigest()[:12]
+        path = mtpctl_home() / "kernels" / f"mtpctl_native-{key}.so"
         if not _intact(path):
             _build(path, flags)
         lib = ctypes.CDLL(str(path))
-        lib.tree_attention  # noqa: B018 (raises AttributeError where the library lacks the kernel)
+        lib.tree_attention, lib.rms_norm  # noqa: B018 (AttributeError where the library lacks a kernel)
     except (OSError, AttributeError) as e:
-        print(f"mtpctl: warning: native attention kernel unavailable ({e}); using torch's ops (slower)",
+        print(f"mtpctl: warning: native kernels (attention, RMSNorm) unavailable ({e}); using torch's ops (slower)",
               file=sys.stderr)
         return None
+    lib.rms_norm.restype = ctypes.c_int
+    lib.rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int,
+                                                     ctypes.c_int]
     lib.tree_attention.restype = ctypes.c_int
     lib.tree_attention.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
                                    + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int])
@@ -200,3 +206,44 @@ def tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sc
         raise ValueError(f"the native attention kernel does not take head_dim {d} with {heads} heads over "
                          f"{k.shape[0]} KV heads")
     return out.transpose(0, 1)[None].to(q.dtype)
+
+
+#: widest row :func:`rms_norm` takes (``MAX_DIM`` in csrc/rms_norm.c)
+NORM_MAX_DIM = 16384
+
+
+def norm_takes(dim: int) -> bool:
+    """Whether the native RMSNorm takes rows of ``dim`` values: a multiple of 16 up to 16384."""
+    return 0 < dim <= NORM_MAX_DIM and dim % 16 == 0
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """RMSNorm of every row of ``x`` ``[..., dim]`` (bfloat16 or float32), in x's dtype, one row at a
+    time in a fixed order (batch-invariant).
+
+    ``weight`` ``[dim]``: in x's dtype, Llama's convention ``weight * to_dtype(h * r)``; or float32,
+    Gemma's ``to_dtype(h * r * weight)`` (it holds ``1 + w``), where h is the row in float32 and
+    ``r = 1 / sqrt(mean(h^2) + eps)``. In float32 the two are the same product. These are the
+    formulas of :func:`mtpctl.runtime.model._rms_norm` and ``_rms_norm_float32_scale``; only the
+    order of the sum of squares differs, so results agree to rounding.
+
+    Raises:
+        OSError: the kernel could not be built (see :func:`load_kernel`).
+        ValueError: another dtype, a weight that is not ``[dim]`` in x's dtype or float32, or a
+            ``dim`` the kernel does not take (:func:`norm_takes`).
+    """
+    lib = lib or load_kernel()
+    if lib is None:
+        raise OSError("the native kernels are not available")
+    dim = x.shape[-1]
+    if x.dtype not in (torch.bfloat16, torch.float32) or weight.shape != (dim,) \
+            or weight.dtype not in (x.dtype, torch.float32) or not norm_takes(dim):
+        raise ValueError(f"the native RMSNorm takes bfloat16/float32 rows of a multiple of 16 values up to "
+                         f"{NORM_MAX_DIM} and a [{dim}] weight in their dtype or float32; got {x.dtype} rows of "
+                         f"{dim} and a {weight.dtype} weight of {tuple(weight.shape)}")
+    x = x.contiguous()
+    weight = weight.contiguous()
+    out = torch.empty_like(x)
+    lib.rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps,
+                 int(x.dtype == torch.bfloat16), int(weight.dtype == torch.float32 and x.dtype != torch.float32))
+    return out
