@@ -169,3 +169,31 @@ def test_rms_norm_refuses_what_it_does_not_take():
     with pytest.raises(ValueError, match="float16"):
         native.rms_norm(torch.randn(2, 32).half(), torch.ones(32).half(), 1e-6)
     assert native.norm_takes(576) and native.norm_takes(16384) and not native.norm_takes(16400)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_write_equals_rotate_then_cache_write_bit_for_bit(dtype):
+    from mtpctl.runtime.kv_cache import KVCache
+    from mtpctl.runtime.model import _rotate
+
+    heads, kv_heads, d, n = 6, 2, 64, 5
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(1, n, (heads + 2 * kv_heads) * d + 8, generator=g).to(dtype)  # a longer row is fine
+    angles = torch.rand(n, d, generator=g) * 40
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    want_cache, got_cache = (KVCache(1, 1, kv_heads, d, 16, spare=3) for _ in range(2))
+    for cache in (want_cache, got_cache):
+        cache.length = 7
+    qk = qkv[..., :(heads + kv_heads) * d].unflatten(-1, (heads + kv_heads, d))
+    rotated = _rotate(qk, cos[None, :, None], sin[None, :, None]).transpose(1, 2)
+    v = qkv[..., (heads + kv_heads) * d:(heads + 2 * kv_heads) * d].unflatten(-1, (kv_heads, d)).transpose(1, 2)
+    want_cache.write(0, rotated[:, heads:], v)
+    keys, values = got_cache.layer_for_write(0, n)
+    q = native.rope_write(qkv[0], cos, sin, keys, values, got_cache.length, heads, kv_heads)
+    assert q.dtype == torch.float32 and q.shape == (n, heads, d)
+    assert torch.equal(q, rotated[0, :heads].transpose(0, 1).float())
+    assert torch.equal(got_cache.k, want_cache.k) and torch.equal(got_cache.v, want_cache.v)
+    with pytest.raises(ValueError, match="overflow"):
+        got_cache.layer_for_write(0, 10)
+    with pytest.raises(ValueError, match="rope_write does not take"):
+        native.rope_write(qkv[0], cos, sin, keys, values, 16, heads, kv_heads)  # past the slots

@@ -52,6 +52,19 @@ class KVCache:
         self.v[layer, :, :, self.length:end] = v_new
         return self.k[layer], self.v[layer]
 
+    def layer_for_write(self, layer: int, n: int):
+        """Views ``[batch, kv_heads, capacity + spare, head_dim]`` of ``layer``'s keys and values for a
+        pass of ``n`` new tokens that a kernel writes itself to slots ``[length, length+n)``
+        (:func:`mtpctl.runtime.native.rope_write`): :meth:`write` without the copy.
+
+        Raises:
+            ValueError: the n new slots do not fit in ``capacity``.
+        """
+        end = self.length + n
+        if end > self.capacity:
+            raise ValueError(f"KV cache overflow: {end} slots needed, {self.capacity} allocated")
+        return self.k[layer], self.v[layer]
+
     def advance(self, n: int) -> None:
         """Commit the first ``n`` uncommitted slots (``length += n``)."""
         if n < 0 or self.length + n > self.capacity:

@@ -26,7 +26,7 @@ from torch import nn
 from mtpctl.errors import UnsupportedModel
 from mtpctl.runtime.config import DecoderConfig, RopeConfig
 from mtpctl.runtime.kv_cache import KVCache
-from mtpctl.runtime.native import SlotPlan, norm_takes, rms_norm, tree_attention
+from mtpctl.runtime.native import SlotPlan, norm_takes, rms_norm, rope_write, tree_attention
 from mtpctl.runtime.quant import BlockedLinear, PackedLinear, blocked_layout_available, pack_exact
 from mtpctl.runtime.weights import load_tensors, safetensors_files
 
@@ -296,7 +296,8 @@ class DecoderLayer(nn.Module):
         """x ``[batch, N, hidden]`` -> ``[batch, N, hidden]``; writes this layer's N new KV slots.
 
         With a ``plan`` (decode and verify passes) attention is batch-invariant (:func:`_attention`;
-        with a :class:`SlotPlan` the native kernel, and the native RMSNorm for this layer's norms);
+        with a :class:`SlotPlan` the native kernel, the native RMSNorm for this layer's norms and,
+        without q/k norms, the rotary embedding fused with the cache write, :mod:`mtpctl.runtime.native`);
         without one (prefill, teacher-forced batches) the fused SDPA kernel attends over the used
         slots only, which is faster for long N.
         """
@@ -304,8 +305,15 @@ class DecoderLayer(nn.Module):
         b, n, _ = x.shape
         hd = cfg.head_dim
         heads = cfg.num_attention_heads
-        norm = rms_norm if self.native_norms and isinstance(plan, SlotPlan) else self.norm
+        native = isinstance(plan, SlotPlan)
+        norm = rms_norm if self.native_norms and native else self.norm
         qkv = _linear(norm(x, self.input_norm, cfg.rms_norm_eps), self.qkv, self.qkv_bias)
+        if native and self.q_norm is None and b == 1:  # rotate, write the cache and attend in C
+            keys, values = cache.layer_for_write(self.index, n)
+            q = rope_write(qkv[0], cos[0, :, 0], sin[0, :, 0], keys, values, cache.length, heads,
+                           cfg.num_key_value_heads)
+            attn = tree_attention(q.transpose(0, 1)[None], keys, values, cfg.scale, plan).to(x.dtype)
+            return self._attention_out_and_mlp(x, attn, b, n, norm)
         qk = qkv[..., :self.q_size + self.kv_size].unflatten(-1, (heads + cfg.num_key_value_heads, hd))
         if self.q_norm is not None:
             qk = torch.cat((norm(qk[:, :, :heads], self.q_norm, cfg.rms_norm_eps),
@@ -323,6 +331,12 @@ class DecoderLayer(nn.Module):
             attn = F.scaled_dot_product_attention(q.float(), keys[:, :, :used], values[:, :, :used],
                                                   attn_mask=mask[..., :used], enable_gqa=True,
                                                   scale=cfg.attention_scale).to(x.dtype)
+        return self._attention_out_and_mlp(x, attn, b, n, norm)
+
+    def _attention_out_and_mlp(self, x, attn, b: int, n: int, norm):
+        """The rest of the block after attention ``attn [batch, heads, N, head_dim]``: output
+        projection and residual, then the MLP and its residual."""
+        cfg = self.cfg
         out = _linear(attn.transpose(1, 2).reshape(b, n, self.q_size), self.o_proj)
         if self.attn_out_norm is not None:
             out = norm(out, self.attn_out_norm, cfg.rms_norm_eps)

@@ -1,11 +1,12 @@
-"""The native decode/verify kernels (``csrc/tree_attention.c``, ``csrc/rms_norm.c``), built on first use.
+"""The native decode/verify kernels (``csrc/tree_attention.c``, ``rms_norm.c``, ``rope.c``), built on first use.
 
 Decode and verify passes attend over a few hundred cached slots per token; torch runs that as
 about twenty small ops per layer (gathers, padded matmuls, softmax), which cost more than the
 arithmetic. The C kernel does one fused pass per (token, KV head) over an explicit slot list, in a
 fixed order, so it is batch-invariant by construction (see the source's header). The RMSNorm of
 those passes (61 a SmolLM2 step) is one C call per norm instead of six to eight torch ops, again
-with each row's sum in a fixed order.
+with each row's sum in a fixed order; and one call per layer rotates the queries and keys (RoPE),
+writes keys and values to the cache and lays the queries out for the attention kernel.
 
 Both are compiled into one library with the system C compiler (``$CC``, else ``cc``) into
 ``$MTPCTL_HOME/kernels/`` the first time it is needed (about a second) and loaded with ctypes; it
@@ -35,7 +36,7 @@ import torch
 
 from mtpctl.paths import mtpctl_home
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("tree_attention.c", "rms_norm.c"))
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("tree_attention.c", "rms_norm.c", "rope.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 #: seconds a build may take (it takes about one): a compiler that hangs costs this, then torch's ops
 BUILD_TIMEOUT_S = 120.0
@@ -150,7 +151,7 @@ def load_kernel(portable: bool = False) -> Optional[ctypes.CDLL]:
         if not _intact(path):
             _build(path, flags)
         lib = ctypes.CDLL(str(path))
-        lib.tree_attention, lib.rms_norm  # noqa: B018 (AttributeError where the library lacks a kernel)
+        lib.tree_attention, lib.rms_norm, lib.rope_write  # noqa: B018 (AttributeError where one is missing)
     except (OSError, AttributeError) as e:
         print(f"mtpctl: warning: native kernels (attention, RMSNorm) unavailable ({e}); using torch's ops (slower)",
               file=sys.stderr)
@@ -158,6 +159,10 @@ def load_kernel(portable: bool = False) -> Optional[ctypes.CDLL]:
     lib.rms_norm.restype = ctypes.c_int
     lib.rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int,
                                                      ctypes.c_int]
+    lib.rope_write.restype = ctypes.c_int
+    lib.rope_write.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+                               + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int64])
     lib.tree_attention.restype = ctypes.c_int
     lib.tree_attention.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
                                    + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int])
@@ -247,3 +252,44 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib: Optional[ct
     lib.rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps,
                  int(x.dtype == torch.bfloat16), int(weight.dtype == torch.float32 and x.dtype != torch.float32))
     return out
+
+
+def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               first: int, heads: int, kv_heads: int, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """Rotary embedding (RoPE, Su et al. 2021) of a pass's queries and keys, fused with the KV cache
+    write: the computation of :func:`mtpctl.runtime.model._rotate` (each product and the sum rounded
+    to the model's dtype), bit for bit, followed by what ``KVCache.write`` and :func:`tree_attention`
+    do with the result.
+
+    qkv ``[N, stride]`` (bfloat16 or float32; each row holds ``heads`` query, ``kv_heads`` key and
+    ``kv_heads`` value heads of head_dim values first); cos/sin ``[N, head_dim]`` in qkv's dtype (each
+    token's rotation); keys/values ``[1, kv_heads, slots, head_dim]`` float32, one layer of the KV
+    cache, token i's key and value going to slot ``first + i``. Returns the rotated queries
+    ``[N, heads, head_dim]`` in float32.
+
+    Raises:
+        OSError: the kernel could not be built (see :func:`load_kernel`).
+        ValueError: shapes or dtypes that do not fit (an odd head_dim, a row too short for the heads,
+            slots past the cache, a batch other than 1, a cache that is not contiguous float32).
+    """
+    lib = lib or load_kernel()
+    if lib is None:
+        raise OSError("the native kernels are not available")
+    n, d = qkv.shape[0], cos.shape[-1]
+    k, v = keys[0], values[0]
+    if qkv.dim() != 2 or qkv.dtype not in (torch.bfloat16, torch.float32) or qkv.stride(-1) != 1 \
+            or cos.shape != (n, d) or sin.shape != (n, d) or cos.dtype != qkv.dtype or sin.dtype != qkv.dtype \
+            or keys.shape[0] != 1 or keys.dtype != torch.float32 or values.dtype != torch.float32 \
+            or keys.shape != values.shape or k.shape[0] != kv_heads or k.shape[-1] != d \
+            or not (k.is_contiguous() and v.is_contiguous()) or qkv.shape[1] < (heads + 2 * kv_heads) * d \
+            or d % 2 or first < 0 or first + n > k.shape[1]:
+        raise ValueError(f"rope_write does not take qkv {tuple(qkv.shape)} {qkv.dtype}, cos/sin "
+                         f"{tuple(cos.shape)}, a cache layer {tuple(keys.shape)} {keys.dtype} from slot {first}, "
+                         f"{heads} heads over {kv_heads} KV heads")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    q = torch.empty(n, heads, d, dtype=torch.float32)
+    rc = lib.rope_write(qkv.data_ptr(), n, qkv.stride(0), heads, kv_heads, d, cos.data_ptr(), sin.data_ptr(),
+                        int(qkv.dtype == torch.bfloat16), q.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[1], first)
+    if rc:
+        raise ValueError(f"rope_write refused head_dim {d} or slots {first}..{first + n} of {k.shape[1]}")
+    return q

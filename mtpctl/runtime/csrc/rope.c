@@ -1,0 +1,80 @@
+/* Rotary position embedding (Su et al. 2021, RoFormer) of a decode or verify pass, fused with the
+ * KV cache write and the query layout the attention kernel reads.
+ *
+ * Built into the same library as tree_attention.c by mtpctl/runtime/native.py. For each token it
+ * rotates the query and key heads of its qkv row as mtpctl.runtime.model._rotate does
+ * (x * cos + rotate_half(x) * sin, each product and the sum rounded to the model's dtype), writes
+ * the queries to q_out in float32 and the keys and values to their cache slot in float32. Every value
+ * depends on its own token's row alone, so the result is batch-invariant. One call replaces the
+ * rotation (cat, two products, a sum), the cache write and the query's float copy: about ten torch
+ * ops per layer.
+ */
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_value(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* round to the nearest bfloat16 value (ties to even), as torch's float -> bfloat16; NaN stays NaN */
+static inline float bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return f;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    u &= 0xffff0000u;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline float load(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_value(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* one head of d values at x (element offset), rotated with the token's cos/sin rows, into out; the
+ * two products are rounded before the sum (no fused multiply-add), as torch's separate ops round them */
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+static void rotate_head(const void *x, int64_t at, const void *cos, const void *sin, int64_t c, int64_t d,
+                        int bf16, float *out) {
+    int64_t half = d / 2;
+    for (int64_t j = 0; j < d; j++) {
+        float v = load(x, at + j, bf16);
+        float r = j < half ? -load(x, at + j + half, bf16) : load(x, at + j - half, bf16);
+        float a = v * load(cos, c + j, bf16), b = r * load(sin, c + j, bf16);
+        out[j] = bf16 ? bf16_round(bf16_round(a) + bf16_round(b)) : a + b;
+    }
+}
+
+/* Returns 0, or -1 when d is odd or a slot lies outside the cache.
+ *   qkv    [n, stride]              model dtype (bf16 != 0: bfloat16, else float32), rows contiguous:
+ *                                   heads queries, kv_heads keys, kv_heads values of d values each
+ *   cos,sin [n, d]                  model dtype, contiguous (each token's rotation)
+ *   q_out  [n, heads, d]            float32
+ *   k, v   [kv_heads, cap, d]       float32, contiguous (one layer of the KV cache); token i goes to
+ *                                   slot first + i */
+int rope_write(const void *qkv, int64_t n, int64_t stride, int64_t heads, int64_t kv_heads, int64_t d,
+               const void *cos, const void *sin, int bf16, float *q_out, float *k, float *v, int64_t cap,
+               int64_t first) {
+    if (d % 2 || first < 0 || first + n > cap || stride < (heads + 2 * kv_heads) * d)
+        return -1;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t row = i * stride, c = i * d;
+        for (int64_t h = 0; h < heads; h++)
+            rotate_head(qkv, row + h * d, cos, sin, c, d, bf16, q_out + (i * heads + h) * d);
+        for (int64_t g = 0; g < kv_heads; g++) {
+            float *slot_k = k + (g * cap + first + i) * d, *slot_v = v + (g * cap + first + i) * d;
+            rotate_head(qkv, row + (heads + g) * d, cos, sin, c, d, bf16, slot_k);
+            for (int64_t j = 0; j < d; j++)
+                slot_v[j] = load(qkv, row + (heads + kv_heads + g) * d + j, bf16);
+        }
+    }
+    return 0;
+}
