@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mtpctl.runtime.native import load_kernel
 from mtpctl.runtime.quant import BlockedLinear, blocked_layout_available, pack_exact
 
 needs_onednn = pytest.mark.skipif(not blocked_layout_available(), reason="this torch build has no oneDNN linear ops")
@@ -45,13 +46,56 @@ def test_q8_0_grid_packs_as_two_int4_parts():
     torch.testing.assert_close(packed(x), F.linear(x, w), atol=1e-5, rtol=1e-5)
 
 
-def test_packed_rows_do_not_depend_on_the_block():
-    """The property lossless verification rests on: a row alone equals that row inside a block."""
-    packed = pack_exact(q4_1_grid(n=256, k=512))
-    x = torch.randn(8, 512).bfloat16()
+@pytest.mark.parametrize("native", [None, False])  # the native int4 kernel where it builds; torch's
+@pytest.mark.parametrize("grid", [q4_1_grid, q8_0_grid])
+def test_packed_rows_do_not_depend_on_the_block(native, grid):
+    """The property lossless verification rests on: a row alone equals that row inside a block (13
+    rows: the native kernel's register path for up to 4 rows and its buffered path beyond)."""
+    packed = pack_exact(grid(n=256, k=512), native=native)
+    assert packed.native == (native is None and load_kernel() is not None)
+    x = torch.randn(13, 512).bfloat16()
     block = packed(x)
-    for i in range(8):
+    assert block.dtype == torch.bfloat16 and block.shape == (13, 256)
+    for i in range(13):
         assert torch.equal(block[i], packed(x[i:i + 1])[0])
+    for rows in (2, 4, 5, 9):
+        assert torch.equal(block[:rows], packed(x[:rows]))
+
+
+@pytest.mark.skipif(load_kernel() is None, reason="no C compiler here to build the native kernels")
+@pytest.mark.parametrize("grid", [q4_1_grid, q8_0_grid])
+def test_native_int4_kernel_is_as_close_to_the_weights_as_bfloat16_allows(grid):
+    w = grid(n=128, k=256)
+    packed = pack_exact(w)
+    assert packed.native
+    x = torch.randn(6, 256).bfloat16()
+    exact = x.double() @ w.double().T
+    got = packed(x).double()
+    # each weight rounded to bfloat16 once (2^-9 relative), the float32 sums, the output's rounding
+    assert ((got - exact).abs() <= 2 ** -8 * (x.double().abs() @ w.double().abs().T) + 1e-6).all()
+    torch_kernel = pack_exact(w, native=False)(x).double()  # the same product, other roundings
+    assert ((got - torch_kernel).abs() <= 2 ** -6 * (x.double().abs() @ w.double().abs().T) + 1e-6).all()
+
+
+@pytest.mark.skipif(load_kernel() is None, reason="no C compiler here to build the native kernels")
+def test_portable_int4_kernel_is_batch_invariant_and_agrees_with_the_simd_one():
+    from mtpctl.runtime.native import int4_matmul, int4_pack
+    from mtpctl.runtime.quant import pack_q4
+
+    (q, scale, zero), = pack_q4(q4_1_grid(n=64, k=128))
+    blob = int4_pack(q, scale, zero)
+    portable = load_kernel(portable=True)
+    x = torch.randn(7, 128).bfloat16()
+    block = int4_matmul(x, blob, 64, lib=portable)
+    for i in range(7):
+        assert torch.equal(int4_matmul(x[i:i + 1], blob, 64, lib=portable)[0], block[i])
+    # the same bfloat16 weights; only the float32 sums round in another order
+    scale_of_sums = x.double().abs() @ (q * scale.repeat_interleave(32, 1) + zero.repeat_interleave(32, 1)).abs().T.double()
+    assert ((block.double() - int4_matmul(x, blob, 64).double()).abs() <= 1e-5 * scale_of_sums).all()
+    with pytest.raises(ValueError, match="bfloat16"):
+        int4_matmul(x.float(), blob, 64)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        int4_pack(q[:6], scale[:6], zero[:6])
 
 
 def test_weights_off_the_grid_are_left_alone():

@@ -1,4 +1,4 @@
-"""The native decode/verify kernels (``csrc/tree_attention.c``, ``rms_norm.c``, ``rope.c``), built on first use.
+"""The native kernels (``csrc/tree_attention.c``, ``rms_norm.c``, ``rope.c``, ``int4_matmul.c``), built on first use.
 
 Decode and verify passes attend over a few hundred cached slots per token; torch runs that as
 about twenty small ops per layer (gathers, padded matmuls, softmax), which cost more than the
@@ -6,7 +6,8 @@ arithmetic. The C kernel does one fused pass per (token, KV head) over an explic
 fixed order, so it is batch-invariant by construction (see the source's header). The RMSNorm of
 those passes (61 a SmolLM2 step) is one C call per norm instead of six to eight torch ops, again
 with each row's sum in a fixed order; and one call per layer rotates the queries and keys (RoPE),
-writes keys and values to the cache and lays the queries out for the attention kernel.
+writes keys and values to the cache and lays the queries out for the attention kernel. int4 models'
+weights run on a 4-bit matmul whose cost grows far less with the rows of a pass than torch's.
 
 Both are compiled into one library with the system C compiler (``$CC``, else ``cc``) into
 ``$MTPCTL_HOME/kernels/`` the first time it is needed (about a second) and loaded with ctypes; it
@@ -36,7 +37,8 @@ import torch
 
 from mtpctl.paths import mtpctl_home
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("tree_attention.c", "rms_norm.c", "rope.c"))
+SOURCES = tuple(Path(__file__).with_name("csrc") / name
+                for name in ("tree_attention.c", "rms_norm.c", "rope.c", "int4_matmul.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 #: seconds a build may take (it takes about one): a compiler that hangs costs this, then torch's ops
 BUILD_TIMEOUT_S = 120.0
@@ -151,7 +153,7 @@ def load_kernel(portable: bool = False) -> Optional[ctypes.CDLL]:
         if not _intact(path):
             _build(path, flags)
         lib = ctypes.CDLL(str(path))
-        lib.tree_attention, lib.rms_norm, lib.rope_write  # noqa: B018 (AttributeError where one is missing)
+        lib.tree_attention, lib.rms_norm, lib.rope_write, lib.int4_matmul  # noqa: B018 (AttributeError: one missing)
     except (OSError, AttributeError) as e:
         print(f"mtpctl: warning: native kernels (attention, RMSNorm) unavailable ({e}); using torch's ops (slower)",
               file=sys.stderr)
@@ -159,6 +161,9 @@ def load_kernel(portable: bool = False) -> Optional[ctypes.CDLL]:
     lib.rms_norm.restype = ctypes.c_int
     lib.rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int,
                                                      ctypes.c_int]
+    lib.int4_matmul.restype = ctypes.c_int
+    lib.int4_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                ctypes.c_void_p, ctypes.c_int]
     lib.rope_write.restype = ctypes.c_int
     lib.rope_write.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
@@ -293,3 +298,55 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: to
     if rc:
         raise ValueError(f"rope_write refused head_dim {d} or slots {first}..{first + n} of {k.shape[1]}")
     return q
+
+
+#: bytes per tile of 4 output rows and group of 32 inputs in :func:`int4_pack`'s layout
+INT4_BLOCK = 96
+
+
+def int4_pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """Lay out 4-bit weights for :func:`int4_matmul`: codes q ``[N, K]`` in 0..15 and float32 scale and
+    zero ``[N, K/32]`` (output n's weights in group g are ``scale * q + zero``) -> uint8
+    ``[N/4, K/32, 96]``: per tile of 4 outputs and group, 64 bytes of codes (byte i of an output's 16 =
+    ``q[i] | q[16 + i] << 4``) then the 4 scales and the 4 zeros as float32 (csrc/int4_matmul.c).
+
+    Raises:
+        ValueError: N not a multiple of 4, K not of 32, or shapes that do not match.
+    """
+    n, k = q.shape
+    if n % 4 or k % 32 or scale.shape != (n, k // 32) or zero.shape != (n, k // 32):
+        raise ValueError(f"int4_pack takes codes [N, K] with N a multiple of 4 and K of 32, and scales and zeros "
+                         f"[N, K/32]; got {tuple(q.shape)}, {tuple(scale.shape)}, {tuple(zero.shape)}")
+    g = k // 32
+    halves = q.to(torch.uint8).reshape(n, g, 2, 16)
+    codes = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n // 4, 4, g, 16).transpose(1, 2).reshape(n // 4, g, 64)
+    sz = torch.cat((scale.float().reshape(n // 4, 4, g).transpose(1, 2),
+                    zero.float().reshape(n // 4, 4, g).transpose(1, 2)), dim=-1).contiguous()  # [N/4, G, 8]
+    return torch.cat((codes, sz.view(torch.uint8).reshape(n // 4, g, 32)), dim=-1).contiguous()
+
+
+def int4_matmul(x: torch.Tensor, blob: torch.Tensor, out_features: int, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """``x @ W.T`` for weights laid out by :func:`int4_pack`: x ``[M, K]`` bfloat16 -> ``[M, N]``
+    float32 (N = ``out_features``). Each row is computed the same way whatever M (csrc/int4_matmul.c).
+
+    Raises:
+        OSError: the kernel could not be built (see :func:`load_kernel`).
+        ValueError: x not 2-D bfloat16, or a blob that does not match K and N.
+        MemoryError: no memory for the kernel's per-thread buffers.
+    """
+    lib = lib or load_kernel()
+    if lib is None:
+        raise OSError("the native kernels are not available")
+    m, k = x.shape if x.dim() == 2 else (0, 0)
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or blob.dtype != torch.uint8 or not blob.is_contiguous() \
+            or blob.shape != (out_features // 4, k // 32, INT4_BLOCK) or out_features % 4 or k % 32:
+        raise ValueError(f"int4_matmul takes bfloat16 [M, K] activations and a [N/4, K/32, {INT4_BLOCK}] uint8 blob; "
+                         f"got {x.dtype} {tuple(x.shape)} and {blob.dtype} {tuple(blob.shape)} for N = {out_features}")
+    x = x.contiguous()
+    y = torch.empty(m, out_features, dtype=torch.float32)
+    rc = lib.int4_matmul(x.data_ptr(), m, k, blob.data_ptr(), out_features, y.data_ptr(), torch.get_num_threads())
+    if rc == -2:
+        raise MemoryError(f"the int4 kernel could not allocate its buffers for {m} rows")
+    if rc:
+        raise ValueError(f"the int4 kernel does not take K = {k}, N = {out_features}")
+    return y

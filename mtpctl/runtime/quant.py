@@ -3,14 +3,15 @@ imports), and oneDNN's blocked layout for dense float32/bfloat16 weights (:class
 
 A GGUF checkpoint dequantized to float32 still holds, in every group of 32 input weights, values of
 the form ``d * q + m`` (Q4_1: q in 0..15) or ``d * q`` (Q8_0: q in -127..127). Such a matrix is
-packed for torch's int4 CPU matmul (``torch._weight_int4pack_mm_for_cpu``) keeping the file's own
-integer codes: Q4_1 groups map to (q - 8) * scale + zero with scale = d, zero = m + 8d; Q8_0 groups
-are split as q + 128 = 16 * hi + lo into two int4 matrices whose products add up. A decode step then
-reads ~0.6 (Q4_1) or ~1.3 (Q8_0) bytes per weight instead of 2 (bfloat16) or 4 (float32): on a
-memory-bound CPU that is the speed-up. Scales and zeros are stored in the activation dtype (bfloat16:
-the kernel's fast path), so the weights equal the file's up to that rounding of each group's scale.
+packed keeping the file's own integer codes: Q4_1 groups as weights ``scale * q + zero`` with
+scale = d, zero = m; Q8_0 groups split as q + 128 = 16 * hi + lo into two 4-bit matrices whose
+products add up. A decode step then reads ~0.6 (Q4_1) or ~1.3 (Q8_0) bytes per weight instead of 2
+(bfloat16) or 4 (float32): on a memory-bound CPU that is the speed-up. The codes run on the native
+int4 kernel (``csrc/int4_matmul.c``: float32 scales, each group's weights rounded to bfloat16) where
+the native kernels build and activations are bfloat16, else on torch's int4 CPU matmul
+(``torch._weight_int4pack_mm_for_cpu``, scales rounded to the activation dtype).
 
-The kernel computes every row of a block exactly as it computes that row alone (checked by the
+Both kernels compute every row of a block exactly as they compute that row alone (checked by the
 tests), which is what lets speculative verification reproduce plain decoding bit for bit.
 Matrices that are not on such a grid are not packed (no silent re-quantization). Detection relies on
 ggml's quantizers putting each group's min and max on the ends of the grid (Q4_1: q = 0 and 15;
@@ -24,6 +25,8 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
+from mtpctl.runtime.native import int4_matmul, int4_pack, load_kernel
+
 GROUP = 32
 REL_TOL = 1e-5  # reconstruction error allowed, relative to the group's largest |weight|
 
@@ -33,12 +36,16 @@ def _groups(weight: torch.Tensor) -> torch.Tensor:
     return weight.float().reshape(n, k // GROUP, GROUP)
 
 
-def _pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """q ``[N, K]`` in 0..15, scale/zero ``[N, K/32]`` -> (packed weight, float32 scales_and_zeros
-    ``[K/32, N, 2]``)."""
+Codes = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q [N, K] in 0..15, scale and zero [N, K/32]
+
+
+def _torch_pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Codes with weights ``scale * q + zero`` -> (packed weight, scales_and_zeros ``[K/32, N, 2]`` in
+    ``dtype``) for torch's kernel, which computes ``(q - 8) * scale + zero'``."""
     packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
-    scales_zeros = torch.stack((scale.t(), zero.t()), dim=-1).float().contiguous()
-    return packed, scales_zeros
+    scales_zeros = torch.stack((scale.t(), (zero + 8 * scale).t()), dim=-1).float().contiguous()
+    return packed, scales_zeros.to(dtype)
 
 
 def _exact(groups: torch.Tensor, recon: torch.Tensor) -> bool:
@@ -46,8 +53,8 @@ def _exact(groups: torch.Tensor, recon: torch.Tensor) -> bool:
     return bool(((recon - groups).abs() <= bound).all())
 
 
-def pack_q4(weight: torch.Tensor) -> Optional[List[Tuple[torch.Tensor, torch.Tensor]]]:
-    """Pack ``weight [N, K]`` if every group of 32 is ``d * q + m`` with q in 0..15; else None."""
+def pack_q4(weight: torch.Tensor) -> Optional[List[Codes]]:
+    """The 4-bit codes of ``weight [N, K]`` if every group of 32 is ``d * q + m`` with q in 0..15; else None."""
     g = _groups(weight)
     low, high = g.amin(-1), g.amax(-1)
     scale = (high - low) / 15
@@ -55,11 +62,12 @@ def pack_q4(weight: torch.Tensor) -> Optional[List[Tuple[torch.Tensor, torch.Ten
     q = torch.round((g - low[..., None]) / safe[..., None]).clamp(0, 15)
     if not _exact(g, q * scale[..., None] + low[..., None]):
         return None
-    return [_pack(q.reshape(weight.shape), scale, low + 8 * scale)]
+    return [(q.reshape(weight.shape), scale, low)]
 
 
-def pack_q8(weight: torch.Tensor) -> Optional[List[Tuple[torch.Tensor, torch.Tensor]]]:
-    """Pack ``weight [N, K]`` as two int4 matrices if every group of 32 is ``d * q``, q in -127..127."""
+def pack_q8(weight: torch.Tensor) -> Optional[List[Codes]]:
+    """Two sets of 4-bit codes whose weights add up to ``weight [N, K]`` if every group of 32 is
+    ``d * q``, q in -127..127 (q + 128 = 16 * hi + lo); else None."""
     g = _groups(weight)
     d = g.abs().amax(-1) / 127
     safe = torch.where(d > 0, d, torch.ones_like(d))
@@ -68,38 +76,55 @@ def pack_q8(weight: torch.Tensor) -> Optional[List[Tuple[torch.Tensor, torch.Ten
         return None
     u = (q + 128).reshape(weight.shape)
     hi, lo = torch.div(u, 16, rounding_mode="floor"), torch.remainder(u, 16)
-    return [_pack(hi, 16 * d, torch.zeros_like(d)), _pack(lo, d, 8 * d)]
+    return [(hi, 16 * d, -128 * d), (lo, d, torch.zeros_like(d))]
 
 
 class PackedLinear(nn.Module):
     """``y = x @ W.T`` for a weight packed by :func:`pack_q4` / :func:`pack_q8`.
 
-    Input ``[..., K]`` and output ``[..., N]`` in ``dtype`` (the scales' dtype; bfloat16 is the
-    kernel's fast path, float32 its slow exact one).
+    Input ``[..., K]`` and output ``[..., N]`` in ``dtype``. With bfloat16 activations and the native
+    kernels (:mod:`mtpctl.runtime.native`), the weights run on ``csrc/int4_matmul.c`` (float32 scales,
+    each group's weights rounded to bfloat16 once; a pass of 5 rows costs about half what torch's
+    kernel takes); otherwise on torch's int4 kernel with scales in ``dtype`` (bfloat16 is its fast
+    path, float32 its slow exact one). Both compute a row alike alone or in a block.
+
+    Args:
+        parts: the codes of :func:`pack_q4` (one part) or :func:`pack_q8` (two parts whose outputs add).
+        native: None = the native kernel where it runs (bfloat16 and a kernel library that builds),
+            False = torch's kernel.
     """
 
-    def __init__(self, parts: List[Tuple[torch.Tensor, torch.Tensor]], out_features: int,
-                 dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, parts: List[Codes], out_features: int, dtype: torch.dtype = torch.bfloat16,
+                 native: Optional[bool] = None):
         super().__init__()
-        self.parts = [(packed, scales_zeros.to(dtype)) for packed, scales_zeros in parts]
+        self.native = native is not False and dtype == torch.bfloat16 and out_features % 4 == 0 \
+            and load_kernel() is not None
+        if self.native:
+            self.parts = [(int4_pack(q, scale, zero),) for q, scale, zero in parts]
+        else:
+            self.parts = [_torch_pack(q, scale, zero, dtype) for q, scale, zero in parts]
         self.out_features = out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         out = None
-        for packed, scales_zeros in self.parts:
-            y = torch._weight_int4pack_mm_for_cpu(flat, packed, GROUP, scales_zeros)
+        for part in self.parts:
+            if self.native:
+                y = int4_matmul(flat, part[0], self.out_features)
+            else:
+                y = torch._weight_int4pack_mm_for_cpu(flat, part[0], GROUP, part[1])
             out = y if out is None else out + y
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
-def pack_exact(weight: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> Optional[PackedLinear]:
-    """A :class:`PackedLinear` with the integer codes of ``weight [N, K]`` (scales in ``dtype``), or
-    None when it is not on a Q4_1 or Q8_0 grid (or K is not a multiple of 32)."""
+def pack_exact(weight: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+               native: Optional[bool] = None) -> Optional[PackedLinear]:
+    """A :class:`PackedLinear` with the integer codes of ``weight [N, K]`` (activations in ``dtype``;
+    ``native`` as there), or None when it is not on a Q4_1 or Q8_0 grid (or K is not a multiple of 32)."""
     if weight.dim() != 2 or weight.shape[1] % GROUP or weight.shape[0] % 16:
         return None
     parts = pack_q4(weight) or pack_q8(weight)
-    return PackedLinear(parts, weight.shape[0], dtype) if parts else None
+    return PackedLinear(parts, weight.shape[0], dtype, native) if parts else None
 
 
 def blocked_layout_available() -> bool:

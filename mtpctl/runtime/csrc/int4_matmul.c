@@ -1,0 +1,172 @@
+/* y = x @ W.T for 4-bit weights (GGUF Q4_1 codes, and Q8_0 split into two 4-bit parts) and bfloat16
+ * activations, for decode, verify and prefill passes of int4 models.
+ *
+ * Built into the same library as tree_attention.c by mtpctl/runtime/native.py, which also lays the
+ * weights out (int4_pack): tiles of 4 output rows; tile t, group g (32 inputs) at
+ * blob + (t * G + g) * 96 bytes holds 64 bytes of codes (output j's 16 bytes at 16 j, byte i =
+ * q[i] | q[16 + i] << 4) and then float32 s[4], z[4]: output j's weights in the group are
+ * s[j] * q + z[j].
+ *
+ * Arithmetic, the same for every row whatever the pass: each group's 32 weights are dequantized to
+ * bfloat16 (s * q + z as one fused multiply-add, rounded to the nearest bfloat16, ties to even), and the output is a sum over groups, in
+ * group order, of bfloat16 dot products accumulated in float32 (AVX512-BF16's VDPBF16PS on 16 lanes,
+ * then the lanes added in a fixed order). A row's result therefore does not depend on the other rows
+ * of the pass or on the thread count: what lets speculative verification reproduce plain decoding
+ * bit for bit. The dequantization is shared by up to 4 rows in registers and, for passes of more
+ * than 4 rows, done once per tile into a buffer that every row reads, so extra rows cost far less
+ * than in torch's int4 kernel (about 0.5 ms against 1.4 ms a row for SmolLM2-135M on this project's
+ * CPU, BENCHMARKS.md). Without AVX512-BF16 the same steps run in portable C (another rounding of
+ * the sums, still the same for every row).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+static inline int thread_index(void) { return omp_get_thread_num(); }
+#else
+static inline int thread_index(void) { return 0; }
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define INT4_SIMD 1
+#endif
+
+#define NT 4           /* output rows per tile */
+#define BLOCK 96       /* bytes per (tile, group) */
+#define CHUNK 4        /* activation rows sharing registers */
+
+static inline uint16_t bf16_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float bf16_float(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+#ifdef INT4_SIMD
+typedef __m512bh wvec;
+/* output j's 32 weights of one group as bfloat16, via a 16-entry table s * q + z (q = 0..15) */
+static inline wvec dequant(const uint8_t *block, int j, __m512 iota) {
+    const float *sz = (const float *)(block + 64);
+    __m512 vals = _mm512_fmadd_ps(iota, _mm512_set1_ps(sz[j]), _mm512_set1_ps(sz[NT + j]));
+    __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(vals));
+    __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(block + 16 * j)));
+    __m256i lo = _mm256_and_si256(w, _mm256_set1_epi16(15));
+    __m256i hi = _mm256_srli_epi16(w, 4);
+    return (wvec)_mm512_permutexvar_epi16(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), table);
+}
+typedef __m512 accum;
+static inline accum acc_zero(void) { return _mm512_setzero_ps(); }
+static inline accum acc_dot(accum a, const uint16_t *x, wvec w) {
+    return _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(x), w);
+}
+static inline float acc_sum(accum a) { return _mm512_reduce_add_ps(a); }
+#else
+typedef struct { uint16_t v[32]; } wvec;
+static inline wvec dequant(const uint8_t *block, int j, float unused) {
+    (void)unused;
+    const float *sz = (const float *)(block + 64);
+    wvec out;
+    for (int i = 0; i < 16; i++) {
+        uint8_t c = block[16 * j + i];
+        out.v[i] = bf16_bits(fmaf((float)(c & 15), sz[j], sz[NT + j]));
+        out.v[16 + i] = bf16_bits(fmaf((float)(c >> 4), sz[j], sz[NT + j]));
+    }
+    return out;
+}
+typedef struct { float v[16]; } accum;
+static inline accum acc_zero(void) { accum a; memset(&a, 0, sizeof a); return a; }
+static inline accum acc_dot(accum a, const uint16_t *x, wvec w) {
+    for (int l = 0; l < 16; l++)
+        a.v[l] += bf16_float(x[2 * l]) * bf16_float(w.v[2 * l]) + bf16_float(x[2 * l + 1]) * bf16_float(w.v[2 * l + 1]);
+    return a;
+}
+static inline float acc_sum(accum a) { float s = 0.f; for (int l = 0; l < 16; l++) s += a.v[l]; return s; }
+#endif
+
+#ifdef INT4_SIMD
+#define IOTA_T __m512
+#else
+#define IOTA_T float
+#endif
+
+/* rows m0..m0+R of one tile, weights dequantized in registers (direct) or read from wbuf */
+#define TILE(R)                                                                                            \
+    static void tile_##R(const uint16_t *x, int64_t K, const uint8_t *tile, const wvec *wbuf, int64_t N,    \
+                         int64_t n0, int64_t m0, float *y, IOTA_T iota) {                                  \
+        int64_t G = K / 32;                                                                                \
+        accum acc[NT][R];                                                                                  \
+        for (int j = 0; j < NT; j++)                                                                       \
+            for (int r = 0; r < R; r++)                                                                    \
+                acc[j][r] = acc_zero();                                                                    \
+        for (int64_t g = 0; g < G; g++)                                                                    \
+            for (int j = 0; j < NT; j++) {                                                                 \
+                wvec w = wbuf ? wbuf[g * NT + j] : dequant(tile + g * BLOCK, j, iota);                     \
+                for (int r = 0; r < R; r++)                                                                \
+                    acc[j][r] = acc_dot(acc[j][r], x + (m0 + r) * K + g * 32, w);                         \
+            }                                                                                              \
+        for (int j = 0; j < NT; j++)                                                                       \
+            for (int r = 0; r < R; r++)                                                                    \
+                y[(m0 + r) * N + n0 + j] = acc_sum(acc[j][r]);                                             \
+    }
+TILE(1)
+TILE(2)
+TILE(3)
+TILE(4)
+
+static void rows(const uint16_t *x, int64_t M, int64_t K, const uint8_t *tile, const wvec *wbuf, int64_t N,
+                 int64_t n0, float *y, IOTA_T iota) {
+    int64_t m0 = 0;
+    for (; m0 + CHUNK <= M; m0 += CHUNK)
+        tile_4(x, K, tile, wbuf, N, n0, m0, y, iota);
+    switch (M - m0) {
+    case 3: tile_3(x, K, tile, wbuf, N, n0, m0, y, iota); break;
+    case 2: tile_2(x, K, tile, wbuf, N, n0, m0, y, iota); break;
+    case 1: tile_1(x, K, tile, wbuf, N, n0, m0, y, iota); break;
+    }
+}
+
+/* Returns 0, -1 when K is not a multiple of 32 or N not of 4, -2 when a buffer cannot be allocated.
+ *   x    [M, K]           bfloat16, contiguous
+ *   blob [N/4, K/32, 96]  the weights (int4_pack)
+ *   y    [M, N]           float32 */
+int int4_matmul(const uint16_t *x, int64_t M, int64_t K, const uint8_t *blob, int64_t N, float *y, int threads) {
+    if (K <= 0 || K % 32 || N % NT)
+        return -1;
+    int64_t G = K / 32;
+#ifdef INT4_SIMD
+    float steps[16];
+    for (int i = 0; i < 16; i++)
+        steps[i] = (float)i;
+    __m512 iota = _mm512_loadu_ps(steps);
+#else
+    float iota = 0.f;
+#endif
+    /* passes of more than CHUNK rows: one dequantized tile per thread (G * NT * 64 bytes) */
+    wvec *buffers = NULL;
+    if (M > CHUNK) {
+        buffers = aligned_alloc(64, sizeof(wvec) * (size_t)(G * NT * threads));
+        if (buffers == NULL)
+            return -2;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < N / NT; t++) {
+        const uint8_t *tile = blob + t * G * BLOCK;
+        wvec *wbuf = buffers ? buffers + thread_index() * G * NT : NULL;
+        if (wbuf)
+            for (int64_t g = 0; g < G; g++)
+                for (int j = 0; j < NT; j++)
+                    wbuf[g * NT + j] = dequant(tile + g * BLOCK, j, iota);
+        rows(x, M, K, tile, wbuf, N, t * NT, y, iota);
+    }
+    free(buffers);
+    return 0;
+}
