@@ -7,11 +7,13 @@ and the ratio to the plain step. A verify pass of N tokens costing r times a pla
 when a step commits more than r tokens on average. ``--kernels default,blocked`` also times the dense
 modes with torch's default linear kernel (a Decoder loaded without oneDNN's blocked layout, which a
 Session uses), rows of the two alternating pass by pass. ``--attention torch,native`` likewise times
-torch's batch-invariant attention ops against the native kernel (``mtpctl.runtime.native``).
+torch's batch-invariant attention ops against the native kernels (``mtpctl.runtime.native``), and
+``--int4-kernels torch,native`` torch's int4 matmul against the native one (csrc/int4_matmul.c).
 
     python benchmarks/bench_verify.py --modes bfloat16,int4 --context 200
     python benchmarks/bench_verify.py --modes float32,bfloat16 --kernels default,blocked --sizes 8,16
     python benchmarks/bench_verify.py --modes bfloat16,float32 --attention torch,native --sizes 8,16
+    python benchmarks/bench_verify.py --modes int4 --int4-kernels torch,native --sizes 4,8
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--kernels", default="blocked",
                    help="dense modes: blocked (a Session's oneDNN layout), default (torch's kernel) or both")
+    p.add_argument("--int4-kernels", default="native",
+                   help="int4 mode: native (csrc/int4_matmul.c, where it builds), torch (torch's int4 kernel) or both")
     p.add_argument("--attention", default="native",
                    help="native (the C kernel, where it builds), torch (torch's ops) or both")
     args = p.parse_args(argv)
@@ -69,11 +73,15 @@ def main(argv=None) -> None:
     print("|---|---|---|---:|" + "---:|" * (2 * len(sizes)))
     shapes = [("plain", 1)] + [(shape, n) for shape in ("chain", "tree") for n in sizes]
     for mode in args.modes.split(","):
-        kernels = ["int4"] if mode == "int4" else args.kernels.split(",")
+        kernels = [f"int4-{k}" for k in args.int4_kernels.split(",")] if mode == "int4" else args.kernels.split(",")
         engines = {}
         for kernel in kernels:
-            model = Session(folder, *MODES[mode]).model if kernel != "default" else \
-                Decoder.from_folder(folder, DTYPES[MODES[mode][0]])
+            if kernel == "default":
+                model = Decoder.from_folder(folder, DTYPES[MODES[mode][0]])
+            elif kernel == "int4-torch":
+                model = Decoder.from_folder(folder, torch.bfloat16, packed=True, blocked=True, native_int4=False)
+            else:
+                model = Session(folder, *MODES[mode]).model
             for attention in args.attention.split(","):
                 engine = TorchEngine(model, args.context + max(sizes) + 1, native=attention == "native")
                 engine.prefill(list(range(100, 100 + args.context)))

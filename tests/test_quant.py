@@ -137,3 +137,16 @@ def test_blocked_rows_do_not_depend_on_the_block(dtype, shape):
 def test_blocked_layout_refuses_other_dtypes():
     with pytest.raises(ValueError, match="float32/bfloat16"):
         BlockedLinear(torch.randn(4, 4).half())
+
+
+@pytest.mark.skipif(load_kernel() is None, reason="no C compiler here to build the native kernels")
+def test_native_int4_bfloat16_output_is_the_float32_output_rounded():
+    from mtpctl.runtime.native import int4_matmul, int4_pack
+    from mtpctl.runtime.quant import pack_q4
+
+    (q, scale, zero), = pack_q4(q4_1_grid(n=64, k=128))
+    blob = int4_pack(q, scale, zero)
+    x = torch.randn(6, 128).bfloat16()
+    assert torch.equal(int4_matmul(x, blob, 64, out_dtype=torch.bfloat16), int4_matmul(x, blob, 64).bfloat16())
+    with pytest.raises(ValueError, match="float16"):
+        int4_matmul(x, blob, 64, out_dtype=torch.float16)

@@ -384,7 +384,7 @@ class Decoder(nn.Module):
 
     @classmethod
     def from_folder(cls, folder: Path, dtype: torch.dtype = torch.float32, packed: bool = False,
-                    blocked: bool = False) -> "Decoder":
+                    blocked: bool = False, native_int4: Optional[bool] = None) -> "Decoder":
         """Load ``config.json`` and ``*.safetensors`` from a Hugging Face checkpoint folder, strictly.
 
         Args:
@@ -394,6 +394,8 @@ class Decoder(nn.Module):
                 the same values, faster decode and verify passes) where torch has oneDNN. For
                 decoding; such a model has no ``state_dict`` entries for them and cannot be traced to
                 ONNX.
+            native_int4: packed weights run on the native int4 kernel where it runs (None), or on
+                torch's (False; see :class:`PackedLinear`).
 
         Raises:
             CorruptModel: missing/unexpected/mis-shaped/NaN tensors, unreadable files.
@@ -405,10 +407,11 @@ class Decoder(nn.Module):
         model = cls(cfg, dtype)
         optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
         model.load_hf_tensors(load_tensors(safetensors_files(Path(folder)), expected_tensors(cfg), optional), packed,
-                              blocked)
+                              blocked, native_int4)
         return model
 
-    def load_hf_tensors(self, t: Dict[str, torch.Tensor], packed: bool = False, blocked: bool = False) -> None:
+    def load_hf_tensors(self, t: Dict[str, torch.Tensor], packed: bool = False, blocked: bool = False,
+                        native_int4: Optional[bool] = None) -> None:
         """Copy checkpoint tensors (already checked by name and shape) into the fused parameters.
 
         With ``packed``, each linear weight on a Q4_1/Q8_0 grid (detected on the checkpoint's float32
@@ -420,7 +423,7 @@ class Decoder(nn.Module):
 
         def hold_for_kernel(owner, attr, value) -> bool:
             """Hold a linear weight packed (int4) or blocked (oneDNN) instead of as a Parameter."""
-            module = pack_exact(value, self.dtype) if packed and attr in LINEARS else None
+            module = pack_exact(value, self.dtype, native_int4) if packed and attr in LINEARS else None
             if module is not None:
                 self.packed_weights.append(f"{getattr(owner, 'index', 'model')}.{attr}")
             elif blocked and attr in LINEARS:  # oneDNN's blocked layout, same values

@@ -163,7 +163,7 @@ def load_kernel(portable: bool = False) -> Optional[ctypes.CDLL]:
                                                      ctypes.c_int]
     lib.int4_matmul.restype = ctypes.c_int
     lib.int4_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                                ctypes.c_void_p, ctypes.c_int]
+                                ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.rope_write.restype = ctypes.c_int
     lib.rope_write.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
@@ -325,9 +325,11 @@ def int4_pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch
     return torch.cat((codes, sz.view(torch.uint8).reshape(n // 4, g, 32)), dim=-1).contiguous()
 
 
-def int4_matmul(x: torch.Tensor, blob: torch.Tensor, out_features: int, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
-    """``x @ W.T`` for weights laid out by :func:`int4_pack`: x ``[M, K]`` bfloat16 -> ``[M, N]``
-    float32 (N = ``out_features``). Each row is computed the same way whatever M (csrc/int4_matmul.c).
+def int4_matmul(x: torch.Tensor, blob: torch.Tensor, out_features: int, lib: Optional[ctypes.CDLL] = None,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``x @ W.T`` for weights laid out by :func:`int4_pack`: x ``[M, K]`` bfloat16 -> ``[M, N]`` in
+    ``out_dtype`` (float32, or bfloat16: the float32 sums rounded to nearest even, as ``.to`` would),
+    N = ``out_features``. Each row is computed the same way whatever M (csrc/int4_matmul.c).
 
     Raises:
         OSError: the kernel could not be built (see :func:`load_kernel`).
@@ -342,9 +344,12 @@ def int4_matmul(x: torch.Tensor, blob: torch.Tensor, out_features: int, lib: Opt
             or blob.shape != (out_features // 4, k // 32, INT4_BLOCK) or out_features % 4 or k % 32:
         raise ValueError(f"int4_matmul takes bfloat16 [M, K] activations and a [N/4, K/32, {INT4_BLOCK}] uint8 blob; "
                          f"got {x.dtype} {tuple(x.shape)} and {blob.dtype} {tuple(blob.shape)} for N = {out_features}")
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"int4_matmul writes float32 or bfloat16, not {out_dtype}")
     x = x.contiguous()
-    y = torch.empty(m, out_features, dtype=torch.float32)
-    rc = lib.int4_matmul(x.data_ptr(), m, k, blob.data_ptr(), out_features, y.data_ptr(), torch.get_num_threads())
+    y = torch.empty(m, out_features, dtype=out_dtype)
+    rc = lib.int4_matmul(x.data_ptr(), m, k, blob.data_ptr(), out_features, y.data_ptr(),
+                         int(out_dtype == torch.bfloat16), torch.get_num_threads())
     if rc == -2:
         raise MemoryError(f"the int4 kernel could not allocate its buffers for {m} rows")
     if rc:

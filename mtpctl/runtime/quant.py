@@ -108,9 +108,10 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         out = None
+        alone = len(self.parts) == 1
         for part in self.parts:
-            if self.native:
-                y = int4_matmul(flat, part[0], self.out_features)
+            if self.native:  # one part: written in x's dtype by the kernel; two: added in float32 first
+                y = int4_matmul(flat, part[0], self.out_features, out_dtype=x.dtype if alone else torch.float32)
             else:
                 y = torch._weight_int4pack_mm_for_cpu(flat, part[0], GROUP, part[1])
             out = y if out is None else out + y

@@ -37,9 +37,12 @@ static inline int thread_index(void) { return 0; }
 #define BLOCK 96       /* bytes per (tile, group) */
 #define CHUNK 4        /* activation rows sharing registers */
 
+/* round to the nearest bfloat16 (ties to even), as torch's float -> bfloat16; NaN stays NaN */
 static inline uint16_t bf16_bits(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40);
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
 }
@@ -101,7 +104,7 @@ static inline float acc_sum(accum a) { float s = 0.f; for (int l = 0; l < 16; l+
 /* rows m0..m0+R of one tile, weights dequantized in registers (direct) or read from wbuf */
 #define TILE(R)                                                                                            \
     static void tile_##R(const uint16_t *x, int64_t K, const uint8_t *tile, const wvec *wbuf, int64_t N,    \
-                         int64_t n0, int64_t m0, float *y, IOTA_T iota) {                                  \
+                         int64_t n0, int64_t m0, void *y, int bf16_out, IOTA_T iota) {                     \
         int64_t G = K / 32;                                                                                \
         accum acc[NT][R];                                                                                  \
         for (int j = 0; j < NT; j++)                                                                       \
@@ -114,8 +117,13 @@ static inline float acc_sum(accum a) { float s = 0.f; for (int l = 0; l < 16; l+
                     acc[j][r] = acc_dot(acc[j][r], x + (m0 + r) * K + g * 32, w);                         \
             }                                                                                              \
         for (int j = 0; j < NT; j++)                                                                       \
-            for (int r = 0; r < R; r++)                                                                    \
-                y[(m0 + r) * N + n0 + j] = acc_sum(acc[j][r]);                                             \
+            for (int r = 0; r < R; r++) {                                                                  \
+                float sum = acc_sum(acc[j][r]);                                                            \
+                if (bf16_out)                                                                              \
+                    ((uint16_t *)y)[(m0 + r) * N + n0 + j] = bf16_bits(sum);                               \
+                else                                                                                       \
+                    ((float *)y)[(m0 + r) * N + n0 + j] = sum;                                             \
+            }                                                                                              \
     }
 TILE(1)
 TILE(2)
@@ -123,22 +131,23 @@ TILE(3)
 TILE(4)
 
 static void rows(const uint16_t *x, int64_t M, int64_t K, const uint8_t *tile, const wvec *wbuf, int64_t N,
-                 int64_t n0, float *y, IOTA_T iota) {
+                 int64_t n0, void *y, int bf16_out, IOTA_T iota) {
     int64_t m0 = 0;
     for (; m0 + CHUNK <= M; m0 += CHUNK)
-        tile_4(x, K, tile, wbuf, N, n0, m0, y, iota);
+        tile_4(x, K, tile, wbuf, N, n0, m0, y, bf16_out, iota);
     switch (M - m0) {
-    case 3: tile_3(x, K, tile, wbuf, N, n0, m0, y, iota); break;
-    case 2: tile_2(x, K, tile, wbuf, N, n0, m0, y, iota); break;
-    case 1: tile_1(x, K, tile, wbuf, N, n0, m0, y, iota); break;
+    case 3: tile_3(x, K, tile, wbuf, N, n0, m0, y, bf16_out, iota); break;
+    case 2: tile_2(x, K, tile, wbuf, N, n0, m0, y, bf16_out, iota); break;
+    case 1: tile_1(x, K, tile, wbuf, N, n0, m0, y, bf16_out, iota); break;
     }
 }
 
 /* Returns 0, -1 when K is not a multiple of 32 or N not of 4, -2 when a buffer cannot be allocated.
  *   x    [M, K]           bfloat16, contiguous
  *   blob [N/4, K/32, 96]  the weights (int4_pack)
- *   y    [M, N]           float32 */
-int int4_matmul(const uint16_t *x, int64_t M, int64_t K, const uint8_t *blob, int64_t N, float *y, int threads) {
+ *   y    [M, N]           float32, or bfloat16 (rounded to nearest even) when bf16_out */
+int int4_matmul(const uint16_t *x, int64_t M, int64_t K, const uint8_t *blob, int64_t N, void *y, int bf16_out,
+                int threads) {
     if (K <= 0 || K % 32 || N % NT)
         return -1;
     int64_t G = K / 32;
@@ -165,7 +174,7 @@ int int4_matmul(const uint16_t *x, int64_t M, int64_t K, const uint8_t *blob, in
             for (int64_t g = 0; g < G; g++)
                 for (int j = 0; j < NT; j++)
                     wbuf[g * NT + j] = dequant(tile + g * BLOCK, j, iota);
-        rows(x, M, K, tile, wbuf, N, t * NT, y, iota);
+        rows(x, M, K, tile, wbuf, N, t * NT, y, bf16_out, iota);
     }
     free(buffers);
     return 0;
