@@ -1,0 +1,160 @@
+"""Adversarial checks of the native RMSNorm, fused RoPE + cache write and int4 kernels
+(csrc/rms_norm.c, rope.c, int4_matmul.c) on the shapes and values their own tests leave out: int4
+outputs that are a multiple of 4 but not of 16, K = 32, passes of 1 to 40 rows (the direct path for
+up to 4 rows, the buffered one above), NaN/inf activations, the widest norm rows, odd head_dims and
+the last slots of a cache, and the C fallback built for a CPU with AVX-512 but no AVX512-BF16
+(``-march=native -mno-avx512bf16``: fused multiply-adds in the plain-C path, which the portable
+build, compiled without ``-march``, does not exercise)."""
+
+import platform
+
+import pytest
+import torch
+
+from mtpctl.runtime import native
+from mtpctl.runtime.kv_cache import KVCache
+from mtpctl.runtime.model import _rms_norm, _rotate
+from mtpctl.runtime.native import int4_matmul, int4_pack, load_kernel, rms_norm, rope_write
+
+pytestmark = pytest.mark.skipif(load_kernel() is None, reason="no C compiler here to build the native kernels")
+
+
+def codes(n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g)
+    scale = torch.rand(n, k // 32, generator=g) * 0.1
+    zero = -torch.rand(n, k // 32, generator=g) * 0.5
+    return q, scale, zero
+
+
+def dequantized(q, scale, zero):
+    """The kernel's weights: scale * q + zero per group, rounded once to bfloat16 (float64 then
+    bfloat16 equals the float32 fused multiply-add rounded to bfloat16 here: both round once)."""
+    s, z = scale.double().repeat_interleave(32, 1), zero.double().repeat_interleave(32, 1)
+    return (s * q.double() + z).to(torch.bfloat16)
+
+
+def assert_rows_invariant(x, blob, n, lib):
+    """Every row of every prefix x[:m] (m = 1..len(x)) and every lone row gets the bits of the full pass."""
+    for out_dtype in (torch.float32, torch.bfloat16):
+        full = int4_matmul(x, blob, n, lib=lib, out_dtype=out_dtype)
+        for m in range(1, len(x) + 1):
+            assert torch.equal(int4_matmul(x[:m], blob, n, lib=lib, out_dtype=out_dtype), full[:m]), (m, out_dtype)
+        for i in range(len(x)):
+            assert torch.equal(int4_matmul(x[i:i + 1], blob, n, lib=lib, out_dtype=out_dtype), full[i:i + 1])
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            assert torch.equal(int4_matmul(x, blob, n, lib=lib, out_dtype=out_dtype), full)
+        finally:
+            torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("n, k", [(4, 32), (20, 32), (36, 96)])
+def test_int4_odd_shapes_give_a_row_the_same_bits_in_any_pass_and_match_float64(n, k):
+    q, scale, zero = codes(n, k, seed=n + k)
+    blob = int4_pack(q, scale, zero)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(1)).bfloat16()
+    assert_rows_invariant(x, blob, n, load_kernel())
+    w = dequantized(q, scale, zero).double()
+    exact = x.double() @ w.T
+    magnitude = x.double().abs() @ w.abs().T
+    got = int4_matmul(x, blob, n).double()
+    # products of bfloat16 values are exact in float32; only the float32 sums round (K / 32 groups)
+    assert ((got - exact).abs() <= 1e-6 * magnitude).all()
+    got16 = int4_matmul(x, blob, n, out_dtype=torch.bfloat16).double()
+    assert ((got16 - exact).abs() <= 2 ** -8 * exact.abs() + 1e-6 * magnitude).all()
+
+
+def test_int4_propagates_nan_and_inf_like_a_float_product():
+    n, k = 8, 64
+    q, scale, zero = codes(n, k, seed=3)
+    zero.abs_()  # positive weights: an infinite activation gives an infinite output of its sign
+    blob = int4_pack(q, scale, zero)
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(2)).bfloat16()
+    x[0, 3], x[1, 5], x[2, 7] = float("nan"), float("inf"), -float("inf")
+    for rows in (x[:3], x):  # the direct path (3 rows) and the buffered one (6)
+        got = int4_matmul(rows.contiguous(), blob, n)
+        assert got[0].isnan().all()
+        assert (got[1] == float("inf")).all() and (got[2] == -float("inf")).all()
+    assert torch.isfinite(int4_matmul(x[3:], blob, n)).all()
+
+
+def test_rms_norm_of_the_widest_rows_is_batch_invariant_and_matches_torch():
+    dim = native.NORM_MAX_DIM
+    g = torch.Generator().manual_seed(4)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(5, dim, generator=g) * 3).to(dtype)
+        w = torch.randn(dim, generator=g).to(dtype)
+        block = rms_norm(x, w, 1e-6)
+        for i in range(5):
+            assert torch.equal(rms_norm(x[i:i + 1], w, 1e-6), block[i:i + 1])
+        want = _rms_norm(x, w, 1e-6).float()
+        assert ((block.float() - want).abs() <= 1e-5 * want.abs() + 1e-6).all()  # sum order only
+    with pytest.raises(ValueError, match="multiple of 16"):
+        rms_norm(torch.randn(1, dim + 16), torch.ones(dim + 16), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("d", [2, 6, 18])
+def test_rope_write_with_odd_half_head_dims_into_the_last_slots(dtype, d):
+    """head_dim / 2 odd (the kernel loops over halves of any even width) and a pass that fills the
+    cache's last slots exactly: bit for bit _rotate + KVCache.write; one slot more is refused."""
+    heads, kv_heads, n, capacity = 3, 1, 4, 9
+    g = torch.Generator().manual_seed(d)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    half = torch.rand(n, d // 2, generator=g) * 100
+    angles = torch.cat((half, half), dim=-1)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    want, got = KVCache(1, 1, kv_heads, d, capacity), KVCache(1, 1, kv_heads, d, capacity)
+    want.length = got.length = capacity - n
+    qk = qkv[None, :, :(heads + kv_heads) * d].unflatten(-1, (heads + kv_heads, d))
+    rotated = _rotate(qk, cos[None, :, None], sin[None, :, None]).transpose(1, 2)
+    v = qkv[None, :, (heads + kv_heads) * d:].unflatten(-1, (kv_heads, d)).transpose(1, 2)
+    want.write(0, rotated[:, heads:], v)
+    keys, values = got.layer_for_write(0, n)
+    q = rope_write(qkv, cos, sin, keys, values, got.length, heads, kv_heads)
+    assert torch.equal(q, rotated[0, :heads].transpose(0, 1).float())
+    assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
+    with pytest.raises(ValueError, match="overflow"):
+        got.layer_for_write(0, n + 1)
+    with pytest.raises(ValueError, match="does not take"):
+        rope_write(qkv, cos, sin, keys, values, got.length + 1, heads, kv_heads)
+
+
+def test_plain_c_kernels_built_for_avx512_without_bf16_stay_batch_invariant_and_exact(monkeypatch):
+    """The build a CPU with AVX-512 (or AVX2) but no AVX512-BF16 gets: -march=native compiles the
+    plain-C int4 path, where the compiler may fuse multiply-adds; a row must still get the same bits
+    in any pass, and RoPE must still equal torch's separately rounded products."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("-mno-avx512bf16 is an x86 flag")
+    monkeypatch.setattr(native, "FLAGS", ("-O3", "-march=native", "-mno-avx512bf16") + native.FLAGS[2:])
+    native.load_kernel.cache_clear()
+    try:
+        lib = native.load_kernel()
+    finally:
+        native.load_kernel.cache_clear()  # later tests load the default build again (cached on disk)
+    if lib is None:
+        pytest.skip("this compiler does not build the kernels with -mno-avx512bf16")
+    n, k = 20, 96
+    q, scale, zero = codes(n, k, seed=9)
+    blob = int4_pack(q, scale, zero)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(9)).bfloat16()
+    assert_rows_invariant(x, blob, n, lib)
+    w = dequantized(q, scale, zero).double()
+    assert ((int4_matmul(x, blob, n, lib=lib).double() - x.double() @ w.T).abs()
+            <= 1e-6 * (x.double().abs() @ w.abs().T)).all()
+    for dtype in (torch.float32, torch.bfloat16):
+        d, heads, kv_heads, rows = 64, 3, 1, 5
+        qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=torch.Generator().manual_seed(1)).to(dtype)
+        angles = torch.rand(rows, d, generator=torch.Generator().manual_seed(2)) * 100
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        cache = KVCache(1, 1, kv_heads, d, rows)
+        keys, values = cache.layer_for_write(0, rows)
+        got = rope_write(qkv, cos, sin, keys, values, 0, heads, kv_heads, lib=lib)
+        want = _rotate(qkv[None, :, :heads * d].unflatten(-1, (heads, d)), cos[None, :, None], sin[None, :, None])
+        assert torch.equal(got, want[0].float())
+        x16 = torch.randn(7, 576, generator=torch.Generator().manual_seed(3)).to(dtype)
+        w16 = torch.randn(576, generator=torch.Generator().manual_seed(4)).to(dtype)
+        block = rms_norm(x16, w16, 1e-5, lib=lib)
+        assert all(torch.equal(rms_norm(x16[i:i + 1], w16, 1e-5, lib=lib), block[i:i + 1]) for i in range(7))
