@@ -91,7 +91,7 @@ Examples:
 @backend_option
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
 @click.option("--weights", type=click.Choice(["dense", "int4"]), default="dense", show_default=True,
-              help="int4: keep GGUF Q4_1/Q8_0 weights packed for torch's int4 kernel (needs --dtype bfloat16).")
+              help="int4: keep GGUF Q4_1/Q8_0 weights packed for the int4 kernels (needs --dtype bfloat16).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: torch's).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, ids, stats) instead of text.")
 @click.option("--stats", is_flag=True, help="Print speculation and speed figures to stderr.")
