@@ -115,7 +115,7 @@ def test_no_compiler_means_torch_attention_with_one_warning(tmp_path, monkeypatc
     load_kernel.cache_clear()
     try:
         assert load_kernel() is None and load_kernel() is None
-        assert capsys.readouterr().err.count("native kernels (attention, RMSNorm) unavailable (no C compiler 'no-such-compiler'") == 1
+        assert capsys.readouterr().err.count("native kernels (attention, RMSNorm, RoPE, int4) unavailable (no C compiler 'no-such-compiler'") == 1
         assert not TorchEngine(random_decoder(), 16).native
         monkeypatch.delenv("CC")
         for off in ("0", "false", "Off", "no"):

@@ -64,7 +64,7 @@ def test_cc_may_carry_arguments(home, monkeypatch, capsys):
     monkeypatch.setenv("CC", "cc 'unbalanced")
     load_kernel.cache_clear()
     assert load_kernel() is None
-    assert capsys.readouterr().err.startswith("mtpctl: warning: native kernels (attention, RMSNorm) unavailable (CC=\"cc 'unbalanced\"")
+    assert capsys.readouterr().err.startswith("mtpctl: warning: native kernels (attention, RMSNorm, RoPE, int4) unavailable (CC=\"cc 'unbalanced\"")
 
 
 def test_a_compiler_that_hangs_costs_the_build_timeout_then_torch_ops(home, monkeypatch, capsys, tmp_path):
@@ -82,7 +82,7 @@ def test_a_compiler_that_hangs_costs_the_build_timeout_then_torch_ops(home, monk
 def test_a_missing_kernel_source_means_torch_ops_not_a_crash(home, monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(native, "SOURCES", (tmp_path / "missing.c",))  # a package installed without csrc/
     assert load_kernel() is None
-    assert "native kernels (attention, RMSNorm) unavailable ([Errno 2] No such file or directory" in capsys.readouterr().err
+    assert "native kernels (attention, RMSNorm, RoPE, int4) unavailable ([Errno 2] No such file or directory" in capsys.readouterr().err
 
 
 def test_a_plan_that_does_not_fit_the_pass_is_refused_not_read_past():

@@ -155,7 +155,7 @@ def load_kernel(portable: bool = False) -> Optional[ctypes.CDLL]:
         lib = ctypes.CDLL(str(path))
         lib.tree_attention, lib.rms_norm, lib.rope_write, lib.int4_matmul  # noqa: B018 (AttributeError: one missing)
     except (OSError, AttributeError) as e:
-        print(f"mtpctl: warning: native kernels (attention, RMSNorm) unavailable ({e}); using torch's ops (slower)",
+        print(f"mtpctl: warning: native kernels (attention, RMSNorm, RoPE, int4) unavailable ({e}); using torch's ops (slower)",
               file=sys.stderr)
         return None
     lib.rms_norm.restype = ctypes.c_int
@@ -254,8 +254,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib: Optional[ct
     x = x.contiguous()
     weight = weight.contiguous()
     out = torch.empty_like(x)
-    lib.rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps,
-                 int(x.dtype == torch.bfloat16), int(weight.dtype == torch.float32 and x.dtype != torch.float32))
+    rc = lib.rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps,
+                      int(x.dtype == torch.bfloat16), int(weight.dtype == torch.float32 and x.dtype != torch.float32))
+    if rc:
+        raise ValueError(f"the native RMSNorm does not take rows of {dim} values")
     return out
 
 
