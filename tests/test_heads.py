@@ -24,9 +24,11 @@ from mtpctl.runtime.heads import (
     MedusaHeads,
     StaticTree,
     check_heads_match,
+    load_heads,
     tree_from_accuracy,
 )
 from mtpctl.runtime.model import Decoder
+from mtpctl.runtime.quant import blocked_layout_available
 from mtpctl.runtime.sampling import SamplingParams
 from mtpctl.runtime.stopping import StopChecker
 
@@ -212,6 +214,24 @@ def test_head_folder_round_trip(tmp_path, model, draft_vocab, own):
     assert full.shape == (3, 2, model.cfg.vocab_size)
     if draft_vocab:  # tokens outside the draft vocabulary are never proposed
         assert torch.isinf(full[..., 1::2]).all() and torch.isfinite(full[..., 0:128:2]).all()
+
+
+@pytest.mark.skipif(not blocked_layout_available(), reason="this torch build has no oneDNN linear ops")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_heads_loaded_for_decoding_project_through_the_blocked_layout(tmp_path, model, dtype):
+    cfg = HeadsConfig("medusa", 2, 1, False, model.cfg.hidden_size, model.cfg.vocab_size, 64,
+                      target="tiny", target_hash="ab" * 32, tree=[[0], [0, 0]])
+    heads = MedusaHeads(cfg, torch.float32, model.dense_lm_head().float(), torch.arange(0, 128, 2))
+    for p in heads.parameters():
+        p.data.normal_()
+    heads.save(tmp_path)
+    plain = load_heads(tmp_path, dtype, model.dense_lm_head().float())
+    fast = load_heads(tmp_path, dtype, model.dense_lm_head().float(), blocked=True)
+    assert plain.projection_kernel is None and fast.projection_kernel is not None
+    assert fast.state_dict().keys() == plain.state_dict().keys()  # nothing more to save or load
+    x = torch.randn(3, model.cfg.hidden_size).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # the same weights; kernels round differently
+    torch.testing.assert_close(fast(x, model.logits), plain(x, model.logits), rtol=tol, atol=tol)
 
 
 def test_head_folder_loads_strictly(tmp_path, model):

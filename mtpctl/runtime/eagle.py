@@ -31,6 +31,7 @@ from torch import nn
 from mtpctl.runtime.config import RopeConfig
 from mtpctl.runtime.drafters import Draft, TargetStep
 from mtpctl.runtime.model import _rms_norm, _rotate, rope_inv_freq
+from mtpctl.runtime.quant import blocked_copy
 
 
 @dataclass
@@ -72,13 +73,15 @@ class EagleHead(nn.Module):
         dtype: parameter dtype.
         target_lm_head: ``[vocab, hidden]`` the target's lm_head (required with a draft vocabulary).
         token_map: ``[V_d]`` target ids of the draft vocabulary.
+        blocked: also hold the projection in oneDNN's blocked layout (for decoding;
+            :func:`mtpctl.runtime.quant.blocked_copy`).
 
     Raises:
         ValueError: a draft vocabulary without ``token_map`` or ``target_lm_head``.
     """
 
     def __init__(self, cfg, dtype: torch.dtype = torch.float32, target_lm_head: Optional[torch.Tensor] = None,
-                 token_map: Optional[torch.Tensor] = None):
+                 token_map: Optional[torch.Tensor] = None, blocked: bool = False):
         super().__init__()
         self.cfg = cfg
         lc: EagleLayerConfig = cfg.layer
@@ -106,6 +109,8 @@ class EagleHead(nn.Module):
         else:
             self.token_map = None
             self.projection = None
+        # decoding: the projection in oneDNN's blocked layout too (no state_dict entry)
+        self.projection_kernel = blocked_copy(self.projection, blocked)
 
     def save(self, folder: Path) -> None:
         """Write the head folder's two files into an existing ``folder``
@@ -157,6 +162,8 @@ class EagleHead(nn.Module):
         Raises:
             ValueError: no draft vocabulary and no ``lm_head``.
         """
+        if self.projection_kernel is not None:
+            return self.projection_kernel(g).float()
         if self.projection is not None:
             return F.linear(g, self.projection).float()
         if lm_head is None:

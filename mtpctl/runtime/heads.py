@@ -36,6 +36,7 @@ from torch import nn
 from mtpctl.errors import BadInput, CorruptModel, UnsupportedModel
 from mtpctl.runtime.drafters import Draft, TargetStep
 from mtpctl.runtime.eagle import EagleLayerConfig
+from mtpctl.runtime.quant import blocked_copy
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "mtp_config.json"
@@ -152,10 +153,13 @@ class MedusaHeads(nn.Module):
             own lm_head, and the frozen projection of truncated shared heads. Required unless the
             heads share the full lm_head (then the caller passes ``lm_head`` to :meth:`forward`).
         token_map: ``[V_d]`` target ids of the draft vocabulary (required when V_d > 0).
+        blocked: also hold the truncated projection in oneDNN's blocked layout (for decoding; see
+            :func:`mtpctl.runtime.quant.blocked_copy`).
     """
 
     def __init__(self, cfg: HeadsConfig, dtype: torch.dtype = torch.float32,
-                 target_lm_head: Optional[torch.Tensor] = None, token_map: Optional[torch.Tensor] = None):
+                 target_lm_head: Optional[torch.Tensor] = None, token_map: Optional[torch.Tensor] = None,
+                 blocked: bool = False):
         super().__init__()
         self.cfg = cfg
         self.blocks = nn.ModuleList(
@@ -182,6 +186,8 @@ class MedusaHeads(nn.Module):
         # frozen rows of the target's lm_head for truncated shared heads: derived, never saved
         projection = rows.detach().to(dtype).clone() if truncated and not cfg.own_lm_head else None
         self.register_buffer("projection", projection, persistent=False)
+        # decoding: the same projection in oneDNN's blocked layout (no state_dict entry)
+        self.projection_kernel = blocked_copy(projection, blocked)
 
     @property
     def sequential(self) -> bool:
@@ -229,6 +235,8 @@ class MedusaHeads(nn.Module):
                 return F.linear(feats, self.lm_heads[head]).float()
             return torch.stack([F.linear(feats[..., k, :], w) for k, w in zip(range(feats.shape[-2]), self.lm_heads)],
                                dim=-2).float()
+        if self.projection_kernel is not None:
+            return self.projection_kernel(feats).float()
         if self.projection is not None:
             return F.linear(feats, self.projection).float()
         if lm_head is None:
@@ -317,7 +325,7 @@ class MedusaHeads(nn.Module):
 
 
 def load_heads(folder: Path, dtype: torch.dtype = torch.float32,
-               target_lm_head: Optional[torch.Tensor] = None) -> nn.Module:
+               target_lm_head: Optional[torch.Tensor] = None, blocked: bool = False) -> nn.Module:
     """Load MTP heads of any kind from a head folder: :class:`MedusaHeads` (medusa, hydra) or
     :class:`~mtpctl.runtime.eagle.EagleHead` (eagle); strictly (missing, unexpected, mis-shaped,
     NaN tensors are errors).
@@ -325,6 +333,7 @@ def load_heads(folder: Path, dtype: torch.dtype = torch.float32,
     Args:
         target_lm_head: ``[vocab, hidden]`` the target's lm_head weight, needed by heads with a
             truncated draft vocabulary or their own lm_heads (see :class:`MedusaHeads`).
+        blocked: for decoding, hold the draft-vocabulary projection in oneDNN's blocked layout too.
 
     Raises:
         BadInput, CorruptModel, UnsupportedModel: see :meth:`HeadsConfig.load` and
@@ -334,12 +343,13 @@ def load_heads(folder: Path, dtype: torch.dtype = torch.float32,
     from mtpctl.runtime.eagle import EagleHead
 
     cfg = HeadsConfig.load(folder)
-    return load_strict(EagleHead if cfg.kind == "eagle" else MedusaHeads, folder, cfg, dtype, target_lm_head)
+    return load_strict(EagleHead if cfg.kind == "eagle" else MedusaHeads, folder, cfg, dtype, target_lm_head,
+                       blocked)
 
 
 def load_strict(cls, folder: Path, cfg: HeadsConfig, dtype: torch.dtype,
-                target_lm_head: Optional[torch.Tensor]) -> nn.Module:
-    """Build ``cls(cfg, dtype, target_lm_head, token_map)`` from ``folder``'s weights, strictly."""
+                target_lm_head: Optional[torch.Tensor], blocked: bool = False) -> nn.Module:
+    """Build ``cls(cfg, dtype, target_lm_head, token_map, blocked)`` from ``folder``'s weights, strictly."""
     from mtpctl.runtime.weights import load_tensors
 
     shape = (cfg.vocab_size, cfg.hidden_size)
@@ -362,7 +372,7 @@ def load_strict(cls, folder: Path, cfg: HeadsConfig, dtype: torch.dtype,
         token_map = tensors["token_map"]
         if int(token_map.min()) < 0 or int(token_map.max()) >= cfg.vocab_size or len(set(token_map.tolist())) != len(token_map):
             raise CorruptModel(f"{path}: token_map holds ids outside the vocabulary or repeats one")
-    heads = cls(cfg, dtype, target_lm_head, token_map)
+    heads = cls(cfg, dtype, target_lm_head, token_map, blocked)
     heads.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()})
     heads.requires_grad_(False)
     return heads

@@ -179,3 +179,14 @@ class BlockedLinear(nn.Module):
     @property
     def nbytes(self) -> int:
         return self.out_features * self.in_features * self.dtype.itemsize
+
+
+def blocked_copy(weight: Optional[torch.Tensor], blocked: bool) -> Optional[BlockedLinear]:
+    """A :class:`BlockedLinear` holding ``weight [N, K]`` (float32 or bfloat16) for decoding, or None
+    when ``blocked`` is False, there is no weight, or torch lacks oneDNN's ops. For the MTP heads'
+    draft-vocabulary projection: torch's default kernel takes ~3.6 ms for two float32 rows of an
+    [8192, 576] projection here, the blocked layout ~0.4 ms (bfloat16: 0.26 against 0.12 ms)."""
+    if not blocked or weight is None or weight.dtype not in (torch.float32, torch.bfloat16) \
+            or weight.device.type != "cpu" or not blocked_layout_available():
+        return None
+    return BlockedLinear(weight)

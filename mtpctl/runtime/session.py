@@ -118,7 +118,7 @@ class Session:
         """
         cfg = HeadsConfig.load(folder)
         check_heads_match(cfg, self.model.cfg.hidden_size, self.model.cfg.vocab_size, self.target_hash())
-        return load_heads(folder, self.model.dtype, self.model.dense_lm_head())
+        return load_heads(folder, self.model.dtype, self.model.dense_lm_head(), blocked=True)
 
     def heads_drafter(self, heads: torch.nn.Module, tree: Optional[StaticTree] = None,
                       tree_nodes: Optional[int] = None) -> Drafter:
