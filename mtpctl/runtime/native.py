@@ -153,7 +153,7 @@ def load_kernel(portable: bool = False) -> Optional[ctypes.CDLL]:
         if not _intact(path):
             _build(path, flags)
         lib = ctypes.CDLL(str(path))
-        lib.tree_attention, lib.rms_norm, lib.rope_write, lib.int4_matmul  # noqa: B018 (AttributeError: one missing)
+        lib.tree_attention, lib.rms_norm, lib.rope_write, lib.q4_matmul, lib.q8_matmul  # noqa: B018 (one missing)
     except (OSError, AttributeError) as e:
         print(f"mtpctl: warning: native kernels (attention, RMSNorm, RoPE, int4) unavailable ({e}); using torch's ops (slower)",
               file=sys.stderr)
@@ -161,9 +161,10 @@ def load_kernel(portable: bool = False) -> Optional[ctypes.CDLL]:
     lib.rms_norm.restype = ctypes.c_int
     lib.rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int,
                                                      ctypes.c_int]
-    lib.int4_matmul.restype = ctypes.c_int
-    lib.int4_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                                ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    for matmul in (lib.q4_matmul, lib.q8_matmul):
+        matmul.restype = ctypes.c_int
+        matmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                           ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.rope_write.restype = ctypes.c_int
     lib.rope_write.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
@@ -327,9 +328,33 @@ def int4_pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch
     return torch.cat((codes, sz.view(torch.uint8).reshape(n // 4, g, 32)), dim=-1).contiguous()
 
 
+def int8_pack(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Lay out 8-bit weights (GGUF Q8_0) for :func:`int4_matmul`: codes q ``[N, K]`` in -127..127 and
+    float32 scale ``[N, K/32]`` (output n's weights in group g are ``scale * q``) -> uint8
+    ``[N/4, K/32, 144]``: per tile of 4 outputs and group, 128 bytes of int8 codes (output j's 32
+    at 32 j), then the 4 scales as float32 (csrc/int4_matmul.c).
+
+    Raises:
+        ValueError: N not a multiple of 4, K not of 32, or shapes that do not match.
+    """
+    n, k = q.shape
+    if n % 4 or k % 32 or scale.shape != (n, k // 32):
+        raise ValueError(f"int8_pack takes codes [N, K] with N a multiple of 4 and K of 32, and scales [N, K/32]; "
+                         f"got {tuple(q.shape)}, {tuple(scale.shape)}")
+    g = k // 32
+    codes = q.to(torch.int8).reshape(n // 4, 4, g, 32).transpose(1, 2).reshape(n // 4, g, 128).view(torch.uint8)
+    scales = scale.float().reshape(n // 4, 4, g).transpose(1, 2).contiguous().view(torch.uint8).reshape(n // 4, g, 16)
+    return torch.cat((codes, scales), dim=-1).contiguous()
+
+
+#: bytes per tile of 4 outputs and group of 32 inputs -> the kernel that reads that layout
+_BLOCK_KERNELS = {INT4_BLOCK: "q4_matmul", 144: "q8_matmul"}
+
+
 def int4_matmul(x: torch.Tensor, blob: torch.Tensor, out_features: int, lib: Optional[ctypes.CDLL] = None,
                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``x @ W.T`` for weights laid out by :func:`int4_pack`: x ``[M, K]`` bfloat16 -> ``[M, N]`` in
+    """``x @ W.T`` for weights laid out by :func:`int4_pack` (4-bit) or :func:`int8_pack` (8-bit; the
+    kernel follows the blob's layout): x ``[M, K]`` bfloat16 -> ``[M, N]`` in
     ``out_dtype`` (float32, or bfloat16: the float32 sums rounded to nearest even, as ``.to`` would),
     N = ``out_features``. Each row is computed the same way whatever M (csrc/int4_matmul.c).
 
@@ -343,15 +368,17 @@ def int4_matmul(x: torch.Tensor, blob: torch.Tensor, out_features: int, lib: Opt
         raise OSError("the native kernels are not available")
     m, k = x.shape if x.dim() == 2 else (0, 0)
     if x.dim() != 2 or x.dtype != torch.bfloat16 or blob.dtype != torch.uint8 or not blob.is_contiguous() \
-            or blob.shape != (out_features // 4, k // 32, INT4_BLOCK) or out_features % 4 or k % 32:
-        raise ValueError(f"int4_matmul takes bfloat16 [M, K] activations and a [N/4, K/32, {INT4_BLOCK}] uint8 blob; "
+            or blob.dim() != 3 or blob.shape[:2] != (out_features // 4, k // 32) or out_features % 4 or k % 32 \
+            or blob.shape[2] not in _BLOCK_KERNELS:
+        raise ValueError(f"int4_matmul takes bfloat16 [M, K] activations and a [N/4, K/32, {INT4_BLOCK} or 144] uint8 blob; "
                          f"got {x.dtype} {tuple(x.shape)} and {blob.dtype} {tuple(blob.shape)} for N = {out_features}")
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"int4_matmul writes float32 or bfloat16, not {out_dtype}")
     x = x.contiguous()
     y = torch.empty(m, out_features, dtype=out_dtype)
-    rc = lib.int4_matmul(x.data_ptr(), m, k, blob.data_ptr(), out_features, y.data_ptr(),
-                         int(out_dtype == torch.bfloat16), torch.get_num_threads())
+    kernel = getattr(lib, _BLOCK_KERNELS[blob.shape[2]])
+    rc = kernel(x.data_ptr(), m, k, blob.data_ptr(), out_features, y.data_ptr(), int(out_dtype == torch.bfloat16),
+                torch.get_num_threads())
     if rc == -2:
         raise MemoryError(f"the int4 kernel could not allocate its buffers for {m} rows")
     if rc:

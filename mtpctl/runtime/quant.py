@@ -4,9 +4,10 @@ imports), and oneDNN's blocked layout for dense float32/bfloat16 weights (:class
 A GGUF checkpoint dequantized to float32 still holds, in every group of 32 input weights, values of
 the form ``d * q + m`` (Q4_1: q in 0..15) or ``d * q`` (Q8_0: q in -127..127). Such a matrix is
 packed keeping the file's own integer codes: Q4_1 groups as weights ``scale * q + zero`` with
-scale = d, zero = m; Q8_0 groups split as q + 128 = 16 * hi + lo into two 4-bit matrices whose
-products add up. A decode step then reads ~0.6 (Q4_1) or ~1.3 (Q8_0) bytes per weight instead of 2
-(bfloat16) or 4 (float32): on a memory-bound CPU that is the speed-up. The codes run on the native
+scale = d, zero = m; Q8_0 groups as ``d * q`` (for torch's kernel split as q + 128 = 16 * hi + lo
+into two 4-bit matrices whose products add up). A decode step then reads ~0.6-0.75 (Q4_1) or
+~1.1-1.3 (Q8_0) bytes per weight instead of 2 (bfloat16) or 4 (float32): on a memory-bound CPU that
+is the speed-up. The codes run on the native
 int4 kernel (``csrc/int4_matmul.c``: float32 scales, each group's weights rounded to bfloat16) where
 the native kernels build and activations are bfloat16, else on torch's int4 CPU matmul
 (``torch._weight_int4pack_mm_for_cpu``, scales rounded to the activation dtype).
@@ -25,7 +26,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
-from mtpctl.runtime.native import int4_matmul, int4_pack, load_kernel
+from mtpctl.runtime.native import int4_matmul, int4_pack, int8_pack, load_kernel
 
 GROUP = 32
 REL_TOL = 1e-5  # reconstruction error allowed, relative to the group's largest |weight|
@@ -36,7 +37,9 @@ def _groups(weight: torch.Tensor) -> torch.Tensor:
     return weight.float().reshape(n, k // GROUP, GROUP)
 
 
-Codes = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q [N, K] in 0..15, scale and zero [N, K/32]
+#: (q [N, K], scale [N, K/32], zero [N, K/32] or None): weights ``scale * q (+ zero)`` in each group of
+#: 32; q in 0..15 with a zero (Q4_1), or in -127..127 without one (Q8_0)
+Codes = Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
 
 
 def _torch_pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
@@ -66,15 +69,21 @@ def pack_q4(weight: torch.Tensor) -> Optional[List[Codes]]:
 
 
 def pack_q8(weight: torch.Tensor) -> Optional[List[Codes]]:
-    """Two sets of 4-bit codes whose weights add up to ``weight [N, K]`` if every group of 32 is
-    ``d * q``, q in -127..127 (q + 128 = 16 * hi + lo); else None."""
+    """The 8-bit codes of ``weight [N, K]`` (zero None) if every group of 32 is ``d * q``, q in
+    -127..127; else None."""
     g = _groups(weight)
     d = g.abs().amax(-1) / 127
     safe = torch.where(d > 0, d, torch.ones_like(d))
     q = torch.round(g / safe[..., None]).clamp(-127, 127)
     if not _exact(g, q * d[..., None]):
         return None
-    u = (q + 128).reshape(weight.shape)
+    return [(q.reshape(weight.shape), d, None)]
+
+
+def split_q8(q: torch.Tensor, d: torch.Tensor) -> List[Codes]:
+    """8-bit codes as two sets of 4-bit codes whose weights add up to theirs (q + 128 = 16 * hi + lo),
+    for torch's int4 kernel."""
+    u = q + 128
     hi, lo = torch.div(u, 16, rounding_mode="floor"), torch.remainder(u, 16)
     return [(hi, 16 * d, -128 * d), (lo, d, torch.zeros_like(d))]
 
@@ -84,12 +93,12 @@ class PackedLinear(nn.Module):
 
     Input ``[..., K]`` and output ``[..., N]`` in ``dtype``. With bfloat16 activations and the native
     kernels (:mod:`mtpctl.runtime.native`), the weights run on ``csrc/int4_matmul.c`` (float32 scales,
-    each group's weights rounded to bfloat16 once; a pass of 5 rows costs about half what torch's
-    kernel takes); otherwise on torch's int4 kernel with scales in ``dtype`` (bfloat16 is its fast
-    path, float32 its slow exact one). Both compute a row alike alone or in a block.
+    each group's weights rounded to bfloat16 once; 8-bit codes as they are); otherwise on torch's int4
+    kernel with scales in ``dtype`` (bfloat16 is its fast path, float32 its slow exact one), 8-bit
+    codes split into two 4-bit parts whose outputs add. Both compute a row alike alone or in a block.
 
     Args:
-        parts: the codes of :func:`pack_q4` (one part) or :func:`pack_q8` (two parts whose outputs add).
+        parts: the codes of :func:`pack_q4` or :func:`pack_q8` (one part each).
         native: None = the native kernel where it runs (bfloat16 and a kernel library that builds),
             False = torch's kernel.
     """
@@ -100,9 +109,12 @@ class PackedLinear(nn.Module):
         self.native = native is not False and dtype == torch.bfloat16 and out_features % 4 == 0 \
             and load_kernel() is not None
         if self.native:
-            self.parts = [(int4_pack(q, scale, zero),) for q, scale, zero in parts]
+            self.parts = [(int4_pack(q, scale, zero) if zero is not None else int8_pack(q, scale),)
+                          for q, scale, zero in parts]
         else:
-            self.parts = [_torch_pack(q, scale, zero, dtype) for q, scale, zero in parts]
+            four_bit = [half for q, scale, zero in parts
+                        for half in ([(q, scale, zero)] if zero is not None else split_q8(q, scale))]
+            self.parts = [_torch_pack(q, scale, zero, dtype) for q, scale, zero in four_bit]
         self.out_features = out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

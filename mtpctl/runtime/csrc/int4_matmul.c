@@ -1,22 +1,22 @@
-/* y = x @ W.T for 4-bit weights (GGUF Q4_1 codes, and Q8_0 split into two 4-bit parts) and bfloat16
- * activations, for decode, verify and prefill passes of int4 models.
+/* y = x @ W.T for GGUF's 4-bit (Q4_1) and 8-bit (Q8_0) weights with bfloat16 activations, for decode,
+ * verify and prefill passes of int4 models.
  *
  * Built into the same library as tree_attention.c by mtpctl/runtime/native.py, which also lays the
- * weights out (int4_pack): tiles of 4 output rows; tile t, group g (32 inputs) at
- * blob + (t * G + g) * 96 bytes holds 64 bytes of codes (output j's 16 bytes at 16 j, byte i =
- * q[i] | q[16 + i] << 4) and then float32 s[4], z[4]: output j's weights in the group are
- * s[j] * q + z[j].
+ * weights out (int4_pack, int8_pack): tiles of 4 output rows; tile t, group g (32 inputs) at
+ * blob + (t * G + g) * BLOCK bytes. q4 (BLOCK 96): 64 bytes of codes (output j's 16 bytes at 16 j,
+ * byte i = q[i] | q[16 + i] << 4), then float32 s[4], z[4]: output j's weights are s[j] * q + z[j].
+ * q8 (BLOCK 144): 128 bytes of int8 codes (output j's 32 at 32 j), then float32 s[4]: weights s[j] * q.
  *
  * Arithmetic, the same for every row whatever the pass: each group's 32 weights are dequantized to
- * bfloat16 (s * q + z as one fused multiply-add, rounded to the nearest bfloat16, ties to even), and the output is a sum over groups, in
- * group order, of bfloat16 dot products accumulated in float32 (AVX512-BF16's VDPBF16PS on 16 lanes,
- * then the lanes added in a fixed order). A row's result therefore does not depend on the other rows
- * of the pass or on the thread count: what lets speculative verification reproduce plain decoding
- * bit for bit. The dequantization is shared by up to 4 rows in registers and, for passes of more
- * than 4 rows, done once per tile into a buffer that every row reads, so extra rows cost far less
- * than in torch's int4 kernel (about 0.5 ms against 1.4 ms a row for SmolLM2-135M on this project's
- * CPU, BENCHMARKS.md). Without AVX512-BF16 the same steps run in portable C (another rounding of
- * the sums, still the same for every row).
+ * bfloat16 (q4: s * q + z as one fused multiply-add; q8: s * q; rounded to the nearest bfloat16,
+ * ties to even), and the output is a sum over groups, in group order, of bfloat16 dot products
+ * accumulated in float32 (AVX512-BF16's VDPBF16PS on 16 lanes, then the lanes added in a fixed
+ * order). A row's result therefore does not depend on the other rows of the pass or on the thread
+ * count: what lets speculative verification reproduce plain decoding bit for bit. The dequantization
+ * is shared by up to 4 rows in registers and, for passes of more than 4 rows, done once per tile
+ * into a buffer that every row reads, so extra rows cost less than in torch's int4 kernel (prefill
+ * of 128 rows about half, BENCHMARKS.md). Without AVX512-BF16 the same steps run in portable C
+ * (another rounding of the sums, still the same for every row).
  */
 #include <math.h>
 #include <stdint.h>
@@ -34,7 +34,8 @@ static inline int thread_index(void) { return 0; }
 #endif
 
 #define NT 4           /* output rows per tile */
-#define BLOCK 96       /* bytes per (tile, group) */
+#define BLOCK_q4 96    /* bytes per (tile, group): 4 x 16 bytes of 4-bit codes, 4 scales, 4 zeros */
+#define BLOCK_q8 144   /* 4 x 32 int8 codes, 4 scales */
 #define CHUNK 4        /* activation rows sharing registers */
 
 /* round to the nearest bfloat16 (ties to even), as torch's float -> bfloat16; NaN stays NaN */
@@ -57,7 +58,7 @@ static inline float bf16_float(uint16_t b) {
 #ifdef INT4_SIMD
 typedef __m512bh wvec;
 /* output j's 32 weights of one group as bfloat16, via a 16-entry table s * q + z (q = 0..15) */
-static inline wvec dequant(const uint8_t *block, int j, __m512 iota) {
+static inline wvec dequant_q4(const uint8_t *block, int j, __m512 iota) {
     const float *sz = (const float *)(block + 64);
     __m512 vals = _mm512_fmadd_ps(iota, _mm512_set1_ps(sz[j]), _mm512_set1_ps(sz[NT + j]));
     __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(vals));
@@ -65,6 +66,14 @@ static inline wvec dequant(const uint8_t *block, int j, __m512 iota) {
     __m256i lo = _mm256_and_si256(w, _mm256_set1_epi16(15));
     __m256i hi = _mm256_srli_epi16(w, 4);
     return (wvec)_mm512_permutexvar_epi16(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), table);
+}
+/* Q8 blocks: output j's 32 int8 codes at 32 j, then float32 s[4]: weights s * q, rounded to bfloat16 */
+static inline wvec dequant_q8(const uint8_t *block, int j, __m512 unused) {
+    (void)unused;
+    __m512 scale = _mm512_set1_ps(((const float *)(block + 128))[j]);
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 32 * j))));
+    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 32 * j + 16))));
+    return _mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, scale), _mm512_mul_ps(lo, scale));
 }
 typedef __m512 accum;
 static inline accum acc_zero(void) { return _mm512_setzero_ps(); }
@@ -74,7 +83,7 @@ static inline accum acc_dot(accum a, const uint16_t *x, wvec w) {
 static inline float acc_sum(accum a) { return _mm512_reduce_add_ps(a); }
 #else
 typedef struct { uint16_t v[32]; } wvec;
-static inline wvec dequant(const uint8_t *block, int j, float unused) {
+static inline wvec dequant_q4(const uint8_t *block, int j, float unused) {
     (void)unused;
     const float *sz = (const float *)(block + 64);
     wvec out;
@@ -83,6 +92,14 @@ static inline wvec dequant(const uint8_t *block, int j, float unused) {
         out.v[i] = bf16_bits(fmaf((float)(c & 15), sz[j], sz[NT + j]));
         out.v[16 + i] = bf16_bits(fmaf((float)(c >> 4), sz[j], sz[NT + j]));
     }
+    return out;
+}
+static inline wvec dequant_q8(const uint8_t *block, int j, float unused) {
+    (void)unused;
+    float scale = ((const float *)(block + 128))[j];
+    wvec out;
+    for (int i = 0; i < 32; i++)
+        out.v[i] = bf16_bits((float)(int8_t)block[32 * j + i] * scale);
     return out;
 }
 typedef struct { float v[16]; } accum;
@@ -102,9 +119,9 @@ static inline float acc_sum(accum a) { float s = 0.f; for (int l = 0; l < 16; l+
 #endif
 
 /* rows m0..m0+R of one tile, weights dequantized in registers (direct) or read from wbuf */
-#define TILE(R)                                                                                            \
-    static void tile_##R(const uint16_t *x, int64_t K, const uint8_t *tile, const wvec *wbuf, int64_t N,    \
-                         int64_t n0, int64_t m0, void *y, int bf16_out, IOTA_T iota) {                     \
+#define TILE(KIND, R)                                                                                      \
+    static void tile_##KIND##_##R(const uint16_t *x, int64_t K, const uint8_t *tile, const wvec *wbuf,      \
+                                  int64_t N, int64_t n0, int64_t m0, void *y, int bf16_out, IOTA_T iota) { \
         int64_t G = K / 32;                                                                                \
         accum acc[NT][R];                                                                                  \
         for (int j = 0; j < NT; j++)                                                                       \
@@ -112,7 +129,7 @@ static inline float acc_sum(accum a) { float s = 0.f; for (int l = 0; l < 16; l+
                 acc[j][r] = acc_zero();                                                                    \
         for (int64_t g = 0; g < G; g++)                                                                    \
             for (int j = 0; j < NT; j++) {                                                                 \
-                wvec w = wbuf ? wbuf[g * NT + j] : dequant(tile + g * BLOCK, j, iota);                     \
+                wvec w = wbuf ? wbuf[g * NT + j] : dequant_##KIND(tile + g * BLOCK_##KIND, j, iota);       \
                 for (int r = 0; r < R; r++)                                                                \
                     acc[j][r] = acc_dot(acc[j][r], x + (m0 + r) * K + g * 32, w);                         \
             }                                                                                              \
@@ -125,57 +142,65 @@ static inline float acc_sum(accum a) { float s = 0.f; for (int l = 0; l < 16; l+
                     ((float *)y)[(m0 + r) * N + n0 + j] = sum;                                             \
             }                                                                                              \
     }
-TILE(1)
-TILE(2)
-TILE(3)
-TILE(4)
-
-static void rows(const uint16_t *x, int64_t M, int64_t K, const uint8_t *tile, const wvec *wbuf, int64_t N,
-                 int64_t n0, void *y, int bf16_out, IOTA_T iota) {
-    int64_t m0 = 0;
-    for (; m0 + CHUNK <= M; m0 += CHUNK)
-        tile_4(x, K, tile, wbuf, N, n0, m0, y, bf16_out, iota);
-    switch (M - m0) {
-    case 3: tile_3(x, K, tile, wbuf, N, n0, m0, y, bf16_out, iota); break;
-    case 2: tile_2(x, K, tile, wbuf, N, n0, m0, y, bf16_out, iota); break;
-    case 1: tile_1(x, K, tile, wbuf, N, n0, m0, y, bf16_out, iota); break;
-    }
-}
 
 /* Returns 0, -1 when K is not a multiple of 32 or N not of 4, -2 when a buffer cannot be allocated.
- *   x    [M, K]           bfloat16, contiguous
- *   blob [N/4, K/32, 96]  the weights (int4_pack)
- *   y    [M, N]           float32, or bfloat16 (rounded to nearest even) when bf16_out */
-int int4_matmul(const uint16_t *x, int64_t M, int64_t K, const uint8_t *blob, int64_t N, void *y, int bf16_out,
-                int threads) {
-    if (K <= 0 || K % 32 || N % NT)
-        return -1;
-    int64_t G = K / 32;
+ *   x    [M, K]                 bfloat16, contiguous
+ *   blob [N/4, K/32, BLOCK]     the weights (int4_pack / int8_pack)
+ *   y    [M, N]                 float32, or bfloat16 (rounded to nearest even) when bf16_out */
+#define MATMUL(KIND)                                                                                       \
+    TILE(KIND, 1)                                                                                          \
+    TILE(KIND, 2)                                                                                          \
+    TILE(KIND, 3)                                                                                          \
+    TILE(KIND, 4)                                                                                          \
+    static void rows_##KIND(const uint16_t *x, int64_t M, int64_t K, const uint8_t *tile, const wvec *wbuf, \
+                            int64_t N, int64_t n0, void *y, int bf16_out, IOTA_T iota) {                   \
+        int64_t m0 = 0;                                                                                    \
+        for (; m0 + CHUNK <= M; m0 += CHUNK)                                                               \
+            tile_##KIND##_4(x, K, tile, wbuf, N, n0, m0, y, bf16_out, iota);                               \
+        switch (M - m0) {                                                                                  \
+        case 3: tile_##KIND##_3(x, K, tile, wbuf, N, n0, m0, y, bf16_out, iota); break;                    \
+        case 2: tile_##KIND##_2(x, K, tile, wbuf, N, n0, m0, y, bf16_out, iota); break;                    \
+        case 1: tile_##KIND##_1(x, K, tile, wbuf, N, n0, m0, y, bf16_out, iota); break;                    \
+        }                                                                                                  \
+    }                                                                                                      \
+    int KIND##_matmul(const uint16_t *x, int64_t M, int64_t K, const uint8_t *blob, int64_t N, void *y,    \
+                      int bf16_out, int threads) {                                                         \
+        if (K <= 0 || K % 32 || N % NT)                                                                    \
+            return -1;                                                                                     \
+        int64_t G = K / 32;                                                                                \
+        IOTA_T iota = make_iota();                                                                         \
+        /* passes of more than CHUNK rows: one dequantized tile per thread (G * NT * 64 bytes) */         \
+        wvec *buffers = NULL;                                                                              \
+        if (M > CHUNK) {                                                                                   \
+            buffers = aligned_alloc(64, sizeof(wvec) * (size_t)(G * NT * threads));                        \
+            if (buffers == NULL)                                                                           \
+                return -2;                                                                                 \
+        }                                                                                                  \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                                 \
+        for (int64_t t = 0; t < N / NT; t++) {                                                             \
+            const uint8_t *tile = blob + t * G * BLOCK_##KIND;                                             \
+            wvec *wbuf = buffers ? buffers + thread_index() * G * NT : NULL;                               \
+            if (wbuf)                                                                                      \
+                for (int64_t g = 0; g < G; g++)                                                            \
+                    for (int j = 0; j < NT; j++)                                                           \
+                        wbuf[g * NT + j] = dequant_##KIND(tile + g * BLOCK_##KIND, j, iota);               \
+            rows_##KIND(x, M, K, tile, wbuf, N, t * NT, y, bf16_out, iota);                                \
+        }                                                                                                  \
+        free(buffers);                                                                                     \
+        return 0;                                                                                          \
+    }
+
+static inline IOTA_T make_iota(void) {
 #ifdef INT4_SIMD
     float steps[16];
     for (int i = 0; i < 16; i++)
         steps[i] = (float)i;
-    __m512 iota = _mm512_loadu_ps(steps);
+    return _mm512_loadu_ps(steps);
 #else
-    float iota = 0.f;
+    return 0.f;
 #endif
-    /* passes of more than CHUNK rows: one dequantized tile per thread (G * NT * 64 bytes) */
-    wvec *buffers = NULL;
-    if (M > CHUNK) {
-        buffers = aligned_alloc(64, sizeof(wvec) * (size_t)(G * NT * threads));
-        if (buffers == NULL)
-            return -2;
-    }
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < N / NT; t++) {
-        const uint8_t *tile = blob + t * G * BLOCK;
-        wvec *wbuf = buffers ? buffers + thread_index() * G * NT : NULL;
-        if (wbuf)
-            for (int64_t g = 0; g < G; g++)
-                for (int j = 0; j < NT; j++)
-                    wbuf[g * NT + j] = dequant(tile + g * BLOCK, j, iota);
-        rows(x, M, K, tile, wbuf, N, t * NT, y, bf16_out, iota);
-    }
-    free(buffers);
-    return 0;
 }
+
+/* q4_matmul: 4-bit codes (Q4_1); q8_matmul: 8-bit codes (Q8_0) */
+MATMUL(q4)
+MATMUL(q8)
