@@ -39,6 +39,7 @@ from mtpctl.paths import mtpctl_home
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("tree_attention.c", "rms_norm.c", "rope.c", "int4_matmul.c"))
+HEADERS = (Path(__file__).with_name("csrc") / "bf16.h",)  # included by the sources: part of the build's key
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 #: seconds a build may take (it takes about one): a compiler that hangs costs this, then torch's ops
 BUILD_TIMEOUT_S = 120.0
@@ -147,7 +148,7 @@ def load_kernel(portable: bool = False) -> Optional[ctypes.CDLL]:
         return None
     flags = tuple(f for f in FLAGS if not (portable and f.startswith("-march")))
     try:
-        source = b"".join(path.read_bytes() for path in SOURCES)
+        source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
         key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_signature()).hexdigest()[:12]
         path = mtpctl_home() / "kernels" / f"mtpctl_native-{key}.so"
         if not _intact(path):

@@ -22,6 +22,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "bf16.h"
 #ifdef _OPENMP
 #include <omp.h>
 static inline int thread_index(void) { return omp_get_thread_num(); }
@@ -38,22 +40,6 @@ static inline int thread_index(void) { return 0; }
 #define BLOCK_q8 144   /* 4 x 32 int8 codes, 4 scales */
 #define CHUNK 4        /* activation rows sharing registers */
 
-/* round to the nearest bfloat16 (ties to even), as torch's float -> bfloat16; NaN stays NaN */
-static inline uint16_t bf16_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float bf16_float(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
 
 #ifdef INT4_SIMD
 typedef __m512bh wvec;
@@ -89,8 +75,8 @@ static inline wvec dequant_q4(const uint8_t *block, int j, float unused) {
     wvec out;
     for (int i = 0; i < 16; i++) {
         uint8_t c = block[16 * j + i];
-        out.v[i] = bf16_bits(fmaf((float)(c & 15), sz[j], sz[NT + j]));
-        out.v[16 + i] = bf16_bits(fmaf((float)(c >> 4), sz[j], sz[NT + j]));
+        out.v[i] = float_to_bf16(fmaf((float)(c & 15), sz[j], sz[NT + j]));
+        out.v[16 + i] = float_to_bf16(fmaf((float)(c >> 4), sz[j], sz[NT + j]));
     }
     return out;
 }
@@ -99,14 +85,14 @@ static inline wvec dequant_q8(const uint8_t *block, int j, float unused) {
     float scale = ((const float *)(block + 128))[j];
     wvec out;
     for (int i = 0; i < 32; i++)
-        out.v[i] = bf16_bits((float)(int8_t)block[32 * j + i] * scale);
+        out.v[i] = float_to_bf16((float)(int8_t)block[32 * j + i] * scale);
     return out;
 }
 typedef struct { float v[16]; } accum;
 static inline accum acc_zero(void) { accum a; memset(&a, 0, sizeof a); return a; }
 static inline accum acc_dot(accum a, const uint16_t *x, wvec w) {
     for (int l = 0; l < 16; l++)
-        a.v[l] += bf16_float(x[2 * l]) * bf16_float(w.v[2 * l]) + bf16_float(x[2 * l + 1]) * bf16_float(w.v[2 * l + 1]);
+        a.v[l] += bf16_to_float(x[2 * l]) * bf16_to_float(w.v[2 * l]) + bf16_to_float(x[2 * l + 1]) * bf16_to_float(w.v[2 * l + 1]);
     return a;
 }
 static inline float acc_sum(accum a) { float s = 0.f; for (int l = 0; l < 16; l++) s += a.v[l]; return s; }
@@ -137,7 +123,7 @@ static inline float acc_sum(accum a) { float s = 0.f; for (int l = 0; l < 16; l+
             for (int r = 0; r < R; r++) {                                                                  \
                 float sum = acc_sum(acc[j][r]);                                                            \
                 if (bf16_out)                                                                              \
-                    ((uint16_t *)y)[(m0 + r) * N + n0 + j] = bf16_bits(sum);                               \
+                    ((uint16_t *)y)[(m0 + r) * N + n0 + j] = float_to_bf16(sum);                               \
                 else                                                                                       \
                     ((float *)y)[(m0 + r) * N + n0 + j] = sum;                                             \
             }                                                                                              \

@@ -10,25 +10,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define PARTS 16
 #define MAX_DIM 16384
-
-static inline float bf16_to_float(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* round to nearest even, as torch's float -> bfloat16 conversion; NaN stays NaN */
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* Returns 0, or -1 when dim is not a multiple of 16 or above MAX_DIM.
  *   x, out [rows, dim]  bfloat16 (bf16 != 0) or float32, contiguous

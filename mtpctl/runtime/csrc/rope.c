@@ -12,27 +12,10 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_value(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* round to the nearest bfloat16 value (ties to even), as torch's float -> bfloat16; NaN stays NaN */
-static inline float bf16_round(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return f;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    u &= 0xffff0000u;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+#include "bf16.h"
 
 static inline float load(const void *p, int64_t i, int bf16) {
-    return bf16 ? bf16_value(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+    return bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 /* one head of d values at x (element offset), rotated with the token's cos/sin rows, into out; the
