@@ -83,7 +83,7 @@ Examples:
 @click.option("--grad-accum", type=int, default=None, help="Micro-batches per optimizer step [default: 1].")
 @click.option("--tree-nodes", type=int, default=None,
               help="Nodes of the draft tree stored in the head folder and used for its expected tau "
-                   "[default: 4, what generate grows by default].")
+                   "[default: 4, what generate grows by default in float32 and bfloat16; 2 with int4].")
 @click.option("--seed", type=int, default=None, help="Same seed and data, same heads [default: 0].")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Head folder to write.")
 @click.option("--resume", is_flag=True, help="Continue this run from its last checkpoint.")
