@@ -197,3 +197,18 @@ def test_rope_write_equals_rotate_then_cache_write_bit_for_bit(dtype):
         got_cache.layer_for_write(0, 10)
     with pytest.raises(ValueError, match="rope_write does not take"):
         native.rope_write(qkv[0], cos, sin, keys, values, 16, heads, kv_heads)  # past the slots
+
+
+def test_an_unknown_switch_value_keeps_the_kernels_on_with_a_warning(monkeypatch, capsys):
+    monkeypatch.setenv("MTPCTL_NATIVE_ATTENTION", "bogus")
+    load_kernel.cache_clear()
+    try:
+        assert load_kernel() is not None and load_kernel() is not None
+        err = capsys.readouterr().err
+        assert err.count("MTPCTL_NATIVE_ATTENTION='bogus' is not one of") == 1 and "stay on" in err
+        for on in ("1", "true", "On", "yes", ""):
+            monkeypatch.setenv("MTPCTL_NATIVE_ATTENTION", on)
+            load_kernel.cache_clear()
+            assert load_kernel() is not None and capsys.readouterr().err == "", on
+    finally:
+        load_kernel.cache_clear()

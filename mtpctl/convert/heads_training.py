@@ -651,8 +651,12 @@ def add_heads(target_folder: Path, target_name: str, data: Sequence[Path], out: 
         timings["data_s"] = round(time.perf_counter() - t0, 1)
         t0 = time.perf_counter()
         todo = [s for s in sequences if s.hidden is None]
-        log(f"features: {len(sequences) - len(todo)} sequences kept from self-distillation, one target pass over "
-            f"{len(todo)} ({sum(len(s.ids) for s in todo)} tokens, {settings.features_dtype}); cached in {feat_dir}")
+        kept = len(sequences) - len(todo)
+        why = "" if kept or not settings.self_distill else \
+            f" (self-distilled in {settings.distill_dtype}; features are taken in {settings.features_dtype})"
+        log(f"features: hidden states of {kept} sequences kept from self-distillation, one teacher-forced target "
+            f"pass over {len(todo)}{why} ({sum(len(s.ids) for s in todo)} tokens, {settings.features_dtype}); "
+            f"cached in {feat_dir}")
         features_model = None if not todo else target if settings.features_dtype == "float32" else \
             Decoder.from_folder(target_folder, DTYPES[settings.features_dtype], blocked=True)
         compute_features(features_model, sequences, settings).save(feat_path)

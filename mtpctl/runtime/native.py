@@ -144,8 +144,12 @@ def load_kernel(portable: bool = False) -> Optional[ctypes.CDLL]:
 
     ``portable`` builds without ``-march=native``: the kernel's plain-C path, which the default build
     uses on CPUs without AVX-512 (the tests check it on machines that have AVX-512)."""
-    if os.environ.get("MTPCTL_NATIVE_ATTENTION", "1").strip().lower() in ("0", "false", "off", "no"):
+    switch = os.environ.get("MTPCTL_NATIVE_ATTENTION", "1").strip().lower()
+    if switch in ("0", "false", "off", "no"):
         return None
+    if switch not in ("", "1", "true", "on", "yes"):
+        print(f"mtpctl: warning: MTPCTL_NATIVE_ATTENTION={os.environ['MTPCTL_NATIVE_ATTENTION']!r} is not one of "
+              "0/false/off/no or 1/true/on/yes; the native kernels stay on", file=sys.stderr)
     flags = tuple(f for f in FLAGS if not (portable and f.startswith("-march")))
     try:
         source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
