@@ -180,6 +180,14 @@ def load_kernel(portable: bool = False) -> Optional[ctypes.CDLL]:
     return lib
 
 
+def _loaded(lib: Optional[ctypes.CDLL]) -> ctypes.CDLL:
+    """``lib``, else the library :func:`load_kernel` loads; OSError where it cannot be built."""
+    lib = lib or load_kernel()
+    if lib is None:
+        raise OSError("the native kernels are not available")
+    return lib
+
+
 def tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
                    plan: SlotPlan, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
     """Grouped-query attention of N tokens over their slot lists (:class:`SlotPlan`), in float32.
@@ -194,9 +202,7 @@ def tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sc
             multiple of 16 or above 512, a GQA group above 16), or a plan that does not fit (not N
             rows of long, or ``length + N`` past the cache's slots; its slots must lie below that).
     """
-    lib = lib or load_kernel()
-    if lib is None:
-        raise OSError("the native attention kernel is not available")
+    lib = _loaded(lib)
     b, heads, n, d = q.shape
     k, v = keys[0], values[0]
     if b != 1 or keys.dtype != torch.float32 or values.dtype != torch.float32 or keys.shape != values.shape \
@@ -248,9 +254,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib: Optional[ct
         ValueError: another dtype, a weight that is not ``[dim]`` in x's dtype or float32, or a
             ``dim`` the kernel does not take (:func:`norm_takes`).
     """
-    lib = lib or load_kernel()
-    if lib is None:
-        raise OSError("the native kernels are not available")
+    lib = _loaded(lib)
     dim = x.shape[-1]
     if x.dtype not in (torch.bfloat16, torch.float32) or weight.shape != (dim,) \
             or weight.dtype not in (x.dtype, torch.float32) or not norm_takes(dim):
@@ -285,9 +289,7 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: to
         ValueError: shapes or dtypes that do not fit (an odd head_dim, a row too short for the heads,
             slots past the cache, a batch other than 1, a cache that is not contiguous float32).
     """
-    lib = lib or load_kernel()
-    if lib is None:
-        raise OSError("the native kernels are not available")
+    lib = _loaded(lib)
     n, d = qkv.shape[0], cos.shape[-1]
     k, v = keys[0], values[0]
     if qkv.dim() != 2 or qkv.dtype not in (torch.bfloat16, torch.float32) or qkv.stride(-1) != 1 \
@@ -368,9 +370,7 @@ def int4_matmul(x: torch.Tensor, blob: torch.Tensor, out_features: int, lib: Opt
         ValueError: x not 2-D bfloat16, or a blob that does not match K and N.
         MemoryError: no memory for the kernel's per-thread buffers.
     """
-    lib = lib or load_kernel()
-    if lib is None:
-        raise OSError("the native kernels are not available")
+    lib = _loaded(lib)
     m, k = x.shape if x.dim() == 2 else (0, 0)
     if x.dim() != 2 or x.dtype != torch.bfloat16 or blob.dtype != torch.uint8 or not blob.is_contiguous() \
             or blob.dim() != 3 or blob.shape[:2] != (out_features // 4, k // 32) or out_features % 4 or k % 32 \

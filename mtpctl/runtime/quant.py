@@ -7,10 +7,9 @@ packed keeping the file's own integer codes: Q4_1 groups as weights ``scale * q 
 scale = d, zero = m; Q8_0 groups as ``d * q`` (for torch's kernel split as q + 128 = 16 * hi + lo
 into two 4-bit matrices whose products add up). A decode step then reads ~0.6-0.75 (Q4_1) or
 ~1.1-1.3 (Q8_0) bytes per weight instead of 2 (bfloat16) or 4 (float32): on a memory-bound CPU that
-is the speed-up. The codes run on the native
-int4 kernel (``csrc/int4_matmul.c``: float32 scales, each group's weights rounded to bfloat16) where
-the native kernels build and activations are bfloat16, else on torch's int4 CPU matmul
-(``torch._weight_int4pack_mm_for_cpu``, scales rounded to the activation dtype).
+is the speed-up. The codes run on the native kernels (``csrc/int4_matmul.c``: float32 scales, each
+group's weights rounded to bfloat16) where they build and activations are bfloat16, else on torch's
+int4 CPU matmul (``torch._weight_int4pack_mm_for_cpu``, scales rounded to the activation dtype).
 
 Both kernels compute every row of a block exactly as they compute that row alone (checked by the
 tests), which is what lets speculative verification reproduce plain decoding bit for bit.
@@ -120,13 +119,12 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         out = None
-        alone = len(self.parts) == 1
-        for part in self.parts:
-            if self.native:  # one part: written in x's dtype by the kernel; two: added in float32 first
-                y = int4_matmul(flat, part[0], self.out_features, out_dtype=x.dtype if alone else torch.float32)
-            else:
-                y = torch._weight_int4pack_mm_for_cpu(flat, part[0], GROUP, part[1])
-            out = y if out is None else out + y
+        if self.native:  # one blob per weight (4-bit or 8-bit codes), written in x's dtype by the kernel
+            out = int4_matmul(flat, self.parts[0][0], self.out_features, out_dtype=x.dtype)
+        else:  # Q8_0 as two 4-bit parts whose outputs add
+            for packed, scales_zeros in self.parts:
+                y = torch._weight_int4pack_mm_for_cpu(flat, packed, GROUP, scales_zeros)
+                out = y if out is None else out + y
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
