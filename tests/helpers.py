@@ -129,6 +129,25 @@ def gguf_grid_decoder(seed: int = 0) -> Decoder:
     """A tiny decoder whose linear weights lie on GGUF grids (Q4_1 layers, Q8_0 embeddings), as a
     dequantized GGUF import does, loaded with ``packed=True`` (bfloat16, int4 kernel)."""
     cfg = DecoderConfig.from_dict(tiny_config_dict(vocab=272))
+    model = Decoder(cfg, torch.bfloat16)
+    model.load_hf_tensors(gguf_grid_tensors(cfg, seed), packed=True)
+    return model
+
+
+def write_gguf_grid_checkpoint(folder: Path, seed: int = 0) -> Path:
+    """:func:`write_tiny_checkpoint` with the weights of :func:`gguf_grid_decoder` (loadable with
+    ``--weights int4``)."""
+    from safetensors.torch import save_file
+
+    write_tiny_checkpoint(folder, seed, vocab=272)
+    cfg = DecoderConfig.from_dict(json.loads((folder / "config.json").read_text()))
+    save_file({k: v.contiguous() for k, v in gguf_grid_tensors(cfg, seed).items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    return folder
+
+
+def gguf_grid_tensors(cfg: DecoderConfig, seed: int = 0) -> dict:
+    """Random checkpoint tensors whose linear weights lie on GGUF grids (see :func:`gguf_grid_decoder`)."""
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, value in random_state_dict(cfg, seed).items():
@@ -144,9 +163,7 @@ def gguf_grid_decoder(seed: int = 0) -> Decoder:
                 d = torch.rand(n, k // 32, 1, generator=g).half().float() * 0.08
                 value = (q * d - 7.5 * d).reshape(n, k)
         tensors[name] = value
-    model = Decoder(cfg, torch.bfloat16)
-    model.load_hf_tensors(tensors, packed=True)
-    return model
+    return tensors
 
 
 def tree_path(parents: Sequence[int], node: int) -> List[int]:

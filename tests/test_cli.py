@@ -70,6 +70,26 @@ def test_generate_json_says_when_torch_attention_ran(capsys, tiny_folder, monkey
     assert code == 0 and json.loads(js)["attention"] == "torch" and "warning" not in err  # on purpose: silent
 
 
+@pytest.mark.parametrize("switch", ["on", "off"])
+def test_generate_json_says_what_int4_weights_ran_on(capsys, tmp_path, monkeypatch, switch):
+    from helpers import write_gguf_grid_checkpoint
+
+    from mtpctl.runtime.native import load_kernel
+    folder = str(write_gguf_grid_checkpoint(tmp_path / "grid"))
+    monkeypatch.setenv("MTPCTL_NATIVE_ATTENTION", switch)
+    load_kernel.cache_clear()
+    try:
+        code, js, err = cli(capsys, "generate", "-m", folder, "--dtype", "bfloat16", "--weights", "int4",
+                            "--max-new-tokens", 4, "--json", "--no-chat", "hi")
+        native = load_kernel() is not None
+        code_dense, js_dense, _ = cli(capsys, "generate", "-m", folder, "--max-new-tokens", 2, "--json", "--no-chat", "hi")
+    finally:
+        load_kernel.cache_clear()
+    assert code == 0, err
+    assert json.loads(js)["int4_kernel"] == ("native" if native else "torch")
+    assert code_dense == 0 and json.loads(js_dense)["int4_kernel"] is None
+
+
 def test_prompt_from_stdin_and_file(capsys, tiny_folder, tmp_path, monkeypatch):
     import io
 

@@ -121,3 +121,16 @@ def test_a_failed_build_reports_the_compilers_first_error_line():
     assert native._first_error(stderr) == "k.c:3:10: fatal error: missing.h: No such file or directory"
     assert native._first_error("something odd\nlast words\n") == "last words"
     assert native._first_error("") == ""
+
+
+def test_another_compiler_gets_its_own_build(home, monkeypatch):
+    # the cache key covers $CC: a build by one compiler is not handed to a process that names another
+    cc = shutil.which("cc") or shutil.which("gcc")
+    monkeypatch.setenv("CC", cc)
+    assert load_kernel() is not None
+    first = built_library(home)
+    monkeypatch.setenv("CC", f"{cc} -O2")
+    load_kernel.cache_clear()
+    assert load_kernel() is not None
+    names = sorted(p.name for p in (home / "kernels").glob("mtpctl_native-*.so"))
+    assert len(names) == 2 and first.name in names

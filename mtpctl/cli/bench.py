@@ -153,7 +153,8 @@ def bench_cmd(model, methods, heads_dir, tree_nodes, datastore, retrieval_nodes,
         "temperature": temperature, "draft_len": draft_len, "draft": draft_model, "repeats": repeats, "prompts": len(prompts),
         "heads": heads_dir, "tree_nodes": tree_nodes, "datastore": str(datastore_path(opts)) if "retrieval" in used else None,
         "retrieval_nodes": (retrieval_nodes or RETRIEVAL_NODES) if "retrieval" in used else None, "seed": seed,
-        "attention": session.attention if backend == "torch" else None})
+        "attention": session.attention if backend == "torch" else None,
+        "int4_kernel": session.int4_kernel if backend == "torch" else None})
     click.echo(format_table(report))
     if json_path:
         write_json(Path(json_path), report)

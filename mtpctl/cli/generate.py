@@ -136,7 +136,8 @@ def generate_cmd(prompt, prompt_file, model, speculate, heads_dir, tree_file, tr
             "text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
             "model": str(session.folder), "speculate": "+".join(parts) or "none", "draft": draft_info, "draft_len": draft_len if drafter else 0,
             "backend": backend, "dtype": dtype, "weights": weights,
-            "attention": session.attention if backend == "torch" else None, "stats": result.stats.to_dict(),
+            "attention": session.attention if backend == "torch" else None,
+            "int4_kernel": session.int4_kernel if backend == "torch" else None, "stats": result.stats.to_dict(),
         }) + "\n")
     else:
         _stream("\n")

@@ -31,7 +31,7 @@ import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -101,14 +101,26 @@ def _intact(out: Path) -> bool:
         return False
 
 
-def _build(out: Path, flags: Tuple[str, ...]) -> None:
+def _compiler() -> Tuple[List[str], str]:
+    """The C compiler's command (``$CC``, which may carry arguments such as "ccache gcc", else ``cc``)
+    and what identifies it in the build's key: the command and the resolved path of its program.
+
+    Raises:
+        OSError: ``$CC`` does not parse, or its program is not on PATH.
+    """
     try:
-        command = shlex.split(os.environ.get("CC") or "cc")  # CC may carry arguments ("ccache gcc")
+        command = shlex.split(os.environ.get("CC") or "cc")
     except ValueError as e:
         raise OSError(f"CC={os.environ['CC']!r} does not parse ({e})") from e
+    found = shutil.which(command[0]) if command else None
+    if found is None:
+        raise OSError(f"no C compiler '{' '.join(command)}' on PATH")
+    return command, " ".join(command) + "\n" + os.path.realpath(found)
+
+
+def _build(out: Path, flags: Tuple[str, ...]) -> None:
+    command, _ = _compiler()
     compiler = " ".join(command)
-    if not command or shutil.which(command[0]) is None:
-        raise OSError(f"no C compiler '{compiler}' on PATH")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         part = Path(tmp) / out.name
@@ -153,7 +165,9 @@ def load_kernel(portable: bool = False) -> Optional[ctypes.CDLL]:
     flags = tuple(f for f in FLAGS if not (portable and f.startswith("-march")))
     try:
         source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
-        key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_signature()).hexdigest()[:12]
+        # the key covers the sources, flags, compiler and CPU: a change to any of them builds anew
+        key = hashlib.sha256(source + " ".join(flags).encode() + _compiler()[1].encode()
+                             + _cpu_signature()).hexdigest()[:12]
         path = mtpctl_home() / "kernels" / f"mtpctl_native-{key}.so"
         if not _intact(path):
             _build(path, flags)

@@ -23,6 +23,7 @@ from mtpctl.runtime.heads import (
     tree_from_accuracy,
 )
 from mtpctl.runtime.model import DTYPES, Decoder
+from mtpctl.runtime.quant import PackedLinear
 from mtpctl.runtime.sampling import SamplingParams
 from mtpctl.runtime.stopping import StopChecker
 from mtpctl.runtime.tokenizer import TextCodec
@@ -76,6 +77,16 @@ class Session:
         near-ties; each is reproduced exactly by speculation."""
         cfg = self.model.cfg
         return "native" if kernel_runs(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) else "torch"
+
+    @property
+    def int4_kernel(self) -> Optional[str]:
+        """What the packed 4-/8-bit weights run on (``--weights int4``): ``"native"``
+        (``csrc/int4_matmul.c``) or ``"torch"`` (torch's int4 kernel: no compiler, or
+        ``MTPCTL_NATIVE_ATTENTION=0``); None for dense weights."""
+        packed = [m for m in self.model.modules() if isinstance(m, PackedLinear)]
+        if not packed:
+            return None
+        return "native" if all(m.native for m in packed) else "torch"
 
     @property
     def vocab_size(self) -> int:
