@@ -412,3 +412,20 @@ def test_kept_features_are_cut_with_their_sequences(tiny_folder):
     # labels line up: on every response position but the last, pred[t] is the token at t + 1
     for s in seqs[2:]:
         assert s.pred[s.loss_from - 1:-1].tolist() == s.ids[s.loss_from:]
+
+
+@pytest.mark.parametrize("tau, warned", [(1.02, True), (1.6, False)])
+def test_heads_that_predict_little_get_a_warning(tiny_folder, tmp_path, capsys, monkeypatch, tau, warned):
+    """helper-30: a run whose heads learned nothing stored its tree silently; generate with it is slower
+    than plain decoding. The summary's expected tau now decides a warning on stderr (stdout stays JSON)."""
+    import mtpctl.cli.add_heads as cli_module
+
+    summary = {"held_out_top1": [0.01, 0.0], "expected_tau": tau}
+    monkeypatch.setattr(cli_module, "add_heads", lambda *a, **k: summary)
+    monkeypatch.setenv("MTPCTL_HOME", str(tmp_path / "home"))
+    data = write_data(tmp_path)
+    code = main(["add-heads", "-m", str(tiny_folder), "--data", str(data), "--self-distill", "--json",
+                 "--out", str(tmp_path / "out")])
+    out, err = capsys.readouterr()
+    assert code == 0 and json.loads(out) == summary
+    assert ("these heads predict little" in err) is warned

@@ -48,6 +48,11 @@ def read_recipe(path: str) -> dict:
     return raw
 
 
+#: below this expected tau (tokens a verify step commits on held-out text, bonus counted) a verify pass
+#: of the default tree, about 1.0-1.1x a plain step here (BENCHMARKS.md), does not pay for itself
+WORTHWHILE_TAU = 1.1
+
+
 @click.command("add-heads", epilog="""\b
 Examples:
   mtpctl add-heads --recipe recipes/smollm2-135m-medusa.yaml --out heads/smollm2-medusa
@@ -111,6 +116,10 @@ def add_heads_cmd(recipe, model, data, out, resume, overwrite, bundle, threads, 
                         mtpctl_home(), resume=resume, overwrite=overwrite, bundle=bundle)
     if not is_main_process():  # under torchrun, rank 0 reports
         return
+    if summary["expected_tau"] < WORTHWHILE_TAU:
+        click.echo(f"mtpctl: warning: these heads predict little on held-out text (expected tau "
+                   f"{summary['expected_tau']} < {WORTHWHILE_TAU}): --speculate heads will likely be slower than "
+                   "plain decoding; train on more data or for more epochs", err=True)
     if as_json:
         click.echo(json.dumps(summary))
     else:
