@@ -134,3 +134,20 @@ def test_another_compiler_gets_its_own_build(home, monkeypatch):
     assert load_kernel() is not None
     names = sorted(p.name for p in (home / "kernels").glob("mtpctl_native-*.so"))
     assert len(names) == 2 and first.name in names
+
+
+def test_a_built_library_is_reused_once_its_compiler_is_gone(home, monkeypatch, capsys):
+    # helper-31: with $CC in the key, a build made before the compiler was removed (a slim runtime image,
+    # a shared MTPCTL_HOME) fell back to torch's ops; the build of these sources for this CPU serves
+    monkeypatch.setenv("CC", shutil.which("cc") or shutil.which("gcc"))
+    assert load_kernel() is not None
+    first = built_library(home)
+    for missing in ("no-such-cc-31", "cc 'unbalanced"):
+        monkeypatch.setenv("CC", missing)
+        load_kernel.cache_clear()
+        assert load_kernel() is not None and capsys.readouterr().err == ""
+        assert built_library(home) == first  # no other build
+    monkeypatch.setattr(native, "FLAGS", native.FLAGS + ("-O1",))  # other flags: no build to reuse
+    load_kernel.cache_clear()
+    assert load_kernel() is None
+    assert "unavailable (CC=\"cc 'unbalanced\" does not parse" in capsys.readouterr().err

@@ -12,7 +12,8 @@ weights run on a 4-bit matmul whose cost grows far less with the rows of a pass 
 Both are compiled into one library with the system C compiler (``$CC``, else ``cc``) into
 ``$MTPCTL_HOME/kernels/`` the first time it is needed (about a second) and loaded with ctypes; it
 uses OpenMP through the ``libgomp`` torch already loaded, so it shares torch's thread count. Where
-there is no compiler, or the build fails, :func:`load_kernel` returns None once, with a warning on
+there is no compiler (and no library built before for these sources and this CPU), or the build
+fails, :func:`load_kernel` returns None once, with a warning on
 stderr, and the engine keeps the pure-torch attention (:func:`mtpctl.runtime.model._attention`)
 and norms, which give the same guarantee more slowly.
 """
@@ -118,6 +119,13 @@ def _compiler() -> Tuple[List[str], str]:
     return command, " ".join(command) + "\n" + os.path.realpath(found)
 
 
+def _any_build(kernels: Path, key: str) -> Optional[Path]:
+    """The newest intact build ``kernels/mtpctl_native-{key}-*.so`` (same sources, flags and CPU, any
+    compiler), else None: where ``$CC`` is gone, a library built before still serves."""
+    builds = sorted(kernels.glob(f"mtpctl_native-{key}-*.so"), key=lambda p: p.stat().st_mtime, reverse=True)
+    return next((p for p in builds if _intact(p)), None)
+
+
 def _build(out: Path, flags: Tuple[str, ...]) -> None:
     command, _ = _compiler()
     compiler = " ".join(command)
@@ -165,12 +173,18 @@ def load_kernel(portable: bool = False) -> Optional[ctypes.CDLL]:
     flags = tuple(f for f in FLAGS if not (portable and f.startswith("-march")))
     try:
         source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
-        # the key covers the sources, flags, compiler and CPU: a change to any of them builds anew
-        key = hashlib.sha256(source + " ".join(flags).encode() + _compiler()[1].encode()
-                             + _cpu_signature()).hexdigest()[:12]
-        path = mtpctl_home() / "kernels" / f"mtpctl_native-{key}.so"
-        if not _intact(path):
-            _build(path, flags)
+        # the key covers the sources, flags and CPU, then the compiler: a change to any of them builds anew
+        key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_signature()).hexdigest()[:12]
+        try:
+            compiler = hashlib.sha256(_compiler()[1].encode()).hexdigest()[:8]
+        except OSError:  # no compiler (any more): a build of these sources for this CPU by any compiler serves
+            path = _any_build(mtpctl_home() / "kernels", key)
+            if path is None:
+                raise
+        else:
+            path = mtpctl_home() / "kernels" / f"mtpctl_native-{key}-{compiler}.so"
+            if not _intact(path):
+                _build(path, flags)
         lib = ctypes.CDLL(str(path))
         lib.tree_attention, lib.rms_norm, lib.rope_write, lib.q4_matmul, lib.q8_matmul  # noqa: B018 (one missing)
     except (OSError, AttributeError) as e:
