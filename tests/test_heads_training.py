@@ -429,3 +429,27 @@ def test_heads_that_predict_little_get_a_warning(tiny_folder, tmp_path, capsys, 
     out, err = capsys.readouterr()
     assert code == 0 and json.loads(out) == summary
     assert ("these heads predict little" in err) is warned
+
+
+def test_self_distillation_stops_at_the_models_context():
+    """helper-31: a prompt plus --response-tokens past max_position_embeddings (128 here) was an internal
+    error (IndexError in the rotary table); a response now ends where the context does."""
+    model = random_decoder(seed=2)
+    ctx = model.cfg.max_position_embeddings
+    prompts = [[5, 6, 7], list(range(1, 101))]
+    got = batch_greedy(model, prompts, 200, eos_ids=set(), batch_size=2)
+    assert [len(d.response) for d in got] == [ctx - 100, ctx - 100]  # the batch stops with its longest prompt
+    for prompt, d in zip(prompts, got):
+        assert d.response == greedy_reference(model, prompt, len(d.response))
+
+
+def test_add_heads_fits_sequences_to_the_models_context(tiny_folder, tmp_path):
+    """helper-31: max_seq_len (512) and response_tokens (128) by default, on a model of 128 positions: a
+    long text record or a long self-distilled response was an internal error; sequences are cut to the
+    context instead."""
+    data = write_data(tmp_path)
+    with data.open("a") as f:
+        f.write(json.dumps({"text": "0123456789 " * 40}) + "\n")  # 440 bytes: 440 tokens past the context
+    summary = add_heads(tiny_folder, "tiny", [data], tmp_path / "out", TrainSettings(**{**SMALL, "response_tokens": 128}),
+                        tmp_path / "home")
+    assert summary["settings"]["max_seq_len"] == 128 and summary["positions"] > 0

@@ -148,7 +148,8 @@ def batch_greedy(model: Decoder, prompts: Sequence[List[int]], max_new_tokens: i
     Args:
         model: the target.
         prompts: prompt token ids, one list per prompt.
-        max_new_tokens: response length cap (tokens).
+        max_new_tokens: response length cap (tokens); a batch's responses also end where the
+            context does (``max_position_embeddings``, counting its longest prompt).
         eos_ids: a response ends at (and includes) its first EOS.
         progress: called with the number of prompts finished after each batch.
         keep_features: also keep the hidden states and argmax tokens of every position (what a
@@ -157,6 +158,9 @@ def batch_greedy(model: Decoder, prompts: Sequence[List[int]], max_new_tokens: i
 
     Returns:
         one :class:`Distilled` per prompt, in order.
+
+    Raises:
+        ValueError: a prompt that fills the model's context.
     """
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch
     results = {}
@@ -173,6 +177,10 @@ def batch_greedy(model: Decoder, prompts: Sequence[List[int]], max_new_tokens: i
 def _greedy_batch(model: Decoder, prompts: List[List[int]], max_new: int, eos_ids: Set[int],
                   keep: bool) -> List[Distilled]:
     b, longest = len(prompts), max(len(p) for p in prompts)
+    max_new = min(max_new, model.cfg.max_position_embeddings - longest)  # the last response token's position fits
+    if max_new < 1:
+        raise ValueError(f"a prompt of {longest} tokens leaves no room in a context of "
+                         f"{model.cfg.max_position_embeddings} positions")
     pad = [longest - len(p) for p in prompts]
     ids = torch.tensor([[0] * pad[r] + prompts[r] for r in range(b)], dtype=torch.long)
     valid = torch.zeros(b, longest + max_new, dtype=torch.bool)  # slots holding real tokens

@@ -35,7 +35,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -635,13 +635,15 @@ def add_heads(target_folder: Path, target_name: str, data: Sequence[Path], out: 
     codec = TextCodec(target_folder)
     target_hash = weights_hash(target_folder)
     records = read_records(data)
+    target = Decoder.from_folder(target_folder, torch.float32)
+    if settings.max_seq_len > target.cfg.max_position_embeddings:  # no sequence runs past the model's context
+        settings = replace(settings, max_seq_len=target.cfg.max_position_embeddings)
     shape = {k: getattr(settings, k) for k in ("self_distill", "response_tokens", "distill_dtype", "features_dtype",
                                                 "max_seq_len", "soft_labels", "soft_top")}
     shape["features_format"] = FEATURES_FORMAT
     feat_dir = Path(home) / "work" / f"features-{run_key(target_hash, data_fingerprint(data), shape)}"
     work = Path(home) / "work" / f"heads-{run_key(feat_dir.name, asdict(settings))}"
     feat_path = feat_dir / "features.safetensors"
-    target = Decoder.from_folder(target_folder, torch.float32)
     timings = {}
     if _rank() == 0 and not feat_path.exists():
         feat_dir.mkdir(parents=True, exist_ok=True)
