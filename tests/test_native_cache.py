@@ -151,3 +151,17 @@ def test_a_built_library_is_reused_once_its_compiler_is_gone(home, monkeypatch, 
     load_kernel.cache_clear()
     assert load_kernel() is None
     assert "unavailable (CC=\"cc 'unbalanced\" does not parse" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cc, message", [
+    ("ccache-31-missing gcc", "no C compiler 'ccache-31-missing' on PATH (CC='ccache-31-missing gcc')"),
+    ("/opt/my cc31/gcc", "no C compiler '/opt/my' on PATH (CC='/opt/my cc31/gcc')"),  # unquoted: split at the space
+    ("no-such-cc-31", "no C compiler 'no-such-cc-31' on PATH"),
+    (" ", "CC=' ' names no compiler"),
+])
+def test_a_missing_compiler_is_named_as_looked_up(monkeypatch, cc, message):
+    # helper-31: "ccache gcc" without ccache said "no C compiler 'ccache gcc'", and CC=" " "no C compiler ''"
+    monkeypatch.setenv("CC", cc)
+    with pytest.raises(OSError) as e:
+        native._compiler()
+    assert str(e.value) == message

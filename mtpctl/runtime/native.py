@@ -113,9 +113,12 @@ def _compiler() -> Tuple[List[str], str]:
         command = shlex.split(os.environ.get("CC") or "cc")
     except ValueError as e:
         raise OSError(f"CC={os.environ['CC']!r} does not parse ({e})") from e
-    found = shutil.which(command[0]) if command else None
-    if found is None:
-        raise OSError(f"no C compiler '{' '.join(command)}' on PATH")
+    if not command:
+        raise OSError(f"CC={os.environ['CC']!r} names no compiler")
+    found = shutil.which(command[0])
+    if found is None:  # the program looked up: "ccache" of "ccache gcc", "/opt/my" of an unquoted "/opt/my cc"
+        given = f" (CC={os.environ['CC']!r})" if len(command) > 1 else ""
+        raise OSError(f"no C compiler {command[0]!r} on PATH{given}")
     return command, " ".join(command) + "\n" + os.path.realpath(found)
 
 
