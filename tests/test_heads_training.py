@@ -414,13 +414,13 @@ def test_kept_features_are_cut_with_their_sequences(tiny_folder):
         assert s.pred[s.loss_from - 1:-1].tolist() == s.ids[s.loss_from:]
 
 
-@pytest.mark.parametrize("tau, warned", [(1.02, True), (1.6, False)])
+@pytest.mark.parametrize("tau, warned", [(1.02, True), (1.15, True), (1.6, False)])
 def test_heads_that_predict_little_get_a_warning(tiny_folder, tmp_path, capsys, monkeypatch, tau, warned):
     """helper-30: a run whose heads learned nothing stored its tree silently; generate with it is slower
     than plain decoding. The summary's expected tau now decides a warning on stderr (stdout stays JSON)."""
     import mtpctl.cli.add_heads as cli_module
 
-    summary = {"held_out_top1": [0.01, 0.0], "expected_tau": tau}
+    summary = {"held_out_top1": [0.01, 0.0], "expected_tau": tau, "held_out": 40}
     monkeypatch.setattr(cli_module, "add_heads", lambda *a, **k: summary)
     monkeypatch.setenv("MTPCTL_HOME", str(tmp_path / "home"))
     data = write_data(tmp_path)
@@ -453,3 +453,17 @@ def test_add_heads_fits_sequences_to_the_models_context(tiny_folder, tmp_path):
     summary = add_heads(tiny_folder, "tiny", [data], tmp_path / "out", TrainSettings(**{**SMALL, "response_tokens": 128}),
                         tmp_path / "home")
     assert summary["settings"]["max_seq_len"] == 128 and summary["positions"] > 0
+
+
+def test_no_held_out_data_is_said_plainly(tiny_folder, tmp_path, capsys, monkeypatch):
+    """helper-31: with nothing held out, the figures are 0 because nothing was measured, not because the
+    heads are bad; the warning says so instead of "predict little"."""
+    import mtpctl.cli.add_heads as cli_module
+
+    monkeypatch.setattr(cli_module, "add_heads", lambda *a, **k: {"held_out_top1": [0.0], "expected_tau": 1.0,
+                                                                   "held_out": 0})
+    monkeypatch.setenv("MTPCTL_HOME", str(tmp_path / "home"))
+    code = main(["add-heads", "-m", str(tiny_folder), "--data", str(write_data(tmp_path)), "--self-distill",
+                 "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 0 and "no sequence was held out" in err and "predict little" not in err
