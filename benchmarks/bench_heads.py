@@ -52,8 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--trees", default="4,8,16", help="tree sizes (nodes) to try in every mode")
     p.add_argument("--limit", type=int, default=2, help="prompts per category of the built-in set")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--ngram", type=int, default=0,
-                   help="also run n-gram drafting alone and merged with each heads tree, this many tokens (0 = off)")
+    p.add_argument("--ngram", type=lengths, default=[],
+                   help="also run n-gram drafting alone and merged with each heads tree, this many tokens; "
+                        "a comma list (3,4) A/Bs several lengths in one run (0 or none = off)")
     p.add_argument("--retrieval", type=int, default=0,
                    help="also merge a retrieval tree of this many nodes (the heads' datastore) into each "
                         "heads+ngram tree (0 = off; needs --ngram)")
@@ -65,7 +66,18 @@ def parse_args(argv=None):
     return args
 
 
-def run_mode(folder, heads_dir, mode, trees, prompts, max_new, ngram=0, retrieval=0):
+def lengths(text: str) -> list:
+    """``--ngram`` values: "3,4" -> [3, 4]; "0" -> [] (off)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected lengths like 3 or 3,4, got {text!r}") from e
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"lengths must not be negative, got {text!r}")
+    return [v for v in values if v > 0]
+
+
+def run_mode(folder, heads_dir, mode, trees, prompts, max_new, ngrams=(), retrieval=0):
     dtype, weights = MODES[mode]
     session = Session(folder, dtype, weights)
     heads = session.load_heads(heads_dir)
@@ -73,20 +85,20 @@ def run_mode(folder, heads_dir, mode, trees, prompts, max_new, ngram=0, retrieva
     store = Datastore.load(Path(heads_dir) / DATASTORE_FILE, session.vocab_size) if retrieval else None
     greedy = SamplingParams()
     methods = {"plain": lambda x: session.generate(x, max_new, greedy)}
-    if ngram:
-        methods[f"ngram-{ngram}"] = lambda x: session.generate(x, max_new, greedy, NgramDrafter(), ngram)
+    for ngram in ngrams:
+        methods[f"ngram-{ngram}"] = (lambda k: lambda x: session.generate(x, max_new, greedy, NgramDrafter(), k))(ngram)
     for n in trees:
         drafter = session.heads_drafter(heads, tree_nodes=n)
         methods[f"heads-{n}"] = (lambda d: lambda x: session.generate(x, max_new, greedy, d, len(d.tree.paths),
                                                                        heads=heads))(drafter)
-        if ngram:
+        for ngram in ngrams:
             merged = MergedDrafter([(drafter, n), (NgramDrafter(), ngram)])
             methods[f"heads-{n}+ngram-{ngram}"] = (lambda d, k: lambda x: session.generate(
                 x, max_new, greedy, d, k, heads=heads))(merged, n + ngram)
-        if ngram and retrieval:
-            merged = MergedDrafter([(drafter, n), (NgramDrafter(), ngram), (RetrievalDrafter(store), retrieval)])
-            methods[f"heads-{n}+ngram-{ngram}+retrieval-{retrieval}"] = (lambda d, k: lambda x: session.generate(
-                x, max_new, greedy, d, k, heads=heads))(merged, n + ngram + retrieval)
+            if retrieval:
+                merged = MergedDrafter([(drafter, n), (NgramDrafter(), ngram), (RetrievalDrafter(store), retrieval)])
+                methods[f"heads-{n}+ngram-{ngram}+retrieval-{retrieval}"] = (lambda d, k: lambda x: session.generate(
+                    x, max_new, greedy, d, k, heads=heads))(merged, n + ngram + retrieval)
     runs = run_interleaved(methods, ids, 1, progress=lambda line: print(f"{mode}: {line}", file=sys.stderr))
     plain = runs["plain"]
     rows = []
@@ -102,7 +114,7 @@ def run_mode(folder, heads_dir, mode, trees, prompts, max_new, ngram=0, retrieva
 
 def render(rows, args, cfg: HeadsConfig, seconds: float) -> str:
     t = cfg.training
-    ngram = f" --ngram {args.ngram}" if args.ngram else ""
+    ngram = f" --ngram {','.join(map(str, args.ngram))}" if args.ngram else ""
     ngram += f" --retrieval {args.retrieval}" if args.retrieval else ""
     threads = f" --threads {args.threads}" if args.threads else ""
     begin, end = markers(cfg.kind)
