@@ -80,9 +80,10 @@ class Session:
 
     @property
     def int4_kernel(self) -> Optional[str]:
-        """What the packed 4-/8-bit weights run on (``--weights int4``): ``"native"``
-        (``csrc/int4_matmul.c``) or ``"torch"`` (torch's int4 kernel: no compiler, or
-        ``MTPCTL_NATIVE_ATTENTION=0``); None for dense weights."""
+        """What the packed 4-/8-bit weights run on (``--weights int4``): ``"native"`` when all of them
+        run on ``csrc/int4_matmul.c``, ``"torch"`` when any runs on torch's int4 kernel (no compiler,
+        ``MTPCTL_NATIVE_ATTENTION=0``, or a weight whose rows are not a multiple of 4); None for dense
+        weights."""
         packed = [m for m in self.model.modules() if isinstance(m, PackedLinear)]
         if not packed:
             return None
