@@ -24,6 +24,7 @@ import torch
 from sections import write_section
 
 from mtpctl.convert.sources import resolve_model
+from mtpctl.errors import MtpctlError
 from mtpctl.runtime.bench import cpu_model, load_prompts, run_interleaved, summarize
 from mtpctl.runtime.drafters import MergedDrafter, NgramDrafter
 from mtpctl.runtime.heads import HeadsConfig
@@ -45,20 +46,21 @@ MODES = {"float32": ("float32", "dense"), "bfloat16": ("bfloat16", "dense"), "in
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--heads", required=True, help="head folder from mtpctl add-heads")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--modes", default="float32,bfloat16,int4")
+    p.add_argument("--model", default="smollm2-135m", help="target: alias, folder or .gguf (as mtpctl --model)")
+    p.add_argument("--modes", default="float32,bfloat16,int4", help=f"numeric modes to run, from {','.join(MODES)}")
     p.add_argument("--trees", default="4,8,16", help="tree sizes (nodes) to try in every mode")
     p.add_argument("--limit", type=int, default=2, help="prompts per category of the built-in set")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--ngram", type=lengths, default=[],
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
+    p.add_argument("--ngram", type=lengths, default="0",
                    help="also run n-gram drafting alone and merged with each heads tree, this many tokens; "
-                        "a comma list (3,4) A/Bs several lengths in one run (0 or none = off)")
+                        "a comma list (3,4) A/Bs several lengths in one run (0 = off)")
     p.add_argument("--retrieval", type=int, default=0,
                    help="also merge a retrieval tree of this many nodes (the heads' datastore) into each "
                         "heads+ngram tree (0 = off; needs --ngram)")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (None: torch's own)")
     p.add_argument("--write", type=Path, default=None, help="replace the bench_heads section of this file")
     args = p.parse_args(argv)
     if args.retrieval and not args.ngram:
@@ -74,7 +76,7 @@ def lengths(text: str) -> list:
         raise argparse.ArgumentTypeError(f"expected lengths like 3 or 3,4, got {text!r}") from e
     if any(v < 0 for v in values):
         raise argparse.ArgumentTypeError(f"lengths must not be negative, got {text!r}")
-    return [v for v in values if v > 0]
+    return sorted({v for v in values if v > 0})
 
 
 def run_mode(folder, heads_dir, mode, trees, prompts, max_new, ngrams=(), retrieval=0):
@@ -160,8 +162,17 @@ def render(rows, args, cfg: HeadsConfig, seconds: float) -> str:
 
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     args = parse_args(argv)
+    try:
+        run(args)
+    except MtpctlError as e:  # a missing model or head folder: one line, as the CLI gives it
+        print(f"bench_heads.py: error: {e}", file=sys.stderr)
+        return e.exit_code
+    return 0
+
+
+def run(args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     folder = resolve_model(args.model)
@@ -182,4 +193,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -467,3 +467,4 @@ def test_no_held_out_data_is_said_plainly(tiny_folder, tmp_path, capsys, monkeyp
                  "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert code == 0 and "no sequence was held out" in err and "predict little" not in err
+    assert "(no held-out figures)" in err and "held-out top-1 per head" not in err

@@ -120,13 +120,16 @@ def add_heads_cmd(recipe, model, data, out, resume, overwrite, bundle, threads, 
         return
     if not summary.get("held_out"):
         click.echo("mtpctl: warning: no sequence was held out, so the heads' accuracy and expected tau were not "
-                   "measured (figures of 0); give more data or a larger holdout", err=True)
+                   "measured (the config stores 0s, and its default tree is a guess); give more data, or a "
+                   "larger `holdout` in a recipe", err=True)
     elif summary["expected_tau"] < WORTHWHILE_TAU:
         click.echo(f"mtpctl: warning: these heads predict little on held-out text (expected tau "
                    f"{summary['expected_tau']} < {WORTHWHILE_TAU}): --speculate heads will likely be slower than "
                    "plain decoding; train on more data or for more epochs", err=True)
     if as_json:
         click.echo(json.dumps(summary))
+    elif not summary.get("held_out"):
+        click.echo(f"mtpctl: wrote {out} (no held-out figures)", err=True)
     else:
         unit = "draft step" if settings.kind == "eagle" else "head"
         click.echo(f"mtpctl: wrote {out}: held-out top-1 per {unit} {summary['held_out_top1']}, expected tau "

@@ -40,7 +40,7 @@ def parse_methods(text: str) -> List[str]:
 @click.command("bench", epilog="""\b
 Examples:
   mtpctl bench --methods plain,ngram --max-new-tokens 64 --limit 1
-  mtpctl bench --dtype bfloat16 --weights int4 --methods plain,ngram --json bench.json --plot bench.png
+  mtpctl bench --dtype bfloat16 --weights int4 --methods plain,ngram --limit 2 --json bench.json --plot bench.png
   mtpctl bench --methods plain,ngram --limit 1 --fail-below-speedup 1.1 --fail-above-p99-ms 80 || echo "exit $?"
   mtpctl bench --baseline transformers --categories code,summarization --limit 3
   mtpctl bench --dtype bfloat16 --weights int4 --methods plain,ngram --baseline llama.cpp --limit 1

@@ -191,7 +191,8 @@ def load_kernel(portable: bool = False) -> Optional[ctypes.CDLL]:
         lib = ctypes.CDLL(str(path))
         lib.tree_attention, lib.rms_norm, lib.rope_write, lib.q4_matmul, lib.q8_matmul  # noqa: B018 (one missing)
     except (OSError, AttributeError) as e:
-        print(f"mtpctl: warning: native kernels (attention, RMSNorm, RoPE, int4) unavailable ({e}); using torch's ops (slower)",
+        print(f"mtpctl: warning: native kernels (attention, RMSNorm, RoPE, int4) unavailable ({e}); using torch's "
+              "ops (slower; install a C compiler or set $CC, or MTPCTL_NATIVE_ATTENTION=0 to silence this)",
               file=sys.stderr)
         return None
     lib.rms_norm.restype = ctypes.c_int
