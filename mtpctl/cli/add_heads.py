@@ -118,7 +118,8 @@ def add_heads_cmd(recipe, model, data, out, resume, overwrite, bundle, threads, 
                         mtpctl_home(), resume=resume, overwrite=overwrite, bundle=bundle)
     if not is_main_process():  # under torchrun, rank 0 reports
         return
-    if not summary.get("held_out"):
+    measured = bool(summary.get("held_out"))  # figures exist only for held-out sequences
+    if not measured:
         click.echo("mtpctl: warning: no sequence was held out, so the heads' accuracy and expected tau were not "
                    "measured (the config stores 0s, and its default tree is a guess); give more data, or a "
                    "larger `holdout` in a recipe", err=True)
@@ -128,7 +129,7 @@ def add_heads_cmd(recipe, model, data, out, resume, overwrite, bundle, threads, 
                    "plain decoding; train on more data or for more epochs", err=True)
     if as_json:
         click.echo(json.dumps(summary))
-    elif not summary.get("held_out"):
+    elif not measured:
         click.echo(f"mtpctl: wrote {out} (no held-out figures)", err=True)
     else:
         unit = "draft step" if settings.kind == "eagle" else "head"

@@ -206,8 +206,9 @@ def build_sequences(records: Sequence[Record], codec: TextCodec, settings: Train
     sequences = list(texts)
     if prompts:
         model = distill_model()
-        log(f"self-distillation: the target answers {len(prompts)} prompt{'s' if len(prompts) != 1 else ''} ({settings.distill_batch} at a time, "
-            f"{settings.distill_dtype})")
+        plural = "s" if len(prompts) != 1 else ""
+        log(f"self-distillation: the target answers {len(prompts)} prompt{plural} ({settings.distill_batch} at a "
+            f"time, {settings.distill_dtype})")
         bar = _bar(len(prompts), "distill")
         found = batch_greedy(model, prompts, settings.response_tokens, codec.eos_ids, settings.distill_batch,
                              progress=bar.update if bar else None, keep_features=keeps_features(settings))

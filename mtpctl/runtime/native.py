@@ -129,8 +129,7 @@ def _any_build(kernels: Path, key: str) -> Optional[Path]:
     return next((p for p in builds if _intact(p)), None)
 
 
-def _build(out: Path, flags: Tuple[str, ...]) -> None:
-    command, _ = _compiler()
+def _build(out: Path, flags: Tuple[str, ...], command: List[str]) -> None:
     compiler = " ".join(command)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
@@ -179,15 +178,16 @@ def load_kernel(portable: bool = False) -> Optional[ctypes.CDLL]:
         # the key covers the sources, flags and CPU, then the compiler: a change to any of them builds anew
         key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_signature()).hexdigest()[:12]
         try:
-            compiler = hashlib.sha256(_compiler()[1].encode()).hexdigest()[:8]
+            command, identity = _compiler()
         except OSError:  # no compiler (any more): a build of these sources for this CPU by any compiler serves
             path = _any_build(mtpctl_home() / "kernels", key)
             if path is None:
                 raise
         else:
+            compiler = hashlib.sha256(identity.encode()).hexdigest()[:8]
             path = mtpctl_home() / "kernels" / f"mtpctl_native-{key}-{compiler}.so"
             if not _intact(path):
-                _build(path, flags)
+                _build(path, flags, command)
         lib = ctypes.CDLL(str(path))
         lib.tree_attention, lib.rms_norm, lib.rope_write, lib.q4_matmul, lib.q8_matmul  # noqa: B018 (one missing)
     except (OSError, AttributeError) as e:
