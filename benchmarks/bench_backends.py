@@ -28,11 +28,11 @@ from pathlib import Path
 from sections import write_section
 
 from mtpctl.convert.onnx_export import export_onnx
-from mtpctl.convert.sources import resolve_model
+from mtpctl.model.sources import resolve_model
 from mtpctl.runtime.bench import cpu_model, load_prompts, run_interleaved
 from mtpctl.runtime.drafters import NgramDrafter
 from mtpctl.runtime.ort_engine import OrtSession
-from mtpctl.runtime.sampling import SamplingParams
+from mtpctl.decode.sampling import SamplingParams
 from mtpctl.runtime.session import Session, set_threads
 
 BEGIN, END = "<!-- bench_backends:begin -->", "<!-- bench_backends:end -->"

@@ -35,10 +35,10 @@ import torch
 from sections import write_section
 
 from mtpctl.convert.pairing import compare, draft_model_drafter, load_vocabulary
-from mtpctl.convert.sources import resolve_model
+from mtpctl.model.sources import resolve_model
 from mtpctl.runtime.bench import cpu_model, load_prompts
 from mtpctl.runtime.draft_model import AUTO_MAX
-from mtpctl.runtime.sampling import SamplingParams
+from mtpctl.decode.sampling import SamplingParams
 from mtpctl.runtime.session import Session, set_threads
 
 BEGIN, END = "<!-- bench_draft_pair:begin -->", "<!-- bench_draft_pair:end -->"

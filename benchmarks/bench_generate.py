@@ -102,7 +102,7 @@ def load_prompts(path: Path, limit: Optional[int]) -> List[Prompt]:
 def mtpctl_method(session, dtype: str, draft_len: int, speculative: bool) -> Method:
     """mtpctl greedy decoding, plain or with the n-gram drafter."""
     from mtpctl.runtime.drafters import NgramDrafter
-    from mtpctl.runtime.sampling import SamplingParams
+    from mtpctl.decode.sampling import SamplingParams
 
     def run(ids: Sequence[int], max_new: int) -> Run:
         drafter = NgramDrafter() if speculative else None  # the CLI's defaults (n-grams 3..2)
@@ -596,7 +596,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     args.source = source_version()
     sys.path.insert(0, str(HERE.parent))
-    from mtpctl.convert.sources import resolve_model
+    from mtpctl.model.sources import resolve_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

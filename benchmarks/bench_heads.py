@@ -23,13 +23,13 @@ from pathlib import Path
 import torch
 from sections import write_section
 
-from mtpctl.convert.sources import resolve_model
+from mtpctl.model.sources import resolve_model
 from mtpctl.errors import MtpctlError
 from mtpctl.runtime.bench import cpu_model, load_prompts, run_interleaved, summarize
 from mtpctl.runtime.drafters import MergedDrafter, NgramDrafter
 from mtpctl.runtime.heads import HeadsConfig
 from mtpctl.runtime.retrieval import DATASTORE_FILE, Datastore, RetrievalDrafter
-from mtpctl.runtime.sampling import SamplingParams
+from mtpctl.decode.sampling import SamplingParams
 from mtpctl.runtime.session import Session
 
 #: how each head kind's section of BENCHMARKS.md is made: the add-heads arguments, the section markers

@@ -7,7 +7,7 @@ and the ratio to the plain step. A verify pass of N tokens costing r times a pla
 when a step commits more than r tokens on average. ``--kernels default,blocked`` also times the dense
 modes with torch's default linear kernel (a Decoder loaded without oneDNN's blocked layout, which a
 Session uses), rows of the two alternating pass by pass. ``--attention torch,native`` likewise times
-torch's batch-invariant attention ops against the native kernels (``mtpctl.runtime.native``), and
+torch's batch-invariant attention ops against the native kernels (``mtpctl.model.native``), and
 ``--int4-kernels torch,native`` torch's int4 matmul against the native one (csrc/int4_matmul.c).
 
     python benchmarks/bench_verify.py --modes bfloat16,int4 --context 200
@@ -24,9 +24,9 @@ import time
 
 import torch
 
-from mtpctl.convert.sources import resolve_model
+from mtpctl.model.sources import resolve_model
 from mtpctl.runtime.engine import TorchEngine
-from mtpctl.runtime.model import DTYPES, Decoder
+from mtpctl.model.decoder import DTYPES, Decoder
 from mtpctl.runtime.session import Session
 
 MODES = {"float32": ("float32", "dense"), "bfloat16": ("bfloat16", "dense"), "int4": ("bfloat16", "int4")}

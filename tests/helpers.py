@@ -9,10 +9,10 @@ from typing import List, Sequence
 
 import torch
 
-from mtpctl.runtime.config import DecoderConfig
+from mtpctl.model.config import DecoderConfig
 from mtpctl.runtime.drafters import Draft
 from mtpctl.runtime.engine import TorchEngine
-from mtpctl.runtime.model import Decoder
+from mtpctl.model.decoder import Decoder
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -32,7 +32,7 @@ def tiny_config_dict(vocab: int = 259, max_pos: int = 128, **overrides) -> dict:
 
 def random_state_dict(cfg: DecoderConfig, seed: int = 0, scale: float = 0.3) -> dict:
     """HF-named random tensors for ``cfg`` (norm weights near 1) so logits are well separated."""
-    from mtpctl.runtime.model import expected_tensors
+    from mtpctl.model.decoder import expected_tensors
 
     g = torch.Generator().manual_seed(seed)
     out = {}

@@ -6,7 +6,7 @@ import pytest
 
 from mtpctl.cli.main import main
 from mtpctl.runtime.bench import acceptance_by_position, load_prompts, percentile
-from mtpctl.runtime.generate import GenerationResult, GenerationStats
+from mtpctl.decode.loop import GenerationResult, GenerationStats
 
 
 @pytest.fixture
@@ -87,8 +87,8 @@ def test_percentile_and_acceptance_by_position():
 
 
 def test_peak_memory_is_weights_plus_largest_kv_cache(capsys, tiny_folder, prompt_file, tmp_path):
-    from mtpctl.runtime.model import Decoder
-    from mtpctl.runtime.quant import blocked_layout_available
+    from mtpctl.model.decoder import Decoder
+    from mtpctl.model.linears import blocked_layout_available
 
     code, out, err, report = bench(capsys, tiny_folder, prompt_file, tmp_path)
     assert code == 0, err
@@ -126,7 +126,7 @@ def test_heads_and_heads_plus_ngram_methods(capsys, tiny_folder, prompt_file, tm
     import torch
 
     from mtpctl.runtime.heads import HeadsConfig, MedusaHeads
-    from mtpctl.runtime.weights import weights_hash
+    from mtpctl.model.weights import weights_hash
 
     cfg = json.loads((tiny_folder / "config.json").read_text())
     heads = MedusaHeads(HeadsConfig("hydra", 2, 1, False, cfg["hidden_size"], cfg["vocab_size"], token_conditioned=True,
@@ -167,7 +167,7 @@ def test_llamacpp_baseline_needs_its_package_and_a_gguf_model(capsys, tiny_folde
 
 
 def test_gguf_source_finds_the_file_behind_a_model(tmp_path):
-    from mtpctl.convert.sources import gguf_source
+    from mtpctl.model.sources import gguf_source
     from mtpctl.errors import BadInput
 
     gguf = tmp_path / "m.gguf"

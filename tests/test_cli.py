@@ -55,12 +55,12 @@ def test_generate_streams_text_and_stats_go_to_stderr(capsys, tiny_folder):
     assert "tau=" in err and "tau=" not in out
     code, js, _ = cli(capsys, "generate", "-m", tiny_folder, "--max-new-tokens", 8, "--json", "--no-chat", "hello")
     assert out == json.loads(js)["text"] + "\n"
-    from mtpctl.runtime.native import load_kernel
+    from mtpctl.model.native import load_kernel
     assert json.loads(js)["attention"] == ("native" if load_kernel() is not None else "torch")
 
 
 def test_generate_json_says_when_torch_attention_ran(capsys, tiny_folder, monkeypatch):
-    from mtpctl.runtime.native import load_kernel
+    from mtpctl.model.native import load_kernel
     monkeypatch.setenv("MTPCTL_NATIVE_ATTENTION", "off")
     load_kernel.cache_clear()
     try:
@@ -74,7 +74,7 @@ def test_generate_json_says_when_torch_attention_ran(capsys, tiny_folder, monkey
 def test_generate_json_says_what_int4_weights_ran_on(capsys, tmp_path, monkeypatch, switch):
     from helpers import write_gguf_grid_checkpoint
 
-    from mtpctl.runtime.native import load_kernel
+    from mtpctl.model.native import load_kernel
     folder = str(write_gguf_grid_checkpoint(tmp_path / "grid"))
     monkeypatch.setenv("MTPCTL_NATIVE_ATTENTION", switch)
     load_kernel.cache_clear()

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from helpers import greedy_reference, random_decoder, random_state_dict
-from mtpctl.runtime.config import DecoderConfig
+from mtpctl.model.config import DecoderConfig
 from mtpctl.runtime.draft_model import AUTO_START, DraftModelDrafter
-from mtpctl.runtime.model import Decoder
-from mtpctl.runtime.sampling import SamplingParams
+from mtpctl.model.decoder import Decoder
+from mtpctl.decode.sampling import SamplingParams
 from stats_util import chi_square_rejects
 from test_generate import PROMPT, exact_sequence_probs, run
 

@@ -3,7 +3,7 @@
 import pytest
 
 from mtpctl.runtime.drafters import NgramDrafter
-from mtpctl.runtime.stopping import StopChecker
+from mtpctl.decode.stopping import StopChecker
 
 
 def test_ngram_proposes_continuation_of_latest_match():

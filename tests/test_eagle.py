@@ -14,7 +14,7 @@ from mtpctl.runtime.drafters import TargetStep
 from mtpctl.runtime.eagle import EagleDrafter, EagleHead, layer_config_for
 from mtpctl.runtime.engine import TorchEngine
 from mtpctl.runtime.heads import HeadsConfig, MedusaHeads, StaticTree, load_heads
-from mtpctl.runtime.sampling import SamplingParams
+from mtpctl.decode.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ import torch
 
 from helpers import plain_decode_logits, random_decoder, tree_path
 from mtpctl.runtime.engine import TorchEngine, attention_masks, tree_positions
-from mtpctl.runtime.native import load_kernel
-from mtpctl.runtime.quant import blocked_layout_available
+from mtpctl.model.native import load_kernel
+from mtpctl.model.linears import blocked_layout_available
 
 # fp32 results differ by ~1e-6 relative between a block pass and single-token passes
 # (matmuls are not batch-invariant); logits here reach ~10, hence atol 1e-4.
@@ -133,7 +133,7 @@ def test_tree_nodes_equal_plain_decoding_of_their_path_at_any_capacity(dtype, bl
 
 def test_tails_gathered_by_window_and_fixes_hold_the_planned_slots():
     from mtpctl.runtime.engine import HEAD_BLOCK, TAIL, attention_plan, tree_positions
-    from mtpctl.runtime.model import _gather_tails
+    from mtpctl.model.decoder import _gather_tails
 
     parents = [-1, 0, 0, 1, 2, 2, 4, 0]
     depth, tree_mask = tree_positions(parents)

@@ -19,7 +19,7 @@ from mtpctl.convert import onnx_export  # noqa: E402
 from mtpctl.convert.onnx_export import export_onnx  # noqa: E402
 from mtpctl.errors import BadInput  # noqa: E402
 from mtpctl.runtime.heads import HeadsConfig, MedusaHeads  # noqa: E402
-from mtpctl.runtime.weights import weights_hash  # noqa: E402
+from mtpctl.model.weights import weights_hash  # noqa: E402
 
 TREE = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
 

@@ -18,10 +18,10 @@ from safetensors.torch import load_file
 
 from helpers import first_divergence, top2_gap
 from mtpctl.errors import UnsupportedModel
-from mtpctl.runtime.config import DecoderConfig, RopeConfig
+from mtpctl.model.config import DecoderConfig, RopeConfig
 from mtpctl.runtime.engine import TorchEngine
-from mtpctl.runtime.model import Decoder
-from mtpctl.runtime.sampling import SamplingParams
+from mtpctl.model.decoder import Decoder
+from mtpctl.decode.sampling import SamplingParams
 
 VOCAB = 97
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]

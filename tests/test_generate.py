@@ -10,9 +10,9 @@ import torch
 from helpers import ScriptedDrafter, greedy_reference, random_decoder
 from mtpctl.runtime.drafters import Draft, NgramDrafter
 from mtpctl.runtime.engine import TorchEngine
-from mtpctl.runtime.generate import generate
-from mtpctl.runtime.sampling import SamplingParams, probs_from_logits
-from mtpctl.runtime.stopping import StopChecker
+from mtpctl.decode.loop import generate
+from mtpctl.decode.sampling import SamplingParams, probs_from_logits
+from mtpctl.decode.stopping import StopChecker
 from stats_util import chi_square_rejects
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 5, 17]

@@ -10,14 +10,14 @@ from stats_util import chi_square_rejects
 from test_generate import PROMPT, decode, exact_sequence_probs
 
 from mtpctl.errors import BadInput, CorruptModel
-from mtpctl.runtime.acceptance import (
+from mtpctl.decode.acceptance import (
     accept_greedy,
     accept_rejection_sampling,
     accept_typical,
 )
 from mtpctl.runtime.drafters import TargetStep
 from mtpctl.runtime.engine import TorchEngine
-from mtpctl.runtime.generate import generate
+from mtpctl.decode.loop import generate
 from mtpctl.runtime.heads import (
     HeadsConfig,
     MedusaDrafter,
@@ -27,10 +27,10 @@ from mtpctl.runtime.heads import (
     load_heads,
     tree_from_accuracy,
 )
-from mtpctl.runtime.model import Decoder
-from mtpctl.runtime.quant import blocked_layout_available
-from mtpctl.runtime.sampling import SamplingParams
-from mtpctl.runtime.stopping import StopChecker
+from mtpctl.model.decoder import Decoder
+from mtpctl.model.linears import blocked_layout_available
+from mtpctl.decode.sampling import SamplingParams
+from mtpctl.decode.stopping import StopChecker
 
 TREES = {
     "chain": [[0], [0, 0], [0, 0, 0]],

@@ -387,8 +387,8 @@ def test_kept_features_are_cut_with_their_sequences(tiny_folder):
     """Text and prompt records mixed, max_seq_len cutting prompt + response: the kept hidden states and
     argmax tokens are cut alike, stay in sequence order and equal a teacher-forced pass over the same ids."""
     from mtpctl.convert.heads_training import TrainSequence, build_sequences, compute_features
-    from mtpctl.runtime.model import Decoder
-    from mtpctl.runtime.tokenizer import TextCodec
+    from mtpctl.model.decoder import Decoder
+    from mtpctl.model.tokenizer import TextCodec
 
     codec = TextCodec(tiny_folder)
     model = Decoder.from_folder(tiny_folder, torch.float32)

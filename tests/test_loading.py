@@ -9,9 +9,9 @@ from safetensors.torch import load_file, save_file
 
 from helpers import tiny_config_dict
 from mtpctl.errors import CorruptModel, UnsupportedModel
-from mtpctl.runtime.config import DecoderConfig
-from mtpctl.runtime.model import Decoder
-from mtpctl.runtime.quant import BlockedLinear, blocked_layout_available
+from mtpctl.model.config import DecoderConfig
+from mtpctl.model.decoder import Decoder
+from mtpctl.model.linears import BlockedLinear, blocked_layout_available
 
 
 @pytest.fixture

@@ -1,11 +1,11 @@
-"""The native decode/verify attention kernel (mtpctl/runtime/native.py, csrc/tree_attention.c)."""
+"""The native decode/verify attention kernel (mtpctl/model/native.py, csrc/tree_attention.c)."""
 
 import pytest
 import torch
 
-from mtpctl.runtime import native
+from mtpctl.model import native
 from mtpctl.runtime.engine import TorchEngine, slot_plan, tree_positions
-from mtpctl.runtime.native import SlotPlan, load_kernel, tree_attention
+from mtpctl.model.native import SlotPlan, load_kernel, tree_attention
 
 from helpers import random_decoder
 
@@ -132,7 +132,7 @@ NORM_CASES = [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), 
 
 @pytest.mark.parametrize("dtype,weight_dtype", NORM_CASES)
 def test_rms_norm_matches_the_torch_formula_to_rounding(dtype, weight_dtype):
-    from mtpctl.runtime.model import _rms_norm, _rms_norm_float32_scale
+    from mtpctl.model.decoder import _rms_norm, _rms_norm_float32_scale
 
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(7, 576, generator=g) * 3).to(dtype)
@@ -173,8 +173,8 @@ def test_rms_norm_refuses_what_it_does_not_take():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_rope_write_equals_rotate_then_cache_write_bit_for_bit(dtype):
-    from mtpctl.runtime.kv_cache import KVCache
-    from mtpctl.runtime.model import _rotate
+    from mtpctl.model.kv_cache import KVCache
+    from mtpctl.model.decoder import _rotate
 
     heads, kv_heads, d, n = 6, 2, 64, 5
     g = torch.Generator().manual_seed(5)

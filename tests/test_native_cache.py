@@ -1,4 +1,4 @@
-"""The native kernel's build cache (mtpctl/runtime/native.py) survives damaged files, a hanging compiler and a
+"""The native kernel's build cache (mtpctl/model/native.py) survives damaged files, a hanging compiler and a
 missing source, and CC may carry arguments. A load after damage runs in a fresh process: dlopen hands a
 process the library it already loaded from a path, and a truncated library can kill the process that
 loads it (SIGBUS)."""
@@ -13,13 +13,13 @@ import time
 import pytest
 import torch
 
-from mtpctl.runtime import native
+from mtpctl.model import native
 from mtpctl.runtime.engine import slot_plan, tree_positions
-from mtpctl.runtime.native import SlotPlan, load_kernel, tree_attention
+from mtpctl.model.native import SlotPlan, load_kernel, tree_attention
 
 pytestmark = pytest.mark.skipif(load_kernel() is None, reason="no C compiler here to build the native attention kernel")
 
-LOAD = ("import sys; from mtpctl.runtime.native import load_kernel; lib = load_kernel(); "
+LOAD = ("import sys; from mtpctl.model.native import load_kernel; lib = load_kernel(); "
         "sys.exit(0 if lib is not None and lib.tree_attention else 3)")
 
 

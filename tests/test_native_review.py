@@ -11,10 +11,10 @@ import platform
 import pytest
 import torch
 
-from mtpctl.runtime import native
-from mtpctl.runtime.kv_cache import KVCache
-from mtpctl.runtime.model import _rms_norm, _rotate
-from mtpctl.runtime.native import int4_matmul, int4_pack, load_kernel, rms_norm, rope_write
+from mtpctl.model import native
+from mtpctl.model.kv_cache import KVCache
+from mtpctl.model.decoder import _rms_norm, _rotate
+from mtpctl.model.native import int4_matmul, int4_pack, load_kernel, rms_norm, rope_write
 
 pytestmark = pytest.mark.skipif(load_kernel() is None, reason="no C compiler here to build the native kernels")
 

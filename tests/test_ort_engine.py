@@ -18,12 +18,12 @@ from mtpctl.cli.main import main  # noqa: E402
 from mtpctl.convert.onnx_export import export_onnx  # noqa: E402
 from mtpctl.runtime.drafters import NgramDrafter  # noqa: E402
 from mtpctl.runtime.engine import TorchEngine  # noqa: E402
-from mtpctl.runtime.generate import generate  # noqa: E402
+from mtpctl.decode.loop import generate  # noqa: E402
 from mtpctl.runtime.heads import MedusaDrafter, MedusaHeads, StaticTree  # noqa: E402
-from mtpctl.runtime.model import Decoder  # noqa: E402
+from mtpctl.model.decoder import Decoder  # noqa: E402
 from mtpctl.runtime.ort_engine import OrtEngine, OrtGraph, OrtSession, verify_manifest  # noqa: E402
-from mtpctl.runtime.sampling import SamplingParams  # noqa: E402
-from mtpctl.runtime.stopping import StopChecker  # noqa: E402
+from mtpctl.decode.sampling import SamplingParams  # noqa: E402
+from mtpctl.decode.stopping import StopChecker  # noqa: E402
 from mtpctl.errors import BadInput, CorruptModel, UnsupportedModel  # noqa: E402
 from mtpctl.runtime.eagle import layer_config_for  # noqa: E402
 

@@ -118,10 +118,10 @@ def test_pairing_builds_lossless_drafters(variants, pairings):
     plain greedy output; the padded draft never proposes a padding id."""
     from helpers import greedy_reference
     from mtpctl.runtime.engine import TorchEngine
-    from mtpctl.runtime.generate import generate
-    from mtpctl.runtime.model import Decoder
-    from mtpctl.runtime.sampling import SamplingParams
-    from mtpctl.runtime.stopping import StopChecker
+    from mtpctl.decode.loop import generate
+    from mtpctl.model.decoder import Decoder
+    from mtpctl.decode.sampling import SamplingParams
+    from mtpctl.decode.stopping import StopChecker
 
     target = Decoder.from_folder(variants["target"])
     prompt = [257, 72, 105, 10, 258, 10, 257, 97, 10]
@@ -206,8 +206,8 @@ def test_target_only_tokens_in_the_context_stop_drafting(variants):
     """Target = the variant with an extra <pad> (id 259), draft = the base tokenizer: mapped; a
     context holding id 259 cannot be shown to the draft, so that call proposes nothing."""
     from mtpctl.convert.pairing import compare, load_vocabulary
-    from mtpctl.runtime.model import Decoder
-    from mtpctl.runtime.sampling import SamplingParams
+    from mtpctl.model.decoder import Decoder
+    from mtpctl.decode.sampling import SamplingParams
 
     p = compare(load_vocabulary(variants["added"]), load_vocabulary(variants["target"]))
     assert p.verdict == MAPPED and p.evidence["target_only_tokens"] == ["<pad>"]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mtpctl.runtime.engine import TorchEngine
-from mtpctl.runtime.model import Decoder
+from mtpctl.model.decoder import Decoder
 
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-6)

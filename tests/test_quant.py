@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mtpctl.runtime.native import load_kernel
-from mtpctl.runtime.quant import BlockedLinear, blocked_layout_available, pack_exact
+from mtpctl.model.native import load_kernel
+from mtpctl.model.linears import BlockedLinear, blocked_layout_available, pack_exact
 
 needs_onednn = pytest.mark.skipif(not blocked_layout_available(), reason="this torch build has no oneDNN linear ops")
 
@@ -79,8 +79,8 @@ def test_native_int4_kernel_is_as_close_to_the_weights_as_bfloat16_allows(grid):
 
 @pytest.mark.skipif(load_kernel() is None, reason="no C compiler here to build the native kernels")
 def test_portable_int4_kernel_is_batch_invariant_and_agrees_with_the_simd_one():
-    from mtpctl.runtime.native import int4_matmul, int4_pack
-    from mtpctl.runtime.quant import pack_q4
+    from mtpctl.model.native import int4_matmul, int4_pack
+    from mtpctl.model.linears import pack_q4
 
     (q, scale, zero), = pack_q4(q4_1_grid(n=64, k=128))
     blob = int4_pack(q, scale, zero)
@@ -141,8 +141,8 @@ def test_blocked_layout_refuses_other_dtypes():
 
 @pytest.mark.skipif(load_kernel() is None, reason="no C compiler here to build the native kernels")
 def test_native_int4_bfloat16_output_is_the_float32_output_rounded():
-    from mtpctl.runtime.native import int4_matmul, int4_pack
-    from mtpctl.runtime.quant import pack_q4
+    from mtpctl.model.native import int4_matmul, int4_pack
+    from mtpctl.model.linears import pack_q4
 
     (q, scale, zero), = pack_q4(q4_1_grid(n=64, k=128))
     blob = int4_pack(q, scale, zero)

@@ -11,7 +11,7 @@ import torch
 
 from mtpctl.convert.pairing import INCOMPATIBLE, compare, draft_model_drafter, load_vocabulary
 from mtpctl.runtime.draft_model import DraftModelDrafter, TextBridge
-from mtpctl.runtime.sampling import SamplingParams
+from mtpctl.decode.sampling import SamplingParams
 from test_real_smollm2 import assert_lossless
 
 pytestmark = pytest.mark.real

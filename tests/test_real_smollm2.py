@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from helpers import ScriptedDrafter, first_divergence, top2_gap
-from mtpctl.runtime.quant import BlockedLinear, blocked_layout_available
+from mtpctl.model.linears import BlockedLinear, blocked_layout_available
 from mtpctl.runtime.drafters import NgramDrafter
 from mtpctl.runtime.engine import TorchEngine
-from mtpctl.runtime.sampling import SamplingParams
+from mtpctl.decode.sampling import SamplingParams
 
 pytestmark = pytest.mark.real
 NEAR_TIE = 1e-3
@@ -142,7 +142,7 @@ def test_int4_ngram_greedy_is_bit_exact(smollm2_int4, prompt):
 @pytest.mark.parametrize("keep_bytes", [3000, 50_000_000])
 def test_truncated_real_gguf_fails_cleanly(tmp_path, monkeypatch, capsys, keep_bytes):
     from mtpctl.cli.main import main
-    from mtpctl.convert.sources import alias_gguf_path
+    from mtpctl.model.sources import alias_gguf_path
 
     monkeypatch.setenv("MTPCTL_HOME", str(tmp_path / "home"))
     truncated = tmp_path / "cut.gguf"

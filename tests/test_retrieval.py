@@ -88,7 +88,7 @@ def test_retrieval_merged_with_heads_and_ngram_is_lossless(capsys, tiny_folder, 
     for p in prompts:
         assert main(base + [p]) == 0
         plain.append(json.loads(capsys.readouterr().out))
-    from mtpctl.runtime.tokenizer import TextCodec
+    from mtpctl.model.tokenizer import TextCodec
 
     codec = TextCodec(tiny_folder)
     seqs = [codec.encode_messages([{"role": "user", "content": p}]) + r["token_ids"] for p, r in zip(prompts, plain)]

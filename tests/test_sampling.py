@@ -6,8 +6,8 @@ from collections import Counter
 import pytest
 import torch
 
-from mtpctl.runtime.acceptance import accept_greedy, accept_rejection_sampling
-from mtpctl.runtime.sampling import SamplingParams, next_token, probs_from_logits
+from mtpctl.decode.acceptance import accept_greedy, accept_rejection_sampling
+from mtpctl.decode.sampling import SamplingParams, next_token, probs_from_logits
 from stats_util import chi_square_rejects
 
 LOGITS = torch.log(torch.tensor([0.1, 0.4, 0.2, 0.3]))

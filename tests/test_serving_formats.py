@@ -15,12 +15,12 @@ from mtpctl.cli.main import main
 from mtpctl.convert.serving_formats import export_serving_heads, load_serving_heads
 from mtpctl.errors import BadInput
 from mtpctl.runtime.engine import TorchEngine
-from mtpctl.runtime.generate import generate
+from mtpctl.decode.loop import generate
 from mtpctl.runtime.heads import HeadsConfig, MedusaDrafter, MedusaHeads, StaticTree
-from mtpctl.runtime.model import Decoder
-from mtpctl.runtime.sampling import SamplingParams
-from mtpctl.runtime.stopping import StopChecker
-from mtpctl.runtime.weights import weights_hash
+from mtpctl.model.decoder import Decoder
+from mtpctl.decode.sampling import SamplingParams
+from mtpctl.decode.stopping import StopChecker
+from mtpctl.model.weights import weights_hash
 
 HIDDEN, VOCAB, K = 64, 259, 3
 

@@ -191,7 +191,7 @@ def test_every_exported_operator_is_documented_by_tensorrt(name, tmp_path):
     if name == "llama+truncated-heads":  # a draft vocabulary (token_map): scattered into -inf logits
         from test_serving_formats import truncated_heads
 
-        from mtpctl.runtime.model import Decoder
+        from mtpctl.model.decoder import Decoder
 
         heads = truncated_heads(tmp_path / "h", folder, Decoder.from_folder(folder), own=False)
     export_onnx(folder, tmp_path / "x", heads)

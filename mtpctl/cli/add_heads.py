@@ -15,7 +15,7 @@ from mtpctl.convert.heads_training import (
     init_distributed,
     is_main_process,
 )
-from mtpctl.convert.sources import DEFAULT_MODEL, mtpctl_home, resolve_model
+from mtpctl.model.sources import DEFAULT_MODEL, mtpctl_home, resolve_model
 from mtpctl.errors import BadInput
 from mtpctl.runtime.session import set_threads
 

@@ -12,13 +12,13 @@ from typing import Dict, List, Optional
 import click
 
 from mtpctl.cli.backends import backend_option, open_session
-from mtpctl.convert.sources import DEFAULT_MODEL, gguf_source
+from mtpctl.model.sources import DEFAULT_MODEL, gguf_source
 from mtpctl.errors import BadInput, GateFailed
 from mtpctl.runtime.bench import (cpu_model, llamacpp_runner, load_prompts, run_interleaved, summarize,
                                   transformers_runner)
 from mtpctl.cli.drafting import (RETRIEVAL_NODES, DraftOptions, build_drafter, check_options, datastore_path,
                                  load_parts, parse_drafters)
-from mtpctl.runtime.sampling import SamplingParams
+from mtpctl.decode.sampling import SamplingParams
 from mtpctl.runtime.session import set_threads
 
 def parse_methods(text: str) -> List[str]:

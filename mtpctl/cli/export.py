@@ -9,7 +9,7 @@ from typing import Optional
 
 import click
 
-from mtpctl.convert.sources import resolve_model
+from mtpctl.model.sources import resolve_model
 from mtpctl.errors import BadInput
 
 

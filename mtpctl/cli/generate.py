@@ -9,11 +9,11 @@ from typing import Optional
 
 import click
 
-from mtpctl.convert.sources import DEFAULT_MODEL
+from mtpctl.model.sources import DEFAULT_MODEL
 from mtpctl.cli.pair import DRAFT_LEN, generate_drafter
 from mtpctl.errors import BadInput, OutputClosed
 from mtpctl.cli.drafting import DraftOptions, build_drafter, check_options, load_parts, parse_drafters
-from mtpctl.runtime.sampling import SamplingParams
+from mtpctl.decode.sampling import SamplingParams
 from mtpctl.cli.backends import backend_option, open_session
 from mtpctl.runtime.session import set_threads
 

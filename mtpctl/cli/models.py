@@ -7,7 +7,7 @@ import json
 
 import click
 
-from mtpctl.convert.sources import ALIASES, DEFAULT_MODEL, mtpctl_home, resolve_model
+from mtpctl.model.sources import ALIASES, DEFAULT_MODEL, mtpctl_home, resolve_model
 
 
 @click.group("models")

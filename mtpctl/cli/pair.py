@@ -10,7 +10,7 @@ from typing import List, Optional
 import click
 
 from mtpctl.convert.pairing import Pairing, compare, load_vocabulary, write_id_map
-from mtpctl.convert.sources import resolve_model
+from mtpctl.model.sources import resolve_model
 from mtpctl.errors import BadInput
 
 MEASURE_PROMPTS = 3
@@ -140,8 +140,8 @@ def measure_drafts(target_folder: Path, pairings: List[Pairing], n_prompts: int,
     from mtpctl.convert.pairing import draft_model_drafter
     from mtpctl.runtime.bench import load_prompts
     from mtpctl.runtime.draft_model import AUTO_MAX
-    from mtpctl.runtime.model import DTYPES, Decoder
-    from mtpctl.runtime.sampling import SamplingParams
+    from mtpctl.model.decoder import DTYPES, Decoder
+    from mtpctl.decode.sampling import SamplingParams
     from mtpctl.runtime.session import Session, set_threads
 
     set_threads(threads)

@@ -19,7 +19,7 @@ from typing import Callable, Iterable, List, Optional, Sequence, Set
 import torch
 
 from mtpctl.errors import BadInput, HubUnreachable
-from mtpctl.runtime.model import Decoder
+from mtpctl.model.decoder import Decoder
 
 
 @dataclass

@@ -54,10 +54,10 @@ from mtpctl.runtime.heads import (
 )
 from mtpctl.runtime.eagle import layer_config_for
 from mtpctl.runtime.engine import MAX_DRAFT_DEPTH
-from mtpctl.runtime.model import Decoder
+from mtpctl.model.decoder import Decoder
 from mtpctl.runtime.retrieval import DATASTORE_FILE, Datastore
-from mtpctl.runtime.tokenizer import TextCodec
-from mtpctl.runtime.weights import weights_hash
+from mtpctl.model.tokenizer import TextCodec
+from mtpctl.model.weights import weights_hash
 
 FEATURES_FORMAT = 3  # 2: input ids cached too (EAGLE reads them); 3: kept from self-distillation
 # (a new format recomputes the cache)

@@ -6,7 +6,7 @@ its ancestor mask) and the past KV cache of every layer, and returns the target'
 tokens, its hidden states (or the Medusa heads' logits) and the present KV cache (past + N slots).
 An empty past (length 0) is a prefill.
 
-The graph is traced from the runtime's own :class:`mtpctl.runtime.model.Decoder` (its parameters and
+The graph is traced from the runtime's own :class:`mtpctl.model.decoder.Decoder` (its parameters and
 its RMSNorm / rotary / linear helpers) through :class:`FusedStep`, a thin wrapper whose KV cache is
 functional (tensors in, tensors out) instead of the runtime's in-place :class:`KVCache`; attention
 is written as one batched masked softmax (the runtime's token-at-a-time loop keeps verify passes
@@ -47,12 +47,12 @@ from torch import nn
 from mtpctl import __version__
 from mtpctl.errors import BadInput, UnsupportedModel
 from mtpctl.runtime.heads import WEIGHTS_FILE, HeadsConfig, MedusaHeads, check_heads_match
-from mtpctl.runtime.model import Decoder, _linear, _rotate
+from mtpctl.model.decoder import Decoder, _linear, _rotate
 from mtpctl.runtime.ort_engine import (GRAPH_FILE, GRAPH_DATA_FILE, MANIFEST_FILE, io_names)
-from mtpctl.runtime.weights import weights_hash
+from mtpctl.model.weights import weights_hash
 
 OPSET = 17
-#: model types whose layer math FusedStep reproduces (every family of mtpctl.runtime.model today)
+#: model types whose layer math FusedStep reproduces (every family of mtpctl.model.decoder today)
 EXPORTABLE = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 #: files of a checkpoint folder copied next to the graph (tokenizer, chat template, configs)
 COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -62,7 +62,7 @@ COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_
 
 def _layer_step(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past_k: torch.Tensor,
                 past_v: torch.Tensor, mask: torch.Tensor):
-    """One :class:`mtpctl.runtime.model.DecoderLayer` with a functional KV cache: the layer's own
+    """One :class:`mtpctl.model.decoder.DecoderLayer` with a functional KV cache: the layer's own
     parameters, norm function, activation and flags (QK-norm, sandwich norms, attention scale).
 
     x ``[batch, N, hidden]``; cos/sin ``[batch, N, 1, head_dim]``; past_k/past_v ``[batch, kv_heads,
@@ -159,7 +159,7 @@ class FusedStep(nn.Module):
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """The target's lm_head, ``[..., hidden] -> [..., vocab]`` float32, as
-        :meth:`mtpctl.runtime.model.Decoder.logits` computes it (a tied one through the embedding's
+        :meth:`mtpctl.model.decoder.Decoder.logits` computes it (a tied one through the embedding's
         transposed view of :meth:`forward`)."""
         m = self.model
         tied = getattr(self, "_tied", None)

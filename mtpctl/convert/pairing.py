@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from mtpctl.errors import BadInput, CorruptModel
-from mtpctl.runtime.tokenizer import TextCodec
+from mtpctl.model.tokenizer import TextCodec
 
 IDENTICAL, MAPPED, INCOMPATIBLE = "identical", "mapped", "incompatible"
 USABLE = (IDENTICAL, MAPPED)
@@ -338,7 +338,7 @@ def draft_model_drafter(pairing: Pairing, draft_model, target_vocab: int, sampli
     ``--draft-map``) or the cross-tokenizer text mode (incompatible).
 
     Args:
-        draft_model: the draft :class:`~mtpctl.runtime.model.Decoder`.
+        draft_model: the draft :class:`~mtpctl.model.decoder.Decoder`.
         target_vocab: the target's logits width (its lm_head rows).
         draft_len: fixed draft length, None for auto.
     """
@@ -376,8 +376,8 @@ def session_drafter(session, draft_spec: str, sampling, draft_len: Optional[int]
     """
     import torch
 
-    from mtpctl.convert.sources import resolve_model
-    from mtpctl.runtime.model import DTYPES, Decoder
+    from mtpctl.model.sources import resolve_model
+    from mtpctl.model.decoder import DTYPES, Decoder
 
     model = getattr(session, "model", None)
     if model is None:

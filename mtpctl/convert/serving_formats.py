@@ -131,8 +131,8 @@ def export_serving_heads(fmt: str, model_folder: Path, heads_dir: Path, out: Pat
         CorruptModel, UnsupportedModel: unreadable checkpoint or heads.
     """
     from mtpctl.convert.onnx_export import finish_output, load_heads_for, prepare_output
-    from mtpctl.runtime.model import Decoder
-    from mtpctl.runtime.weights import weights_hash
+    from mtpctl.model.decoder import Decoder
+    from mtpctl.model.weights import weights_hash
 
     tmp = prepare_output(Path(out), overwrite)
     try:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
 from mtpctl.errors import BadInput
-from mtpctl.runtime.generate import GenerationResult
+from mtpctl.decode.loop import GenerationResult
 
 
 BUILTIN_PROMPTS = Path(__file__).resolve().parent.parent / "data" / "bench_prompts.jsonl"
@@ -211,7 +211,7 @@ def transformers_runner(folder: Path, eos_ids: Sequence[int], max_new_tokens: in
     import torch
     from transformers import AutoModelForCausalLM
 
-    from mtpctl.runtime.generate import GenerationStats
+    from mtpctl.decode.loop import GenerationStats
 
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     eos = sorted(eos_ids)
@@ -244,7 +244,7 @@ def llamacpp_runner(gguf: Path, eos_ids: Sequence[int], max_new_tokens: int, thr
 
     from llama_cpp import Llama
 
-    from mtpctl.runtime.generate import GenerationStats
+    from mtpctl.decode.loop import GenerationStats
 
     llm = Llama(model_path=str(gguf), n_ctx=context, n_threads=threads, n_threads_batch=threads, verbose=False)
     eos = set(eos_ids)

@@ -34,8 +34,8 @@ import torch
 
 from mtpctl.runtime.drafters import Draft, TargetStep
 from mtpctl.runtime.engine import TorchEngine
-from mtpctl.runtime.model import Decoder
-from mtpctl.runtime.sampling import SamplingParams, probs_from_logits, sample
+from mtpctl.model.decoder import Decoder
+from mtpctl.decode.sampling import SamplingParams, probs_from_logits, sample
 
 #: ``--draft-len auto``: start, shortest and longest draft length.
 AUTO_START, AUTO_MIN, AUTO_MAX = 3, 1, 8

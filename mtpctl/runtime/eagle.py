@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtpctl.runtime.config import RopeConfig
+from mtpctl.model.config import RopeConfig
 from mtpctl.runtime.drafters import Draft, TargetStep
-from mtpctl.runtime.model import _rms_norm, _rotate, rope_inv_freq
-from mtpctl.runtime.quant import blocked_copy
+from mtpctl.model.decoder import _rms_norm, _rotate, rope_inv_freq
+from mtpctl.model.linears import blocked_copy
 
 
 @dataclass
@@ -74,7 +74,7 @@ class EagleHead(nn.Module):
         target_lm_head: ``[vocab, hidden]`` the target's lm_head (required with a draft vocabulary).
         token_map: ``[V_d]`` target ids of the draft vocabulary.
         blocked: also hold the projection in oneDNN's blocked layout (for decoding;
-            :func:`mtpctl.runtime.quant.blocked_copy`).
+            :func:`mtpctl.model.linears.blocked_copy`).
 
     Raises:
         ValueError: a draft vocabulary without ``token_map`` or ``target_lm_head``.
@@ -326,6 +326,6 @@ class EagleDrafter:
 
 
 def layer_config_for(target_cfg) -> EagleLayerConfig:
-    """The shapes of one of the target's decoder layers (:class:`~mtpctl.runtime.config.DecoderConfig`)."""
+    """The shapes of one of the target's decoder layers (:class:`~mtpctl.model.config.DecoderConfig`)."""
     return EagleLayerConfig(target_cfg.num_attention_heads, target_cfg.num_key_value_heads, target_cfg.head_dim,
                             target_cfg.intermediate_size, float(target_cfg.rope.theta), float(target_cfg.rms_norm_eps))

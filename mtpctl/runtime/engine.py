@@ -14,8 +14,8 @@ from typing import Dict, Optional, Sequence
 import torch
 from torch import nn
 
-from mtpctl.runtime.model import AttentionGroup, AttentionPlan, Decoder
-from mtpctl.runtime.native import SlotPlan, kernel_runs
+from mtpctl.model.decoder import AttentionGroup, AttentionPlan, Decoder
+from mtpctl.model.native import SlotPlan, kernel_runs
 
 
 class StepOutput:
@@ -214,7 +214,7 @@ def attention_plan(windows, length: int, depth: torch.Tensor, tree_mask: Optiona
 
 
 def slot_plan(windows, length: int, depth: torch.Tensor, tree_mask: Optional[torch.Tensor]) -> dict:
-    """Attention window -> :class:`~mtpctl.runtime.native.SlotPlan` of a decode or verify pass of N
+    """Attention window -> :class:`~mtpctl.model.native.SlotPlan` of a decode or verify pass of N
     tokens at positions ``length + depth`` written to slots ``[length, length + N)`` after ``length``
     committed slots; ``tree_mask [N, N]`` (None = a chain) says which nodes are on each token's path.
 
@@ -273,7 +273,7 @@ class TorchEngine:
         capacity: KV cache slots (tokens) to allocate: prompt + new tokens + the largest draft.
         heads: MTP heads (:class:`mtpctl.runtime.heads.MedusaHeads`) run with every pass: each
             :class:`StepOutput` then offers ``draft_logits``.
-        native: decode and verify passes attend with the native kernel (:mod:`mtpctl.runtime.native`)
+        native: decode and verify passes attend with the native kernel (:mod:`mtpctl.model.native`)
             where it can be built and takes the model's attention shape (None, the default), always
             (True: ValueError where it cannot), or never (False: torch's ops, :func:`attention_plan`).
             Either way each token of a verify pass gets bit for bit what plain decoding gives it

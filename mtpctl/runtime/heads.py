@@ -18,7 +18,7 @@ Trained on the target's own tokens (teacher forcing), the heads see at training 
 inputs of every path the target can accept.
 
 A head folder holds ``mtp_config.json`` (:class:`HeadsConfig`) and ``mtp_heads.safetensors``; the
-target's weights are referenced by their sha256 (:func:`mtpctl.runtime.weights.weights_hash`).
+target's weights are referenced by their sha256 (:func:`mtpctl.model.weights.weights_hash`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from torch import nn
 from mtpctl.errors import BadInput, CorruptModel, UnsupportedModel
 from mtpctl.runtime.drafters import Draft, TargetStep
 from mtpctl.runtime.eagle import EagleLayerConfig
-from mtpctl.runtime.quant import blocked_copy
+from mtpctl.model.linears import blocked_copy
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "mtp_config.json"
@@ -154,7 +154,7 @@ class MedusaHeads(nn.Module):
             heads share the full lm_head (then the caller passes ``lm_head`` to :meth:`forward`).
         token_map: ``[V_d]`` target ids of the draft vocabulary (required when V_d > 0).
         blocked: also hold the truncated projection in oneDNN's blocked layout (for decoding; see
-            :func:`mtpctl.runtime.quant.blocked_copy`).
+            :func:`mtpctl.model.linears.blocked_copy`).
     """
 
     def __init__(self, cfg: HeadsConfig, dtype: torch.dtype = torch.float32,
@@ -248,7 +248,7 @@ class MedusaHeads(nn.Module):
                            token_embeds: Optional[torch.Tensor] = None, count: Optional[int] = None) -> torch.Tensor:
         """Logits over the draft vocabulary, ``[..., hidden] -> [..., K, V_d]`` float32 (V_d = vocab
         without truncation). ``lm_head`` is the target's projection, used only by heads that share
-        the full lm_head (e.g. :meth:`mtpctl.runtime.model.Decoder.logits`); ``token_embeds`` and
+        the full lm_head (e.g. :meth:`mtpctl.model.decoder.Decoder.logits`); ``token_embeds`` and
         ``count`` (the first heads only) as in :meth:`features`."""
         return self.project(self.features(hidden_states, token_embeds, count), lm_head)
 
@@ -337,7 +337,7 @@ def load_heads(folder: Path, dtype: torch.dtype = torch.float32,
 
     Raises:
         BadInput, CorruptModel, UnsupportedModel: see :meth:`HeadsConfig.load` and
-            :func:`mtpctl.runtime.weights.load_tensors`; BadInput also when ``target_lm_head``
+            :func:`mtpctl.model.weights.load_tensors`; BadInput also when ``target_lm_head``
             is needed and missing or mis-shaped.
     """
     from mtpctl.runtime.eagle import EagleHead
@@ -350,7 +350,7 @@ def load_heads(folder: Path, dtype: torch.dtype = torch.float32,
 def load_strict(cls, folder: Path, cfg: HeadsConfig, dtype: torch.dtype,
                 target_lm_head: Optional[torch.Tensor], blocked: bool = False) -> nn.Module:
     """Build ``cls(cfg, dtype, target_lm_head, token_map, blocked)`` from ``folder``'s weights, strictly."""
-    from mtpctl.runtime.weights import load_tensors
+    from mtpctl.model.weights import load_tensors
 
     shape = (cfg.vocab_size, cfg.hidden_size)
     if cfg.own_lm_head or cfg.draft_vocab_size:

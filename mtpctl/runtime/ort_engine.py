@@ -349,7 +349,7 @@ class OrtSession(FusedHeadsMixin):
     backend = "onnxruntime"
 
     def __init__(self, folder: Path, threads: Optional[int] = None):
-        from mtpctl.runtime.tokenizer import TextCodec
+        from mtpctl.model.tokenizer import TextCodec
 
         self.folder = Path(folder)
         self.graph = OrtGraph(self.folder, threads)
@@ -383,8 +383,8 @@ class OrtSession(FusedHeadsMixin):
             BadInput: ``max_new_tokens`` < 1, the prompt does not fit the model's context, or heads
                 asked of an export without them.
         """
-        from mtpctl.runtime.generate import generate
-        from mtpctl.runtime.stopping import StopChecker
+        from mtpctl.decode.loop import generate
+        from mtpctl.decode.stopping import StopChecker
 
         if heads is not None:
             self.manifest_heads()

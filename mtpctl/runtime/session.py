@@ -11,8 +11,8 @@ import torch
 from mtpctl.errors import BadInput, UnsupportedModel
 from mtpctl.runtime.drafters import Drafter
 from mtpctl.runtime.engine import MAX_DRAFT_DEPTH, TorchEngine
-from mtpctl.runtime.native import kernel_runs
-from mtpctl.runtime.generate import GenerationResult, generate
+from mtpctl.model.native import kernel_runs
+from mtpctl.decode.loop import GenerationResult, generate
 from mtpctl.runtime.eagle import EagleDrafter
 from mtpctl.runtime.heads import (
     HeadsConfig,
@@ -22,12 +22,12 @@ from mtpctl.runtime.heads import (
     load_heads,
     tree_from_accuracy,
 )
-from mtpctl.runtime.model import DTYPES, Decoder
-from mtpctl.runtime.quant import PackedLinear
-from mtpctl.runtime.sampling import SamplingParams
-from mtpctl.runtime.stopping import StopChecker
-from mtpctl.runtime.tokenizer import TextCodec
-from mtpctl.runtime.weights import weights_hash
+from mtpctl.model.decoder import DTYPES, Decoder
+from mtpctl.model.linears import PackedLinear
+from mtpctl.decode.sampling import SamplingParams
+from mtpctl.decode.stopping import StopChecker
+from mtpctl.model.tokenizer import TextCodec
+from mtpctl.model.weights import weights_hash
 
 WEIGHTS = ("dense", "int4")
 #: draft tree size (nodes) per mode when neither --tree nor --tree-nodes is given. Measured with the
@@ -45,7 +45,7 @@ class Session:
         dtype: ``"float32"`` (default) or ``"bfloat16"``: weights, activations and KV cache.
         weights: ``"dense"`` (default), or ``"int4"`` to keep 4-/8-bit group-quantized weights (GGUF
             Q4_1/Q8_0 imports) packed for the int4 CPU kernel (needs bfloat16; see
-            :mod:`mtpctl.runtime.quant`).
+            :mod:`mtpctl.model.linears`).
 
     Raises:
         CorruptModel, UnsupportedModel: see :meth:`Decoder.from_folder` and :class:`TextCodec`.
@@ -72,7 +72,7 @@ class Session:
     @property
     def attention(self) -> str:
         """What decode and verify passes attend with: ``"native"`` (the C kernel,
-        :mod:`mtpctl.runtime.native`) or ``"torch"`` (torch's ops: no compiler, a shape the kernel
+        :mod:`mtpctl.model.native`) or ``"torch"`` (torch's ops: no compiler, a shape the kernel
         does not take, or ``MTPCTL_NATIVE_ATTENTION=0``). Greedy output can differ between the two at
         near-ties; each is reproduced exactly by speculation."""
         cfg = self.model.cfg
@@ -102,7 +102,7 @@ class Session:
                  drafter: Optional[Drafter] = None, draft_len: int = 0, stop_strings: Sequence[str] = (),
                  on_text: Optional[Callable[[str], None]] = None, heads: Optional[torch.nn.Module] = None,
                  acceptance: str = "exact") -> GenerationResult:
-        """Generate up to ``max_new_tokens`` after ``prompt_ids``; see :func:`mtpctl.runtime.generate.generate`.
+        """Generate up to ``max_new_tokens`` after ``prompt_ids``; see :func:`mtpctl.decode.loop.generate`.
         ``heads`` (from :meth:`load_heads`) run with every verify pass, for a :class:`MedusaDrafter`
         (an :class:`~mtpctl.runtime.eagle.EagleDrafter` holds its head itself).
 
@@ -115,7 +115,7 @@ class Session:
         return generate(engine, prompt_ids, stop, sampling, drafter, draft_len, on_text, acceptance)
 
     def target_hash(self) -> str:
-        """sha256 of the target's safetensors files (see :func:`mtpctl.runtime.weights.weights_hash`)."""
+        """sha256 of the target's safetensors files (see :func:`mtpctl.model.weights.weights_hash`)."""
         if self._target_hash is None:
             self._target_hash = weights_hash(self.folder)
         return self._target_hash

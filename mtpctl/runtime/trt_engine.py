@@ -339,7 +339,7 @@ class TrtSession(FusedHeadsMixin):
 
     def __init__(self, folder: Path):
         from mtpctl.runtime.ort_engine import read_manifest
-        from mtpctl.runtime.tokenizer import TextCodec
+        from mtpctl.model.tokenizer import TextCodec
 
         self.folder = Path(folder)
         self.manifest = read_manifest(self.folder)
@@ -368,8 +368,8 @@ class TrtSession(FusedHeadsMixin):
         Raises:
             BadInput: settings beyond the engine's limits (:func:`check_limits`), or a bad prompt.
         """
-        from mtpctl.runtime.generate import generate
-        from mtpctl.runtime.stopping import StopChecker
+        from mtpctl.decode.loop import generate
+        from mtpctl.decode.stopping import StopChecker
 
         if max_new_tokens < 1:
             raise BadInput(f"max new tokens must be at least 1, got {max_new_tokens}")

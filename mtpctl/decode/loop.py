@@ -10,10 +10,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, List, Optional, Sequence
 
-from mtpctl.runtime.acceptance import accept_greedy, accept_rejection_sampling, accept_typical
+from mtpctl.decode.acceptance import accept_greedy, accept_rejection_sampling, accept_typical
 from mtpctl.runtime.drafters import Draft, Drafter, TargetStep
-from mtpctl.runtime.sampling import SamplingParams, next_token
-from mtpctl.runtime.stopping import CONTEXT, StopChecker
+from mtpctl.decode.sampling import SamplingParams, next_token
+from mtpctl.decode.stopping import CONTEXT, StopChecker
 
 
 @dataclass

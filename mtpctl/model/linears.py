@@ -25,7 +25,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
-from mtpctl.runtime.native import int4_matmul, int4_pack, int8_pack, load_kernel
+from mtpctl.model.native import int4_matmul, int4_pack, int8_pack, load_kernel
 
 GROUP = 32
 REL_TOL = 1e-5  # reconstruction error allowed, relative to the group's largest |weight|
@@ -91,7 +91,7 @@ class PackedLinear(nn.Module):
     """``y = x @ W.T`` for a weight packed by :func:`pack_q4` / :func:`pack_q8`.
 
     Input ``[..., K]`` and output ``[..., N]`` in ``dtype``. With bfloat16 activations and the native
-    kernels (:mod:`mtpctl.runtime.native`), the weights run on ``csrc/int4_matmul.c`` (float32 scales,
+    kernels (:mod:`mtpctl.model.native`), the weights run on ``csrc/int4_matmul.c`` (float32 scales,
     each group's weights rounded to bfloat16 once; 8-bit codes as they are); otherwise on torch's int4
     kernel with scales in ``dtype`` (bfloat16 is its fast path, float32 its slow exact one), 8-bit
     codes split into two 4-bit parts whose outputs add. Both compute a row alike alone or in a block.
@@ -156,7 +156,7 @@ class BlockedLinear(nn.Module):
     kernel on some inputs (in bfloat16, 172 of 7,624 rows of a real SmolLM2 generation), while blocks
     of 2 to 33 rows agree row for row, in float32 as in bfloat16 (unlike torch's default float32
     kernel); so one row is computed as two (the row twice), as the dense path in
-    :func:`mtpctl.runtime.model._linear` does, and speculative verification reproduces plain decoding
+    :func:`mtpctl.model.decoder._linear` does, and speculative verification reproduces plain decoding
     bit for bit (tests/test_quant.py, tests/test_engine.py).
 
     Input ``[..., K]`` and output ``[..., N]``, in the weight's dtype.

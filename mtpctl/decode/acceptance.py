@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from mtpctl.runtime.sampling import SamplingParams, probs_from_logits, sample
+from mtpctl.decode.sampling import SamplingParams, probs_from_logits, sample
 
 
 @dataclass

@@ -5,7 +5,7 @@ Written for mtpctl from the published architectures (Touvron et al. 2023, "LLaMA
 rotary embeddings, grouped-query attention; Gemma Team 2025, "Gemma 3 Technical Report": interleaved
 local sliding-window and global layers with their own rope bases, QK-norm, sandwich norms, GELU-tanh
 MLP, scaled embeddings) and the Hugging Face checkpoint layout. What a family changes in the block is
-read from :class:`mtpctl.runtime.config.DecoderConfig` flags, never from the model type or name. Q/K/V
+read from :class:`mtpctl.model.config.DecoderConfig` flags, never from the model type or name. Q/K/V
 and gate/up projections are fused at load time so a step runs one matmul where the checkpoint has three
 or two. Positions and the attention mask are explicit, so a chain or a tree of draft tokens is
 verified in one call.
@@ -24,11 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtpctl.errors import UnsupportedModel
-from mtpctl.runtime.config import DecoderConfig, RopeConfig
-from mtpctl.runtime.kv_cache import KVCache
-from mtpctl.runtime.native import SlotPlan, norm_takes, rms_norm, rope_write, tree_attention
-from mtpctl.runtime.quant import BlockedLinear, PackedLinear, blocked_layout_available, pack_exact
-from mtpctl.runtime.weights import load_tensors, safetensors_files
+from mtpctl.model.config import DecoderConfig, RopeConfig
+from mtpctl.model.kv_cache import KVCache
+from mtpctl.model.native import SlotPlan, norm_takes, rms_norm, rope_write, tree_attention
+from mtpctl.model.linears import BlockedLinear, PackedLinear, blocked_layout_available, pack_exact
+from mtpctl.model.weights import load_tensors, safetensors_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LINEARS = ("qkv", "o_proj", "gate_up", "down", "lm_head")  # weights that may be held packed
@@ -297,7 +297,7 @@ class DecoderLayer(nn.Module):
 
         With a ``plan`` (decode and verify passes) attention is batch-invariant (:func:`_attention`;
         with a :class:`SlotPlan` the native kernel, the native RMSNorm for this layer's norms and,
-        without q/k norms, the rotary embedding fused with the cache write, :mod:`mtpctl.runtime.native`);
+        without q/k norms, the rotary embedding fused with the cache write, :mod:`mtpctl.model.native`);
         without one (prefill, teacher-forced batches) the fused SDPA kernel attends over the used
         slots only, which is faster for long N.
         """
@@ -389,7 +389,7 @@ class Decoder(nn.Module):
 
         Args:
             packed: keep the linear weights that are 4-bit/8-bit group-quantized (GGUF Q4_1 / Q8_0
-                imports) packed for the int4 CPU kernel (:mod:`mtpctl.runtime.quant`); bfloat16 only.
+                imports) packed for the int4 CPU kernel (:mod:`mtpctl.model.linears`); bfloat16 only.
             blocked: hold the other linear weights in oneDNN's blocked layout (:class:`BlockedLinear`,
                 the same values, faster decode and verify passes) where torch has oneDNN. For
                 decoding; such a model has no ``state_dict`` entries for them and cannot be traced to
@@ -495,7 +495,7 @@ class Decoder(nn.Module):
             plans: instead of masks, for decode and verify passes: attention window ->
                 :class:`AttentionPlan`, so that each token is computed exactly as it would be alone
                 (:class:`SlotPlan`: the native attention kernel and native RMSNorm,
-                :mod:`mtpctl.runtime.native`).
+                :mod:`mtpctl.model.native`).
 
         Returns:
             hidden_states after the final norm, ``[batch, N, hidden]``.

@@ -14,7 +14,7 @@ Both are compiled into one library with the system C compiler (``$CC``, else ``c
 uses OpenMP through the ``libgomp`` torch already loaded, so it shares torch's thread count. Where
 there is no compiler (and no library built before for these sources and this CPU), or the build
 fails, :func:`load_kernel` returns None once, with a warning on
-stderr, and the engine keeps the pure-torch attention (:func:`mtpctl.runtime.model._attention`)
+stderr, and the engine keeps the pure-torch attention (:func:`mtpctl.model.decoder._attention`)
 and norms, which give the same guarantee more slowly.
 """
 
@@ -278,7 +278,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib: Optional[ct
     ``weight`` ``[dim]``: in x's dtype, Llama's convention ``weight * to_dtype(h * r)``; or float32,
     Gemma's ``to_dtype(h * r * weight)`` (it holds ``1 + w``), where h is the row in float32 and
     ``r = 1 / sqrt(mean(h^2) + eps)``. In float32 the two are the same product. These are the
-    formulas of :func:`mtpctl.runtime.model._rms_norm` and ``_rms_norm_float32_scale``; only the
+    formulas of :func:`mtpctl.model.decoder._rms_norm` and ``_rms_norm_float32_scale``; only the
     order of the sum of squares differs, so results agree to rounding.
 
     Raises:
@@ -306,7 +306,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib: Optional[ct
 def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                first: int, heads: int, kv_heads: int, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
     """Rotary embedding (RoPE, Su et al. 2021) of a pass's queries and keys, fused with the KV cache
-    write: the computation of :func:`mtpctl.runtime.model._rotate` (each product and the sum rounded
+    write: the computation of :func:`mtpctl.model.decoder._rotate` (each product and the sum rounded
     to the model's dtype), bit for bit, followed by what ``KVCache.write`` and :func:`tree_attention`
     do with the result.
 

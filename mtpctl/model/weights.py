@@ -8,7 +8,7 @@ from typing import Dict, Mapping, Tuple
 import torch
 
 from mtpctl.errors import CorruptModel
-from mtpctl.runtime.config import read_json
+from mtpctl.model.config import read_json
 
 
 def safetensors_files(folder: Path) -> list:

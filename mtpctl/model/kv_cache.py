@@ -19,7 +19,7 @@ class KVCache:
     Attributes:
         k, v: ``[layers, batch, kv_heads, capacity + spare, head_dim]``; the ``spare`` slots past the
             capacity are never written (zeros), so a fixed-size window read in place may run past
-            the last usable slot (the decode attention's tail, :func:`mtpctl.runtime.model._attention`).
+            the last usable slot (the decode attention's tail, :func:`mtpctl.model.decoder._attention`).
         length: number of committed slots (tokens whose KV is final), the same for every batch row.
         capacity: slots that may hold tokens.
     """
@@ -55,7 +55,7 @@ class KVCache:
     def layer_for_write(self, layer: int, n: int):
         """Views ``[batch, kv_heads, capacity + spare, head_dim]`` of ``layer``'s keys and values for a
         pass of ``n`` new tokens that a kernel writes itself to slots ``[length, length+n)``
-        (:func:`mtpctl.runtime.native.rope_write`): :meth:`write` without the copy.
+        (:func:`mtpctl.model.native.rope_write`): :meth:`write` without the copy.
 
         Raises:
             ValueError: the n new slots do not fit in ``capacity``.
