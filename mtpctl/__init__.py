@@ -1,6 +1,18 @@
 """mtpctl: multi-token prediction heads and speculative decoding for LLMs.
 
-Layers (dependencies point one way): ``mtpctl.cli`` -> ``mtpctl.convert`` -> ``mtpctl.runtime``.
+``mtpctl.load(...)`` (:func:`mtpctl.api.load`) is the library's front door. The package is laid out
+by role, dependencies pointing down: ``cli`` and ``api`` -> ``train``, ``export``, ``bench`` ->
+``drafters`` -> ``backends`` -> ``decode`` -> ``model`` -> ``errors``, ``files``
+(docs/architecture.md).
 """
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """``mtpctl.load`` and ``mtpctl.LLM``, imported on first use (so ``mtpctl --help`` stays fast)."""
+    if name in ("load", "LLM"):
+        from mtpctl import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'mtpctl' has no attribute {name!r}")

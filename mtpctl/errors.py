@@ -9,11 +9,22 @@ Exit codes: 0 ok, 1 a gate failed, 2 bad input or a missing resource, 3 internal
 
 from __future__ import annotations
 
+from typing import Optional
+
 
 class MtpctlError(Exception):
-    """Base class: a problem the user can fix; ``str(err)`` says what went wrong and how to fix it."""
+    """Base class: a problem the user can fix; ``str(err)`` says what went wrong and how to fix it.
+
+    ``option`` names the setting at fault by its library name (a parameter such as ``weights`` or
+    ``heads_dir``), where there is one: the CLI turns it into the flag that sets it (``--weights``),
+    so the library never names a flag itself.
+    """
 
     exit_code = 2
+
+    def __init__(self, message: str, option: Optional[str] = None):
+        super().__init__(message)
+        self.option = option
 
 
 class BadInput(MtpctlError):

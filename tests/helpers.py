@@ -1,18 +1,27 @@
-"""Builders shared by the tests: tiny random models (in memory and as checkpoint folders), drafters
-with known behaviour, and the lossless comparison used on real models."""
+"""Builders shared by the tests: tiny random models (in memory and as checkpoint folders), the
+decoding loop on them, drafters with known behaviour, exact sequence probabilities for the sampling
+tests, and the lossless comparison used on real models."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import List, Sequence
 
 import torch
 
+from mtpctl.backends.torch import TorchEngine
+from mtpctl.decode.loop import generate
+from mtpctl.decode.sampling import SamplingParams, probs_from_logits
+from mtpctl.decode.stopping import StopChecker
+from mtpctl.decode.tree import DraftTree
 from mtpctl.model.config import DecoderConfig
-from mtpctl.runtime.drafters import Draft
-from mtpctl.runtime.engine import TorchEngine
 from mtpctl.model.decoder import Decoder
+
+#: the prompt of the tiny-model tests (token ids)
+PROMPT = [5, 17, 42, 99, 3, 250, 7, 5, 17]
+GREEDY = SamplingParams()
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -86,29 +95,53 @@ def greedy_reference(model: Decoder, prompt: Sequence[int], n: int) -> List[int]
     token = int(engine.prefill(prompt).logits[-1].argmax())
     out = [token]
     while len(out) < n:
-        logits = engine.verify([token]).logits[-1]
+        logits = engine.verify(DraftTree(token)).logits[-1]
         engine.commit([0])
         token = int(logits.argmax())
         out.append(token)
     return out
 
 
+def decode(ids):
+    """Each id as one letter: text positions equal token positions."""
+    return "".join(chr(ord("a") + t % 26) for t in ids)
+
+
+def run(model, drafter=None, max_new=40, eos=(), stops=(), sampling=GREEDY, prompt=PROMPT):
+    """The decoding loop on ``model`` with ``drafter`` (its budget sizes the cache)."""
+    budget = drafter.budget if drafter is not None else 0
+    engine = TorchEngine(model, len(prompt) + max_new + budget + 1)
+    return generate(engine, prompt, StopChecker(eos, stops, max_new, decode), sampling, drafter)
+
+
+def exact_sequence_probs(model, prompt, n, params):
+    """P(first n generated tokens) under plain sampling, by enumeration (small vocab)."""
+    vocab = model.cfg.vocab_size
+    probs = {}
+    for seq in itertools.product(range(vocab), repeat=n):
+        logits = TorchEngine(model, len(prompt) + n).verify(DraftTree.chain(list(prompt) + list(seq))).logits
+        rows = probs_from_logits(logits[len(prompt) - 1:-1], params)
+        probs[seq] = float(torch.prod(rows[torch.arange(n), torch.tensor(seq)]))
+    return probs
+
+
 class ScriptedDrafter:
-    """Proposes a known continuation (e.g. plain greedy output), with every ``corrupt_every``-th
-    proposal changed, so tests exercise both accepted and rejected draft tokens."""
+    """Proposes a known continuation (e.g. plain greedy output) of up to ``budget`` tokens, with every
+    ``corrupt_every``-th proposal changed, so tests exercise both accepted and rejected draft tokens."""
 
-    def __init__(self, prompt_len: int, continuation: Sequence[int], vocab: int, corrupt_every: int = 0):
+    def __init__(self, prompt_len: int, continuation: Sequence[int], vocab: int, corrupt_every: int = 0,
+                 budget: int = 6):
         self.prompt_len, self.continuation, self.vocab = prompt_len, list(continuation), vocab
-        self.corrupt_every, self.calls = corrupt_every, 0
+        self.corrupt_every, self.calls, self.budget = corrupt_every, 0, budget
 
-    def propose(self, context: Sequence[int], max_tokens: int, last=None) -> Draft:
+    def propose(self, context: Sequence[int], max_tokens: int, last=None) -> DraftTree:
         done = len(context) - self.prompt_len
         tokens = self.continuation[done: done + max_tokens]
         self.calls += 1
         if self.corrupt_every and tokens and self.calls % self.corrupt_every == 0:
             i = self.calls % len(tokens)
             tokens[i] = (tokens[i] + 1) % self.vocab
-        return Draft(tokens)
+        return DraftTree.chain([context[-1]] + tokens)
 
 
 def top2_gap(logits: torch.Tensor) -> float:
@@ -166,20 +199,18 @@ def gguf_grid_tensors(cfg: DecoderConfig, seed: int = 0) -> dict:
     return tensors
 
 
-def tree_path(parents: Sequence[int], node: int) -> List[int]:
-    """Node indices from the root down to ``node`` of a draft tree given by parent indices."""
-    path = [node]
-    while parents[path[-1]] >= 0:
-        path.append(parents[path[-1]])
-    return path[::-1]
-
-
 def plain_decode_logits(model: Decoder, prompt: Sequence[int], tokens: Sequence[int], capacity: int,
                         native=None) -> torch.Tensor:
     """Logits ``[vocab]`` after ``prompt`` and then ``tokens`` fed one token per pass (plain decoding)."""
     engine = TorchEngine(model, capacity, native=native)
     engine.prefill(list(prompt))
     for t in tokens:
-        row = engine.verify([t])[0]
+        row = engine.verify(DraftTree(t))[0]
         engine.commit([0])
     return row
+
+
+def tree_positions(parents: Sequence[int]):
+    """``(depth [N], ancestor mask [N, N])`` of the tree given by ``parents`` (-1 the root)."""
+    tree = DraftTree.from_parents(list(range(len(parents))), parents)
+    return tree.depth_tensor(), tree.ancestor_mask()

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from mtpctl.cli.main import main
-from mtpctl.runtime.bench import acceptance_by_position, load_prompts, percentile
+from mtpctl.bench.harness import acceptance_by_position, load_prompts, percentile
 from mtpctl.decode.loop import GenerationResult, GenerationStats
 
 
@@ -56,11 +56,11 @@ def test_gates_exit_1_naming_the_method(capsys, tiny_folder, prompt_file, tmp_pa
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (["--methods", "plain,heads"], "needs --heads DIR"),
-    (["--methods", "plain,heads+ngram"], "needs --heads DIR"),
-    (["--tree-nodes", "4"], "go with the heads drafter"),
+    (["--methods", "plain,heads"], "needs a head folder (made by mtpctl add-heads) (--heads)"),
+    (["--methods", "plain,heads+ngram"], "needs a head folder (made by mtpctl add-heads) (--heads)"),
+    (["--tree-nodes", "4"], "goes with the heads drafter (--tree-nodes)"),
     (["--methods", "plain,bogus"], "unknown drafter"),
-    (["--methods", "plain,retrieval"], "needs --datastore FILE"),
+    (["--methods", "plain,retrieval"], "needs a datastore file, or a head folder that carries one (--datastore)"),
     (["--categories", "poetry"], "no prompt in category"),
 ])
 def test_bad_bench_arguments(capsys, tiny_folder, prompt_file, args, fragment):
@@ -125,7 +125,9 @@ def test_unwritable_outputs_fail_before_any_work(capsys, tiny_folder, prompt_fil
 def test_heads_and_heads_plus_ngram_methods(capsys, tiny_folder, prompt_file, tmp_path):
     import torch
 
-    from mtpctl.runtime.heads import HeadsConfig, MedusaHeads
+    from mtpctl.drafters.heads.config import HeadsConfig
+    from mtpctl.drafters.heads.folder import save_heads
+    from mtpctl.drafters.heads.medusa import MedusaHeads
     from mtpctl.model.weights import weights_hash
 
     cfg = json.loads((tiny_folder / "config.json").read_text())
@@ -134,7 +136,7 @@ def test_heads_and_heads_plus_ngram_methods(capsys, tiny_folder, prompt_file, tm
     for p in heads.parameters():
         torch.nn.init.normal_(p, std=0.2)
     (tmp_path / "heads").mkdir()
-    heads.save(tmp_path / "heads")
+    save_heads(heads, tmp_path / "heads")
     code, out, err, report = bench(capsys, tiny_folder, prompt_file, tmp_path, "--methods", "plain,heads,heads+ngram",
                                    "--heads", str(tmp_path / "heads"), "--draft-len", "3")
     assert code == 0, err
@@ -147,7 +149,7 @@ def test_heads_and_heads_plus_ngram_methods(capsys, tiny_folder, prompt_file, tm
 
 
 def test_method_names_are_canonical_drafter_specs():
-    from mtpctl.cli.bench import parse_methods
+    from mtpctl.bench.methods import parse_methods
 
     assert parse_methods("ngram+heads,heads+ngram,retrieval+ngram") == ["plain", "heads+ngram", "ngram+retrieval"]
 
@@ -180,3 +182,12 @@ def test_gguf_source_finds_the_file_behind_a_model(tmp_path):
     gguf.unlink()  # the file it came from is gone
     with pytest.raises(BadInput, match="no GGUF file"):
         gguf_source(str(folder))
+
+
+def test_bench_refuses_none_as_a_method(capsys, tiny_folder, tmp_path):
+    """'none' parses as a drafter spec (no drafter): it must not run as a second plain method."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"category": "chat", "prompt": "hi"}\n')
+    assert main(["bench", "-m", str(tiny_folder), "--prompts", str(prompts), "--methods", "plain,none"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown method 'none'" in err and len(err.strip().splitlines()) == 1

@@ -7,13 +7,12 @@ from collections import Counter
 import pytest
 import torch
 
-from helpers import greedy_reference, random_decoder, random_state_dict
+from helpers import PROMPT, exact_sequence_probs, greedy_reference, random_decoder, random_state_dict, run
 from mtpctl.model.config import DecoderConfig
-from mtpctl.runtime.draft_model import AUTO_START, DraftModelDrafter
+from mtpctl.drafters.draft_model import AUTO_START, DraftModelDrafter
 from mtpctl.model.decoder import Decoder
 from mtpctl.decode.sampling import SamplingParams
 from stats_util import chi_square_rejects
-from test_generate import PROMPT, exact_sequence_probs, run
 
 
 def perturbed(model: Decoder, seed: int, noise: float) -> Decoder:
@@ -42,19 +41,19 @@ def relabeled(cfg_overrides: dict, seed: int, perm: torch.Tensor, width: int) ->
     return model
 
 
-@pytest.fixture(scope="module")
-def model():
-    return random_decoder(seed=3)
+@pytest.fixture
+def model(tiny_model):
+    return tiny_model
 
 
-@pytest.fixture(scope="module")
-def reference(model):
-    return greedy_reference(model, PROMPT, 40)
+@pytest.fixture
+def reference(tiny_reference):
+    return tiny_reference
 
 
 def test_self_draft_accepts_everything(model, reference):
     drafter = DraftModelDrafter(model, model.cfg.vocab_size, draft_len=4)
-    result = run(model, drafter, 4)
+    result = run(model, drafter)
     assert result.token_ids == reference
     assert result.stats.acceptance_rate == 1.0
     assert result.stats.decode_steps == -(-39 // 5)
@@ -64,7 +63,7 @@ def test_self_draft_accepts_everything(model, reference):
 def test_greedy_with_a_different_draft_is_lossless(model, reference, draft_len):
     draft = perturbed(model, seed=1, noise=0.05)
     drafter = DraftModelDrafter(draft, model.cfg.vocab_size, draft_len=draft_len)
-    result = run(model, drafter, draft_len or 8)
+    result = run(model, drafter)
     assert result.token_ids == reference
     assert 0 < result.stats.acceptance_rate < 1  # both accepted and rejected draft tokens occurred
 
@@ -73,21 +72,21 @@ def test_rollback_reuses_the_common_prefix(model):
     """After a rejection the draft cache keeps the accepted prefix: one draft pass per call feeds the
     new tokens, and the draft's logits equal those of a fresh prefill."""
     drafter = DraftModelDrafter(model, model.cfg.vocab_size, draft_len=3)
-    first = drafter.propose(PROMPT, 3).tokens
+    first = drafter.propose(PROMPT, 3).tokens[1:]
     assert drafter.forward_passes == 3  # prefill + 2 draft tokens fed (the last one is not)
     context = PROMPT + first[:1] + [(first[1] + 1) % 259]  # first accepted, second rejected
-    second = drafter.propose(context, 3).tokens
+    second = drafter.propose(context, 3).tokens[1:]
     assert drafter.engine.length == len(context) + 2  # context + 2 fed draft tokens
     fresh = DraftModelDrafter(model, model.cfg.vocab_size, draft_len=3)
-    assert fresh.propose(context, 3).tokens == second
+    assert fresh.propose(context, 3).tokens[1:] == second
 
 
 def test_auto_draft_length_grows_and_shrinks(model, reference):
     good = DraftModelDrafter(model, model.cfg.vocab_size, draft_len=None, max_draft_len=7)
-    steps = run(model, good, 7).stats.drafted_per_step
+    steps = run(model, good).stats.drafted_per_step
     assert steps[:3] == [AUTO_START, AUTO_START + 2, 7]  # +2 after each fully accepted block, capped
     bad = DraftModelDrafter(random_decoder(seed=11), model.cfg.vocab_size, draft_len=None)
-    result = run(model, bad, 8)
+    result = run(model, bad)
     assert result.token_ids == reference
     assert result.stats.drafted_per_step[0] == AUTO_START
     assert result.stats.drafted_per_step[-6:-1] == [1] * 5  # -1 after each rejection, floor 1 (the last step has no room)
@@ -102,7 +101,7 @@ def test_id_map_and_padding_rows(model, reference):
     draft = relabeled({}, 3, perm, vocab + 40)
     id_map = perm.tolist() + [-1] * 40
     drafter = DraftModelDrafter(draft, vocab, draft_len=4, id_map=id_map)
-    result = run(model, drafter, 4)
+    result = run(model, drafter)
     assert result.token_ids == reference
     assert result.stats.acceptance_rate == 1.0
 
@@ -119,13 +118,13 @@ def test_context_longer_than_the_draft_stops_drafting(model, reference):
     follow, and the output is still plain greedy."""
     draft = random_decoder(seed=3, max_pos=16)  # the target's weights, a shorter context
     drafter = DraftModelDrafter(draft, model.cfg.vocab_size, draft_len=3)
-    result = run(model, drafter, 3)
+    result = run(model, drafter)
     assert result.token_ids == reference
     drafted = result.stats.drafted_per_step
     assert drafted[0] == 3 and drafted[-10:] == [0] * 10
     assert drafter.engine.capacity <= 16
     long_prompt = list(range(20))  # longer than the draft's context from the start
-    assert run(model, DraftModelDrafter(draft, model.cfg.vocab_size, draft_len=3), 3, max_new=5,
+    assert run(model, DraftModelDrafter(draft, model.cfg.vocab_size, draft_len=3), max_new=5,
                prompt=long_prompt).token_ids == greedy_reference(model, long_prompt, 5)
 
 
@@ -153,7 +152,7 @@ def test_rejection_sampling_with_a_draft_model_keeps_the_target_distribution(one
     counts, drafted = Counter(), 0
     for seed in range(1000):
         sampling = SamplingParams(temperature=1.0, top_k=4, seed=seed)
-        result = run(model, drafter, 3, max_new=n + 1, sampling=sampling, prompt=prompt)
+        result = run(model, drafter, max_new=n + 1, sampling=sampling, prompt=prompt)
         counts[tuple(result.token_ids[:n])] += 1
         drafted += result.stats.draft_tokens
     assert drafted >= 1000 * 2  # the first step drafts 2 tokens every run
@@ -166,6 +165,7 @@ def test_sampled_draft_reports_q_in_the_target_width():
     sampling = SamplingParams(temperature=1.0, seed=0)
     drafter = DraftModelDrafter(draft, 5, sampling, draft_len=3, id_map=[0, 1, 2, 3, 4, -1, -1], seed=0)
     proposal = drafter.propose([1, 2, 1], 3)
-    assert proposal.probs.shape == (3, 5)
-    assert torch.allclose(proposal.probs.sum(-1), torch.ones(3))
-    assert all(proposal.probs[i, t] > 0 for i, t in enumerate(proposal.tokens))
+    assert proposal.is_chain and proposal.tokens[0] == 1 and proposal.q.shape == (4, 5)  # row 0: the root
+    q = proposal.q[1:]
+    assert torch.allclose(q.sum(-1), torch.ones(3))
+    assert all(q[i, t] > 0 for i, t in enumerate(proposal.tokens[1:]))

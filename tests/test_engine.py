@@ -4,10 +4,12 @@ logits as token-by-token decoding, and committing a tree path leaves the cache a
 import pytest
 import torch
 
-from helpers import plain_decode_logits, random_decoder, tree_path
-from mtpctl.runtime.engine import TorchEngine, attention_masks, tree_positions
-from mtpctl.model.native import load_kernel
+from helpers import plain_decode_logits, random_decoder
+from mtpctl.backends.torch import TorchEngine
+from mtpctl.decode.attention import attention_masks, tree_shape
+from mtpctl.decode.tree import DraftTree
 from mtpctl.model.linears import blocked_layout_available
+from mtpctl.model.native import load_kernel
 
 # fp32 results differ by ~1e-6 relative between a block pass and single-token passes
 # (matmuls are not batch-invariant); logits here reach ~10, hence atol 1e-4.
@@ -19,25 +21,25 @@ def stepwise_logits(model, tokens):
     engine = TorchEngine(model, len(tokens) + 1)
     rows = []
     for t in tokens:
-        rows.append(engine.verify([t]).logits[-1])
+        rows.append(engine.verify(DraftTree.chain([t])).logits[-1])
         engine.commit([0])
     return torch.stack(rows)
 
 
 def test_block_pass_equals_token_by_token():
     model = random_decoder()
-    block = TorchEngine(model, 16).verify(PROMPT).logits
+    block = TorchEngine(model, 16).verify(DraftTree.chain(PROMPT)).logits
     torch.testing.assert_close(block, stepwise_logits(model, PROMPT), atol=1e-4, rtol=0)
 
 
 def test_prefill_then_verify_matches_full_pass():
     model = random_decoder()
-    full = TorchEngine(model, 16).verify(PROMPT + [11, 12, 13]).logits
+    full = TorchEngine(model, 16).verify(DraftTree.chain(PROMPT + [11, 12, 13])).logits
     engine = TorchEngine(model, 16)
     last = engine.prefill(PROMPT).logits
     assert engine.length == len(PROMPT)
     torch.testing.assert_close(last[0], full[len(PROMPT) - 1], atol=1e-4, rtol=0)
-    torch.testing.assert_close(engine.verify([11, 12, 13]).logits, full[len(PROMPT):], atol=1e-4, rtol=0)
+    torch.testing.assert_close(engine.verify(DraftTree.chain([11, 12, 13])).logits, full[len(PROMPT):], atol=1e-4, rtol=0)
 
 
 def test_tree_nodes_score_like_their_paths_and_commit_compacts_the_cache():
@@ -50,27 +52,34 @@ def test_tree_nodes_score_like_their_paths_and_commit_compacts_the_cache():
     tokens, parents = [10, 20, 30, 40, 50, 60], [-1, 0, 0, 1, 1, 2]
     engine = TorchEngine(model, 32)
     engine.prefill(PROMPT)
-    tree = engine.verify(tokens, parents).logits
+    tree = engine.verify(DraftTree.from_parents(tokens, parents)).logits
     paths = {3: [0, 1, 3], 4: [0, 1, 4], 5: [0, 2, 5]}
     for leaf, path in paths.items():
         chain = TorchEngine(model, 32)
         chain.prefill(PROMPT)
-        chain_logits = chain.verify([tokens[i] for i in path]).logits
+        chain_logits = chain.verify(DraftTree.chain([tokens[i] for i in path])).logits
         torch.testing.assert_close(tree[path], chain_logits, atol=1e-4, rtol=0)
     # keep path 0 -> 2 -> 5 (offsets not a prefix: entries are copied into place)
     engine.commit([0, 2, 5])
-    after_tree = engine.verify([77]).logits
+    after_tree = engine.verify(DraftTree.chain([77])).logits
     chain = TorchEngine(model, 32)
     chain.prefill(PROMPT + [10, 30, 60])
-    torch.testing.assert_close(after_tree, chain.verify([77]).logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(after_tree, chain.verify(DraftTree.chain([77])).logits, atol=1e-4, rtol=0)
 
 
-def test_tree_positions_depths_and_mask():
-    depth, mask = tree_positions([-1, 0, 0, 1])
-    assert depth.tolist() == [0, 1, 1, 2]
+def test_draft_tree_depths_mask_paths_and_children():
+    tree = DraftTree.from_parents([7, 8, 9, 10], [-1, 0, 0, 1])
+    depth, mask = tree_shape(tree)
+    assert depth.tolist() == tree.depths == [0, 1, 1, 2] and tree.depth == 2 and tree.drafted == 3
     assert mask.int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
+    assert tree.path(3) == [0, 1, 3] and tree.children(0) == [1, 2] and tree.child(0, 9) == 2
+    assert tree.child(1, 9) is None and not tree.is_chain
+    chain = DraftTree.chain([7, 8, 9])
+    assert chain.is_chain and tree_shape(chain)[1] is None and chain.parents == [-1, 0, 1]
     with pytest.raises(ValueError):
-        tree_positions([-1, 2, 0])
+        DraftTree.from_parents([1, 2, 3], [-1, 2, 0])
+    with pytest.raises(ValueError):
+        DraftTree.from_parents([1, 2], [0, 0])
 
 
 def test_attention_masks_full_chain_and_sliding_window():
@@ -79,29 +88,29 @@ def test_attention_masks_full_chain_and_sliding_window():
     # window 2: position 3 sees positions 2 and 3; position 4 sees 3 and 4; slot 5 is unused
     assert masks[2].int()[0, 0].tolist() == [[0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 0]]
     tree = attention_masks([None], length=1, depth=torch.tensor([0, 1, 1]),
-                           tree_mask=tree_positions([-1, 0, 0])[1], capacity=4)
+                           tree_mask=DraftTree.from_parents([1, 2, 3], [-1, 0, 0]).ancestor_mask(), capacity=4)
     assert tree[None].int()[0, 0].tolist() == [[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 0, 1]]
 
 
 def test_sliding_window_model_matches_stepwise():
     model = random_decoder(sliding_window=3, model_type="mistral")
     assert model.cfg.layer_windows == (3, 3)
-    block = TorchEngine(model, 16).verify(PROMPT).logits
+    block = TorchEngine(model, 16).verify(DraftTree.chain(PROMPT)).logits
     torch.testing.assert_close(block, stepwise_logits(model, PROMPT), atol=1e-4, rtol=0)
     full = random_decoder(model_type="mistral")
-    assert not torch.allclose(block, TorchEngine(full, 16).verify(PROMPT).logits, atol=1e-3)
+    assert not torch.allclose(block, TorchEngine(full, 16).verify(DraftTree.chain(PROMPT)).logits, atol=1e-3)
 
 
 def test_kv_cache_overflow_is_an_error():
     engine = TorchEngine(random_decoder(), 4)
     engine.prefill([1, 2, 3])
     with pytest.raises(ValueError, match="overflow"):
-        engine.verify([4, 5])
+        engine.verify(DraftTree.chain([4, 5]))
 
 
 def test_bfloat16_runs_close_to_float32():
-    f32 = TorchEngine(random_decoder(), 16).verify(PROMPT).logits
-    bf16 = TorchEngine(random_decoder(dtype=torch.bfloat16), 16).verify(PROMPT).logits
+    f32 = TorchEngine(random_decoder(), 16).verify(DraftTree.chain(PROMPT)).logits
+    bf16 = TorchEngine(random_decoder(dtype=torch.bfloat16), 16).verify(DraftTree.chain(PROMPT)).logits
     assert bf16.dtype == torch.float32  # logits are always returned in float32
     assert (bf16.argmax(-1) == f32.argmax(-1)).float().mean() >= 0.7
 
@@ -111,7 +120,7 @@ def test_bfloat16_runs_close_to_float32():
 def test_tree_nodes_equal_plain_decoding_of_their_path_at_any_capacity(dtype, blocked, native):
     """Dense bfloat16 linear layers, and float32 ones in oneDNN's blocked layout, are batch-invariant
     (one-row products run as two) and every token reads its path's slots in the order plain decoding
-    reads them (engine.attention_plan for torch's ops, engine.slot_plan for the native kernel), so a
+    reads them (attention_plan for torch's ops, slot_plan for the native kernel), so a
     tree node equals token-by-token decoding of its path bit for bit, whatever the cache capacity."""
     if blocked and not blocked_layout_available():
         pytest.skip("this torch build has no oneDNN linear ops")
@@ -123,20 +132,21 @@ def test_tree_nodes_equal_plain_decoding_of_their_path_at_any_capacity(dtype, bl
     tree = TorchEngine(model, 64, native=native)
     assert tree.native == native
     tree.prefill(PROMPT)
-    out = tree.verify(tokens, parents)
+    draft = DraftTree.from_parents(tokens, parents)
+    out = tree.verify(draft)
     for node in range(len(tokens)):
-        path = [tokens[i] for i in tree_path(parents, node)]
+        path = [tokens[i] for i in draft.path(node)]
         for capacity in (len(PROMPT) + len(path), 40, 100):
             want = plain_decode_logits(model, PROMPT, path, capacity, native)
             assert torch.equal(out[node], want), f"node {node}, capacity {capacity}"
 
 
 def test_tails_gathered_by_window_and_fixes_hold_the_planned_slots():
-    from mtpctl.runtime.engine import HEAD_BLOCK, TAIL, attention_plan, tree_positions
+    from mtpctl.decode.attention import HEAD_BLOCK, TAIL, attention_plan
     from mtpctl.model.decoder import _gather_tails
 
     parents = [-1, 0, 0, 1, 2, 2, 4, 0]
-    depth, tree_mask = tree_positions(parents)
+    depth, tree_mask = tree_shape(DraftTree.from_parents(list(range(len(parents))), parents))
     for length in (5, 40, 63, 64, 95, 150):
         plan = attention_plan([None], length, depth, tree_mask)[None]
         keys = torch.randn(1, 2, length + len(parents) + TAIL, 3)
@@ -152,7 +162,7 @@ def test_tails_gathered_by_window_and_fixes_hold_the_planned_slots():
 
 
 def test_attention_heads_depend_on_position_only_and_stay_committed():
-    from mtpctl.runtime.engine import HEAD_BLOCK, MAX_DRAFT_DEPTH, TAIL, attention_plan, head_length
+    from mtpctl.decode.attention import HEAD_BLOCK, MAX_DRAFT_DEPTH, TAIL, attention_plan, head_length
 
     b = HEAD_BLOCK
     assert [head_length(p) for p in (0, b, 2 * b - 1, 2 * b, 3 * b + 5)] == [0, 0, 0, b, 2 * b]

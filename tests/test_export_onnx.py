@@ -15,10 +15,12 @@ pytest.importorskip("onnxruntime")
 from helpers import write_tiny_checkpoint  # noqa: E402
 
 from mtpctl.cli.main import main  # noqa: E402
-from mtpctl.convert import onnx_export  # noqa: E402
-from mtpctl.convert.onnx_export import export_onnx  # noqa: E402
+from mtpctl.export import onnx as onnx_export  # noqa: E402
+from mtpctl.export.onnx import export_onnx  # noqa: E402
 from mtpctl.errors import BadInput  # noqa: E402
-from mtpctl.runtime.heads import HeadsConfig, MedusaHeads  # noqa: E402
+from mtpctl.drafters.heads.config import HeadsConfig  # noqa: E402
+from mtpctl.drafters.heads.folder import save_heads  # noqa: E402
+from mtpctl.drafters.heads.medusa import MedusaHeads  # noqa: E402
 from mtpctl.model.weights import weights_hash  # noqa: E402
 
 TREE = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
@@ -36,7 +38,7 @@ def make_heads(folder: Path, target: Path, num_heads: int = 3, seed: int = 0, ow
         for p in heads.parameters():
             p.copy_(0.2 * torch.randn(p.shape, generator=g))
     folder.mkdir(parents=True)
-    heads.save(folder)
+    save_heads(heads, folder)
     return folder
 
 
@@ -139,17 +141,22 @@ def test_symbolic_batch_and_empty_past(exported):
     """Two sequences in one batch give each sequence's batch-1 logits; a past of 0 slots is a prefill."""
     import numpy as np
 
-    from mtpctl.runtime.ort_engine import OrtGraph
+    from mtpctl.backends.onnxruntime import OrtGraph
 
     _, _, root = exported
     graph = OrtGraph(root / "medusa")
+
+    def run(ids, pos, mask, past):
+        feeds = {"input_ids": ids, "position_ids": pos, "attention_mask": mask, **dict(zip(graph.names.past, past))}
+        return graph.session.run(graph.names.outputs, feeds)
+
     ids = np.array([[257, 10, 11, 12], [257, 99, 98, 97]], dtype=np.int64)
     pos = np.tile(np.arange(4), (2, 1)).astype(np.int64)
     mask = np.tile(np.tril(np.ones((4, 4), dtype=bool)), (2, 1, 1))
     empty = [np.zeros((2, 2, 0, 16), dtype=np.float32)] * 4
-    both = graph.run(ids, pos, mask, empty)
+    both = run(ids, pos, mask, empty)
     assert both[0].shape == (2, 4, 259) and both[2].shape == (2, 4, 3, 259) and both[3].shape == (2, 2, 4, 16)
     for row in range(2):
-        one = graph.run(ids[row:row + 1], pos[row:row + 1], mask[row:row + 1], [e[:1] for e in empty])
+        one = run(ids[row:row + 1], pos[row:row + 1], mask[row:row + 1], [e[:1] for e in empty])
         assert np.abs(one[0][0] - both[0][row]).max() < 1e-4
         assert np.abs(one[2][0] - both[2][row]).max() < 1e-4

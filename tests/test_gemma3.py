@@ -19,9 +19,10 @@ from safetensors.torch import load_file
 from helpers import first_divergence, top2_gap
 from mtpctl.errors import UnsupportedModel
 from mtpctl.model.config import DecoderConfig, RopeConfig
-from mtpctl.runtime.engine import TorchEngine
+from mtpctl.backends.torch import TorchEngine
 from mtpctl.model.decoder import Decoder
 from mtpctl.decode.sampling import SamplingParams
+from mtpctl.decode.tree import DraftTree
 
 VOCAB = 97
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
@@ -75,7 +76,7 @@ def test_prefill_and_verify_logits_match_transformers(tmp_path, extra):
     ids = ids_of(12)  # three times the sliding window
     with torch.no_grad():
         expected = reference(torch.tensor([ids])).logits[0]
-    verified = TorchEngine(model, 16).verify(ids).logits  # batch-invariant path, every row
+    verified = TorchEngine(model, 16).verify(DraftTree.chain(ids)).logits  # batch-invariant path, every row
     prefilled = TorchEngine(model, 16).prefill(ids).logits  # fast SDPA path, last row
     assert (verified - expected).abs().max().item() < TOL
     assert (prefilled[-1] - expected[-1]).abs().max().item() < TOL
@@ -92,8 +93,8 @@ def test_sliding_window_changes_the_logits(tiny):
                           if k != "lm_head.weight"})
     ids = ids_of(12)
     expected = reference_last_logits(reference, ids)
-    assert (TorchEngine(model, 12).verify(ids).logits[-1] - expected).abs().max() < TOL
-    assert (TorchEngine(full, 12).verify(ids).logits[-1] - expected).abs().max() > 1e-2
+    assert (TorchEngine(model, 12).verify(DraftTree.chain(ids)).logits[-1] - expected).abs().max() < TOL
+    assert (TorchEngine(full, 12).verify(DraftTree.chain(ids)).logits[-1] - expected).abs().max() > 1e-2
 
 
 def test_chain_verify_matches_token_by_token_decoding(tiny):
@@ -101,11 +102,11 @@ def test_chain_verify_matches_token_by_token_decoding(tiny):
     prompt, chain = ids_of(7), ids_of(6, seed=2)
     engine = TorchEngine(model, 16)
     engine.prefill(prompt)
-    verified = engine.verify(chain).logits
+    verified = engine.verify(DraftTree.chain(chain)).logits
     sequential = TorchEngine(model, 16)
     sequential.prefill(prompt)
     for i, token in enumerate(chain):
-        row = sequential.verify([token]).logits[-1]
+        row = sequential.verify(DraftTree.chain([token])).logits[-1]
         sequential.commit([0])
         expected = reference_last_logits(reference, prompt + chain[:i + 1])
         assert (verified[i] - expected).abs().max().item() < TOL, i
@@ -129,14 +130,14 @@ def test_draft_tree_verify_and_commit_match_transformers(tiny):
 
     engine = TorchEngine(model, 24)
     engine.prefill(prompt)
-    out = engine.verify(tokens, parents)
+    out = engine.verify(DraftTree.from_parents(tokens, parents))
     for node in range(len(parents)):
         expected = reference_last_logits(reference, prompt + [tokens[j] for j in path(node)])
         assert (out[node] - expected).abs().max().item() < TOL, node
     accepted = path(7)  # [0, 2, 5, 6, 7]: not a prefix of the node order, so KV entries move
     engine.commit(accepted)
     nxt = ids_of(2, seed=4)
-    rows = engine.verify(nxt).logits
+    rows = engine.verify(DraftTree.chain(nxt)).logits
     sequence = prompt + [tokens[j] for j in accepted]
     assert (rows[0] - reference_last_logits(reference, sequence + nxt[:1])).abs().max().item() < TOL
     assert (rows[1] - reference_last_logits(reference, sequence + nxt)).abs().max().item() < TOL
@@ -150,10 +151,10 @@ def test_bfloat16_verify_is_bit_identical_to_decoding(tmp_path):
     prompt, chain = ids_of(5), ids_of(6, seed=2)
     engine = TorchEngine(model, 16)
     engine.prefill(prompt)
-    verified = engine.verify(chain).logits
+    verified = engine.verify(DraftTree.chain(chain)).logits
     engine.prefill(prompt)
     for i, token in enumerate(chain):
-        assert torch.equal(engine.verify([token]).logits[-1], verified[i]), i
+        assert torch.equal(engine.verify(DraftTree.chain([token])).logits[-1], verified[i]), i
         engine.commit([0])
 
 
@@ -203,9 +204,9 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def gemma3(gemma3_folder, one_thread):
-    from mtpctl.runtime.session import Session
+    from mtpctl.backends.torch import TorchSession
 
-    return Session(gemma3_folder)
+    return TorchSession(gemma3_folder)
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +221,7 @@ def test_real_logits_match_transformers(gemma3, gemma3_reference):
     ids = gemma3.encode(PROMPT, chat=False)
     with torch.no_grad():
         expected = gemma3_reference(torch.tensor([ids])).logits[0]
-    ours = TorchEngine(gemma3.model, len(ids)).verify(ids).logits
+    ours = TorchEngine(gemma3.model, len(ids)).verify(DraftTree.chain(ids)).logits
     diff = (ours - expected).abs().max().item()
     print(f"gemma3-270m float32 max abs logit diff vs transformers: {diff:.3e} over {len(ids)} tokens")
     assert diff <= TOL

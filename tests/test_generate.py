@@ -1,42 +1,30 @@
 """The decoding loop on tiny random models: lossless greedy speculation for every draft length,
 stops inside accepted blocks, max-new-tokens, statistics, and the sampled distribution."""
 
-import itertools
 from collections import Counter
 
 import pytest
 import torch
 
-from helpers import ScriptedDrafter, greedy_reference, random_decoder
-from mtpctl.runtime.drafters import Draft, NgramDrafter
-from mtpctl.runtime.engine import TorchEngine
+from helpers import (GREEDY, PROMPT, ScriptedDrafter, decode, exact_sequence_probs, greedy_reference, random_decoder,
+                     run)
+from mtpctl.backends.torch import TorchEngine
 from mtpctl.decode.loop import generate
-from mtpctl.decode.sampling import SamplingParams, probs_from_logits
+from mtpctl.decode.sampling import SamplingParams
 from mtpctl.decode.stopping import StopChecker
+from mtpctl.decode.tree import DraftTree
+from mtpctl.drafters.ngram import NgramDrafter
 from stats_util import chi_square_rejects
 
-PROMPT = [5, 17, 42, 99, 3, 250, 7, 5, 17]
-GREEDY = SamplingParams()
+
+@pytest.fixture
+def model(tiny_model):
+    return tiny_model
 
 
-def decode(ids):
-    """Each id as one letter: text positions equal token positions."""
-    return "".join(chr(ord("a") + t % 26) for t in ids)
-
-
-def run(model, drafter=None, draft_len=0, max_new=40, eos=(), stops=(), sampling=GREEDY, prompt=PROMPT):
-    engine = TorchEngine(model, len(prompt) + max_new + draft_len + 1)
-    return generate(engine, prompt, StopChecker(eos, stops, max_new, decode), sampling, drafter, draft_len)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return random_decoder(seed=3)
-
-
-@pytest.fixture(scope="module")
-def reference(model):
-    return greedy_reference(model, PROMPT, 40)
+@pytest.fixture
+def reference(tiny_reference):
+    return tiny_reference
 
 
 def test_plain_loop_equals_reference(model, reference):
@@ -49,8 +37,8 @@ def test_plain_loop_equals_reference(model, reference):
 @pytest.mark.parametrize("draft_len", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("corrupt_every", [0, 2, 3])
 def test_greedy_speculation_is_lossless(model, reference, draft_len, corrupt_every):
-    drafter = ScriptedDrafter(len(PROMPT), reference, model.cfg.vocab_size, corrupt_every)
-    result = run(model, drafter, draft_len)
+    drafter = ScriptedDrafter(len(PROMPT), reference, model.cfg.vocab_size, corrupt_every, draft_len)
+    result = run(model, drafter)
     assert result.token_ids == reference
     if corrupt_every == 0:  # a perfect drafter: every step commits draft_len + 1 tokens but the last
         assert result.stats.decode_steps == -(-39 // (draft_len + 1))
@@ -59,22 +47,24 @@ def test_greedy_speculation_is_lossless(model, reference, draft_len, corrupt_eve
 
 @pytest.mark.parametrize("draft_len", [1, 4, 7])
 def test_ngram_speculation_is_lossless(model, reference, draft_len):
-    assert run(model, NgramDrafter(3, 1), draft_len).token_ids == reference
+    assert run(model, NgramDrafter(3, 1, draft_len)).token_ids == reference
 
 
 def test_wrong_drafts_only_cost_steps(model, reference):
     class Wrong:
-        def propose(self, context, max_tokens, last=None):
-            return Draft([(context[-1] + 1) % model.cfg.vocab_size] * max_tokens)
+        budget = 4
 
-    result = run(model, Wrong(), 4)
+        def propose(self, context, max_tokens, last=None):
+            return DraftTree.chain([context[-1]] + [(context[-1] + 1) % model.cfg.vocab_size] * max_tokens)
+
+    result = run(model, Wrong())
     assert result.token_ids == reference
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 3, 4, 7])
 def test_max_new_tokens_is_never_exceeded(model, reference, max_new):
-    drafter = ScriptedDrafter(len(PROMPT), reference, model.cfg.vocab_size)
-    result = run(model, drafter, draft_len=5, max_new=max_new)  # includes draft-len - 1 = 4
+    drafter = ScriptedDrafter(len(PROMPT), reference, model.cfg.vocab_size, budget=5)
+    result = run(model, drafter, max_new=max_new)  # includes draft-len - 1 = 4
     assert result.token_ids == reference[:max_new]
     assert result.finish_reason == "length"
     assert result.stats.new_tokens == max_new
@@ -83,8 +73,8 @@ def test_max_new_tokens_is_never_exceeded(model, reference, max_new):
 def test_eos_inside_an_accepted_block_ends_there(model, reference):
     eos = reference[10]
     cut = reference.index(eos) + 1
-    drafter = ScriptedDrafter(len(PROMPT), reference, model.cfg.vocab_size)
-    spec = run(model, drafter, draft_len=6, eos={eos})
+    drafter = ScriptedDrafter(len(PROMPT), reference, model.cfg.vocab_size, budget=6)
+    spec = run(model, drafter, eos={eos})
     plain = run(model, eos={eos})
     assert spec.token_ids == plain.token_ids == reference[:cut]
     assert spec.finish_reason == "eos"
@@ -96,8 +86,8 @@ def test_stop_string_inside_an_accepted_block_ends_there(model, reference):
     text = decode(reference)
     stop = text[12:14]
     at = text.index(stop)
-    drafter = ScriptedDrafter(len(PROMPT), reference, model.cfg.vocab_size)
-    spec = run(model, drafter, draft_len=6, stops=[stop])
+    drafter = ScriptedDrafter(len(PROMPT), reference, model.cfg.vocab_size, budget=6)
+    spec = run(model, drafter, stops=[stop])
     plain = run(model, stops=[stop])
     assert spec.token_ids == plain.token_ids == reference[:at + 2]
     assert spec.text == plain.text == text[:at]
@@ -105,8 +95,8 @@ def test_stop_string_inside_an_accepted_block_ends_there(model, reference):
 
 
 def test_statistics_count_committed_tokens(model, reference):
-    drafter = ScriptedDrafter(len(PROMPT), reference, model.cfg.vocab_size, corrupt_every=2)
-    s = run(model, drafter, 4).stats
+    drafter = ScriptedDrafter(len(PROMPT), reference, model.cfg.vocab_size, corrupt_every=2, budget=4)
+    s = run(model, drafter).stats
     assert s.new_tokens == 40
     assert 1 + sum(s.accepted_per_step) == s.new_tokens  # first token comes from prefill
     assert s.tau == pytest.approx(39 / s.decode_steps)
@@ -117,38 +107,27 @@ def test_statistics_count_committed_tokens(model, reference):
 
 def test_context_full_ends_generation(model):
     engine = TorchEngine(model, len(PROMPT) + 5)
-    result = generate(engine, PROMPT, StopChecker((), (), 100, decode), GREEDY, NgramDrafter(), 4)
+    result = generate(engine, PROMPT, StopChecker((), (), 100, decode), GREEDY, NgramDrafter(budget=4))
     assert result.finish_reason == "context"
     assert len(result.token_ids) == 6  # 5 in cache + the last sampled token
 
 
 def test_same_seed_same_output(model):
     sampling = SamplingParams(temperature=1.0, seed=11)
-    first, second = (run(model, NgramDrafter(), 4, sampling=sampling).token_ids for _ in range(2))
+    first, second = (run(model, NgramDrafter(budget=4), sampling=sampling).token_ids for _ in range(2))
     assert first == second
-    assert run(model, NgramDrafter(), 4, sampling=SamplingParams(temperature=1.0, seed=12)).token_ids != first
+    assert run(model, NgramDrafter(budget=4), sampling=SamplingParams(temperature=1.0, seed=12)).token_ids != first
 
 
 class RandomDrafter:
     """Samples drafts from a fixed distribution q and reports q (a stochastic drafter)."""
 
-    def __init__(self, q: torch.Tensor, seed: int):
-        self.q, self.g = q, torch.Generator().manual_seed(seed)
+    def __init__(self, q: torch.Tensor, seed: int, budget: int = 3):
+        self.q, self.g, self.budget = q, torch.Generator().manual_seed(seed), budget
 
     def propose(self, context, max_tokens, last=None):
         tokens = torch.multinomial(self.q, max_tokens, replacement=True, generator=self.g).tolist()
-        return Draft(tokens, probs=self.q.repeat(max_tokens, 1))
-
-
-def exact_sequence_probs(model, prompt, n, params):
-    """P(first n generated tokens) under plain sampling, by enumeration (small vocab)."""
-    vocab = model.cfg.vocab_size
-    probs = {}
-    for seq in itertools.product(range(vocab), repeat=n):
-        logits = TorchEngine(model, len(prompt) + n).verify(list(prompt) + list(seq)).logits
-        rows = probs_from_logits(logits[len(prompt) - 1:-1], params)
-        probs[seq] = float(torch.prod(rows[torch.arange(n), torch.tensor(seq)]))
-    return probs
+        return DraftTree.chain([context[-1]] + tokens, self.q.repeat(max_tokens, 1))
 
 
 @pytest.mark.parametrize("drafter_kind", ["ngram", "random"])
@@ -159,10 +138,10 @@ def test_speculative_sampling_matches_plain_distribution(drafter_kind):
     expected = exact_sequence_probs(model, prompt, n, params)
     counts = Counter()
     for seed in range(3000):
-        drafter = NgramDrafter(2, 1) if drafter_kind == "ngram" else RandomDrafter(
+        drafter = NgramDrafter(2, 1, 3) if drafter_kind == "ngram" else RandomDrafter(
             torch.tensor([0.4, 0.3, 0.1, 0.1, 0.1]), seed + 100_000)  # independent of the sampler
         sampling = SamplingParams(temperature=1.0, top_k=4, seed=seed)
-        counts[tuple(run(model, drafter, 3, max_new=n, sampling=sampling, prompt=prompt).token_ids)] += 1
+        counts[tuple(run(model, drafter, max_new=n, sampling=sampling, prompt=prompt).token_ids)] += 1
     assert not chi_square_rejects(counts, expected)
     # power: a different temperature's distribution is rejected by the same check
     assert chi_square_rejects(counts, exact_sequence_probs(model, prompt, n, SamplingParams(temperature=0.5)))
@@ -177,13 +156,13 @@ def test_int4_packed_model_verifies_bit_for_bit():
     assert len(model.packed_weights) == 2 * 4 + 1  # every layer linear and the lm_head
     block = TorchEngine(model, 32)
     block.prefill(PROMPT)
-    logits = block.verify([1, 2, 3, 4, 5]).logits
+    logits = block.verify(DraftTree.chain([1, 2, 3, 4, 5])).logits
     step = TorchEngine(model, 32)
     step.prefill(PROMPT)
     for i, token in enumerate([1, 2, 3, 4, 5]):
-        assert torch.equal(step.verify([token]).logits[0], logits[i])
+        assert torch.equal(step.verify(DraftTree(token)).logits[0], logits[i])
         step.commit([0])
     reference = greedy_reference(model, PROMPT, 40)
     for draft_len in (2, 5):
-        drafter = ScriptedDrafter(len(PROMPT), reference, model.cfg.vocab_size, corrupt_every=3)
-        assert run(model, drafter, draft_len).token_ids == reference
+        drafter = ScriptedDrafter(len(PROMPT), reference, model.cfg.vocab_size, corrupt_every=3, budget=draft_len)
+        assert run(model, drafter).token_ids == reference

@@ -5,32 +5,24 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import first_divergence, greedy_reference, plain_decode_logits, random_decoder, top2_gap, tree_path
+from helpers import PROMPT, exact_sequence_probs, first_divergence, greedy_reference, plain_decode_logits, random_decoder, run, top2_gap
 from stats_util import chi_square_rejects
-from test_generate import PROMPT, decode, exact_sequence_probs
 
+from mtpctl.backends.torch import TorchEngine
+from mtpctl.decode.acceptance import accept_greedy, accept_rejection_sampling, accept_typical
+from mtpctl.decode.attention import MAX_DRAFT_DEPTH
+from mtpctl.decode.drafter import TargetStep
+from mtpctl.decode.sampling import SamplingParams
+from mtpctl.decode.tree import DraftTree
+from mtpctl.drafters.heads.config import HeadsConfig, check_heads_match
+from mtpctl.drafters.heads.folder import load_heads, save_heads
+from mtpctl.drafters.heads.medusa import HydraDrafter, MedusaDrafter, MedusaHeads
+from mtpctl.drafters.heads.tree import StaticTree, tree_from_accuracy
+from mtpctl.drafters.merged import MergedDrafter
+from mtpctl.drafters.ngram import NgramDrafter
 from mtpctl.errors import BadInput, CorruptModel
-from mtpctl.decode.acceptance import (
-    accept_greedy,
-    accept_rejection_sampling,
-    accept_typical,
-)
-from mtpctl.runtime.drafters import TargetStep
-from mtpctl.runtime.engine import TorchEngine
-from mtpctl.decode.loop import generate
-from mtpctl.runtime.heads import (
-    HeadsConfig,
-    MedusaDrafter,
-    MedusaHeads,
-    StaticTree,
-    check_heads_match,
-    load_heads,
-    tree_from_accuracy,
-)
 from mtpctl.model.decoder import Decoder
 from mtpctl.model.linears import blocked_layout_available
-from mtpctl.decode.sampling import SamplingParams
-from mtpctl.decode.stopping import StopChecker
 
 TREES = {
     "chain": [[0], [0, 0], [0, 0, 0]],
@@ -47,35 +39,32 @@ def one_hot_rows(targets, vocab=10):
 
 
 def test_tree_greedy_acceptance_follows_the_matching_child():
-    # tree: node0=3 (root child), node1=4 (root child), node2=7 (child of 1), node3=8 (child of 1)
-    draft, parents = [3, 4, 7, 8], [-1, -1, 1, 1]
-    # row 0 (root) -> 4, row 2 (node 1) -> 8, row 4 (node 3) -> 9
+    # nodes: 0 the root, 1 = 3 and 2 = 4 its children, 3 = 7 and 4 = 8 children of node 2
+    tree = DraftTree.from_parents([0, 3, 4, 7, 8], [-1, 0, 0, 2, 2])
+    # row 0 (root) -> 4, row 2 (node 2) -> 8, row 4 (node 4) -> 9
     logits = one_hot_rows([4, 0, 8, 0, 9])
-    result = accept_greedy(draft, logits, parents)
-    assert result.nodes == [1, 3] and result.accepted == [4, 8] and result.next_token == 9
-    assert result.rows == [0, 2, 4]
-    miss = accept_greedy(draft, one_hot_rows([5, 0, 0, 0, 0]), parents)
-    assert miss.nodes == [] and miss.tokens == [5] and miss.rows == [0]
+    result = accept_greedy(tree, logits)
+    assert result.path == [0, 2, 4] and result.accepted == [4, 8] and result.next_token == 9
+    miss = accept_greedy(tree, one_hot_rows([5, 0, 0, 0, 0]))
+    assert miss.path == [0] and miss.accepted == [] and miss.tokens == [5]
 
 
 def test_tree_rejection_sampling_tries_siblings_in_turn():
     # p at the root puts all mass on token 4: the first sibling (3) must be rejected, the second accepted
-    draft, parents = [3, 4], [-1, -1]
+    tree = DraftTree.from_parents([0, 3, 4], [-1, 0, 0])
     logits = torch.full((3, 10), -30.0)
     logits[0, 4] = 30.0
     logits[2, 6] = 30.0
-    result = accept_rejection_sampling(draft, logits, SamplingParams(temperature=1.0),
-                                       torch.Generator().manual_seed(0), parents=parents)
-    assert result.nodes == [1] and result.tokens == [4, 6]
+    result = accept_rejection_sampling(tree, logits, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
+    assert result.path == [0, 2] and result.tokens == [4, 6]
 
 
 def test_typical_acceptance_takes_a_likely_child_and_is_explicitly_lossy():
-    draft, parents = [3, 4], [-1, -1]
+    tree = DraftTree.from_parents([0, 3, 4], [-1, 0, 0])
     logits = torch.full((3, 10), 0.0)
     logits[0, 4] = 6.0  # p(4) ~ 0.98 at the root
-    result = accept_typical(draft, logits, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0),
-                            parents=parents)
-    assert result.nodes == [1]
+    result = accept_typical(tree, logits, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
+    assert result.path == [0, 2]
 
 
 class OracleTreeDrafter:
@@ -85,6 +74,7 @@ class OracleTreeDrafter:
     def __init__(self, tree: StaticTree, reference, prompt_len: int, vocab: int, rank_of_truth):
         self.tree, self.reference, self.prompt_len, self.vocab = tree, reference, prompt_len, vocab
         self.rank_of_truth = rank_of_truth
+        self.budget = len(tree.paths)
 
     def propose(self, context, max_tokens, last=None):
         done = len(context) - self.prompt_len  # the pending token is reference[done - 1]
@@ -95,22 +85,17 @@ class OracleTreeDrafter:
             rank = self.rank_of_truth[d % len(self.rank_of_truth)]
             row = wrong[:rank] + [truth] + wrong[rank:]
             rows.append(row[: self.tree.max_rank])
-        return self.tree.draft(torch.tensor(rows), max_tokens)
+        return self.tree.draft(context[-1], torch.tensor(rows), max_tokens)
 
 
-def run(model, drafter, draft_len, max_new=40, sampling=SamplingParams(), prompt=PROMPT, heads=None):
-    engine = TorchEngine(model, len(prompt) + max_new + draft_len + 1, heads)
-    return generate(engine, prompt, StopChecker((), (), max_new, decode), sampling, drafter, draft_len)
+@pytest.fixture
+def model(tiny_model):
+    return tiny_model
 
 
-@pytest.fixture(scope="module")
-def model():
-    return random_decoder(seed=3)
-
-
-@pytest.fixture(scope="module")
-def reference(model):
-    return greedy_reference(model, PROMPT, 40)
+@pytest.fixture
+def reference(tiny_reference):
+    return tiny_reference
 
 
 @pytest.mark.parametrize("name", sorted(TREES))
@@ -118,7 +103,7 @@ def reference(model):
 def test_greedy_tree_decoding_is_lossless_for_every_tree_shape(model, reference, name, rank_of_truth):
     tree = StaticTree.from_paths(TREES[name], 4)
     drafter = OracleTreeDrafter(tree, reference, len(PROMPT), model.cfg.vocab_size, rank_of_truth)
-    result = run(model, drafter, len(tree.paths))
+    result = run(model, drafter)
     assert result.token_ids == reference
     assert sum(result.stats.accepted_per_step) == 40 - 1
     assert result.stats.drafted_per_step[0] == len(tree.paths)
@@ -126,7 +111,7 @@ def test_greedy_tree_decoding_is_lossless_for_every_tree_shape(model, reference,
 
 def test_a_tree_that_holds_the_truth_accepts_along_it(model, reference):
     tree = StaticTree.from_paths(TREES["deep-second"], 4)  # the rank-1 branch is 4 deep
-    result = run(model, OracleTreeDrafter(tree, reference, len(PROMPT), model.cfg.vocab_size, (1, 0, 0, 0)), 5)
+    result = run(model, OracleTreeDrafter(tree, reference, len(PROMPT), model.cfg.vocab_size, (1, 0, 0, 0)))
     assert result.token_ids == reference
     assert result.stats.tau == pytest.approx(39 / result.stats.decode_steps)
     assert max(result.stats.accepted_per_step) == 5  # 4 drafts along the deep branch + bonus
@@ -146,8 +131,8 @@ def random_heads(model, num_heads=3, seed=0, draft_vocab=0):
 @pytest.mark.parametrize("paths", [TREES["mixed"], TREES["wide"]])
 def test_medusa_drafter_is_lossless(model, reference, draft_vocab, paths):
     heads = random_heads(model, draft_vocab=draft_vocab)
-    drafter = MedusaDrafter(StaticTree.from_paths(paths, 3))
-    result = run(model, drafter, len(paths), heads=heads)
+    drafter = MedusaDrafter(StaticTree.from_paths(paths, 3), heads, model)
+    result = run(model, drafter)
     assert result.token_ids == reference
 
 
@@ -155,12 +140,15 @@ def test_identity_heads_repeat_the_base_prediction(model):
     """Zero-initialised blocks are the identity: every head then proposes the lm_head's own argmax."""
     cfg = HeadsConfig("medusa", 2, 1, False, model.cfg.hidden_size, model.cfg.vocab_size)
     heads = MedusaHeads(cfg)
-    engine = TorchEngine(model, 32, heads)
-    out = engine.prefill(PROMPT)
-    draft = MedusaDrafter(StaticTree.from_paths([[0], [0, 0]], 2)).propose(PROMPT, 8, TargetStep(out, 0))
+    out = TorchEngine(model, 32).prefill(PROMPT)
+    drafter = MedusaDrafter(StaticTree.from_paths([[0], [0, 0]], 2), heads, model)
     pending = int(out[0].argmax())
-    assert draft.tokens == [pending, pending] and draft.parents == [-1, 0]
-    assert torch.allclose(out.draft_logits(0), out[0].expand(2, -1), atol=1e-5)  # 2 rows vs 1: ~1e-6 apart
+    draft = drafter.propose(PROMPT + [pending], 8, TargetStep(out, 0))
+    assert draft.tokens == [pending, pending, pending] and draft.parents == [-1, 0, 1]
+    logits = drafter.logits(TargetStep(out, 0), pending)
+    assert torch.allclose(logits, out[0].expand(2, -1), atol=1e-5)  # 2 rows vs 1: ~1e-6 apart
+    with pytest.raises(ValueError, match="target"):
+        MedusaDrafter(drafter.tree, heads)  # heads need the target's embedding and lm_head
 
 
 def test_sampling_over_a_draft_tree_keeps_the_target_distribution():
@@ -173,17 +161,19 @@ def test_sampling_over_a_draft_tree_keeps_the_target_distribution():
     counts = Counter()
     for seed in range(3000):
         sampling = SamplingParams(temperature=1.0, top_k=4, seed=seed)
-        counts[tuple(run(model, MedusaDrafter(tree), len(tree.paths), n, sampling, prompt, heads).token_ids)] += 1
+        counts[tuple(run(model, MedusaDrafter(tree, heads, model), n, sampling=sampling, prompt=prompt).token_ids)] += 1
     assert not chi_square_rejects(counts, expected)
     assert chi_square_rejects(counts, exact_sequence_probs(model, prompt, n, SamplingParams(temperature=0.5)))
 
 
 def test_static_tree_orders_paths_and_rejects_bad_ones():
     tree = StaticTree.from_paths([[0, 1], [1], [0], [0, 0]], 2)
-    assert tree.paths == ((0,), (1,), (0, 0), (0, 1)) and tree.parents == [-1, -1, 0, 0]
+    assert tree.paths == ((0,), (1,), (0, 0), (0, 1))
     assert tree.depth == 2 and tree.max_rank == 2
-    draft = tree.draft(torch.tensor([[10, 11], [20, 21]]), 3)
-    assert draft.tokens == [10, 11, 20] and draft.parents == [-1, -1, 0]
+    full = tree.draft(5, torch.tensor([[10, 11], [20, 21]]), 4)
+    assert full.tokens == [5, 10, 11, 20, 21] and full.parents == [-1, 0, 0, 1, 1]
+    draft = tree.draft(5, torch.tensor([[10, 11], [20, 21]]), 3)
+    assert draft.tokens == [5, 10, 11, 20] and draft.parents == [-1, 0, 0, 1]
     for bad, words in [([], "no paths"), ([[0], [0]], "twice"), ([[0, 0]], "no parent"),
                        ([[0], [0, 0], [0, 0, 0]], "3 deep"), ([[-1]], "ranks"), ([[]], "ranks")]:
         with pytest.raises(BadInput, match=words):
@@ -206,8 +196,8 @@ def test_head_folder_round_trip(tmp_path, model, draft_vocab, own):
     heads = MedusaHeads(cfg, torch.float32, model.dense_lm_head().float(), token_map)
     for p in heads.parameters():
         p.data.normal_()
-    heads.save(tmp_path)
-    loaded = MedusaHeads.load(tmp_path, torch.float32, model.dense_lm_head().float())
+    save_heads(heads, tmp_path)
+    loaded = load_heads(tmp_path, torch.float32, model.dense_lm_head().float())
     x = torch.randn(3, model.cfg.hidden_size)
     assert torch.equal(loaded(x, model.logits), heads(x, model.logits))
     full = loaded(x, model.logits)
@@ -224,7 +214,7 @@ def test_heads_loaded_for_decoding_project_through_the_blocked_layout(tmp_path, 
     heads = MedusaHeads(cfg, torch.float32, model.dense_lm_head().float(), torch.arange(0, 128, 2))
     for p in heads.parameters():
         p.data.normal_()
-    heads.save(tmp_path)
+    save_heads(heads, tmp_path)
     plain = load_heads(tmp_path, dtype, model.dense_lm_head().float())
     fast = load_heads(tmp_path, dtype, model.dense_lm_head().float(), blocked=True)
     assert plain.projection_kernel is None and fast.projection_kernel is not None
@@ -238,7 +228,7 @@ def test_head_folder_loads_strictly(tmp_path, model):
     from safetensors.torch import load_file, save_file
 
     heads = random_heads(model, num_heads=2)
-    heads.save(tmp_path)
+    save_heads(heads, tmp_path)
     weights = tmp_path / "mtp_heads.safetensors"
     good = load_file(str(weights))
     for change, words in [
@@ -251,9 +241,12 @@ def test_head_folder_loads_strictly(tmp_path, model):
         change(tensors)
         save_file(tensors, str(weights))
         with pytest.raises(CorruptModel, match=words):
-            MedusaHeads.load(tmp_path)
+            load_heads(tmp_path)
     with pytest.raises(BadInput, match="not an MTP head folder"):
-        MedusaHeads.load(tmp_path / "nowhere")
+        load_heads(tmp_path / "nowhere")
+    save_file(good, str(weights))
+    with pytest.raises(BadInput, match="takes eagle heads"):
+        load_heads(tmp_path, kinds=("eagle",))
 
 
 def test_heads_for_another_model_are_refused(model):
@@ -273,12 +266,12 @@ def test_tree_decoding_on_the_real_model_equals_plain_greedy(smollm2):
     prompt = smollm2.encode("List the days of the week, then the months of the year.")
     plain = smollm2.generate(prompt, 48, SamplingParams()).token_ids
     cfg = HeadsConfig("medusa", 3, 1, False, model.cfg.hidden_size, model.cfg.vocab_size)
-    for drafter, heads, n in [
-        (MedusaDrafter(StaticTree.from_paths(TREES["mixed"], 3)), MedusaHeads(cfg), 6),
-        (OracleTreeDrafter(StaticTree.from_paths(TREES["deep-second"], 4), plain, len(prompt),
-                           model.cfg.vocab_size, (1, 0, 0, 0)), None, 5),
+    for drafter in [
+        MedusaDrafter(StaticTree.from_paths(TREES["mixed"], 3), MedusaHeads(cfg), model),
+        OracleTreeDrafter(StaticTree.from_paths(TREES["deep-second"], 4), plain, len(prompt),
+                          model.cfg.vocab_size, (1, 0, 0, 0)),
     ]:
-        got = smollm2.generate(prompt, 48, SamplingParams(), drafter, n, heads=heads).token_ids
+        got = smollm2.generate(prompt, 48, SamplingParams(), drafter).token_ids
         i = first_divergence(got, plain)
         if i >= 0:  # allowed only at a near-tie of the float32 logits
             engine = TorchEngine(model, len(prompt) + 64)
@@ -294,25 +287,25 @@ def test_token_conditioned_heads_read_the_pending_token(model, reference, tmp_pa
     for p in heads.parameters():
         p.data.normal_(0, 0.3)
     heads.requires_grad_(False)
-    engine = TorchEngine(model, 32, heads)
-    out = engine.prefill(PROMPT)
-    assert not torch.equal(out.draft_logits(0, 5), out.draft_logits(0, 6))  # the token changes the drafts
-    first_two = out.draft_logits(0, 5, heads=2)  # a tree two deep runs two heads: the same rows
-    assert first_two.shape == (2, model.cfg.vocab_size)
-    assert torch.allclose(first_two, out.draft_logits(0, 5)[:2], atol=1e-5)
+    step = TargetStep(TorchEngine(model, 32).prefill(PROMPT), 0)
+    deep = MedusaDrafter(StaticTree.from_paths([[0], [0, 0], [0, 0, 0]], 3), heads, model)
+    assert not torch.equal(deep.logits(step, 5), deep.logits(step, 6))  # the token changes the drafts
+    first_two = MedusaDrafter(StaticTree.from_paths([[0], [0, 0]], 3), heads, model).logits(step, 5)
+    assert first_two.shape == (2, model.cfg.vocab_size)  # a tree two deep runs two heads: the same rows
+    assert torch.allclose(first_two, deep.logits(step, 5)[:2], atol=1e-5)
     with pytest.raises(ValueError, match="pending token"):
-        out.draft_logits(0)
-    heads.save(tmp_path)
-    loaded = MedusaHeads.load(tmp_path)
+        heads(step.out.hidden_states[0], model.logits)
+    save_heads(heads, tmp_path)
+    loaded = load_heads(tmp_path)
     assert loaded.cfg.token_conditioned and len(loaded.token_proj) == 3
-    result = run(model, MedusaDrafter(StaticTree.from_paths(TREES["mixed"], 3)), 6, heads=loaded)
+    result = run(model, MedusaDrafter(StaticTree.from_paths(TREES["mixed"], 3), loaded, model))
     assert result.token_ids == reference
 
 
 def test_tree_nodes_on_the_int4_kernel_equal_plain_decoding_of_their_path_bit_for_bit():
     """A node whose ancestors sit at scattered slots of the verify pass reads them in its path's order
-    (engine.attention_plan), so with row-invariant matmuls (int4 weights) it equals plain decoding of
-    its path exactly, one token per pass."""
+    (attention_plan), so with row-invariant matmuls (int4 weights) it equals plain decoding of its
+    path exactly, one token per pass."""
     from helpers import gguf_grid_decoder
 
     model = gguf_grid_decoder()
@@ -320,9 +313,10 @@ def test_tree_nodes_on_the_int4_kernel_equal_plain_decoding_of_their_path_bit_fo
     tokens = [11, 12, 13, 14, 15, 16, 17]
     tree = TorchEngine(model, 48)
     tree.prefill(PROMPT)
-    out = tree.verify(tokens, parents)
+    draft = DraftTree.from_parents(tokens, parents)
+    out = tree.verify(draft)
     for node in range(len(tokens)):
-        path = tree_path(parents, node)
+        path = draft.path(node)
         logits = plain_decode_logits(model, PROMPT, [tokens[i] for i in path], 48)
         assert torch.equal(out[node], logits), f"node {node} (path {path})"
 
@@ -334,11 +328,11 @@ def test_heads_decoding_with_int4_weights_is_bit_exact():
     reference = greedy_reference(model, PROMPT, 40)
     heads = random_heads(model, num_heads=3, seed=4).to(torch.bfloat16)
     for paths in (TREES["mixed"], TREES["wide"]):
-        result = run(model, MedusaDrafter(StaticTree.from_paths(paths, 3)), len(paths), heads=heads)
+        result = run(model, MedusaDrafter(StaticTree.from_paths(paths, 3), heads, model))
         assert result.token_ids == reference
     tree = StaticTree.from_paths(TREES["deep-second"], 4)
     oracle = OracleTreeDrafter(tree, reference, len(PROMPT), model.cfg.vocab_size, (1, 0, 0, 0))
-    assert run(model, oracle, 5).token_ids == reference
+    assert run(model, oracle).token_ids == reference
 
 
 @pytest.mark.real
@@ -350,18 +344,16 @@ def test_real_int4_tree_nodes_equal_plain_decoding_of_their_path(smollm2_folder)
     prompt, tokens = list(range(1000, 1300)), list(range(2000, 2012))
     parents = [-1, 0, 0, 0, 1, 2, 2, 3, 5, 5, 7, 8]
 
-    def verify(toks, tree=None):
+    def verify(tree):
         engine = TorchEngine(model, 400)
         engine.prefill(prompt)
-        return engine.verify(toks, tree)
+        return engine.verify(tree)
 
-    out = verify(tokens, parents)
+    draft = DraftTree.from_parents(tokens, parents)
+    out = verify(draft)
     for node in range(len(tokens)):
-        path = [node]
-        while parents[path[-1]] >= 0:
-            path.append(parents[path[-1]])
-        path = path[::-1]
-        assert torch.equal(out[node], verify([tokens[i] for i in path])[len(path) - 1]), f"node {node}"
+        path = draft.path(node)
+        assert torch.equal(out[node], verify(DraftTree.chain([tokens[i] for i in path]))[len(path) - 1]), f"node {node}"
 
 
 def random_hydra(model, num_heads=3, seed=0):
@@ -378,30 +370,32 @@ def test_hydra_tree_children_come_from_their_own_path(model):
     token: the tree equals the teacher-forced heads along every path, and siblings at depth 1 get
     different children (with Medusa heads every node of a depth shares one candidate list)."""
     heads = random_hydra(model)
-    out = TorchEngine(model, 32, heads).prefill(PROMPT)
+    out = TorchEngine(model, 32).prefill(PROMPT)
     tree = StaticTree.from_paths([[0], [1], [0, 0], [0, 1], [1, 0], [1, 1], [0, 0, 0]], 3)
-    draft = out.draft_tree(0, 5, tree, 7)
-    assert draft.parents == [-1, -1, 0, 0, 1, 1, 2]
+    drafter = HydraDrafter(tree, heads, model)
+    draft = drafter.propose(PROMPT + [5], 7, TargetStep(out, 0))
+    assert draft.tokens[0] == 5 and draft.parents == [-1, 0, 0, 1, 1, 2, 2, 3]
+    node_of = {path: i + 1 for i, path in enumerate(tree.paths)}  # StaticTree.fill: path i is node i + 1
     embed = model.embed
-    for node, path in enumerate(tree.paths):
-        chain = [5] + [draft.tokens[tree.paths.index(path[:d])] for d in range(1, len(path))]
+    for path, node in node_of.items():
+        chain = [5] + [draft.tokens[node_of[path[:d]]] for d in range(1, len(path))]
         logits = heads(out.hidden_states[0], model.logits, token_embeds=embed[torch.tensor(chain + [0] * (3 - len(chain)))])
         ranked = logits[len(path) - 1].topk(2).indices.tolist()
         assert draft.tokens[node] == ranked[path[-1]], f"node {path}"
     siblings = [heads(out.hidden_states[0], model.logits, token_embeds=embed[torch.tensor([5, t, 0])])[1]
-                for t in draft.tokens[:2]]
+                for t in draft.tokens[1:3]]
     assert not torch.equal(*siblings)  # depth-1 siblings rank their children differently
-    assert out.draft_tree(0, 5, tree, 3).tokens == draft.tokens[:3]  # cut to max_nodes
+    assert drafter.propose(PROMPT + [5], 3, TargetStep(out, 0)).tokens == draft.tokens[:4]  # cut to max_nodes
 
 
 @pytest.mark.parametrize("shape", ["chain", "mixed", "deep-second"])
 def test_hydra_heads_decode_losslessly(model, reference, shape, tmp_path):
     heads = random_hydra(model, 4)
-    heads.save(tmp_path)
-    loaded = MedusaHeads.load(tmp_path)
+    save_heads(heads, tmp_path)
+    loaded = load_heads(tmp_path)
     assert loaded.sequential and loaded.cfg.kind == "hydra"
     tree = StaticTree.from_paths(TREES[shape], 4)
-    result = run(model, MedusaDrafter(tree, sequential=True), len(tree.paths), heads=loaded)
+    result = run(model, HydraDrafter(tree, loaded, model))
     assert result.token_ids == reference
     assert sum(result.stats.drafted_per_step) > 0
 
@@ -410,54 +404,56 @@ def test_hydra_config_must_be_token_conditioned(tmp_path, model):
     import json
 
     heads = random_hydra(model)
-    heads.save(tmp_path)
+    save_heads(heads, tmp_path)
     cfg = json.loads((tmp_path / "mtp_config.json").read_text())
     cfg["token_conditioned"] = False
     (tmp_path / "mtp_config.json").write_text(json.dumps(cfg))
     with pytest.raises(CorruptModel, match="token_conditioned"):
-        MedusaHeads.load(tmp_path)
+        load_heads(tmp_path)
 
 
 class FixedDrafter:
-    def __init__(self, draft):
-        self.draft = draft
+    """Proposes the first nodes of a fixed tree (given as draft tokens and their parents, 0 = the
+    root), rooted at the pending token, up to its budget."""
+
+    def __init__(self, tokens, parents, budget, q=None):
+        self.tokens, self.parents, self.budget, self.q = tokens, parents, budget, q
 
     def propose(self, context, max_tokens, last=None):
-        from mtpctl.runtime.drafters import Draft
-
-        return Draft(self.draft.tokens[:max_tokens], None if self.draft.parents is None else self.draft.parents[:max_tokens],
-                     self.draft.probs)
+        tree = DraftTree.from_parents([context[-1]] + self.tokens[:max_tokens], [-1] + self.parents[:max_tokens])
+        tree.q = self.q
+        return tree
 
 
 def test_merged_drafter_builds_a_trie_of_the_drafters_paths():
-    from mtpctl.runtime.drafters import Draft, MergedDrafter
+    def tree(budget=4):
+        return FixedDrafter([7, 8, 9, 4], [0, 0, 1, 1], budget)  # 7 -> (9, 4), 8
 
-    tree = FixedDrafter(Draft([7, 8, 9, 4], [-1, -1, 0, 0]))  # 7 -> (9, 4), 8
-    chain = FixedDrafter(Draft([7, 9, 5, 6]))  # shares 7 -> 9, then extends it
-    merged = MergedDrafter([(tree, 4), (chain, 4)]).propose([1, 2], 10)
-    assert merged.tokens == [7, 8, 9, 4, 5, 6] and merged.parents == [-1, -1, 0, 0, 2, 4]
-    cut = MergedDrafter([(tree, 4), (chain, 4)]).propose([1, 2], 5)  # the total budget binds
-    assert cut.tokens == [7, 8, 9, 4, 5] and cut.parents == [-1, -1, 0, 0, 2]
-    own_budget = MergedDrafter([(tree, 2), (chain, 1)]).propose([1, 2], 10)  # 7 shared: nothing new
-    assert own_budget.tokens == [7, 8] and own_budget.parents == [-1, -1]
-    long_chain = FixedDrafter(Draft(list(range(100, 140))))  # 40 deep: cut at the engine's tree depth
-    from mtpctl.runtime.engine import MAX_DRAFT_DEPTH
+    def chain(budget=4):
+        return FixedDrafter([7, 9, 5, 6], [0, 1, 2, 3], budget)  # shares 7 -> 9, then extends it
 
-    merged_long = MergedDrafter([(long_chain, 40)]).propose([1], 64)
+    merged = MergedDrafter([tree(), chain()])
+    assert merged.budget == 8
+    full = merged.propose([1, 2], 10)
+    assert full.tokens == [2, 7, 8, 9, 4, 5, 6] and full.parents == [-1, 0, 0, 1, 1, 3, 5]
+    cut = merged.propose([1, 2], 5)  # the total budget binds
+    assert cut.tokens == [2, 7, 8, 9, 4, 5] and cut.parents == [-1, 0, 0, 1, 1, 3]
+    own_budget = MergedDrafter([tree(2), chain(1)]).propose([1, 2], 10)  # 7 shared: nothing new
+    assert own_budget.tokens == [2, 7, 8] and own_budget.parents == [-1, 0, 0]
+    long_chain = FixedDrafter(list(range(100, 140)), list(range(40)), 40)  # 40 deep: cut at the engine's tree depth
+    merged_long = MergedDrafter([long_chain]).propose([1], 64)
     assert merged_long.depth == MAX_DRAFT_DEPTH
-    assert merged_long.tokens == list(range(100, 100 + MAX_DRAFT_DEPTH))
-    sampled = FixedDrafter(Draft([3], probs=torch.ones(1, 10) / 10))
+    assert merged_long.tokens[1:] == list(range(100, 100 + MAX_DRAFT_DEPTH))
+    sampled = FixedDrafter([3], [0], 1, q=torch.ones(2, 10) / 10)
     with pytest.raises(ValueError, match="deterministic"):
-        MergedDrafter([(sampled, 1)]).propose([1], 4)
+        MergedDrafter([sampled]).propose([1], 4)
 
 
 def test_heads_merged_with_ngram_decode_losslessly(model, reference):
-    from mtpctl.runtime.drafters import MergedDrafter, NgramDrafter
-
     heads = random_hydra(model, 3)
-    drafter = MergedDrafter([(MedusaDrafter(StaticTree.from_paths(TREES["mixed"], 3), sequential=True), 6),
-                             (NgramDrafter(3, 1), 3)])
-    result = run(model, drafter, 9, heads=heads)
+    drafter = MergedDrafter([HydraDrafter(StaticTree.from_paths(TREES["mixed"], 3), heads, model),
+                             NgramDrafter(3, 1, 3)])
+    result = run(model, drafter)
     assert result.token_ids == reference
     assert max(result.stats.drafted_per_step) > 6  # the n-gram chain added nodes of its own
 
@@ -467,10 +463,9 @@ def test_real_bfloat16_heads_and_ngram_trees_equal_plain_greedy_exactly(smollm2_
     """Dense bfloat16 is batch-invariant: oracle trees (the truth at rank 1 of head 1, so depth-2 and
     deeper nodes sit at scattered slots), Hydra heads and a heads+ngram merged tree on the real SmolLM2
     give plain greedy's tokens exactly, no near-tie allowance."""
-    from mtpctl.runtime.drafters import MergedDrafter, NgramDrafter
-    from mtpctl.runtime.session import Session
+    from mtpctl.backends.torch import TorchSession
 
-    session = Session(smollm2_folder, "bfloat16")
+    session = TorchSession(smollm2_folder, "bfloat16")
     model = session.model
     prompt = session.encode("Repeat the list twice: red, green, blue, yellow. Then explain what a list is.")
     plain = session.generate(prompt, 64, SamplingParams()).token_ids
@@ -478,11 +473,11 @@ def test_real_bfloat16_heads_and_ngram_trees_equal_plain_greedy_exactly(smollm2_
     mixed = StaticTree.from_paths(TREES["mixed"], 3)
     oracle = OracleTreeDrafter(StaticTree.from_paths(TREES["deep-second"], 4), plain, len(prompt),
                                model.cfg.vocab_size, (1, 0, 0, 0))
-    for drafter, heads, n, accepts in [
-        (oracle, None, 5, True),
-        (MedusaDrafter(mixed, sequential=True), hydra, 6, False),  # random heads: mostly rejected drafts
-        (MergedDrafter([(MedusaDrafter(mixed, sequential=True), 6), (NgramDrafter(), 3)]), hydra, 9, True),
+    for drafter, accepts in [
+        (oracle, True),
+        (HydraDrafter(mixed, hydra, model), False),  # random heads: mostly rejected drafts
+        (MergedDrafter([HydraDrafter(mixed, hydra, model), NgramDrafter()]), True),
     ]:
-        result = session.generate(prompt, 64, SamplingParams(), drafter, n, heads=heads)
+        result = session.generate(prompt, 64, SamplingParams(), drafter)
         assert result.token_ids == plain
         assert result.stats.draft_tokens > 0 and (result.stats.accepted_tokens > 0 or not accepts)

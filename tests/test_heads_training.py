@@ -12,11 +12,15 @@ import torch
 
 from helpers import greedy_reference, random_decoder
 from mtpctl.cli.main import main
-from mtpctl.convert.distill import Record, batch_greedy, read_records
-from mtpctl.convert.heads_training import (Features, Trainer, TrainSettings, add_heads, head_labels, head_losses,
-                                           lr_at)
+from mtpctl.train.distill import Record, batch_greedy, read_records
+from mtpctl.drafters.heads.config import HeadsConfig
+from mtpctl.drafters.heads.folder import load_heads
+from mtpctl.drafters.heads.medusa import MedusaHeads
 from mtpctl.errors import BadInput
-from mtpctl.runtime.heads import HeadsConfig, MedusaHeads
+from mtpctl.train.add_heads import add_heads
+from mtpctl.train.features import Features, head_labels
+from mtpctl.train.settings import TrainSettings
+from mtpctl.train.trainer import Trainer, head_losses, lr_at
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -102,7 +106,7 @@ def test_every_head_gets_a_loss_and_a_gradient():
 def test_hydra_heads_read_the_targets_tokens_and_every_head_learns():
     """Hydra head k reads ids[t + k] (teacher forcing on the tokens that follow, the target's own along
     its path) and head k-1's features, so a loss on the last head alone sends gradients to every head."""
-    from mtpctl.convert.heads_training import pending_embeds
+    from mtpctl.train.features import pending_embeds
 
     model = random_decoder(seed=1)
     cfg = HeadsConfig("hydra", 3, 1, False, model.cfg.hidden_size, model.cfg.vocab_size, token_conditioned=True)
@@ -151,7 +155,8 @@ def test_batched_self_distillation_equals_one_prompt_at_a_time():
 def test_kept_features_equal_a_teacher_forced_pass():
     """Self-distillation's own hidden states and argmax tokens serve as features: every position of
     prompt + response, as one teacher-forced pass over the finished sequence gives them."""
-    from mtpctl.convert.heads_training import TrainSequence, compute_features
+    from mtpctl.train.distill import TrainSequence
+    from mtpctl.train.features import compute_features
 
     model = random_decoder(seed=2)
     prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9], [4]]
@@ -180,7 +185,7 @@ SMALL = dict(num_heads=2, self_distill=True, response_tokens=16, epochs=2, batch
 
 
 def read_heads(folder):
-    return {k: v.clone() for k, v in MedusaHeads.load(folder).state_dict().items()}
+    return {k: v.clone() for k, v in load_heads(folder).state_dict().items()}
 
 
 def test_training_is_repeatable_and_learns(tiny_folder, tmp_path):
@@ -354,17 +359,18 @@ def test_an_unreachable_hub_dataset_is_one_clear_error(tiny_folder, tmp_path, ca
 
 
 def test_a_tree_deeper_than_verification_supports_is_bad_input(tiny_folder):
-    from mtpctl.runtime.heads import StaticTree
-    from mtpctl.runtime.session import Session
+    from mtpctl.backends.torch import TorchSession
+    from mtpctl.decode.attention import MAX_DRAFT_DEPTH as most
+    from mtpctl.drafters.build import LoadedHeads, heads_drafter
+    from mtpctl.drafters.heads.tree import StaticTree
 
-    from mtpctl.runtime.engine import MAX_DRAFT_DEPTH as most
-
-    session = Session(tiny_folder)
-    heads = MedusaHeads(HeadsConfig("medusa", 40, 0, False, session.model.cfg.hidden_size, session.model.cfg.vocab_size))
+    session = TorchSession(tiny_folder)
+    cfg = HeadsConfig("medusa", 40, 0, False, session.model.cfg.hidden_size, session.model.cfg.vocab_size)
+    heads = LoadedHeads(cfg, MedusaHeads(cfg))
     deep = StaticTree.from_paths([[0] * d for d in range(1, 41)], 40)
     with pytest.raises(BadInput, match=f"up to {most}"):
-        session.heads_drafter(heads, deep)
-    assert session.heads_drafter(heads, StaticTree.from_paths([[0] * d for d in range(1, most + 1)], 40)).tree.depth == most
+        heads_drafter(session, heads, deep)
+    assert heads_drafter(session, heads, StaticTree.from_paths([[0] * d for d in range(1, most + 1)], 40)).tree.depth == most
 
 
 def test_settings_name_the_bad_dtype():
@@ -386,7 +392,8 @@ def test_max_seq_len_below_two_tokens_is_bad_input():
 def test_kept_features_are_cut_with_their_sequences(tiny_folder):
     """Text and prompt records mixed, max_seq_len cutting prompt + response: the kept hidden states and
     argmax tokens are cut alike, stay in sequence order and equal a teacher-forced pass over the same ids."""
-    from mtpctl.convert.heads_training import TrainSequence, build_sequences, compute_features
+    from mtpctl.train.distill import TrainSequence
+    from mtpctl.train.features import build_sequences, compute_features
     from mtpctl.model.decoder import Decoder
     from mtpctl.model.tokenizer import TextCodec
 

@@ -12,6 +12,7 @@ from mtpctl.errors import CorruptModel, UnsupportedModel
 from mtpctl.model.config import DecoderConfig
 from mtpctl.model.decoder import Decoder
 from mtpctl.model.linears import BlockedLinear, blocked_layout_available
+from mtpctl.decode.tree import DraftTree
 
 
 @pytest.fixture
@@ -97,9 +98,9 @@ def test_unsupported_or_broken_configs(overrides, error):
 
 def test_qwen_variants_run(tmp_path):
     from helpers import random_decoder
-    from mtpctl.runtime.engine import TorchEngine
+    from mtpctl.backends.torch import TorchEngine
 
     for model_type in ("qwen2", "qwen3"):
         model = random_decoder(model_type=model_type)
-        logits = TorchEngine(model, 8).verify([1, 2, 3]).logits
+        logits = TorchEngine(model, 8).verify(DraftTree.chain([1, 2, 3])).logits
         assert logits.shape == (3, 259) and torch.isfinite(logits).all()

@@ -4,10 +4,11 @@ import pytest
 import torch
 
 from mtpctl.model import native
-from mtpctl.runtime.engine import TorchEngine, slot_plan, tree_positions
+from mtpctl.backends.torch import TorchEngine
+from mtpctl.decode.attention import slot_plan
 from mtpctl.model.native import SlotPlan, load_kernel, tree_attention
 
-from helpers import random_decoder
+from helpers import random_decoder, tree_positions
 
 pytestmark = pytest.mark.skipif(load_kernel() is None, reason="no C compiler here to build the native attention kernel")
 
@@ -57,7 +58,7 @@ def test_slot_plan_lists_committed_slots_then_the_path():
     assert local.starts.tolist() == [7, 8, 8, 9] and local.paths.tolist() == full.paths.tolist()
     chain = slot_plan([None], 5, torch.arange(3), None)[None]
     assert chain.paths.tolist() == [[5, -1, -1], [5, 6, -1], [5, 6, 7]]
-    from mtpctl.runtime.engine import MAX_DRAFT_DEPTH
+    from mtpctl.decode.attention import MAX_DRAFT_DEPTH
     deep = torch.ones(MAX_DRAFT_DEPTH + 2, MAX_DRAFT_DEPTH + 2, dtype=torch.bool).tril()
     with pytest.raises(ValueError, match="deeper"):  # the torch path's limit, so both take the same drafts
         slot_plan([None], 70, torch.arange(MAX_DRAFT_DEPTH + 2), deep)

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from mtpctl.model import native
-from mtpctl.runtime.engine import slot_plan, tree_positions
+from mtpctl.decode.attention import slot_plan
 from mtpctl.model.native import SlotPlan, load_kernel, tree_attention
+from helpers import tree_positions
 
 pytestmark = pytest.mark.skipif(load_kernel() is None, reason="no C compiler here to build the native attention kernel")
 

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from mtpctl.runtime.engine import TorchEngine
+from mtpctl.backends.torch import TorchEngine
 from mtpctl.model.decoder import Decoder
+from mtpctl.decode.tree import DraftTree
 
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-6)
@@ -34,5 +35,5 @@ def test_logits_match_transformers(tmp_path, model_type, extra):
     ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = reference(ids).logits[0]
-    ours = TorchEngine(Decoder.from_folder(tmp_path), 16).verify(ids[0].tolist()).logits
+    ours = TorchEngine(Decoder.from_folder(tmp_path), 16).verify(DraftTree.chain(ids[0].tolist())).logits
     assert (ours - expected).abs().max() < 1e-4

@@ -9,8 +9,8 @@ text path checks that the text round trip loses nothing: almost every draft toke
 import pytest
 import torch
 
-from mtpctl.convert.pairing import INCOMPATIBLE, compare, draft_model_drafter, load_vocabulary
-from mtpctl.runtime.draft_model import DraftModelDrafter, TextBridge
+from mtpctl.drafters.pairing import INCOMPATIBLE, compare, draft_model_drafter, load_vocabulary
+from mtpctl.drafters.draft_model import DraftModelDrafter, TextBridge
 from mtpctl.decode.sampling import SamplingParams
 from test_real_smollm2 import assert_lossless
 
@@ -38,9 +38,9 @@ def vocabs(smollm2_folder, gemma3_folder):
 
 @pytest.fixture(scope="module")
 def gemma3(gemma3_folder, one_thread):
-    from mtpctl.runtime.session import Session
+    from mtpctl.backends.torch import TorchSession
 
-    return Session(gemma3_folder)
+    return TorchSession(gemma3_folder)
 
 
 def test_smollm2_and_gemma3_are_incompatible_both_ways(vocabs):
@@ -64,7 +64,7 @@ def test_smollm2_drafting_for_itself_through_text(smollm2, vocabs, one_thread):
         plain = smollm2.generate(ids, N, GREEDY).token_ids
         bridge = TextBridge.from_tokenizers(tok, tok, sorted(smollm2.codec.eos_ids))
         drafter = DraftModelDrafter(smollm2.model, smollm2.model.cfg.vocab_size, draft_len=4, text=bridge)
-        spec = smollm2.generate(ids, N, GREEDY, drafter, 4)
+        spec = smollm2.generate(ids, N, GREEDY, drafter)
         assert_lossless(smollm2, ids, plain, spec.token_ids)
         assert spec.stats.acceptance_rate >= 0.9, spec.stats.acceptance_rate
 
@@ -80,7 +80,7 @@ def test_cross_tokenizer_greedy_is_plain_greedy(direction, smollm2, gemma3, voca
     plain = target.generate(ids, N, GREEDY)
     drafter = draft_model_drafter(pairing, draft.model, target.model.cfg.vocab_size, GREEDY, 4)
     assert drafter.text is not None
-    spec = target.generate(ids, N, GREEDY, drafter, 4)
+    spec = target.generate(ids, N, GREEDY, drafter)
     assert_lossless(target, ids, plain.token_ids, spec.token_ids)
     assert spec.stats.draft_tokens > 0 and spec.stats.accepted_tokens > 0
     print(f"{direction}: acceptance {spec.stats.acceptance_rate:.2f}, tau {spec.stats.tau:.2f}")

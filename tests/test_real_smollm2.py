@@ -14,9 +14,10 @@ import torch
 
 from helpers import ScriptedDrafter, first_divergence, top2_gap
 from mtpctl.model.linears import BlockedLinear, blocked_layout_available
-from mtpctl.runtime.drafters import NgramDrafter
-from mtpctl.runtime.engine import TorchEngine
+from mtpctl.drafters.ngram import NgramDrafter
+from mtpctl.backends.torch import TorchEngine
 from mtpctl.decode.sampling import SamplingParams
+from mtpctl.decode.tree import DraftTree
 
 pytestmark = pytest.mark.real
 NEAR_TIE = 1e-3
@@ -49,7 +50,7 @@ def test_logits_match_transformers(smollm2, smollm2_folder):
     reference = AutoModelForCausalLM.from_pretrained(str(smollm2_folder), dtype=torch.float32)
     with torch.no_grad():
         expected = reference(torch.tensor([ids])).logits[0]
-    ours = TorchEngine(smollm2.model, len(ids)).verify(ids).logits
+    ours = TorchEngine(smollm2.model, len(ids)).verify(DraftTree.chain(ids)).logits
     # float32 kernels that sum in another order (oneDNN's blocked layout vs MKL): ~1e-4 on logits of
     # magnitude ~20, i.e. ~5e-6 relative
     assert (ours - expected).abs().max().item() <= 3e-4
@@ -86,14 +87,14 @@ def test_incremental_text_equals_a_full_decode(smollm2, plain_results):
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["repeat", "code", "list", "summary"])
 def test_ngram_greedy_is_lossless(smollm2, plain_outputs, prompt, draft_len):
     ids = smollm2.encode(prompt)
-    spec = smollm2.generate(ids, 64, GREEDY, NgramDrafter(3, 1), draft_len)
+    spec = smollm2.generate(ids, 64, GREEDY, NgramDrafter(3, 1, draft_len))
     assert_lossless(smollm2, ids, plain_outputs[prompt], spec.token_ids)
     assert spec.stats.new_tokens == len(spec.token_ids) <= 64
 
 
 def test_ngram_accepts_drafts_on_a_repeating_prompt(smollm2):
     ids = smollm2.encode(PROMPTS[0])
-    stats = smollm2.generate(ids, 64, GREEDY, NgramDrafter(3, 1), 6).stats
+    stats = smollm2.generate(ids, 64, GREEDY, NgramDrafter(3, 1, 6)).stats
     assert stats.tau > 1.5 and stats.acceptance_rate > 0.3
 
 
@@ -104,7 +105,7 @@ def test_stop_string_inside_an_accepted_block(smollm2, plain_outputs):
     stop = text[len(text) // 2: len(text) // 2 + 4]
     expected = smollm2.generate(ids, 64, GREEDY, stop_strings=[stop])
     drafter = ScriptedDrafter(len(ids), plain, smollm2.model.cfg.vocab_size)  # accepts whole blocks
-    spec = smollm2.generate(ids, 64, GREEDY, drafter, 6, stop_strings=[stop])
+    spec = smollm2.generate(ids, 64, GREEDY, drafter, stop_strings=[stop])
     assert spec.finish_reason == expected.finish_reason == "stop"
     assert spec.token_ids == expected.token_ids and spec.text == expected.text
     assert stop not in spec.text and len(spec.token_ids) < len(plain)
@@ -115,16 +116,16 @@ def test_stop_string_inside_an_accepted_block(smollm2, plain_outputs):
 def test_max_new_tokens_with_speculation(smollm2, plain_outputs, max_new):
     ids = smollm2.encode(PROMPTS[0])
     drafter = ScriptedDrafter(len(ids), plain_outputs[PROMPTS[0]], smollm2.model.cfg.vocab_size)
-    result = smollm2.generate(ids, max_new, GREEDY, drafter, 6)
+    result = smollm2.generate(ids, max_new, GREEDY, drafter)
     assert result.token_ids == plain_outputs[PROMPTS[0]][:max_new]
     assert result.finish_reason == "length"
 
 
 @pytest.fixture(scope="module")
 def smollm2_int4(smollm2_folder):
-    from mtpctl.runtime.session import Session
+    from mtpctl.backends.torch import TorchSession
 
-    return Session(smollm2_folder, dtype="bfloat16", weights="int4")
+    return TorchSession(smollm2_folder, dtype="bfloat16", weights="int4")
 
 
 @pytest.mark.parametrize("prompt", PROMPTS[:3], ids=["repeat", "code", "list"])
@@ -135,7 +136,7 @@ def test_int4_ngram_greedy_is_bit_exact(smollm2_int4, prompt):
     ids = smollm2_int4.encode(prompt)
     plain = smollm2_int4.generate(ids, 64, GREEDY).token_ids
     for draft_len in (3, 6):
-        spec = smollm2_int4.generate(ids, 64, GREEDY, NgramDrafter(3, 1), draft_len)
+        spec = smollm2_int4.generate(ids, 64, GREEDY, NgramDrafter(3, 1, draft_len))
         assert spec.token_ids == plain
 
 
@@ -157,9 +158,9 @@ def test_truncated_real_gguf_fails_cleanly(tmp_path, monkeypatch, capsys, keep_b
 
 @pytest.fixture(scope="module")
 def smollm2_bf16(smollm2_folder):
-    from mtpctl.runtime.session import Session
+    from mtpctl.backends.torch import TorchSession
 
-    return Session(smollm2_folder, dtype="bfloat16")
+    return TorchSession(smollm2_folder, dtype="bfloat16")
 
 
 def test_bfloat16_verify_rows_equal_plain_decoding_bit_for_bit(smollm2_bf16):
@@ -186,10 +187,10 @@ def assert_verify_rows_equal_plain_decoding(session):
     chains.prefill(ids)
     alone = []
     for t in tokens:
-        alone.append(steps.verify([t]).hidden_states[0].clone())
+        alone.append(steps.verify(DraftTree.chain([t])).hidden_states[0].clone())
         steps.commit([0])
     for k in range(len(tokens) - 4):
-        block = chains.verify(tokens[k:k + 4]).hidden_states
+        block = chains.verify(DraftTree.chain(tokens[k:k + 4])).hidden_states
         for i in range(4):
             assert torch.equal(block[i], alone[k + i]), f"length {len(ids) + k}, row {i}"
         chains.commit([0])
@@ -201,5 +202,5 @@ def test_bfloat16_ngram_greedy_is_bit_exact(smollm2_bf16, prompt):
     reproduces plain greedy exactly, no near-tie allowance."""
     ids = smollm2_bf16.encode(prompt)
     plain = smollm2_bf16.generate(ids, 64, GREEDY).token_ids
-    spec = smollm2_bf16.generate(ids, 64, GREEDY, NgramDrafter(3, 1), 4)
+    spec = smollm2_bf16.generate(ids, 64, GREEDY, NgramDrafter(3, 1, 4))
     assert spec.token_ids == plain

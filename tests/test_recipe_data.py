@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mtpctl.convert.distill import read_records
+from mtpctl.train.distill import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from mtpctl.cli.main import main
 from mtpctl.errors import BadInput
-from mtpctl.runtime.retrieval import DATASTORE_FILE, Datastore, RetrievalDrafter
+from mtpctl.drafters.retrieval import DATASTORE_FILE, Datastore, RetrievalDrafter
 
 SEQS = [[1, 2, 3, 4, 6], [1, 2, 3, 5], [7, 2, 3, 4, 6], [8, 2, 3, 4, 9]]
 
@@ -30,18 +30,18 @@ def test_tree_holds_the_most_frequent_continuations_of_the_longest_match():
     drafter = RetrievalDrafter(Datastore.from_sequences(SEQS, key_len=6), max_match=3, depth=3)
     # "0 2 3" does not occur, "2 3" does (4 times): continuations 4 6 | 5 | 4 6 | 4 9
     draft = drafter.propose([0, 2, 3], 4)
-    assert draft.tokens == [4, 5, 6, 9] and draft.parents == [-1, -1, 0, 0]
-    assert drafter.propose([0, 2, 3], 2).tokens == [4, 6]  # 4 (x3) then 4 6 (x2), before 5 (x1)
+    assert draft.tokens == [3, 4, 5, 6, 9] and draft.parents == [-1, 0, 0, 1, 1]  # rooted at the pending 3
+    assert drafter.propose([0, 2, 3], 2).tokens[1:] == [4, 6]  # 4 (x3) then 4 6 (x2), before 5 (x1)
     # a longer match narrows the continuations: "7 2 3" occurs once
-    assert drafter.propose([7, 2, 3], 4).tokens == [4, 6]
+    assert drafter.propose([7, 2, 3], 4).tokens[1:] == [4, 6]
 
 
 def test_no_match_crosses_a_sequence_end_and_separators_are_never_proposed():
     drafter = RetrievalDrafter(Datastore.from_sequences([[1, 2], [3, 4]], key_len=4), max_match=2, depth=2)
     draft = drafter.propose([2, 3], 4)  # "2 3" spans two sequences: only "3" matches
-    assert draft.tokens == [4] and draft.parents == [-1]
-    assert drafter.propose([5], 4).tokens == []  # nothing matches
-    assert drafter.propose([2], 4).tokens == []  # "2" ends its sequence: no continuation
+    assert draft.tokens == [3, 4] and draft.parents == [-1, 0]
+    assert drafter.propose([5], 4).tokens == [5]  # nothing matches: the root alone
+    assert drafter.propose([2], 4).tokens == [2]  # "2" ends its sequence: no continuation
 
 
 def test_min_share_leaves_rare_continuations_out():
@@ -103,12 +103,12 @@ def test_retrieval_merged_with_heads_and_ngram_is_lossless(capsys, tiny_folder, 
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (["--speculate", "retrieval"], "needs --datastore FILE"),
+    (["--speculate", "retrieval"], "needs a datastore file, or a head folder that carries one (--datastore)"),
     (["--speculate", "heads+bogus"], "unknown drafter"),
     (["--speculate", "ngram+ngram"], "unknown drafter"),
     (["--speculate", "draft+ngram"], "unknown drafter"),
-    (["--speculate", "ngram", "--datastore", "x.safetensors"], "--datastore and --retrieval-nodes go with"),
-    (["--speculate", "ngram", "--retrieval-nodes", "5"], "--datastore and --retrieval-nodes go with"),
+    (["--speculate", "ngram", "--datastore", "x.safetensors"], "goes with the retrieval drafter (--datastore)"),
+    (["--speculate", "ngram", "--retrieval-nodes", "5"], "goes with the retrieval drafter (--retrieval-nodes)"),
     (["--speculate", "retrieval", "--datastore", "missing.safetensors"], "no retrieval datastore"),
 ])
 def test_bad_retrieval_arguments(capsys, tiny_folder, args, fragment):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from mtpctl.decode.acceptance import accept_greedy, accept_rejection_sampling
+from mtpctl.decode.tree import DraftTree
 from mtpctl.decode.sampling import SamplingParams, next_token, probs_from_logits
 from stats_util import chi_square_rejects
 
@@ -52,19 +53,19 @@ def test_accept_greedy_exact():
     logits = torch.full((4, 10), -1.0)
     for row, best in enumerate([3, 5, 7, 9]):
         logits[row, best] = 1.0
-    assert accept_greedy([3, 5, 7], logits).tokens == [3, 5, 7, 9]  # all accepted + bonus
-    result = accept_greedy([3, 6, 7], logits)
-    assert (result.accepted, result.next_token) == ([3], 5)  # first mismatch: recovered = argmax
-    assert accept_greedy([], logits[:1]).tokens == [3]
+    assert accept_greedy(DraftTree.chain([0, 3, 5, 7]), logits).tokens == [3, 5, 7, 9]  # all accepted + bonus
+    result = accept_greedy(DraftTree.chain([0, 3, 6, 7]), logits)
+    assert (result.accepted, result.next_token, result.path) == ([3], 5, [0, 1])  # first mismatch: argmax
+    assert accept_greedy(DraftTree(0), logits[:1]).tokens == [3]
 
 
 def test_rejection_sampling_certain_accept_and_reject():
     g = torch.Generator().manual_seed(0)
     logits = torch.log(torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]) + 1e-30)
     # p(draft) = 1 -> always accepted, bonus from row 1
-    assert accept_rejection_sampling([1], logits, SamplingParams(temperature=1.0), g).tokens == [1, 2]
+    assert accept_rejection_sampling(DraftTree.chain([0, 1]), logits, SamplingParams(temperature=1.0), g).tokens == [1, 2]
     # p(draft) = 0 -> always rejected, recovered from the residual (token 1)
-    assert accept_rejection_sampling([0], logits, SamplingParams(temperature=1.0), g).tokens == [1]
+    assert accept_rejection_sampling(DraftTree.chain([0, 0]), logits, SamplingParams(temperature=1.0), g).tokens == [1]
 
 
 @pytest.mark.parametrize("with_q", [False, True])
@@ -78,8 +79,8 @@ def test_rejection_sampling_output_follows_target_distribution(with_q):
     counts = Counter()
     for _ in range(20000):
         draft = int(torch.multinomial(q, 1, generator=g)) if with_q else 1
-        probs = q[None] if with_q else None
-        counts[accept_rejection_sampling([draft], logits, params, g, probs).tokens[0]] += 1
+        tree = DraftTree.chain([0, draft], q[None] if with_q else None)
+        counts[accept_rejection_sampling(tree, logits, params, g).tokens[0]] += 1
     expected = dict(enumerate(p.tolist()))
     assert not chi_square_rejects(counts, expected)
     # the check has power: the draft's own distribution is rejected

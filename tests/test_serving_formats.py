@@ -12,11 +12,14 @@ from safetensors.torch import load_file
 from test_export_onnx import TREE, make_heads
 
 from mtpctl.cli.main import main
-from mtpctl.convert.serving_formats import export_serving_heads, load_serving_heads
+from mtpctl.export.serving import export_serving_heads, load_serving_heads
 from mtpctl.errors import BadInput
-from mtpctl.runtime.engine import TorchEngine
+from mtpctl.backends.torch import TorchEngine
 from mtpctl.decode.loop import generate
-from mtpctl.runtime.heads import HeadsConfig, MedusaDrafter, MedusaHeads, StaticTree
+from mtpctl.drafters.heads.config import HeadsConfig
+from mtpctl.drafters.heads.folder import load_heads, save_heads
+from mtpctl.drafters.heads.medusa import MedusaDrafter, MedusaHeads
+from mtpctl.drafters.heads.tree import StaticTree
 from mtpctl.model.decoder import Decoder
 from mtpctl.decode.sampling import SamplingParams
 from mtpctl.decode.stopping import StopChecker
@@ -27,9 +30,9 @@ HIDDEN, VOCAB, K = 64, 259, 3
 
 def decode(model, heads, prompt, steps=30):
     stop = StopChecker(set(), (), steps, lambda ids: "")
-    engine = TorchEngine(model, 80, heads)
-    return generate(engine, prompt, stop, SamplingParams(0.0), MedusaDrafter(StaticTree.from_paths(TREE, K)),
-                    len(TREE)).token_ids
+    engine = TorchEngine(model, 80)
+    return generate(engine, prompt, stop, SamplingParams(0.0),
+                    MedusaDrafter(StaticTree.from_paths(TREE, K), heads, model)).token_ids
 
 
 def truncated_heads(folder, target, model, own: bool):
@@ -43,7 +46,7 @@ def truncated_heads(folder, target, model, own: bool):
         for name, p in heads.named_parameters():
             p.copy_(p + 0.1 * torch.randn(p.shape, generator=g))
     folder.mkdir()
-    heads.save(folder)
+    save_heads(heads, folder)
     return folder
 
 
@@ -90,7 +93,7 @@ def test_round_trip_decodes_identically(fmt, kind, tiny_folder, tmp_path):
         heads_dir = truncated_heads(tmp_path / "h", tiny_folder, model, own=kind.endswith("own"))
     else:
         heads_dir = make_heads(tmp_path / "h", tiny_folder, own_lm_head=kind == "own", seed=3)
-    original = MedusaHeads.load(heads_dir, torch.float32, model.dense_lm_head())
+    original = load_heads(heads_dir, torch.float32, model.dense_lm_head())
     if fmt == "trtllm" and kind.startswith("truncated"):
         with pytest.raises(BadInput, match="no draft vocabulary"):
             export_serving_heads(fmt, tiny_folder, heads_dir, tmp_path / "out")

@@ -17,11 +17,11 @@ from helpers import write_tiny_checkpoint  # noqa: E402
 from test_export_onnx import make_heads  # noqa: E402
 
 from mtpctl.cli.main import main  # noqa: E402
-from mtpctl.convert import trt_build  # noqa: E402
-from mtpctl.convert.onnx_export import export_onnx  # noqa: E402
+from mtpctl.export import tensorrt as trt_build  # noqa: E402
+from mtpctl.export.onnx import export_onnx  # noqa: E402
 from mtpctl.errors import BadInput  # noqa: E402
-from mtpctl.runtime import trt_engine  # noqa: E402
-from mtpctl.runtime.trt_engine import (TensorRTUnavailable, TrtLimits, builder_flags, check_limits,  # noqa: E402
+from mtpctl.backends import tensorrt as trt_engine  # noqa: E402
+from mtpctl.backends.tensorrt import (TensorRTUnavailable, TrtLimits, builder_flags, check_limits,  # noqa: E402
                                        profile_shapes, require_tensorrt)
 
 OPS_FILE = Path(trt_engine.__file__).resolve().parent.parent / "data" / "tensorrt_onnx_ops.txt"
@@ -145,9 +145,25 @@ class FakeTensorRT:
                 calls.parsed = path
                 return True
 
-        self.Logger, self.Builder, self.OnnxParser = Logger, Builder, OnnxParser
+        class Engine:  # a deserialized engine: what a session needs before its first pass
+            def create_execution_context(self):
+                return object()
+
+            def get_tensor_dtype(self, name):
+                return "float32"
+
+        class Runtime:
+            def __init__(self, logger):
+                pass
+
+            def deserialize_cuda_engine(self, data):
+                calls.deserialized = data
+                return Engine()
+
+        self.Logger, self.Builder, self.OnnxParser, self.Runtime = Logger, Builder, OnnxParser, Runtime
         self.BuilderFlag = SimpleNamespace(FP16="FP16", BF16="BF16")
         self.NetworkDefinitionCreationFlag = SimpleNamespace()  # TensorRT 10: no EXPLICIT_BATCH
+        self.float32, self.float16, self.int64, self.int32, self.bool = "float32", "float16", "int64", "int32", "bool"
 
 
 def test_export_with_trt_build_on_a_stand_in_tensorrt(tiny_folder, tmp_path, monkeypatch, capsys):
@@ -169,6 +185,27 @@ def test_export_with_trt_build_on_a_stand_in_tensorrt(tiny_folder, tmp_path, mon
     assert fake.calls.shapes["attention_mask"] == ((1, 1, 1), (1, 8, 108), (1, 16, 116))
     assert fake.calls.shapes["past_key.1"] == ((1, 2, 0, 16), (1, 2, 100, 16), (1, 2, 100, 16))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["engine", "heads"]
+
+
+def test_requests_beyond_the_context_or_the_engine_limits_exit_2_on_the_tensorrt_backend(tiny_folder, tmp_path,
+                                                                                         monkeypatch, capsys):
+    """The TensorRT session goes through the same checks as every backend before its first pass: a
+    prompt that fills the context, and a generation past the engine's build limits, are one clear
+    line and exit code 2 (no CUDA is touched before them)."""
+    fake = FakeTensorRT()
+    monkeypatch.setattr(trt_build, "require_tensorrt", lambda: fake)
+    monkeypatch.setattr(trt_engine, "require_tensorrt", lambda: fake)
+    out = tmp_path / "engine"
+    assert main(["export", str(tiny_folder), "--onnx", str(out), "--trt", "--trt-max-past", "40"]) == 0
+    capsys.readouterr()
+    base = ["generate", "--backend", "tensorrt", "-m", str(out), "--no-chat"]
+    assert main(base + ["x" * 200]) == 2  # 200 byte tokens: the tiny model's context holds 128
+    err = capsys.readouterr().err
+    assert "the prompt has 200 tokens; the model's context holds 128" in err and err.count("\n") == 1
+    assert main(base + ["--max-new-tokens", "64", "hello"]) == 2  # past 40 committed tokens
+    err = capsys.readouterr().err
+    assert "built for 40" in err and "--trt-max-past" in err and err.count("\n") == 1
+    assert fake.calls.deserialized == b"serialized-engine"
 
 
 def supported_ops():

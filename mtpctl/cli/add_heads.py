@@ -8,16 +8,15 @@ from pathlib import Path
 
 import click
 
-from mtpctl.convert.distill import resolve_data
-from mtpctl.convert.heads_training import (
-    TrainSettings,
-    add_heads,
-    init_distributed,
-    is_main_process,
-)
-from mtpctl.model.sources import DEFAULT_MODEL, mtpctl_home, resolve_model
+from mtpctl.backends.torch import set_threads
+from mtpctl.cli.options import Command, debug_option
 from mtpctl.errors import BadInput
-from mtpctl.runtime.session import set_threads
+from mtpctl.files import mtpctl_home
+from mtpctl.model.sources import DEFAULT_MODEL, resolve_model
+from mtpctl.train.add_heads import add_heads
+from mtpctl.train.distill import resolve_data
+from mtpctl.train.distributed import init_distributed, is_main_process
+from mtpctl.train.settings import TrainSettings
 
 RECIPE_VERSION = 1
 # CLI option -> TrainSettings field, for the settings a recipe may also give
@@ -55,14 +54,14 @@ def read_recipe(path: str) -> dict:
 WORTHWHILE_TAU = 1.2
 
 
-@click.command("add-heads", epilog="""\b
+@click.command("add-heads", cls=Command, epilog="""\b
 Examples:
   mtpctl add-heads --recipe recipes/smollm2-135m-medusa.yaml --out heads/smollm2-medusa
   mtpctl add-heads --recipe recipes/smollm2-135m-medusa.yaml --kind hydra --out heads/smollm2-hydra
   mtpctl add-heads --recipe recipes/smollm2-135m-eagle.yaml --out heads/smollm2-eagle
   mtpctl add-heads -m smollm2-135m --kind medusa --num-heads 3 --self-distill \\
       --data prompts.jsonl --data notes.txt --out heads/mine --epochs 3 --seed 1
-  torchrun --nproc-per-node 2 -m mtpctl.cli.main add-heads --recipe R.yaml --out heads/ddp
+  torchrun --nproc-per-node 2 -m mtpctl add-heads --recipe R.yaml --out heads/ddp
   mtpctl generate --speculate heads --heads heads/smollm2-medusa --dtype bfloat16 "Explain KV caches."
 """)
 @click.option("--recipe", type=click.Path(dir_okay=False), help="YAML recipe (model, data, settings); options override it.")
@@ -98,7 +97,7 @@ Examples:
 @click.option("--bundle", is_flag=True, help="Copy the target's files into --out (default: referenced by hash).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: torch's).")
 @click.option("--json", "as_json", is_flag=True, help="Print the training summary as JSON on stdout.")
-@click.option("--debug", is_flag=True, help="Show the full traceback of an error.")
+@debug_option
 def add_heads_cmd(recipe, model, data, out, resume, overwrite, bundle, threads, as_json, debug, **options) -> None:
     """Graft MTP heads onto a model and train them by self-distillation (the base stays frozen).
 
@@ -108,7 +107,7 @@ def add_heads_cmd(recipe, model, data, out, resume, overwrite, bundle, threads, 
     """
     spec = read_recipe(recipe) if recipe else {"settings": {}, "data": []}
     given = {k: v for k, v in options.items() if v is not None}
-    settings = TrainSettings(**{**spec["settings"], **given})
+    settings = TrainSettings(**{**spec["settings"], **given})  # the CLI's options override the recipe's
     model_name = model or spec.get("model") or DEFAULT_MODEL
     files = list(data) or spec["data"]
     set_threads(threads)

@@ -9,8 +9,9 @@ from typing import Optional
 
 import click
 
-from mtpctl.model.sources import resolve_model
+from mtpctl.cli.options import Command, debug_option
 from mtpctl.errors import BadInput
+from mtpctl.model.sources import resolve_model
 
 
 def resolve_target(model: str, heads: Optional[str]):
@@ -20,7 +21,7 @@ def resolve_target(model: str, heads: Optional[str]):
     Raises:
         BadInput: a head folder given both as MODEL and with --heads.
     """
-    from mtpctl.runtime.heads import CONFIG_FILE, HeadsConfig
+    from mtpctl.drafters.heads.config import CONFIG_FILE, HeadsConfig
 
     path = Path(model).expanduser()
     if path.is_dir() and (path / CONFIG_FILE).is_file():
@@ -30,7 +31,7 @@ def resolve_target(model: str, heads: Optional[str]):
     return resolve_model(model), (Path(heads) if heads is not None else None)
 
 
-@click.command("export", epilog="""\b
+@click.command("export", cls=Command, epilog="""\b
 Examples:
   mtpctl export smollm2-135m --onnx out/smollm2-onnx
   mtpctl export smollm2-135m --heads heads/smollm2-medusa --onnx out/smollm2-medusa-onnx
@@ -57,7 +58,7 @@ Examples:
 @click.option("--trt-max-batch", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
-@click.option("--debug", is_flag=True, help="Show the full traceback of an error.")
+@debug_option
 def export_cmd(model, heads_dir, onnx_out, fmt, out, trt, trt_precision, trt_max_new_tokens, trt_max_past, trt_max_batch,
                overwrite, as_json, debug) -> None:
     """Export MODEL (or a head folder, whose target is then loaded) for deployment.
@@ -70,7 +71,7 @@ def export_cmd(model, heads_dir, onnx_out, fmt, out, trt, trt_precision, trt_max
     --trt-max-* limits, saved with it and checked before decoding). TensorRT needs an NVIDIA GPU:
     without tensorrt or CUDA it fails at once with exit code 2.
     """
-    from mtpctl.convert.onnx_export import export_onnx
+    from mtpctl.export.onnx import export_onnx
 
     if fmt:
         return export_serving(model, heads_dir, fmt, out, onnx_out, trt, overwrite, as_json)
@@ -78,8 +79,8 @@ def export_cmd(model, heads_dir, onnx_out, fmt, out, trt, trt_precision, trt_max
         raise BadInput("nothing to export: give --onnx OUT (or --format vllm|trtllm --out OUT)")
     finish = None
     if trt:
-        from mtpctl.convert.trt_build import build_engine
-        from mtpctl.runtime.trt_engine import TrtLimits, require_tensorrt
+        from mtpctl.backends.tensorrt import TrtLimits, require_tensorrt
+        from mtpctl.export.tensorrt import build_engine
 
         require_tensorrt()  # before the export: fail at once where TensorRT cannot run
         limits = TrtLimits(max_batch=trt_max_batch, max_new_tokens=trt_max_new_tokens, max_past=trt_max_past,
@@ -101,7 +102,7 @@ def export_cmd(model, heads_dir, onnx_out, fmt, out, trt, trt_precision, trt_max
 
 def export_serving(model, heads_dir, fmt, out, onnx_out, trt, overwrite, as_json) -> None:
     """--format vllm|trtllm: the heads in a serving engine's layout (config.json + safetensors)."""
-    from mtpctl.convert.serving_formats import export_serving_heads
+    from mtpctl.export.serving import export_serving_heads
 
     if onnx_out or trt:
         raise BadInput("--format writes MTP heads only: run --onnx/--trt as a separate export")

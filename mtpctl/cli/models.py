@@ -7,7 +7,9 @@ import json
 
 import click
 
-from mtpctl.model.sources import ALIASES, DEFAULT_MODEL, mtpctl_home, resolve_model
+from mtpctl.cli.options import Command
+from mtpctl.files import mtpctl_home
+from mtpctl.model.sources import ALIASES, DEFAULT_MODEL, resolve_model
 
 
 @click.group("models")
@@ -15,7 +17,7 @@ def models_group() -> None:
     """List model aliases and import models (GGUF -> safetensors) into $MTPCTL_HOME."""
 
 
-@models_group.command("list")
+@models_group.command("list", cls=Command)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array.")
 def list_cmd(as_json: bool) -> None:
     """List the model aliases and whether their package is installed."""
@@ -31,7 +33,7 @@ def list_cmd(as_json: bool) -> None:
     click.echo(f"cache: {mtpctl_home()}", err=True)
 
 
-@models_group.command("import", epilog="""\b
+@models_group.command("import", cls=Command, epilog="""\b
 Examples:
   mtpctl models import smollm2-135m
   mtpctl models import ./my-model.Q8_0.gguf

@@ -9,31 +9,15 @@ from typing import List, Optional
 
 import click
 
-from mtpctl.convert.pairing import Pairing, compare, load_vocabulary, write_id_map
-from mtpctl.model.sources import resolve_model
+from mtpctl.cli.options import DRAFT_LEN, Command, debug_option
+from mtpctl.drafters.pairing import Pairing, compare, load_vocabulary, write_id_map
 from mtpctl.errors import BadInput
+from mtpctl.model.sources import resolve_model
 
 MEASURE_PROMPTS = 3
 
 
-class DraftLenType(click.ParamType):
-    """``--draft-len``: a number >= 1, or ``auto`` (None) for draft-model speculation."""
-
-    name = "N|auto"
-
-    def convert(self, value, param, ctx):
-        if value is None or isinstance(value, int):
-            return value
-        try:
-            return parse_draft_len(value)
-        except BadInput as err:
-            self.fail(str(err), param, ctx)
-
-
-DRAFT_LEN = DraftLenType()
-
-
-@click.command("pair", epilog="""\b
+@click.command("pair", cls=Command, epilog="""\b
 Examples:
   mtpctl pair smollm2-135m ./SmolLM2-360M-Instruct
   mtpctl pair smollm2-135m gemma3-270m --json | jq '.drafts[].verdict'
@@ -55,7 +39,7 @@ Examples:
 @click.option("--draft-len", type=DRAFT_LEN, default="auto", show_default=True, help="For --measure: N or auto.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: torch's).")
-@click.option("--debug", is_flag=True, help="Show the full traceback of an error.")
+@debug_option
 def pair_cmd(target, drafts, as_json, out, overwrite, measure, n_prompts, max_new_tokens, draft_len, dtype,
              threads, debug) -> int:
     """Compare each DRAFT's vocabulary with TARGET's: identical, mapped or incompatible.
@@ -96,19 +80,6 @@ def pair_cmd(target, drafts, as_json, out, overwrite, measure, n_prompts, max_ne
     return 0 if all(p.usable for p in pairings) else 1
 
 
-def parse_draft_len(text: str) -> Optional[int]:
-    """``auto`` -> None, ``N`` -> N (>= 1); BadInput otherwise."""
-    if str(text).strip().lower() == "auto":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise BadInput(f"--draft-len must be a number >= 1 or 'auto', got {text!r}")
-    return value
-
-
 def format_pairings(t, pairings: List[Pairing]) -> str:
     """Human-readable verdicts with their evidence."""
     lines = [f"target {t.folder}: {len(t.strings)} tokens ({len(t.added)} added), logits width {t.logits_width}"]
@@ -137,15 +108,15 @@ def measure_drafts(target_folder: Path, pairings: List[Pairing], n_prompts: int,
                    draft_len: Optional[int], dtype: str, threads: Optional[int]) -> list:
     """Greedy generation with each usable draft on ``n_prompts`` built-in prompts (one per category)
     and plain decoding on the same prompts: acceptance rate, tau and tokens/s per draft, best first."""
-    from mtpctl.convert.pairing import draft_model_drafter
-    from mtpctl.runtime.bench import load_prompts
-    from mtpctl.runtime.draft_model import AUTO_MAX
-    from mtpctl.model.decoder import DTYPES, Decoder
+    from mtpctl.backends.torch import TorchSession, set_threads
+    from mtpctl.bench.harness import load_prompts
     from mtpctl.decode.sampling import SamplingParams
-    from mtpctl.runtime.session import Session, set_threads
+    from mtpctl.drafters.draft_model import AUTO_MAX
+    from mtpctl.drafters.pairing import draft_model_drafter
+    from mtpctl.model.decoder import DTYPES, Decoder
 
     set_threads(threads)
-    session = Session(target_folder, dtype)
+    session = TorchSession(target_folder, dtype)
     greedy = SamplingParams()
     k = draft_len or AUTO_MAX
     seen, prompts = set(), []
@@ -159,16 +130,16 @@ def measure_drafts(target_folder: Path, pairings: List[Pairing], n_prompts: int,
         raise BadInput(f"no built-in prompt fits the target's context ({session.context_length} tokens) "
                        f"with {max_new_tokens} new tokens")
 
-    def run(drafter, length):
+    def run(drafter):
         new, ms, accepted, drafted = 0, 0.0, 0, 0
         for ids in prompts:
-            s = session.generate(ids, max_new_tokens, greedy, drafter, length).stats
+            s = session.generate(ids, max_new_tokens, greedy, drafter).stats
             new, ms, accepted, drafted = new + s.new_tokens, ms + s.total_ms, accepted + s.accepted_tokens, \
                 drafted + s.draft_tokens
         return new / (ms / 1e3) if ms else 0.0, (accepted / drafted if drafted else None)
 
     session.generate(prompts[0], 4, greedy)  # warm-up
-    plain_speed, _ = run(None, 0)
+    plain_speed, _ = run(None)
     click.echo(f"plain: {plain_speed:.1f} tokens/s", err=True)
     rows = []
     for p in pairings:
@@ -176,7 +147,7 @@ def measure_drafts(target_folder: Path, pairings: List[Pairing], n_prompts: int,
             continue
         draft = Decoder.from_folder(p.draft.folder, DTYPES[dtype], blocked=True)
         drafter = draft_model_drafter(p, draft, session.model.cfg.vocab_size, greedy, draft_len)
-        speed, rate = run(drafter, k)
+        speed, rate = run(drafter)
         click.echo(f"{p.draft.folder}: {speed:.1f} tokens/s, acceptance {rate}", err=True)
         rows.append({"draft": str(p.draft.folder), "verdict": p.verdict, "acceptance_rate": rate,
                      "tokens_per_s": speed, "speedup": speed / plain_speed if plain_speed else None,
@@ -194,24 +165,3 @@ def format_ranking(rows: list) -> str:
         rate = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
         lines.append(f"| {i} | {r['draft']} | {rate} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} |")
     return "\n".join(lines)
-
-
-def generate_drafter(session, draft_model: Optional[str], draft_map: Optional[str], sampling, draft_len: Optional[int],
-                     dtype: str):
-    """(drafter, loop draft length, JSON info) for ``generate --speculate draft``: the pairing picks
-    ids, an id map or the cross-tokenizer text mode; one line on stderr says which.
-
-    Raises:
-        BadInput: no --draft; see :func:`mtpctl.convert.pairing.session_drafter` for the rest.
-    """
-    from mtpctl.convert.pairing import session_drafter
-    from mtpctl.runtime.draft_model import AUTO_MAX
-
-    if not draft_model:
-        raise BadInput("--speculate draft needs --draft MODEL (check the pair with mtpctl pair TARGET MODEL)")
-    drafter, pairing = session_drafter(session, draft_model, sampling, draft_len,
-                                       Path(draft_map) if draft_map else None, dtype)
-    click.echo(f"draft {pairing.draft.folder}: {pairing.verdict}, drafting in {pairing.mode}", err=True)
-    info = {"folder": str(pairing.draft.folder), "verdict": pairing.verdict, "mode": pairing.mode,
-            "draft_len": draft_len or "auto"}
-    return drafter, draft_len or AUTO_MAX, info

@@ -11,7 +11,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, List, Optional, Sequence
 
 from mtpctl.decode.acceptance import accept_greedy, accept_rejection_sampling, accept_typical
-from mtpctl.runtime.drafters import Draft, Drafter, TargetStep
+from mtpctl.decode.drafter import Drafter, TargetStep
+from mtpctl.decode.engine import Engine
+from mtpctl.decode.tree import DraftTree
 from mtpctl.decode.sampling import SamplingParams, next_token
 from mtpctl.decode.stopping import CONTEXT, StopChecker
 
@@ -73,33 +75,35 @@ class GenerationResult:
     stats: GenerationStats
 
 
-def generate(engine, prompt_ids: Sequence[int], stop: StopChecker, sampling: SamplingParams,
-             drafter: Optional[Drafter] = None, draft_len: int = 0,
-             on_text: Optional[Callable[[str], None]] = None, acceptance: str = "exact") -> GenerationResult:
+def generate(engine: Engine, prompt_ids: Sequence[int], stop: StopChecker, sampling: SamplingParams,
+             drafter: Optional[Drafter] = None, on_text: Optional[Callable[[str], None]] = None,
+             acceptance: str = "exact") -> GenerationResult:
     """Generate from ``prompt_ids`` until ``stop`` says so, speculating with ``drafter``.
 
     Lossless: greedy output equals plain greedy decoding token for token; sampled output follows the
     target's distribution (speculative rejection sampling).
 
     Args:
-        engine: a backend with ``prefill``, ``verify``, ``commit``, ``length``, ``capacity``
-            (:class:`mtpctl.runtime.engine.TorchEngine`); its capacity bounds prompt + output.
+        engine: a backend (:class:`mtpctl.decode.engine.Engine`); its capacity bounds prompt + output
+            + the drafter's budget.
         prompt_ids: prompt token ids ``[T]``, T >= 1.
         stop: stop conditions (EOS, stop strings, max new tokens), checked on every committed token.
         sampling: greedy or sampling settings.
-        drafter: proposes draft tokens (a chain or a draft tree); None for plain decoding.
-        draft_len: the most draft tokens (tree nodes) per step.
+        drafter: proposes up to its ``budget`` of draft tokens a step (a chain or a draft tree); None
+            for plain decoding.
         on_text: called with each piece of text as soon as it is final (streaming).
         acceptance: ``exact`` (lossless: greedy or rejection sampling) or ``typical`` (Medusa's
             typical acceptance when sampling: lossy, see :func:`accept_typical`).
 
     Raises:
-        ValueError: empty prompt, or a prompt that leaves no room in the engine's capacity.
+        ValueError: empty prompt, a prompt that leaves no room in the engine's capacity, or a draft
+            tree whose root is not the pending token.
     """
     if not prompt_ids:
         raise ValueError("the prompt has no tokens")
     if len(prompt_ids) >= engine.capacity:
         raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context holds {engine.capacity}")
+    budget = drafter.budget if drafter is not None else 0
     generator = sampling.generator()
     stats = GenerationStats(prompt_tokens=len(prompt_ids), kv_cache_bytes=engine.kv_cache_bytes)
     start = time.perf_counter()
@@ -113,18 +117,19 @@ def generate(engine, prompt_ids: Sequence[int], stop: StopChecker, sampling: Sam
             stop.end(CONTEXT)
             break
         step_start = time.perf_counter()
-        room = min(draft_len, stop.max_new_tokens - len(stop.tokens) - 1, engine.capacity - engine.length - 1)
-        draft = drafter.propose(list(prompt_ids) + stop.tokens, room, last) if drafter and room > 0 else Draft([])
-        parents = None if draft.parents is None else [-1] + [p + 1 for p in draft.parents]
-        out = engine.verify([pending] + draft.tokens, parents)
+        room = min(budget, stop.max_new_tokens - len(stop.tokens) - 1, engine.capacity - engine.length - 1)
+        tree = drafter.propose(list(prompt_ids) + stop.tokens, room, last) if room > 0 else DraftTree(pending)
+        if tree.tokens[0] != pending:
+            raise ValueError(f"the drafter's tree is rooted at token {tree.tokens[0]}, not the pending token {pending}")
+        out = engine.verify(tree)
         if sampling.greedy:
-            result = accept_greedy(draft.tokens, out, draft.parents)
+            result = accept_greedy(tree, out)
         elif acceptance == "typical":
-            result = accept_typical(draft.tokens, out, sampling, generator, draft.parents)
+            result = accept_typical(tree, out, sampling, generator)
         else:
-            result = accept_rejection_sampling(draft.tokens, out, sampling, generator, draft.probs, draft.parents)
-        engine.commit(result.rows)
-        last = TargetStep(out, result.rows[-1], list(result.rows))
+            result = accept_rejection_sampling(tree, out, sampling, generator)
+        engine.commit(result.path)
+        last = TargetStep(out, result.path[-1], list(result.path))
         pending = result.next_token
         before = len(stop.tokens)
         done = _commit(result.tokens, stop, on_text)
@@ -132,8 +137,8 @@ def generate(engine, prompt_ids: Sequence[int], stop: StopChecker, sampling: Sam
         stats.decode_steps += 1
         stats.accepted_tokens += min(len(result.accepted), committed)
         stats.accepted_per_step.append(committed)
-        stats.drafted_per_step.append(len(draft.tokens))
-        stats.depth_per_step.append(draft.depth)
+        stats.drafted_per_step.append(tree.drafted)
+        stats.depth_per_step.append(tree.depth)
         stats.step_ms.append((time.perf_counter() - step_start) * 1e3)
     stats.total_ms = (time.perf_counter() - start) * 1e3
     stats.new_tokens = len(stop.tokens)

@@ -144,13 +144,13 @@ class AttentionGroup:
 @dataclass(frozen=True)
 class AttentionPlan:
     """How the N tokens of a decode or verify pass read the KV cache, for one attention window
-    (built by :func:`mtpctl.runtime.engine.attention_plan`; the same for every layer of the window).
+    (built by :func:`mtpctl.decode.attention.attention_plan`; the same for every layer of the window).
 
     Token i at position p reads two parts, laid out the same way whether it is decoded alone or
     inside a verify pass (a tree node's path in the tail is where plain decoding has it):
 
     - the head: cache slots ``[0, head)`` in their own order; ``head`` is a function of p alone
-      (:func:`mtpctl.runtime.engine.head_length`); for a draft tree it ends inside the committed slots
+      (:func:`mtpctl.decode.attention.head_length`); for a draft tree it ends inside the committed slots
       (a chain's own slots already sit at their positions, so its head may reach into them);
     - the tail: ``tail_slots[i]``, the committed slots from the head's end on, then the token's
       ancestors and itself root first, padded to a fixed length (padding masked).
@@ -403,7 +403,7 @@ class Decoder(nn.Module):
         """
         cfg = DecoderConfig.from_folder(Path(folder))
         if packed and dtype != torch.bfloat16:
-            raise UnsupportedModel("int4 weights run with bfloat16 activations: add --dtype bfloat16")
+            raise UnsupportedModel("int4 weights run with bfloat16 activations, not float32", option="dtype")
         model = cls(cfg, dtype)
         optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
         model.load_hf_tensors(load_tensors(safetensors_files(Path(folder)), expected_tensors(cfg), optional), packed,
@@ -490,7 +490,7 @@ class Decoder(nn.Module):
             position_ids: ``[batch, N]`` positions (a token's depth in a draft tree adds to ``length``).
             cache: the KV cache; not advanced here (the caller commits accepted slots).
             masks: attention window (None = full) -> bool mask ``[batch|1, 1, N, capacity]``
-                (True = may attend), from :func:`mtpctl.runtime.engine.attention_masks`: prefill and
+                (True = may attend), from :func:`mtpctl.decode.attention.attention_masks`: prefill and
                 teacher-forced passes (the fused SDPA kernel, where only speed matters).
             plans: instead of masks, for decode and verify passes: attention window ->
                 :class:`AttentionPlan`, so that each token is computed exactly as it would be alone

@@ -2,8 +2,10 @@
 
 Slots ``[0, length)`` hold committed tokens; a forward pass writes its N candidate tokens' keys and
 values to slots ``[length, length + N)`` without committing them. :meth:`KVCache.advance` then keeps a
-prefix of those (a chain draft: nothing to copy, rejected entries are simply overwritten later) and
-:meth:`KVCache.keep` keeps an arbitrary subset (an accepted path of a draft tree: copied into place).
+prefix of those (a chain draft: nothing to copy, rejected entries are simply overwritten later),
+:meth:`KVCache.keep` keeps an arbitrary subset (an accepted path of a draft tree: copied into place)
+and :meth:`KVCache.rollback` forgets committed slots (nothing to copy either). The length changes only
+through these methods.
 """
 
 from __future__ import annotations
@@ -84,6 +86,16 @@ class KVCache:
             self.v[:, :, :, dst] = self.v.index_select(3, src)
         self.advance(len(offsets))
 
+    def rollback(self, length: int) -> None:
+        """Forget the committed slots from ``length`` on (the slots are overwritten by later passes).
+
+        Raises:
+            ValueError: ``length`` is negative or beyond the committed slots.
+        """
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll the KV cache back to {length}: it holds {self.length} committed slots")
+        self.length = length
+
     def reset(self) -> None:
         """Forget every committed slot (``length = 0``); memory is kept for reuse."""
-        self.length = 0
+        self.rollback(0)

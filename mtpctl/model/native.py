@@ -36,7 +36,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from mtpctl.paths import mtpctl_home
+from mtpctl.files import mtpctl_home
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("tree_attention.c", "rms_norm.c", "rope.c", "int4_matmul.c"))
@@ -49,7 +49,7 @@ BUILD_TIMEOUT_S = 120.0
 @dataclass(frozen=True)
 class SlotPlan:
     """Which cache slots each token of a decode or verify pass attends to, in order, for one
-    attention window (built by :func:`mtpctl.runtime.engine.slot_plan`).
+    attention window (built by :func:`mtpctl.decode.attention.slot_plan`).
 
     Attributes:
         starts: ``[N]`` long, first committed slot token i attends to (0, or where its sliding

@@ -8,7 +8,6 @@ renamed when complete, so an interrupted import leaves nothing half-written.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.util
 import json
@@ -23,7 +22,7 @@ from typing import Dict, Optional
 
 from mtpctl import __version__
 from mtpctl.errors import BadInput, CorruptModel, HubUnreachable, ModelNotFound
-from mtpctl.paths import mtpctl_home
+from mtpctl.files import mtpctl_home, sha256_file
 
 DEFAULT_MODEL = "smollm2-135m"
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -134,22 +133,13 @@ def alias_gguf_path(name: str) -> Path:
     raise ModelNotFound(f"{alias.package} is installed but has no {alias.gguf_file}; reinstall it")
 
 
-def file_sha256(path: Path) -> str:
-    """Hex sha256 of a file's bytes."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def import_gguf(gguf: Path, home: Optional[Path] = None) -> Path:
     """Import a GGUF file once into a checkpoint folder under ``home/models`` and return it.
 
     Raises:
         CorruptModel: the file is truncated, malformed or of an architecture transformers cannot read.
     """
-    digest = file_sha256(gguf)
+    digest = sha256_file(gguf)
     models = (home or mtpctl_home()) / "models"
     dest = models / f"{gguf.stem}-{digest[:12]}"
     if (dest / "config.json").exists():

@@ -8,6 +8,7 @@ from typing import Dict, Mapping, Tuple
 import torch
 
 from mtpctl.errors import CorruptModel
+from mtpctl.files import sha256_files
 from mtpctl.model.config import read_json
 
 
@@ -79,21 +80,15 @@ def check_tensors(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, Tu
 
 
 def weights_hash(folder: Path) -> str:
-    """sha256 (hex) over the bytes of a checkpoint's safetensors files, in name order: the identity
-    of a target model that MTP heads and exports refer to. Reads every byte (about 1 s per GB here).
+    """sha256 (hex) over the names and bytes of a checkpoint's safetensors files, in name order: the
+    identity of a target model that MTP heads and exports refer to. Reads every byte (about 1 s per
+    GB here).
 
     Raises:
         CorruptModel: no safetensors files, or one cannot be read.
     """
-    import hashlib
-
-    digest = hashlib.sha256()
-    for path in safetensors_files(Path(folder)):
-        digest.update(path.name.encode() + b"\0")
-        try:
-            with open(path, "rb") as handle:
-                for block in iter(lambda: handle.read(1 << 22), b""):
-                    digest.update(block)
-        except OSError as err:
-            raise CorruptModel(f"cannot read {path}: {err}") from err
-    return digest.hexdigest()
+    files = safetensors_files(Path(folder))
+    try:
+        return sha256_files(files)
+    except OSError as err:
+        raise CorruptModel(f"cannot read the weights of {folder}: {err}") from err

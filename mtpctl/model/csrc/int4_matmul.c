@@ -1,7 +1,7 @@
 /* y = x @ W.T for GGUF's 4-bit (Q4_1) and 8-bit (Q8_0) weights with bfloat16 activations, for decode,
  * verify and prefill passes of int4 models.
  *
- * Built into the same library as tree_attention.c by mtpctl/runtime/native.py, which also lays the
+ * Built into the same library as tree_attention.c by mtpctl/model/native.py, which also lays the
  * weights out (int4_pack, int8_pack): tiles of 4 output rows; tile t, group g (32 inputs) at
  * blob + (t * G + g) * BLOCK bytes. q4 (BLOCK 96): 64 bytes of codes (output j's 16 bytes at 16 j,
  * byte i = q[i] | q[16 + i] << 4), then float32 s[4], z[4]: output j's weights are s[j] * q + z[j].

@@ -1,10 +1,10 @@
 /* RMSNorm of decode and verify passes (Zhang & Sennrich 2019), one row at a time.
  *
- * Built into the same library as tree_attention.c by mtpctl/runtime/native.py. A row's result is a
+ * Built into the same library as tree_attention.c by mtpctl/model/native.py. A row's result is a
  * deterministic function of that row alone (its sum of squares is taken in a fixed order: 16
  * partial sums over the row, then added in lane order; no -ffast-math), so a token normed inside a
  * verify pass gets bit for bit what it gets alone in plain decoding. One call replaces the six to
- * eight torch ops of mtpctl.runtime.model._rms_norm (~17 us a call on this project's CPU, ~3 us here).
+ * eight torch ops of mtpctl.model.decoder._rms_norm (~17 us a call on this project's CPU, ~3 us here).
  */
 #include <math.h>
 #include <stdint.h>

@@ -1,8 +1,8 @@
 /* Rotary position embedding (Su et al. 2021, RoFormer) of a decode or verify pass, fused with the
  * KV cache write and the query layout the attention kernel reads.
  *
- * Built into the same library as tree_attention.c by mtpctl/runtime/native.py. For each token it
- * rotates the query and key heads of its qkv row as mtpctl.runtime.model._rotate does
+ * Built into the same library as tree_attention.c by mtpctl/model/native.py. For each token it
+ * rotates the query and key heads of its qkv row as mtpctl.model.decoder._rotate does
  * (x * cos + rotate_half(x) * sin, each product and the sum rounded to the model's dtype), writes
  * the queries to q_out in float32 and the keys and values to their cache slot in float32. Every value
  * depends on its own token's row alone, so the result is batch-invariant. One call replaces the

@@ -1,6 +1,6 @@
 /* Decode/verify attention over explicit slot lists: one fused pass per (token, KV head).
  *
- * Built and loaded by mtpctl/runtime/native.py (cc -O3 -march=native -fopenmp -shared). Token i
+ * Built and loaded by mtpctl/model/native.py (cc -O3 -march=native -fopenmp -shared). Token i
  * attends, in this order, to the committed cache slots [starts[i], length) and then to the slots in
  * paths[i] (its draft-tree ancestors root first, then itself; -1 pads the row). Every output value is
  * a deterministic function of the token's query and of the keys and values of its slot list, in

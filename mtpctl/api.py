@@ -1,0 +1,81 @@
+"""The library's front door: load a model (or an export) with a drafter, and generate.
+
+    import mtpctl
+
+    llm = mtpctl.load("smollm2-135m", dtype="bfloat16", speculate="heads+ngram", heads="heads/smollm2-medusa")
+    result = llm.generate("What is a KV cache?", max_new_tokens=64)
+    print(result.text, result.stats.tau)
+
+Everything here is a thin layer over :func:`mtpctl.backends.open_session`,
+:func:`mtpctl.drafters.build.build` and :meth:`mtpctl.decode.session.Session.generate`, which stay
+available for finer control.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence, Union
+
+from mtpctl.backends import open_session
+from mtpctl.backends.torch import set_threads
+from mtpctl.decode.drafter import Drafter
+from mtpctl.decode.loop import GenerationResult
+from mtpctl.decode.sampling import SamplingParams
+from mtpctl.decode.session import Session
+from mtpctl.drafters.build import DraftOptions, build, check, parse
+from mtpctl.model.sources import DEFAULT_MODEL
+
+Prompt = Union[str, List[dict], Sequence[int]]
+
+
+class LLM:
+    """A loaded target (``session``) and the drafter it speculates with (None: plain decoding)."""
+
+    def __init__(self, session: Session, drafter: Optional[Drafter] = None, speculate: str = "none"):
+        self.session, self.drafter, self.speculate = session, drafter, speculate
+
+    def encode(self, prompt: Prompt, chat: bool = True) -> List[int]:
+        """Prompt ids of a text (chat template applied when ``chat``), a conversation
+        (``[{"role": ..., "content": ...}]``) or ids given as they are."""
+        if isinstance(prompt, str):
+            return self.session.encode(prompt, chat)
+        if prompt and isinstance(prompt[0], dict):
+            return self.session.codec.encode_messages(list(prompt))
+        return [int(i) for i in prompt]
+
+    def generate(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: Optional[int] = None, stop: Sequence[str] = (), chat: bool = True,
+                 on_text: Optional[Callable[[str], None]] = None, acceptance: str = "exact") -> GenerationResult:
+        """Generate after ``prompt`` (see :meth:`encode`): text, token ids, finish reason and statistics.
+        Greedy (``temperature`` 0) output is plain greedy decoding's, token for token, whatever the
+        drafter; sampled output follows the model's distribution.
+
+        Raises:
+            BadInput: an empty prompt, one that does not fit the context, or bad settings.
+        """
+        sampling = SamplingParams(temperature, top_k, top_p, seed)
+        return self.session.generate(self.encode(prompt, chat), max_new_tokens, sampling, self.drafter, stop, on_text,
+                                     acceptance)
+
+
+def load(model: str = DEFAULT_MODEL, speculate: str = "none", heads: Optional[str] = None, backend: str = "torch",
+         dtype: str = "float32", weights: str = "dense", threads: Optional[int] = None,
+         sampling: SamplingParams = SamplingParams(), **drafter_settings) -> LLM:
+    """Load ``model`` (an alias, checkpoint folder, .gguf file or hub id; an ``mtpctl export`` folder
+    for the ``onnxruntime`` and ``tensorrt`` backends) and the drafter ``speculate`` names
+    (``none``, ``ngram``, ``heads``, ``retrieval``, ``draft``, or several joined by ``+``).
+
+    Args:
+        heads: an MTP head folder (``mtpctl add-heads``) for the heads and retrieval drafters.
+        sampling: the settings a draft model samples with (the target's, when generating sampled).
+        drafter_settings: the other drafter settings, by their :class:`~mtpctl.drafters.build.DraftOptions`
+            names (``tree_nodes``, ``draft_len``, ``draft_model``, ``datastore``, ...).
+
+    Raises:
+        BadInput, ModelNotFound, CorruptModel, UnsupportedModel: the model, heads or settings are unusable.
+    """
+    parts = parse(speculate)
+    opts = DraftOptions(heads_dir=heads, **drafter_settings)
+    check(parts, opts)
+    set_threads(threads)
+    session = open_session(model, backend, dtype, weights, threads)
+    return LLM(session, build(session, parts, opts, sampling), "+".join(parts) or "none")

@@ -1,0 +1,47 @@
+"""Backends: what runs the target for the decoding loop. ``torch`` (mtpctl's own runtime on a
+checkpoint), and the exported graph on ``onnxruntime`` or ``tensorrt`` (one graph engine shared by
+both). :func:`open_session` opens any of them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from mtpctl.decode.session import Session
+from mtpctl.errors import BadInput
+
+BACKENDS = ("torch", "onnxruntime", "tensorrt")
+
+
+def open_session(model: str, backend: str = "torch", dtype: str = "float32", weights: str = "dense",
+                 threads: Optional[int] = None) -> Session:
+    """A session for ``model`` on ``backend``: a model (alias, folder, .gguf file, hub id) for
+    ``torch``, an ``mtpctl export`` folder for the others.
+
+    Raises:
+        BadInput: an unknown backend, an exported backend with a dtype or weights other than
+            float32/dense, or a model that is not an export folder.
+        ModelNotFound, CorruptModel, UnsupportedModel: the model cannot be resolved or loaded, or
+            onnxruntime or tensorrt (or a CUDA device) is missing.
+    """
+    if backend not in BACKENDS:
+        raise BadInput(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})", option="backend")
+    if backend == "torch":
+        from mtpctl.backends.torch import TorchSession
+        from mtpctl.model.sources import resolve_model
+
+        return TorchSession(resolve_model(model), dtype, weights)
+    if dtype != "float32" or weights != "dense":
+        raise BadInput(f"the {backend} backend runs the exported float32 graph: its dtype and weights are "
+                       "float32 and dense", option="dtype" if dtype != "float32" else "weights")
+    folder = Path(model).expanduser()
+    if not folder.is_dir():
+        raise BadInput(f"the {backend} backend takes an export folder (mtpctl export MODEL --onnx OUT/); "
+                       f"{model!r} is not a folder", option="model")
+    if backend == "onnxruntime":
+        from mtpctl.backends.onnxruntime import OrtSession
+
+        return OrtSession(folder, threads)
+    from mtpctl.backends.tensorrt import TrtSession
+
+    return TrtSession(folder)

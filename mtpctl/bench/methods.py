@@ -1,0 +1,73 @@
+"""The methods a benchmark compares: ``plain`` and drafter specs (:mod:`mtpctl.drafters.build`), each
+built once for a session and run on every prompt with the same settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence
+
+from mtpctl.decode.drafter import Drafter
+from mtpctl.decode.loop import GenerationResult
+from mtpctl.decode.sampling import SamplingParams
+from mtpctl.decode.session import Session
+from mtpctl.drafters.build import DraftOptions, build, check, load_parts, parse
+from mtpctl.errors import BadInput
+
+
+def parse_methods(text: str) -> List[str]:
+    """``plain,ngram`` -> the list, ``plain`` first (the speedup baseline); a method is ``plain`` or
+    a drafter spec (``heads+ngram``, ``draft``), named in merge order (``heads+ngram``, not
+    ``ngram+heads``), each once.
+
+    Raises:
+        BadInput: an unknown method.
+    """
+    names = []
+    for name in (n.strip() for n in text.split(",") if n.strip()):
+        parts = () if name == "plain" else parse(name)
+        if name != "plain" and not parts:
+            raise BadInput("unknown method 'none': plain decoding is the method 'plain'", option="methods")
+        names.append("+".join(parts) or name)
+    return ["plain"] + [n for n in dict.fromkeys(names) if n != "plain"]
+
+
+@dataclass
+class Method:
+    """One way to decode: ``run(prompt ids)`` generates with ``drafter`` (None: plain decoding);
+    ``drafter_bytes`` is the memory of the drafter's own weights and data (heads, datastore, draft
+    model), bytes."""
+
+    name: str
+    run: Callable[[List[int]], GenerationResult]
+    drafter: Optional[Drafter] = None
+    drafter_bytes: int = 0
+
+
+def build_methods(session: Session, names: Sequence[str], opts: DraftOptions, sampling: SamplingParams,
+                  max_new_tokens: int, acceptance: str = "exact") -> Dict[str, Method]:
+    """Every method of ``names`` (see :func:`parse_methods`) for ``session``, the heads and datastore
+    loaded once and shared.
+
+    Raises:
+        BadInput, CorruptModel, UnsupportedModel: see :func:`mtpctl.drafters.build.build`.
+    """
+    specs = {name: () if name == "plain" else parse(name) for name in names}
+    check([p for parts in specs.values() for p in parts], opts)
+    shared = load_parts(session, tuple(dict.fromkeys(p for parts in specs.values() for p in parts if p != "draft")), opts)
+    head_bytes = 0
+    if shared.heads is not None and shared.heads.module is not None:  # heads fused into a graph are in its weights
+        head_bytes = sum(t.numel() * t.element_size() for t in shared.heads.module.state_dict().values())
+    store_bytes = shared.store.tokens.nbytes + shared.store.keys.nbytes if shared.store is not None else 0
+    methods = {}
+    for name, parts in specs.items():
+        drafter = build(session, parts, opts, sampling, shared)
+        if parts == ("draft",):
+            size = drafter.model.weight_bytes
+        else:
+            size = head_bytes * ("heads" in parts) + store_bytes * ("retrieval" in parts)
+
+        def run(ids, drafter=drafter):
+            return session.generate(ids, max_new_tokens, sampling, drafter, acceptance=acceptance)
+
+        methods[name] = Method(name, run, drafter, size)
+    return methods

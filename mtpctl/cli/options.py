@@ -1,0 +1,164 @@
+"""Options shared by the commands, defined once so that ``generate``, ``bench`` and ``export`` cannot
+drift apart, and the one place where a library error's setting becomes the flag that sets it.
+
+Bundles (each a decorator adding its options, and a function turning the parsed values into the
+library's settings):
+
+- :func:`model_options`: ``--model``, ``--backend``, ``--dtype``, ``--weights``, ``--threads``;
+- :func:`sampling_options`: ``--temperature``, ``--top-k``, ``--top-p``, ``--seed`` -> :func:`sampling_from`;
+- :func:`drafter_options`: the drafters' settings (``--heads``, ``--tree``, ``--tree-nodes``,
+  ``--draft-len``, ``--draft``, ``--draft-map``, ``--datastore``, ``--retrieval-nodes``,
+  ``--ngram-max``, ``--ngram-min``, ``--acceptance``) -> :func:`draft_options_from`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional
+
+import click
+
+from mtpctl.backends import BACKENDS
+from mtpctl.decode.sampling import SamplingParams
+from mtpctl.drafters.build import DraftOptions
+from mtpctl.errors import BadInput, MtpctlError
+from mtpctl.model.sources import DEFAULT_MODEL
+
+
+class Command(click.Command):
+    """A click command whose library errors name the flag at fault: an
+    :class:`~mtpctl.errors.MtpctlError` whose ``option`` is one of this command's parameters gets
+    that parameter's flag (``--weights``) or argument name (``MODEL``) appended to its message.
+    ``aliases`` maps a library setting to another parameter of the command (``speculate`` to
+    ``methods`` in ``bench``)."""
+
+    def __init__(self, *args, aliases: Optional[Dict[str, str]] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.aliases = aliases or {}
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except MtpctlError as err:
+            flag = self.flag_of(err.option)
+            if flag is not None:
+                err.args = (f"{err} ({flag})",)
+                err.option = None
+            raise
+
+    def flag_of(self, setting: Optional[str]) -> Optional[str]:
+        """The flag (or argument name) of this command that sets ``setting``, or None."""
+        name = self.aliases.get(setting, setting)
+        for param in self.params:
+            if param.name == name:
+                if isinstance(param, click.Option):
+                    return max(param.opts, key=len)
+                return param.human_readable_name
+        return None
+
+
+class DraftLenType(click.ParamType):
+    """``--draft-len``: a number >= 1, or ``auto`` (None: a draft model's adaptive length)."""
+
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):
+        if value is None or isinstance(value, int):
+            return value
+        if str(value).strip().lower() == "auto":
+            return None
+        try:
+            number = int(value)
+        except ValueError:
+            number = 0
+        if number < 1:
+            self.fail(f"{value!r} is not a number >= 1 or 'auto'", param, ctx)
+        return number
+
+
+DRAFT_LEN = DraftLenType()
+
+
+def _apply(options) -> Callable:
+    def decorate(f):
+        for option in reversed(options):
+            f = option(f)
+        return f
+    return decorate
+
+
+def model_options(f):
+    """``--model``, ``--backend``, ``--dtype``, ``--weights``, ``--threads``."""
+    return _apply([
+        click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True,
+                     help="Alias, checkpoint folder, .gguf file or hub repo id (an export folder for an exported "
+                          "backend)."),
+        click.option("--backend", type=click.Choice(BACKENDS), default="torch", show_default=True,
+                     help="torch: the native runtime on a checkpoint. onnxruntime: an `mtpctl export --onnx` folder "
+                          "given as --model. tensorrt: an export folder with an engine built by `mtpctl export "
+                          "--trt` (needs a CUDA GPU and tensorrt)."),
+        click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True),
+        click.option("--weights", type=click.Choice(["dense", "int4"]), default="dense", show_default=True,
+                     help="int4: keep GGUF Q4_1/Q8_0 weights packed for the int4 kernels (needs --dtype bfloat16)."),
+        click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: torch's)."),
+    ])(f)
+
+
+def sampling_options(f):
+    """``--temperature``, ``--top-k``, ``--top-p``, ``--seed``."""
+    return _apply([
+        click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0 = greedy."),
+        click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 = off."),
+        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True),
+        click.option("--seed", type=int, default=None, help="Seed for sampling (same seed, same output)."),
+    ])(f)
+
+
+def sampling_from(options: dict) -> SamplingParams:
+    """The sampling settings of :func:`sampling_options`' values."""
+    return SamplingParams(options["temperature"], options["top_k"], options["top_p"], options["seed"])
+
+
+def drafter_options(f):
+    """The drafters' settings and the acceptance rule."""
+    return _apply([
+        click.option("--heads", "heads_dir", type=click.Path(file_okay=False), default=None,
+                     help="MTP head folder (mtpctl add-heads) for the heads drafter (and its datastore for retrieval)."),
+        click.option("--tree", "tree_file", type=click.Path(dir_okay=False), default=None,
+                     help="Draft tree for the heads drafter: YAML/JSON list of paths of top-k ranks, e.g. "
+                          "[[0],[1],[0,0]]."),
+        click.option("--tree-nodes", type=click.IntRange(min=1), default=None,
+                     help="Size of the draft tree grown from the heads' accuracy [default: 4; 2 with --weights int4]."),
+        click.option("--draft-len", type=DRAFT_LEN, default=3, show_default=True,
+                     help="Most draft tokens of the prompt-lookup chain or the draft model per step; auto (draft "
+                          "model): longer after a fully accepted draft, shorter after a rejection."),
+        click.option("--draft", "draft_model", default=None,
+                     help="Draft model for the draft drafter (alias, folder, .gguf); check it with mtpctl pair."),
+        click.option("--draft-map", type=click.Path(dir_okay=False), default=None,
+                     help="Id map from mtpctl pair --out (else computed from the tokenizers)."),
+        click.option("--datastore", type=click.Path(dir_okay=False), default=None,
+                     help="Retrieval datastore (mtp_datastore.safetensors) [default: the one in --heads]."),
+        click.option("--retrieval-nodes", type=click.IntRange(min=1), default=None,
+                     help="Nodes of the retrieval drafter's tree [default: 4]."),
+        click.option("--ngram-max", type=click.IntRange(min=1), default=3, show_default=True,
+                     help="Longest n-gram the prompt-lookup drafter matches."),
+        click.option("--ngram-min", type=click.IntRange(min=1), default=2, show_default=True,
+                     help="Shortest n-gram the prompt-lookup drafter matches."),
+        click.option("--acceptance", type=click.Choice(["exact", "typical"]), default="exact", show_default=True,
+                     help="exact: lossless; typical: Medusa's typical acceptance when sampling (lossy)."),
+    ])(f)
+
+
+def draft_options_from(options: dict) -> DraftOptions:
+    """The drafters' settings of :func:`drafter_options`' values."""
+    return DraftOptions(**{name: options[name] for name in DraftOptions.__dataclass_fields__})
+
+
+def debug_option(f):
+    """``--debug`` (read by :func:`mtpctl.cli.main.main` before parsing; listed for ``--help``)."""
+    return click.option("--debug", is_flag=True, help="Show the full traceback of an error.")(f)
+
+
+def check_backend(options: dict, what: str) -> None:
+    """BadInput unless ``options["backend"]`` is torch: ``what`` runs on the torch backend only."""
+    if options["backend"] != "torch":
+        raise BadInput(f"{what} runs on the torch backend", option="backend")

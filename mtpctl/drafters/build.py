@@ -1,0 +1,307 @@
+"""Drafters named by a spec, for the CLI, the library and the benchmarks alike.
+
+A spec is ``none``, ``draft`` (a draft model), or one or more of ``heads``, ``ngram`` and
+``retrieval`` joined by ``+``: several are merged into one draft tree in that order (the heads'
+tree, then the prompt-lookup chain, then the retrieval tree). :class:`DraftOptions` holds the
+settings; :func:`check` refuses missing settings and settings no drafter of a spec uses, before any
+model loads;
+:func:`load_parts` loads what the spec needs once (heads, datastore), so that several drafters of
+one run share them; :func:`build` assembles the drafter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+
+from mtpctl.backends.graph import GraphSession
+from mtpctl.decode.attention import MAX_DRAFT_DEPTH
+from mtpctl.decode.drafter import Drafter
+from mtpctl.decode.sampling import SamplingParams
+from mtpctl.decode.session import Session
+from mtpctl.drafters.heads.config import CONFIG_FILE, WEIGHTS_FILE, HeadsConfig, check_heads_match
+from mtpctl.drafters.heads.eagle import EagleDrafter
+from mtpctl.drafters.heads.folder import load_heads
+from mtpctl.drafters.heads.medusa import HydraDrafter, MedusaDrafter
+from mtpctl.drafters.heads.tree import DEFAULT_TREE_NODES, StaticTree, tree_from_accuracy
+from mtpctl.drafters.merged import MergedDrafter
+from mtpctl.drafters.ngram import NgramDrafter
+from mtpctl.drafters.retrieval import DATASTORE_FILE, Datastore, RetrievalDrafter
+from mtpctl.errors import BadInput, UnsupportedModel
+from mtpctl.files import sha256_file
+
+MERGEABLE = ("heads", "ngram", "retrieval")
+SPECS = ("none", "draft") + MERGEABLE
+RETRIEVAL_NODES = 4  # default size of the retrieval tree
+
+
+def parse(spec: str) -> Tuple[str, ...]:
+    """``heads+ngram`` -> ``("heads", "ngram")`` in merge order; ``none`` -> ``()``; ``draft`` -> ``("draft",)``.
+
+    Raises:
+        BadInput: an unknown name, a name twice, or ``draft``/``none`` joined with others.
+    """
+    parts = tuple(p.strip() for p in spec.split("+"))
+    if parts in (("none",), ("draft",)):
+        return () if parts == ("none",) else parts
+    unknown = [p for p in parts if p not in MERGEABLE]
+    if unknown or len(set(parts)) != len(parts):
+        raise BadInput(f"unknown drafter {spec!r}: use none, draft, or one or more of "
+                       f"{', '.join(MERGEABLE)} joined by '+' (e.g. heads+ngram+retrieval)", option="speculate")
+    return tuple(p for p in MERGEABLE if p in parts)
+
+
+@dataclass
+class DraftOptions:
+    """Settings of the drafters (each used by the drafters named in brackets)."""
+
+    heads_dir: Optional[str] = None  # an MTP head folder made by add-heads [heads; retrieval: its datastore]
+    tree_file: Optional[str] = None  # the heads' draft tree: YAML/JSON paths of top-k ranks [heads]
+    tree_nodes: Optional[int] = None  # size of a tree grown from the heads' accuracy [heads]
+    draft_len: Optional[int] = 3  # tokens of the prompt-lookup chain [ngram]; draft-model tokens, None = auto [draft]
+    ngram_max: int = 3  # longest n-gram matched [ngram]
+    ngram_min: int = 2  # shortest n-gram matched [ngram]
+    datastore: Optional[str] = None  # retrieval datastore file (default: the head folder's) [retrieval]
+    retrieval_nodes: Optional[int] = None  # nodes of the retrieval tree (None: RETRIEVAL_NODES) [retrieval]
+    draft_model: Optional[str] = None  # the draft model: alias, folder, .gguf file [draft]
+    draft_map: Optional[str] = None  # an id map from mtpctl pair --out [draft]
+
+
+def check(parts: Sequence[str], opts: DraftOptions) -> None:
+    """Refuse settings that none of the named drafters uses, and missing ones, before a model loads
+    (``parts`` may be the union of several specs: a benchmark's methods).
+
+    Raises:
+        BadInput: see :func:`check_required`; heads settings without ``heads``, a head folder
+            without ``heads`` or ``retrieval``, retrieval settings without ``retrieval``,
+            draft-model settings or an automatic draft length without ``draft``.
+    """
+    parts = set(parts)
+    check_required(parts, opts)
+    if "draft" not in parts:
+        for name in ("draft_model", "draft_map"):
+            if getattr(opts, name):
+                raise BadInput("this setting goes with the draft drafter only", option=name)
+        if opts.draft_len is None:
+            raise BadInput("an automatic draft length goes with the draft drafter only", option="draft_len")
+    if opts.heads_dir and not parts & {"heads", "retrieval"}:
+        raise BadInput("a head folder goes with the heads or retrieval drafters", option="heads_dir")
+    for name in ("tree_file", "tree_nodes"):
+        if getattr(opts, name) and "heads" not in parts:
+            raise BadInput("this setting goes with the heads drafter", option=name)
+    for name in ("datastore", "retrieval_nodes"):
+        if getattr(opts, name) and "retrieval" not in parts:
+            raise BadInput("this setting goes with the retrieval drafter", option=name)
+
+
+def check_required(parts: Sequence[str], opts: DraftOptions) -> None:
+    """Refuse a spec whose drafters lack a setting they need.
+
+    Raises:
+        BadInput: ``heads`` without a head folder, ``retrieval`` without a datastore or head folder,
+            ``draft`` without a draft model, an automatic draft length for ``ngram``, or n-gram
+            lengths out of order.
+    """
+    parts = set(parts)
+    if opts.ngram_min > opts.ngram_max:
+        raise BadInput(f"the shortest n-gram ({opts.ngram_min}) is longer than the longest ({opts.ngram_max})",
+                       option="ngram_min")
+    if "draft" in parts and not opts.draft_model:
+        raise BadInput("the draft drafter needs a draft model (check the pair with mtpctl pair TARGET MODEL)",
+                       option="draft_model")
+    if "ngram" in parts and opts.draft_len is None:
+        raise BadInput("the prompt-lookup chain needs a fixed draft length, not an automatic one", option="draft_len")
+    if "heads" in parts and not opts.heads_dir:
+        raise BadInput("the heads drafter needs a head folder (made by mtpctl add-heads)", option="heads_dir")
+    if "retrieval" in parts and not (opts.datastore or opts.heads_dir):
+        raise BadInput("the retrieval drafter needs a datastore file, or a head folder that carries one",
+                       option="datastore")
+
+
+@dataclass
+class LoadedHeads:
+    """MTP heads ready to draft: their config and module, or ``module`` None for heads fused into
+    an exported graph (their logits come with the graph's passes)."""
+
+    cfg: HeadsConfig
+    module: Optional[torch.nn.Module] = None
+
+
+@dataclass
+class Parts:
+    """What a run's drafters share: the heads and the datastore (None where not needed)."""
+
+    heads: Optional[LoadedHeads] = None
+    store: Optional[Datastore] = None
+
+
+def load_parts(session: Session, parts: Sequence[str], opts: DraftOptions) -> Parts:
+    """Load the heads and the datastore that ``parts`` need, checked against the session's model.
+
+    Raises:
+        BadInput: see :func:`heads_for` and :meth:`Datastore.load`; a datastore of heads made for a
+            model with another vocabulary size.
+    """
+    heads = heads_for(session, opts.heads_dir) if "heads" in parts else None
+    store = None
+    if "retrieval" in parts:
+        if not opts.datastore and heads is None:  # the heads' datastore, the heads themselves unchecked
+            cfg = HeadsConfig.load(opts.heads_dir)
+            if cfg.vocab_size != session.vocab_size:
+                raise BadInput(f"the heads in {opts.heads_dir} and their datastore were made for a model with "
+                               f"vocabulary {cfg.vocab_size} ({cfg.target}); the target has {session.vocab_size}",
+                               option="heads_dir")
+        store = Datastore.load(datastore_path(opts), session.vocab_size)
+    return Parts(heads, store)
+
+
+def heads_for(session: Session, folder: Union[str, Path]) -> LoadedHeads:
+    """The MTP heads in ``folder`` for ``session``'s target: loaded in its dtype and checked against
+    its weights (torch), or checked to be the heads fused into the exported graph (``folder`` a head
+    folder whose weights' sha256 the export recorded, or the export folder itself).
+
+    Raises:
+        BadInput: not a head folder, heads made for another model, an export without heads, or heads
+            other than the ones fused into it.
+        CorruptModel, UnsupportedModel: see :func:`mtpctl.drafters.heads.folder.load_heads`; heads no
+            exported graph runs (hydra, eagle).
+    """
+    folder = Path(folder)
+    if isinstance(session, GraphSession):
+        return _fused_heads(session, folder)
+    model = session.model
+    cfg = HeadsConfig.load(folder)
+    check_heads_match(cfg, model.cfg.hidden_size, model.cfg.vocab_size, session.target_hash())
+    return LoadedHeads(cfg, load_heads(folder, model.dtype, model.dense_lm_head(), blocked=True))
+
+
+def _fused_heads(session: GraphSession, folder: Path) -> LoadedHeads:
+    own = folder.resolve() == session.folder.resolve()
+    if not own and (folder / CONFIG_FILE).is_file():
+        kind = HeadsConfig.load(folder).kind
+        if kind != "medusa":
+            raise UnsupportedModel(f"{folder} holds {kind} heads, which only the torch backend runs", option="backend")
+    fused = session.fused_heads
+    if fused is None:
+        raise BadInput(f"{session.folder} was exported without MTP heads: re-export it with its heads "
+                       "(mtpctl export MODEL --heads DIR --onnx OUT/)", option="heads_dir")
+    if not own:
+        if not (folder / CONFIG_FILE).is_file():
+            raise BadInput(f"{folder} is not an MTP head folder (no {CONFIG_FILE})", option="heads_dir")
+        try:
+            same = sha256_file(folder / WEIGHTS_FILE) == fused.get("weights_sha256")
+        except OSError:
+            same = False
+        if not same:
+            raise BadInput(f"the heads in {folder} are not the ones fused into {session.folder}: re-export with "
+                           "them, or name the export folder itself as the head folder", option="heads_dir")
+    return LoadedHeads(HeadsConfig.load(session.folder))
+
+
+def heads_drafter(session: Session, heads: LoadedHeads, tree: Optional[StaticTree] = None,
+                  tree_nodes: Optional[int] = None) -> Drafter:
+    """A drafter for ``heads`` over ``tree``; else a tree of ``tree_nodes`` grown from the heads'
+    held-out accuracy; else the default size for the session's mode (:data:`DEFAULT_TREE_NODES`).
+
+    Raises:
+        BadInput: a tree deeper than the heads or than verification supports, a rank past the
+            heads' candidates, or a size < 1.
+    """
+    cfg = heads.cfg
+    if tree is None:
+        nodes = tree_nodes or DEFAULT_TREE_NODES[getattr(session, "mode", "float32")]
+        tree = tree_from_accuracy(cfg.topk_accuracy, nodes) if cfg.topk_accuracy else \
+            StaticTree.from_paths(cfg.tree or [[0]], cfg.num_heads)
+    elif tree.depth > cfg.num_heads:
+        raise BadInput(f"the draft tree is {tree.depth} deep; the heads predict {cfg.num_heads} tokens", option="tree_file")
+    candidates = cfg.draft_vocab_size or cfg.vocab_size
+    if tree.max_rank > candidates:
+        raise BadInput(f"the draft tree asks for rank {tree.max_rank - 1}; the heads rank {candidates} candidates",
+                       option="tree_file")
+    if heads.module is None:  # fused into an exported graph, whose attention takes a tree of any depth
+        return MedusaDrafter(tree)
+    if tree.depth > MAX_DRAFT_DEPTH:
+        raise BadInput(f"the draft tree is {tree.depth} deep; verification supports trees up to {MAX_DRAFT_DEPTH}",
+                       option="tree_file")
+    model = session.model
+    if cfg.kind == "eagle":
+        dtype = model.dtype
+        return EagleDrafter(heads.module, tree, lambda ids: model.embed[ids].to(dtype), model.logits)
+    if cfg.kind == "hydra":
+        return HydraDrafter(tree, heads.module, model)
+    return MedusaDrafter(tree, heads.module, model)
+
+
+def datastore_path(opts: DraftOptions) -> Path:
+    """The datastore file: the given one, else the head folder's :data:`DATASTORE_FILE`.
+
+    Raises:
+        BadInput: no such file.
+    """
+    path = Path(opts.datastore) if opts.datastore else Path(opts.heads_dir) / DATASTORE_FILE
+    if not path.is_file():
+        hint = "" if opts.datastore else (" (add-heads writes one into the head folder; exports and heads made by "
+                                          "an older mtpctl carry none: name a datastore file)")
+        raise BadInput(f"no retrieval datastore at {path}{hint}", option="datastore")
+    return path
+
+
+def read_tree(path: str, num_heads: int) -> StaticTree:
+    """A draft tree file: YAML or JSON, a list of paths (``[[0], [1], [0, 0]]``) or ``{"tree": [...]}``.
+
+    Raises:
+        BadInput: unreadable, or not a list of paths (see :meth:`StaticTree.from_paths`).
+    """
+    import yaml
+
+    try:
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise BadInput(f"cannot read tree file {path}: {err}", option="tree_file") from err
+    paths = raw.get("tree") if isinstance(raw, dict) else raw
+    if not isinstance(paths, list):
+        raise BadInput(f"tree file {path}: expected a list of paths such as [[0], [1], [0, 0]]", option="tree_file")
+    return StaticTree.from_paths(paths, num_heads)
+
+
+def build(session: Session, spec: Union[str, Sequence[str]], opts: Optional[DraftOptions] = None,
+          sampling: SamplingParams = SamplingParams(), parts: Optional[Parts] = None) -> Optional[Drafter]:
+    """The drafter a spec names (None for ``none``): one drafter alone, their merged tree, or a draft
+    model paired with the session's target (:func:`mtpctl.drafters.pairing.session_drafter`).
+
+    Args:
+        session: the target's session.
+        spec: ``heads+ngram`` or its parsed parts (:func:`parse`).
+        opts: the drafters' settings (defaults: :class:`DraftOptions`).
+        sampling: the target's sampling settings (a draft model samples with them).
+        parts: heads and datastore loaded before (:func:`load_parts`), shared by several drafters;
+            loaded here when None.
+
+    Raises:
+        BadInput, CorruptModel, UnsupportedModel: see :func:`check_required`, :func:`load_parts`,
+            :func:`heads_drafter` and the pairing.
+    """
+    names = parse(spec) if isinstance(spec, str) else tuple(spec)
+    opts = opts or DraftOptions()
+    check_required(names, opts)
+    if not names:
+        return None
+    if names == ("draft",):
+        from mtpctl.drafters.pairing import session_drafter
+
+        return session_drafter(session, opts.draft_model, sampling, opts.draft_len,
+                               Path(opts.draft_map) if opts.draft_map else None)
+    parts = parts if parts is not None else load_parts(session, names, opts)
+    members = []
+    for name in names:
+        if name == "heads":
+            tree = read_tree(opts.tree_file, parts.heads.cfg.num_heads) if opts.tree_file else None
+            members.append(heads_drafter(session, parts.heads, tree, opts.tree_nodes))
+        elif name == "ngram":
+            members.append(NgramDrafter(opts.ngram_max, opts.ngram_min, opts.draft_len))
+        else:
+            members.append(RetrievalDrafter(parts.store, budget=opts.retrieval_nodes or RETRIEVAL_NODES))
+    return members[0] if len(members) == 1 else MergedDrafter(members)

@@ -1,0 +1,298 @@
+"""EAGLE draft head: one transformer layer that drafts autoregressively at the feature level.
+
+EAGLE (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty"): the
+drafter reads the target's features (``hidden_states`` after the final norm) together with the next
+token, ``u_p = W_fc [f_p ; e(x_{p+1})]``, runs one decoder layer (causal attention over every earlier
+row, then a gated MLP) and predicts the feature of the next position, ``g_p ~ f_{p+1}``. The target's
+own lm_head (or its rows for a draft vocabulary) turns ``g_p`` into draft logits for token x_{p+2}.
+Drafting deeper feeds ``g_p`` back as the feature of position p+1, with the drafted token.
+
+Row p of the layer: input ``(f_p, x_{p+1})``, output ``g_p``, attention over rows ``0..p``. At decode
+time rows of committed positions read the target's true features; the rows of a draft tree read
+predicted ones (their parent's output). Training unrolls these draft steps ("training-time test",
+EAGLE-3, Li et al. 2025) so the layer learns from its own predicted features
+(:mod:`mtpctl.train.eagle`).
+
+The drafter (:class:`EagleDrafter`) keeps the layer's KV cache, indexed by position: after each
+target pass it runs the newly committed rows with their true features, then grows a draft tree
+level by level (each node expanded from its own path, as Hydra trees).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtpctl.decode.attention import causal_mask, draft_rows_mask, unrolled_draft_mask
+from mtpctl.decode.drafter import TargetStep
+from mtpctl.decode.tree import DraftTree
+from mtpctl.drafters.heads.config import EagleLayerConfig, HeadsConfig
+from mtpctl.drafters.heads.tree import StaticTree
+from mtpctl.model.config import RopeConfig
+from mtpctl.model.decoder import _rms_norm, _rotate, rope_inv_freq
+from mtpctl.model.linears import blocked_copy
+
+
+class EagleHead(nn.Module):
+    """The EAGLE layer and its vocabulary projection.
+
+    Parameters (``H`` hidden, ``A``/``G`` attention/KV heads of ``D`` dims, ``I`` MLP width):
+    ``fc [H, 2H]``, ``input_norm [H]``, ``qkv [(A + 2G) D, H]``, ``o_proj [H, A D]``,
+    ``post_attention_norm [H]``, ``gate_up [2I, H]``, ``down [H, I]``, ``out_norm [H]`` (RMSNorms,
+    SiLU-gated MLP, RoPE). With ``cfg.draft_vocab_size`` V_d > 0 the logits cover the ``token_map``
+    ``[V_d]`` rows of the target's frozen lm_head (derived, never saved).
+
+    Weights start as N(0, 0.02) draws from torch's global generator (``add-heads`` seeds it with
+    ``--seed``), norms at one.
+
+    Args:
+        cfg: a :class:`~mtpctl.drafters.heads.config.HeadsConfig` of kind ``eagle`` (``layer`` set).
+        dtype: parameter dtype.
+        target_lm_head: ``[vocab, hidden]`` the target's lm_head (required with a draft vocabulary).
+        token_map: ``[V_d]`` target ids of the draft vocabulary.
+        blocked: also hold the projection in oneDNN's blocked layout (for decoding;
+            :func:`mtpctl.model.linears.blocked_copy`).
+
+    Raises:
+        ValueError: a draft vocabulary without ``token_map`` or ``target_lm_head``.
+    """
+
+    def __init__(self, cfg: HeadsConfig, dtype: torch.dtype = torch.float32, target_lm_head: Optional[torch.Tensor] = None,
+                 token_map: Optional[torch.Tensor] = None, blocked: bool = False):
+        super().__init__()
+        self.cfg = cfg
+        lc: EagleLayerConfig = cfg.layer
+        h, d = cfg.hidden_size, lc.head_dim
+        self.q_size, self.kv_size = lc.attention_heads * d, lc.kv_heads * d
+
+        def weight(*shape):
+            return nn.Parameter(torch.randn(shape, dtype=torch.float32).mul_(0.02).to(dtype))
+
+        self.fc = weight(h, 2 * h)
+        self.input_norm = nn.Parameter(torch.ones(h, dtype=dtype))
+        self.qkv = weight(self.q_size + 2 * self.kv_size, h)
+        self.o_proj = weight(h, self.q_size)
+        self.post_attention_norm = nn.Parameter(torch.ones(h, dtype=dtype))
+        self.gate_up = weight(2 * lc.intermediate_size, h)
+        self.down = weight(h, lc.intermediate_size)
+        self.out_norm = nn.Parameter(torch.ones(h, dtype=dtype))
+        self.register_buffer("inv_freq", rope_inv_freq(RopeConfig(theta=lc.rope_theta), d), persistent=False)
+        if cfg.draft_vocab_size:
+            if token_map is None or target_lm_head is None or token_map.shape != (cfg.draft_vocab_size,):
+                raise ValueError(f"a draft vocabulary of {cfg.draft_vocab_size} needs token_map and the target's lm_head")
+            self.register_buffer("token_map", token_map.to(torch.long).clone())
+            self.register_buffer("projection", target_lm_head[self.token_map].detach().to(dtype).clone(),
+                                 persistent=False)
+        else:
+            self.token_map = None
+            self.projection = None
+        # decoding: the projection in oneDNN's blocked layout too (no state_dict entry)
+        self.projection_kernel = blocked_copy(self.projection, blocked)
+
+    def attention_inputs(self, feats: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor) -> tuple:
+        """Rows ``(f_p, e(x_{p+1}))`` -> ``(x, q, k, v)``: the residual stream ``x [..., T, H]``, rotated
+        queries ``[..., A, T, D]`` and keys ``[..., G, T, D]``, values ``[..., G, T, D]``.
+
+        Args:
+            feats: ``[..., T, H]`` features (the target's, or the layer's own predictions).
+            token_embeds: ``[..., T, H]`` embeddings of the next tokens x_{p+1}.
+            positions: ``[..., T]`` positions p (int64).
+        """
+        lc = self.cfg.layer
+        x = F.linear(torch.cat((feats, token_embeds), dim=-1), self.fc)
+        qkv = F.linear(_rms_norm(x, self.input_norm, lc.rms_norm_eps), self.qkv)
+        angles = positions[..., None].float() * self.inv_freq
+        cos = torch.cat((angles.cos(), angles.cos()), dim=-1)[..., None, :].to(x.dtype)
+        sin = torch.cat((angles.sin(), angles.sin()), dim=-1)[..., None, :].to(x.dtype)
+        d = lc.head_dim
+        q = _rotate(qkv[..., :self.q_size].unflatten(-1, (lc.attention_heads, d)), cos, sin)
+        k = _rotate(qkv[..., self.q_size:self.q_size + self.kv_size].unflatten(-1, (lc.kv_heads, d)), cos, sin)
+        v = qkv[..., self.q_size + self.kv_size:].unflatten(-1, (lc.kv_heads, d))
+        return x, q.transpose(-2, -3), k.transpose(-2, -3), v.transpose(-2, -3)
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Attention ``[..., A, T, D]`` of queries ``[..., A, T, D]`` over ``keys``/``values``
+        ``[..., G, S, D]``; ``mask`` ``[T, S]`` or ``[..., 1, T, S]`` (True = may attend)."""
+        out = F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), attn_mask=mask, enable_gqa=True)
+        return out.to(q.dtype)
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual stream ``[..., T, H]`` and attention ``[..., A, T, D]`` -> predicted features
+        ``g [..., T, H]`` (after the output norm)."""
+        eps = self.cfg.layer.rms_norm_eps
+        x = x + F.linear(attn.transpose(-2, -3).flatten(-2), self.o_proj)
+        gate, up = F.linear(_rms_norm(x, self.post_attention_norm, eps), self.gate_up).chunk(2, dim=-1)
+        x = x + F.linear(F.silu(gate) * up, self.down)
+        return _rms_norm(x, self.out_norm, eps)
+
+    def logits(self, g: torch.Tensor, lm_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+        """Predicted features ``[..., H]`` -> float32 logits over the draft vocabulary ``[..., V_d]``
+        (``lm_head``, the target's full projection, is needed without a draft vocabulary).
+
+        Raises:
+            ValueError: no draft vocabulary and no ``lm_head``.
+        """
+        if self.projection_kernel is not None:
+            return self.projection_kernel(g).float()
+        if self.projection is not None:
+            return F.linear(g, self.projection).float()
+        if lm_head is None:
+            raise ValueError("an EAGLE head without a draft vocabulary needs the target's lm_head")
+        return lm_head(g).float()
+
+    def forward(self, feats: torch.Tensor, token_embeds: torch.Tensor, valid: torch.Tensor, steps: int) -> List[torch.Tensor]:
+        """Training-time test: ``steps`` draft steps at every row of a batch of sequences, each step
+        reading the previous step's prediction as its feature, with the attention a decode-time draft
+        has. Returns ``[g_1, ..., g_steps]``, each ``[B, T, H]``: ``g_s`` at row p is the s-th draft
+        step taken after the target's row p - s + 1, i.e. the prediction for token p + 2 when tokens
+        up to p + 1 are right.
+
+        Query (s, p) attends step-1 keys (true features) of rows ``<= p - s + 1`` and the step-s'
+        key of row ``p - s + s'`` for s' = 2..s: the rows of its own draft path.
+
+        Args:
+            feats: ``[B, T, H]`` the target's features of each row.
+            token_embeds: ``[B, T, H]`` embeddings of each row's next token (teacher forcing).
+            valid: ``[B, T]`` bool, False on padding.
+            steps: draft steps to unroll (>= 1).
+        """
+        b, t, _ = feats.shape
+        positions = torch.arange(t).expand(b, t)
+        keys, values, outs = [], [], []
+        current = feats
+        for s in range(1, steps + 1):
+            x, q, k, v = self.attention_inputs(current, token_embeds, positions)
+            keys.append(k)
+            values.append(v)
+            mask = unrolled_draft_mask(t, s, valid)
+            g = self.finish(x, self.attend(q, torch.cat(keys, 2), torch.cat(values, 2), mask))
+            outs.append(g)
+            current = torch.cat((feats[:, :1], g[:, :-1]), dim=1)  # row p reads row p-1's prediction
+        return outs
+
+
+class EagleDrafter:
+    """Drafts a tree with an :class:`EagleHead`, keeping the head's KV cache across steps.
+
+    At each call it first runs the rows the target committed in its last pass (``last.rows``:
+    their true features and next tokens, the pending token last) at their positions, then expands
+    the draft tree level by level: a node at depth d is expanded by one row at position n + d - 1 (n =
+    the pending token's position) that reads its parent's prediction and its own token and attends to
+    the committed rows and its own path. Draft-tree rows are written past the committed slots and
+    overwritten by the next call. Candidates are deterministic (q one-hot), so rejection sampling
+    stays lossless.
+
+    Args:
+        head: the EAGLE head (in the target's dtype).
+        tree: the static tree of ranks (:class:`~mtpctl.drafters.heads.tree.StaticTree`).
+        embed: token ids ``[M]`` -> embeddings ``[M, H]`` in the head's dtype.
+        lm_head: the target's projection ``[..., H] -> [..., vocab]`` (heads without a draft vocabulary).
+    """
+
+    def __init__(self, head: EagleHead, tree: StaticTree, embed: Callable[[torch.Tensor], torch.Tensor],
+                 lm_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
+        self.head, self.tree, self.embed, self.lm_head = head, tree, embed, lm_head
+        self.budget = len(tree.paths)
+        lc = head.cfg.layer
+        dtype = head.fc.dtype
+        self.keys = torch.zeros(lc.kv_heads, 0, lc.head_dim, dtype=dtype)  # [G, capacity, D]
+        self.values = torch.zeros(lc.kv_heads, 0, lc.head_dim, dtype=dtype)
+        self.length = 0  # positions whose KV was computed from the target's true features
+
+    def propose(self, context: Sequence[int], max_tokens: int, last: Optional[TargetStep] = None) -> DraftTree:
+        """See :class:`~mtpctl.decode.drafter.Drafter`. The drafter must see every target pass:
+        after prefill ``last.out.prompt_hidden_states``, after a verify pass ``last.rows``.
+
+        Raises:
+            ValueError: committed positions were skipped (the drafter missed a target pass), or a
+                prefill output without the prompt's hidden states (backends other than torch).
+        """
+        pending = context[-1]
+        if last is None:
+            return DraftTree(pending)
+        if last.rows is not None:
+            committed = last.out.hidden_states[list(last.rows)]
+        else:
+            committed = last.out.prompt_hidden_states
+            if committed is None:
+                raise ValueError("EAGLE drafting needs every prompt row's hidden states (the torch backend)")
+        n = len(context) - 1  # position of the pending token
+        start = n - committed.shape[0]
+        if start == 0:
+            self.length = 0
+        if start != self.length:
+            raise ValueError(f"the EAGLE drafter holds {self.length} positions but the target's last pass "
+                             f"committed positions from {start}: it must see every target pass")
+        with torch.inference_mode():
+            feats = committed.to(self.keys.dtype)
+            tokens = torch.tensor(list(context[start + 1:n + 1]), dtype=torch.long)
+            positions = torch.arange(start, n)
+            g = self._rows(feats, tokens, positions, torch.arange(start, n), causal_mask(positions, n))
+            self.length = n
+            if max_tokens <= 0:
+                return DraftTree(pending)
+            return self._draft(g[-1], pending, n, max_tokens)
+
+    def _rows(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+              mask: torch.Tensor) -> torch.Tensor:
+        """Run rows ``feats [M, H]`` / next ``tokens [M]`` at ``positions [M]``, write their KV to
+        ``slots [M]`` and attend to slots ``[0, S)`` under ``mask [M, S]``; returns ``g [M, H]``."""
+        x, q, k, v = self.head.attention_inputs(feats, self.embed(tokens), positions)
+        end = int(slots.max()) + 1
+        self._reserve(end)
+        self.keys[:, slots] = k
+        self.values[:, slots] = v
+        return self.head.finish(x, self.head.attend(q, self.keys[:, :mask.shape[1]], self.values[:, :mask.shape[1]], mask))
+
+    def _reserve(self, slots: int) -> None:
+        if slots > self.keys.shape[1]:
+            grow = max(slots, 2 * self.keys.shape[1], 256) - self.keys.shape[1]
+            pad = self.keys.new_zeros(self.keys.shape[0], grow, self.keys.shape[2])
+            self.keys = torch.cat((self.keys, pad), 1)
+            self.values = torch.cat((self.values, pad.clone()), 1)
+
+    def _draft(self, g_root: torch.Tensor, pending: int, n: int, max_tokens: int) -> DraftTree:
+        paths = self.tree.paths[:max_tokens]
+        depth = max(len(p) for p in paths)
+        outputs: Dict[tuple, torch.Tensor] = {(): g_root}  # each expanded node's prediction
+        slot_of: Dict[tuple, int] = {}
+        tokens: Dict[tuple, int] = {}
+        candidates = {(): self._top(g_root[None], paths, 1)[0]}
+        next_slot = n
+        for d in range(1, depth + 1):
+            level = [p for p in paths if len(p) == d]
+            for p in level:
+                tokens[p] = candidates[p[:-1]][p[-1]]
+            expand = sorted({p[:-1] for p in paths if len(p) == d + 1})
+            if not expand:
+                break
+            slots = torch.arange(next_slot, next_slot + len(expand))
+            for i, p in enumerate(expand):
+                slot_of[p] = int(slots[i])
+            mask = draft_rows_mask(n, [[slot_of[p[:j]] for j in range(1, d + 1)] for p in expand], int(slots[-1]) + 1)
+            g = self._rows(torch.stack([outputs[p[:-1]] for p in expand]),
+                           torch.tensor([tokens[p] for p in expand]), torch.full((len(expand),), n + d - 1),
+                           slots, mask)
+            next_slot += len(expand)
+            top = self._top(g, paths, d + 1)
+            for i, p in enumerate(expand):
+                outputs[p] = g[i]
+                candidates[p] = top[i]
+        return self.tree.fill(pending, tokens, max_tokens)
+
+    def _top(self, g: torch.Tensor, paths: Sequence[Tuple[int, ...]], depth: int) -> List[List[int]]:
+        """Candidate ids ``[M][ranks]`` for the children at ``depth`` of each row's node."""
+        ranks = 1 + max(p[-1] for p in paths if len(p) == depth)
+        top = self.head.logits(g, self.lm_head).topk(ranks, dim=-1).indices
+        if self.head.token_map is not None:
+            top = self.head.token_map[top]
+        return top.tolist()
+
+
+def layer_config_for(target_cfg) -> EagleLayerConfig:
+    """The shapes of one of the target's decoder layers (:class:`~mtpctl.model.config.DecoderConfig`)."""
+    return EagleLayerConfig(target_cfg.num_attention_heads, target_cfg.num_key_value_heads, target_cfg.head_dim,
+                            target_cfg.intermediate_size, float(target_cfg.rope.theta), float(target_cfg.rms_norm_eps))

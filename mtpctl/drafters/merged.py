@@ -1,0 +1,55 @@
+"""Several drafters' proposals merged into one draft tree."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from mtpctl.decode.attention import MAX_DRAFT_DEPTH
+from mtpctl.decode.drafter import TargetStep
+from mtpctl.decode.tree import DraftTree
+
+
+class MergedDrafter:
+    """The proposals of several deterministic drafters merged into one draft tree: a trie of their
+    token paths, so a path two drafters share is verified once (e.g. MTP heads' tree plus a prompt
+    lookup chain: the heads guess generic continuations, the n-gram copies from the context).
+
+    Each drafter proposes up to its own budget of tokens; their new nodes are taken in order until
+    ``max_tokens`` nodes are reached, and nodes deeper than ``max_depth`` are left out (a merged
+    draft is a tree, and the torch engine verifies trees up to
+    :data:`mtpctl.decode.attention.MAX_DRAFT_DEPTH` deep). The merged budget is the sum of theirs.
+    Candidates stay deterministic (their draft distributions one-hot), so greedy and tree rejection
+    sampling over the merged tree stay lossless.
+
+    Args:
+        drafters: the drafters, in merge order.
+        max_depth: the deepest node kept (draft tokens below the pending one).
+
+    Raises:
+        ValueError (from :meth:`propose`): a drafter that samples its tokens (a draft with ``probs``),
+            whose distribution a merged tree cannot carry.
+    """
+
+    def __init__(self, drafters: Sequence, max_depth: int = MAX_DRAFT_DEPTH):
+        self.drafters = list(drafters)
+        self.max_depth = max_depth
+        self.budget = sum(d.budget for d in self.drafters)
+
+    def propose(self, context: Sequence[int], max_tokens: int, last: Optional[TargetStep] = None) -> DraftTree:
+        merged = DraftTree(context[-1])
+        for drafter in self.drafters:
+            if merged.drafted >= max_tokens:
+                break
+            tree = drafter.propose(context, drafter.budget, last)
+            if tree.q is not None:
+                raise ValueError("MergedDrafter merges deterministic drafters only (this one samples)")
+            where = {0: 0}  # the member's node -> the merged tree's node (None: left out)
+            for node in range(1, len(tree)):
+                parent = where[tree.parents[node]]
+                token = tree.tokens[node]
+                found = None if parent is None else merged.child(parent, token)
+                if found is None and parent is not None and merged.drafted < max_tokens \
+                        and merged.depths[parent] < self.max_depth:
+                    found = merged.add(parent, token)
+                where[node] = found
+        return merged

@@ -1,0 +1,4 @@
+"""Export for deployment: the fused draft/verify graph as ONNX (:mod:`~mtpctl.export.onnx`), a
+TensorRT engine built from it (:mod:`~mtpctl.export.tensorrt`), and MTP heads in serving engines'
+checkpoint layouts (:mod:`~mtpctl.export.serving`); every output folder is written atomically
+(:func:`mtpctl.files.output_folder`)."""

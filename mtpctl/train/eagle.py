@@ -1,0 +1,145 @@
+"""``add-heads --kind eagle``: train an EAGLE draft layer by self-distillation over the cached features.
+
+Sequences train whole (the layer attends over earlier rows). Row p reads the target's feature f_p
+and the next token x_{p+1}; at each unrolled draft step s = 1..K (training-time test, see
+:meth:`mtpctl.drafters.heads.eagle.EagleHead.forward`) it learns the target's prediction for token p + 2,
+``pred[p + 1]``: cross-entropy over the draft vocabulary, plus EAGLE's smooth-L1 regression of the
+predicted feature to the target's f_{p+1} (Li et al. 2024), step s weighted ``head_decay^(s-1)``.
+Step s has rows p >= s - 1 (a draft s tokens after the target's row p - s + 1) whose tokens read at
+steps 2..s follow the target's own path (``ids[q + 1] == pred[q]`` for q = p - s + 2 .. p: at decode time
+they are the earlier steps' drafts, and the label only counts if those were accepted), as for Medusa
+heads (:func:`mtpctl.train.features.head_labels`); always true on self-distilled responses. As
+for Medusa heads, self-distilled sequences learn from the row before their response on (``loss_from - 1``).
+
+Per-step top-k accuracy on held-out sequences is conditional on the earlier drafts being right
+(teacher forcing), so the product along a tree path is the chance the target accepts it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from mtpctl.drafters.heads.eagle import EagleHead
+from mtpctl.errors import BadInput
+from mtpctl.train import distributed
+from mtpctl.train.trainer import EVAL_RANKS, Trainer
+
+FEATURE_LOSS_WEIGHT = 1.0  # EAGLE's feature regression, next to each step's cross-entropy
+
+
+class EagleTrainer(Trainer):
+    """:class:`~mtpctl.train.trainer.Trainer` for an EAGLE head: micro-batches are groups of
+    whole sequences of at most ``batch_tokens`` tokens (at least one sequence per process)."""
+
+    unit = "draft step"
+
+    def _new_heads(self, token_map: Optional[torch.Tensor]) -> torch.nn.Module:
+        return EagleHead(self.hcfg, torch.float32, self.target.dense_lm_head().float(), token_map)
+
+    def _epoch_steps(self) -> int:
+        self.groups = self._group(self.train_seqs)
+        return math.ceil(len(self.groups) / self.s.grad_accum)
+
+    def _group(self, seqs: Sequence[int]) -> List[List[int]]:
+        """Sequences sorted by length, packed into groups of <= ``batch_tokens`` tokens (padding
+        counted) holding at least one sequence per process."""
+        lengths = (self.feats.offsets[1:] - self.feats.offsets[:-1]).tolist()
+        groups: List[List[int]] = []
+        for s in sorted(seqs, key=lambda i: (lengths[i], i)):
+            if groups and (len(groups[-1]) < distributed.world_size() or (len(groups[-1]) + 1) * lengths[s] <= self.s.batch_tokens):
+                groups[-1].append(s)
+            else:
+                groups.append([s])
+        if len(groups) > 1 and len(groups[-1]) < distributed.world_size():  # a short last group joins the one before
+            groups[-2].extend(groups.pop())
+        if groups and len(groups[0]) < distributed.world_size():
+            raise BadInput(f"{len(seqs)} sequence(s) cannot be shared by {distributed.world_size()} processes: use fewer "
+                           "processes or more data")
+        return groups
+
+    def _batches(self):
+        ga, n = self.s.grad_accum, len(self.groups)
+        step = self.progress.step
+        while step < self.total_steps:
+            epoch, offset = divmod(step, self.epoch_steps)
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.s.seed * 1000 + epoch + 1))
+            chosen = [self.groups[i] for i in order[offset * ga:(offset + 1) * ga].tolist()]
+            yield step, [(g[distributed.rank()::distributed.world_size()], self._label_counts(g)) for g in chosen]
+            step += 1
+
+    def _batch(self, seqs: Sequence[int]) -> dict:
+        """Padded rows of ``seqs``: features, next-token embeddings, labels (draft-vocab indices,
+        -100 where none), the target's next features, and masks ``[B, T]`` (T = longest length - 1)."""
+        f = self.feats
+        t = max(int(f.offsets[s + 1] - f.offsets[s]) for s in seqs) - 1
+        b, h = len(seqs), f.hidden.shape[1]
+        out = {"feats": torch.zeros(b, t, h), "next_feats": torch.zeros(b, t, h),
+               "tokens": torch.zeros(b, t, dtype=torch.long), "labels": torch.full((b, t), -100),
+               "valid": torch.zeros(b, t, dtype=torch.bool), "first": torch.zeros(b, dtype=torch.long),
+               "on_path": torch.zeros(b, t, dtype=torch.bool)}
+        for i, s in enumerate(seqs):
+            start, end = int(f.offsets[s]), int(f.offsets[s + 1])
+            n = end - start - 1
+            out["feats"][i, :n] = f.hidden[start:end - 1].float()
+            out["next_feats"][i, :n] = f.hidden[start + 1:end].float()
+            out["tokens"][i, :n] = f.ids[start + 1:end]
+            labels = f.pred[start + 1:end]
+            out["labels"][i, :n] = self.vocab_index[labels] if self.vocab_index is not None else labels
+            out["valid"][i, :n] = True
+            out["on_path"][i, :n] = f.ids[start + 1:end] == f.pred[start:end - 1]  # row p reads the target's own prediction
+            out["first"][i] = max(int(f.loss_from[s]) - 1, 0)
+        return out
+
+    def _loss_rows(self, batch: dict, labelled: bool = True) -> torch.Tensor:
+        """``[K, B, T]`` rows that carry a loss at each draft step (``labelled``: only rows whose
+        label is in the draft vocabulary): step s (0-based) at row p needs rows p - s + 1 .. p on the
+        target's path (the tokens they read are drafts of the earlier steps at decode time)."""
+        t = batch["labels"].shape[1]
+        rows = torch.arange(t)
+        steps = torch.arange(self.s.num_heads)[:, None, None]
+        ok = batch["labels"] >= 0 if labelled else batch["valid"]
+        path = torch.ones(self.s.num_heads, *ok.shape, dtype=torch.bool)
+        for s in range(1, self.s.num_heads):
+            shifted = torch.zeros_like(batch["on_path"])
+            shifted[:, s - 1:] = batch["on_path"][:, :t - s + 1]  # row p: on_path[p - s + 1]
+            path[s] = path[s - 1] & shifted
+        return (rows[None, None] >= batch["first"][None, :, None]) & (rows[None, None] >= steps) & ok[None] & path
+
+    def _label_counts(self, seqs: Sequence[int]) -> torch.Tensor:
+        return self._loss_rows(self._batch(seqs)).sum((1, 2)).float()
+
+    def _loss(self, seqs: Sequence[int], counts: torch.Tensor) -> tuple:
+        batch = self._batch(seqs)
+        rows = self._loss_rows(batch)
+        outs = self.model(batch["feats"], self.target.embed[batch["tokens"]].float(), batch["valid"], self.s.num_heads)
+        sums = []
+        for s, g in enumerate(outs):
+            keep = rows[s]
+            ce = F.cross_entropy(self.heads.logits(g[keep], self.lm_head), batch["labels"][keep], reduction="sum")
+            reg = F.smooth_l1_loss(g[keep], batch["next_feats"][keep], reduction="none").mean(-1).sum()
+            sums.append(ce + FEATURE_LOSS_WEIGHT * reg)
+        per_step = torch.stack(sums) / counts.clamp(min=1) * distributed.world_size()
+        weights = self.s.head_decay ** torch.arange(self.s.num_heads, dtype=torch.float32)
+        return (per_step * weights).sum(), per_step.detach()
+
+    @torch.no_grad()
+    def evaluate(self, ranks: int = EVAL_RANKS) -> List[List[float]]:
+        """``acc[s][r]``: on held-out sequences, the share of rows where draft step s+1's rank-r
+        candidate is the target's token, the earlier steps' tokens being right (teacher forcing)."""
+        k = self.s.num_heads
+        hits, counts = torch.zeros(k, ranks), torch.zeros(k)
+        for group in self._group(self.eval_seqs):
+            batch = self._batch(group)
+            rows = self._loss_rows(batch, labelled=False)  # labels outside a draft vocabulary are misses
+            outs = self.heads(batch["feats"], self.target.embed[batch["tokens"]].float(), batch["valid"], k)
+            for s, g in enumerate(outs):
+                keep = rows[s]
+                top = self.heads.logits(g[keep], self.lm_head).topk(ranks, dim=-1).indices
+                labels = batch["labels"][keep][:, None]
+                hits[s] += ((top == labels) & (labels >= 0)).sum(0).float()
+                counts[s] += keep.sum()
+        return (hits / counts.clamp(min=1)[:, None]).tolist()

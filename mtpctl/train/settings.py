@@ -1,0 +1,75 @@
+"""Every setting of an ``add-heads`` run, in one dataclass (a recipe's ``settings`` and the CLI's
+options fill it; ``mtp_config.json`` records it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mtpctl.decode.attention import MAX_DRAFT_DEPTH
+from mtpctl.drafters.heads.config import KINDS
+from mtpctl.errors import BadInput
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class TrainSettings:
+    """Every setting of an ``add-heads`` run (recorded in ``mtp_config.json``)."""
+
+    kind: str = "medusa"
+    num_heads: int = 4
+    head_layers: int = 1
+    own_lm_head: bool = False
+    draft_vocab: int = 0  # score only the N most frequent target predictions (0 = the full vocabulary)
+    condition_on_token: bool = False  # heads also read the pending token's embedding (HeadsConfig.token_conditioned)
+    self_distill: bool = False  # prompts get responses written by the target
+    response_tokens: int = 128  # longest self-distilled response
+    distill_batch: int = 32  # prompts decoded together
+    distill_dtype: str = "bfloat16"
+    features_dtype: str = "float32"  # the target's teacher-forced pass that gives hidden states and labels
+    max_seq_len: int = 512  # longer sequences are cut
+    soft_labels: bool = False  # KL to the target's top-m distribution instead of CE to its argmax
+    soft_top: int = 16  # m
+    epochs: float = 2.0
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup: float = 0.05  # fraction of the optimizer steps
+    batch_tokens: int = 256  # positions per optimizer micro-batch
+    grad_accum: int = 1
+    head_decay: float = 0.8  # loss weight of head k is head_decay ** (k - 1)
+    holdout: float = 0.05  # fraction of sequences held out for accuracy
+    tree_nodes: int = 4  # nodes of the default draft tree (the size generate uses by default, session.DEFAULT_TREE_NODES)
+    seed: int = 0
+
+    def check(self) -> None:
+        """Raise BadInput on a setting that cannot work."""
+        if self.kind not in KINDS:
+            raise BadInput(f"head kind {self.kind!r} is not available (choose from {', '.join(KINDS)})")
+        for name in ("num_heads", "batch_tokens", "grad_accum", "response_tokens", "distill_batch",
+                     "tree_nodes", "soft_top"):
+            if getattr(self, name) < 1:
+                raise BadInput(f"{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.max_seq_len < 2:
+            raise BadInput(f"max-seq-len must be at least 2, got {self.max_seq_len} (a training sequence needs "
+                           "two tokens)")
+        if self.head_layers < 0 or self.draft_vocab < 0:
+            raise BadInput("head-layers and draft-vocab must be >= 0")
+        if not self.epochs > 0 or not self.lr > 0:
+            raise BadInput(f"epochs and lr must be > 0, got {self.epochs} and {self.lr}")
+        if not 0 < self.holdout < 1 or not 0 <= self.warmup < 1 or not 0 < self.head_decay <= 1:
+            raise BadInput("holdout must be in (0, 1), warmup in [0, 1), head-decay in (0, 1]")
+        if self.kind == "eagle" and self.own_lm_head:
+            raise BadInput("eagle heads project through the target's lm_head, not their own", option="own_lm_head")
+        if self.kind == "eagle" and self.condition_on_token:
+            raise BadInput("an eagle head always reads the next token: it takes no token conditioning",
+                           option="condition_on_token")
+        if self.kind == "eagle" and self.soft_labels:
+            raise BadInput("eagle heads train on the target's argmax only, not soft labels", option="soft_labels")
+        if self.num_heads > MAX_DRAFT_DEPTH:
+            raise BadInput(f"num-heads must be at most {MAX_DRAFT_DEPTH} (the deepest draft tree verification "
+                           f"supports), got {self.num_heads}")
+        for name in ("distill_dtype", "features_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise BadInput(f"{name.replace('_', ' ')} {getattr(self, name)!r}: choose from {', '.join(DTYPES)}")
