@@ -2,11 +2,11 @@
 
 ``mtpctl.load(...)`` (:func:`mtpctl.api.load`) is the library's front door. The package is laid out
 by role, dependencies pointing down: ``cli`` and ``api`` -> ``train``, ``export``, ``bench`` ->
-``drafters`` -> ``backends`` -> ``decode`` -> ``model`` -> ``errors``, ``files``
-(docs/architecture.md).
+``drafters`` -> ``backends`` -> ``decode`` -> ``model`` -> ``errors``, ``files``, ``version``
+(docs/architecture.md; tests/test_layout.py holds the code to it).
 """
 
-__version__ = "0.1.0"
+from mtpctl.version import __version__  # noqa: F401 (the package's face)
 
 
 def __getattr__(name: str):

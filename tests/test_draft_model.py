@@ -41,91 +41,81 @@ def relabeled(cfg_overrides: dict, seed: int, perm: torch.Tensor, width: int) ->
     return model
 
 
-@pytest.fixture
-def model(tiny_model):
-    return tiny_model
-
-
-@pytest.fixture
-def reference(tiny_reference):
-    return tiny_reference
-
-
-def test_self_draft_accepts_everything(model, reference):
-    drafter = DraftModelDrafter(model, model.cfg.vocab_size, draft_len=4)
-    result = run(model, drafter)
-    assert result.token_ids == reference
+def test_self_draft_accepts_everything(tiny_model, tiny_reference):
+    drafter = DraftModelDrafter(tiny_model, tiny_model.cfg.vocab_size, draft_len=4)
+    result = run(tiny_model, drafter)
+    assert result.token_ids == tiny_reference
     assert result.stats.acceptance_rate == 1.0
     assert result.stats.decode_steps == -(-39 // 5)
 
 
 @pytest.mark.parametrize("draft_len", [1, 3, 6, None])
-def test_greedy_with_a_different_draft_is_lossless(model, reference, draft_len):
-    draft = perturbed(model, seed=1, noise=0.05)
-    drafter = DraftModelDrafter(draft, model.cfg.vocab_size, draft_len=draft_len)
-    result = run(model, drafter)
-    assert result.token_ids == reference
+def test_greedy_with_a_different_draft_is_lossless(tiny_model, tiny_reference, draft_len):
+    draft = perturbed(tiny_model, seed=1, noise=0.05)
+    drafter = DraftModelDrafter(draft, tiny_model.cfg.vocab_size, draft_len=draft_len)
+    result = run(tiny_model, drafter)
+    assert result.token_ids == tiny_reference
     assert 0 < result.stats.acceptance_rate < 1  # both accepted and rejected draft tokens occurred
 
 
-def test_rollback_reuses_the_common_prefix(model):
+def test_rollback_reuses_the_common_prefix(tiny_model):
     """After a rejection the draft cache keeps the accepted prefix: one draft pass per call feeds the
     new tokens, and the draft's logits equal those of a fresh prefill."""
-    drafter = DraftModelDrafter(model, model.cfg.vocab_size, draft_len=3)
+    drafter = DraftModelDrafter(tiny_model, tiny_model.cfg.vocab_size, draft_len=3)
     first = drafter.propose(PROMPT, 3).tokens[1:]
     assert drafter.forward_passes == 3  # prefill + 2 draft tokens fed (the last one is not)
     context = PROMPT + first[:1] + [(first[1] + 1) % 259]  # first accepted, second rejected
     second = drafter.propose(context, 3).tokens[1:]
     assert drafter.engine.length == len(context) + 2  # context + 2 fed draft tokens
-    fresh = DraftModelDrafter(model, model.cfg.vocab_size, draft_len=3)
+    fresh = DraftModelDrafter(tiny_model, tiny_model.cfg.vocab_size, draft_len=3)
     assert fresh.propose(context, 3).tokens[1:] == second
 
 
-def test_auto_draft_length_grows_and_shrinks(model, reference):
-    good = DraftModelDrafter(model, model.cfg.vocab_size, draft_len=None, max_draft_len=7)
-    steps = run(model, good).stats.drafted_per_step
+def test_auto_draft_length_grows_and_shrinks(tiny_model, tiny_reference):
+    good = DraftModelDrafter(tiny_model, tiny_model.cfg.vocab_size, draft_len=None, max_draft_len=7)
+    steps = run(tiny_model, good).stats.drafted_per_step
     assert steps[:3] == [AUTO_START, AUTO_START + 2, 7]  # +2 after each fully accepted block, capped
-    bad = DraftModelDrafter(random_decoder(seed=11), model.cfg.vocab_size, draft_len=None)
-    result = run(model, bad)
-    assert result.token_ids == reference
+    bad = DraftModelDrafter(random_decoder(seed=11), tiny_model.cfg.vocab_size, draft_len=None)
+    result = run(tiny_model, bad)
+    assert result.token_ids == tiny_reference
     assert result.stats.drafted_per_step[0] == AUTO_START
     assert result.stats.drafted_per_step[-6:-1] == [1] * 5  # -1 after each rejection, floor 1 (the last step has no room)
 
 
-def test_id_map_and_padding_rows(model, reference):
+def test_id_map_and_padding_rows(tiny_model, tiny_reference):
     """A draft whose ids are a permutation of the target's and whose logits have 40 padding rows
     (with large embeddings, so they would win an argmax): through the id map it is the target itself,
     so every draft token is accepted, and no padding id is ever proposed."""
-    vocab = model.cfg.vocab_size
+    vocab = tiny_model.cfg.vocab_size
     perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))
     draft = relabeled({}, 3, perm, vocab + 40)
     id_map = perm.tolist() + [-1] * 40
     drafter = DraftModelDrafter(draft, vocab, draft_len=4, id_map=id_map)
-    result = run(model, drafter)
-    assert result.token_ids == reference
+    result = run(tiny_model, drafter)
+    assert result.token_ids == tiny_reference
     assert result.stats.acceptance_rate == 1.0
 
 
-def test_width_mismatch_without_a_map_is_refused(model):
+def test_width_mismatch_without_a_map_is_refused(tiny_model):
     with pytest.raises(ValueError, match="id map"):
-        DraftModelDrafter(random_decoder(seed=1, vocab=300), model.cfg.vocab_size)
+        DraftModelDrafter(random_decoder(seed=1, vocab=300), tiny_model.cfg.vocab_size)
     with pytest.raises(ValueError, match="entries"):
-        DraftModelDrafter(model, model.cfg.vocab_size, id_map=list(range(10)))
+        DraftModelDrafter(tiny_model, tiny_model.cfg.vocab_size, id_map=list(range(10)))
 
 
-def test_context_longer_than_the_draft_stops_drafting(model, reference):
+def test_context_longer_than_the_draft_stops_drafting(tiny_model, tiny_reference):
     """A draft with a 16-position context: drafting stops when the context reaches it, plain steps
     follow, and the output is still plain greedy."""
     draft = random_decoder(seed=3, max_pos=16)  # the target's weights, a shorter context
-    drafter = DraftModelDrafter(draft, model.cfg.vocab_size, draft_len=3)
-    result = run(model, drafter)
-    assert result.token_ids == reference
+    drafter = DraftModelDrafter(draft, tiny_model.cfg.vocab_size, draft_len=3)
+    result = run(tiny_model, drafter)
+    assert result.token_ids == tiny_reference
     drafted = result.stats.drafted_per_step
     assert drafted[0] == 3 and drafted[-10:] == [0] * 10
     assert drafter.engine.capacity <= 16
     long_prompt = list(range(20))  # longer than the draft's context from the start
-    assert run(model, DraftModelDrafter(draft, model.cfg.vocab_size, draft_len=3), max_new=5,
-               prompt=long_prompt).token_ids == greedy_reference(model, long_prompt, 5)
+    assert run(tiny_model, DraftModelDrafter(draft, tiny_model.cfg.vocab_size, draft_len=3), max_new=5,
+               prompt=long_prompt).token_ids == greedy_reference(tiny_model, long_prompt, 5)
 
 
 @pytest.fixture

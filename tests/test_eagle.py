@@ -19,16 +19,6 @@ from mtpctl.drafters.heads.tree import StaticTree
 from mtpctl.errors import BadInput, CorruptModel, UnsupportedModel
 
 
-@pytest.fixture
-def model(tiny_model):
-    return tiny_model
-
-
-@pytest.fixture
-def reference(tiny_reference):
-    return tiny_reference
-
-
 def random_eagle(model, depth=4, seed=0, draft_vocab=0):
     cfg = HeadsConfig("eagle", depth, 0, False, model.cfg.hidden_size, model.cfg.vocab_size, draft_vocab,
                       layer=layer_config_for(model.cfg))
@@ -46,15 +36,15 @@ def drafter(model, head, paths):
                         model.logits)
 
 
-def test_tree_nodes_equal_the_unrolled_layer_along_their_path(model):
+def test_tree_nodes_equal_the_unrolled_layer_along_their_path(tiny_model):
     """Node at depth d of the drafted tree is the rank-r candidate of draft step d of
     :meth:`EagleHead.forward` (training-time test) run on the prompt plus the node's own path: decode
     and training see the same attention and inputs."""
-    head = random_eagle(model)
-    out = TorchEngine(model, 64).prefill(PROMPT)
+    head = random_eagle(tiny_model)
+    out = TorchEngine(tiny_model, 64).prefill(PROMPT)
     pending = int(out[0].argmax())
     paths = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
-    draft = drafter(model, head, paths).propose(PROMPT + [pending], 7, TargetStep(out, 0))
+    draft = drafter(tiny_model, head, paths).propose(PROMPT + [pending], 7, TargetStep(out, 0))
     tree = StaticTree.from_paths(paths, 4)
     node_of = {path: i + 1 for i, path in enumerate(tree.paths)}  # StaticTree.fill: path i is node i + 1
     assert draft.parents == [-1] + [node_of.get(path[:-1], 0) for path in tree.paths]
@@ -62,37 +52,37 @@ def test_tree_nodes_equal_the_unrolled_layer_along_their_path(model):
     for path, node in node_of.items():
         chain = [draft.tokens[node_of[path[:d]]] for d in range(1, len(path))]
         tokens = PROMPT[1:] + [pending] + chain  # row p reads token p + 1
-        feats = torch.zeros(1, len(tokens), model.cfg.hidden_size)
+        feats = torch.zeros(1, len(tokens), tiny_model.cfg.hidden_size)
         feats[0, :n] = out.prompt_hidden_states  # rows past the prompt read predicted features only
-        outs = head(feats, model.embed[torch.tensor([tokens])], torch.ones(1, len(tokens), dtype=torch.bool), len(path))
+        outs = head(feats, tiny_model.embed[torch.tensor([tokens])], torch.ones(1, len(tokens), dtype=torch.bool), len(path))
         g = outs[len(path) - 1][0, n - 1 + len(path) - 1]
-        ranked = head.logits(g, model.logits).topk(2).indices.tolist()
+        ranked = head.logits(g, tiny_model.logits).topk(2).indices.tolist()
         assert draft.tokens[node] == ranked[path[-1]], f"node {path}"
 
 
-def test_siblings_get_children_from_their_own_token(model):
-    head = random_eagle(model, seed=1)
-    out = TorchEngine(model, 64).prefill(PROMPT)
+def test_siblings_get_children_from_their_own_token(tiny_model):
+    head = random_eagle(tiny_model, seed=1)
+    out = TorchEngine(tiny_model, 64).prefill(PROMPT)
     pending = int(out[0].argmax())
-    draft = drafter(model, head, [[0], [1], [0, 0], [1, 0], [0, 1], [1, 1]]).propose(PROMPT + [pending], 6, TargetStep(out, 0))
+    draft = drafter(tiny_model, head, [[0], [1], [0, 0], [1, 0], [0, 1], [1, 1]]).propose(PROMPT + [pending], 6, TargetStep(out, 0))
     assert draft.parents == [-1, 0, 0, 1, 1, 2, 2]
     assert draft.tokens[3:5] != draft.tokens[5:7]  # the children of [0] and of [1] differ
 
 
 @pytest.mark.parametrize("shape", ["chain", "mixed", "deep-second"])
 @pytest.mark.parametrize("draft_vocab", [0, 64])
-def test_eagle_decoding_is_lossless(model, reference, shape, draft_vocab):
-    head = random_eagle(model, draft_vocab=draft_vocab)
+def test_eagle_decoding_is_lossless(tiny_model, tiny_reference, shape, draft_vocab):
+    head = random_eagle(tiny_model, draft_vocab=draft_vocab)
     tree = TREES[shape]
-    result = run(model, drafter(model, head, tree))
-    assert result.token_ids == reference
+    result = run(tiny_model, drafter(tiny_model, head, tree))
+    assert result.token_ids == tiny_reference
     assert sum(result.stats.drafted_per_step) > 0
 
 
-def test_the_drafter_must_see_every_target_pass(model):
-    head = random_eagle(model)
-    d = drafter(model, head, [[0]])
-    engine = TorchEngine(model, 64)
+def test_the_drafter_must_see_every_target_pass(tiny_model):
+    head = random_eagle(tiny_model)
+    d = drafter(tiny_model, head, [[0]])
+    engine = TorchEngine(tiny_model, 64)
     out = engine.prefill(PROMPT)
     pending = int(out[0].argmax())
     d.propose(PROMPT + [pending], 1, TargetStep(out, 0))
@@ -102,20 +92,20 @@ def test_the_drafter_must_see_every_target_pass(model):
         d.propose(PROMPT + [pending, 7, 9], 1, TargetStep(verified, 0, [0]))
 
 
-def test_sampling_with_eagle_same_seed_same_output(model):
+def test_sampling_with_eagle_same_seed_same_output(tiny_model):
     """The drafter's state is reset by each prefill, so a reused drafter repeats a seeded run."""
-    head = random_eagle(model)
+    head = random_eagle(tiny_model)
     sampling = SamplingParams(temperature=0.8, seed=5)
-    d = drafter(model, head, TREES["mixed"])
-    a = run(model, d, sampling=sampling)
-    b = run(model, d, sampling=sampling)
+    d = drafter(tiny_model, head, TREES["mixed"])
+    a = run(tiny_model, d, sampling=sampling)
+    b = run(tiny_model, d, sampling=sampling)
     assert a.token_ids == b.token_ids and sum(a.stats.drafted_per_step) > 0
 
 
-def test_eagle_folder_round_trip_and_strict_load(tmp_path, model):
-    head = random_eagle(model, draft_vocab=64)
+def test_eagle_folder_round_trip_and_strict_load(tmp_path, tiny_model):
+    head = random_eagle(tiny_model, draft_vocab=64)
     save_heads(head, tmp_path)
-    loaded = load_heads(tmp_path, torch.float32, model.dense_lm_head())
+    loaded = load_heads(tmp_path, torch.float32, tiny_model.dense_lm_head())
     assert isinstance(loaded, EagleHead) and loaded.cfg.layer == head.cfg.layer
     for name, value in head.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], value), name
@@ -128,49 +118,49 @@ def test_eagle_folder_round_trip_and_strict_load(tmp_path, model):
                           ({"num_heads": "3"}, CorruptModel), ({"kind": "eagle3"}, UnsupportedModel)]:
         (tmp_path / "mtp_config.json").write_text(json.dumps({**good, **change}))
         with pytest.raises(error):
-            load_heads(tmp_path, torch.float32, model.dense_lm_head())
+            load_heads(tmp_path, torch.float32, tiny_model.dense_lm_head())
     (tmp_path / "mtp_config.json").write_text(json.dumps(good))
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(str(tmp_path / "mtp_heads.safetensors"))
     save_file({**tensors, "token_map": tensors["token_map"].float()}, str(tmp_path / "mtp_heads.safetensors"))
     with pytest.raises(CorruptModel, match="token_map"):
-        load_heads(tmp_path, torch.float32, model.dense_lm_head())
+        load_heads(tmp_path, torch.float32, tiny_model.dense_lm_head())
 
 
-def test_eagle_config_refuses_own_lm_head(model):
+def test_eagle_config_refuses_own_lm_head(tiny_model):
     from mtpctl.train.settings import TrainSettings
 
     with pytest.raises(ValueError, match="own_lm_head"):
-        HeadsConfig("eagle", 2, 0, True, model.cfg.hidden_size, model.cfg.vocab_size, layer=layer_config_for(model.cfg))
+        HeadsConfig("eagle", 2, 0, True, tiny_model.cfg.hidden_size, tiny_model.cfg.vocab_size, layer=layer_config_for(tiny_model.cfg))
     for option in ("own_lm_head", "condition_on_token", "soft_labels"):
         with pytest.raises(BadInput) as caught:
             TrainSettings(kind="eagle", **{option: True}).check()
         assert caught.value.option == option
 
 
-def test_every_draft_step_gets_a_loss_and_gradients_reach_the_first_step(model):
+def test_every_draft_step_gets_a_loss_and_gradients_reach_the_first_step(tiny_model):
     """The loss of the last unrolled step alone reaches the layer through every earlier step's
     predicted feature (training-time test), and the prediction rows are causal: changing a later
     row's token leaves earlier rows' outputs unchanged."""
-    head = random_eagle(model, depth=3)
+    head = random_eagle(tiny_model, depth=3)
     head.requires_grad_(True)
-    feats = torch.randn(2, 6, model.cfg.hidden_size, requires_grad=True)
-    tokens = model.embed[torch.randint(0, model.cfg.vocab_size, (2, 6))]
+    feats = torch.randn(2, 6, tiny_model.cfg.hidden_size, requires_grad=True)
+    tokens = tiny_model.embed[torch.randint(0, tiny_model.cfg.vocab_size, (2, 6))]
     valid = torch.ones(2, 6, dtype=torch.bool)
     outs = head(feats, tokens, valid, 3)
-    assert len(outs) == 3 and all(o.shape == (2, 6, model.cfg.hidden_size) for o in outs)
+    assert len(outs) == 3 and all(o.shape == (2, 6, tiny_model.cfg.hidden_size) for o in outs)
     outs[2][:, 5].sum().backward()
     assert feats.grad[:, :4].abs().sum() > 0  # step 3 at row 5 read the target's rows <= 3
     assert feats.grad[:, 4:].abs().sum() == 0  # ... and nothing of rows 4 and 5's true features
     changed = tokens.clone()
-    changed[:, 5] = model.embed[1]
+    changed[:, 5] = tiny_model.embed[1]
     again = head(feats.detach(), changed, valid, 3)
     for s in range(3):
         torch.testing.assert_close(again[s][:, :5], outs[s][:, :5].detach())
 
 
-def test_trainer_rows_labels_and_loss_rows(model, tmp_path, monkeypatch):
+def test_trainer_rows_labels_and_loss_rows(tiny_model, tmp_path, monkeypatch):
     """Row p of a sequence reads ids[p + 1] and learns pred[p + 1]; step s (0-based) trains rows
     p >= s and p >= loss_from - 1 whose rows p - s + 1 .. p read the target's own predictions
     (ids[q + 1] == pred[q]); groups hold whole sequences."""
@@ -178,12 +168,12 @@ def test_trainer_rows_labels_and_loss_rows(model, tmp_path, monkeypatch):
     from mtpctl.train.features import Features
     from mtpctl.train.settings import TrainSettings
 
-    h = model.cfg.hidden_size
+    h = tiny_model.cfg.hidden_size
     # the ids follow pred (a self-distilled response: ids[p + 1] == pred[p]) except where noted
     ids = torch.tensor([199, 100, 101, 102, 103, 204, 105, 106, 107])
     feats = Features(torch.randn(9, h), torch.arange(100, 109), torch.tensor([0, 5, 9]), torch.tensor([2, 0]), ids)
     settings = TrainSettings(kind="eagle", num_heads=3, holdout=0.5, batch_tokens=64, epochs=1)
-    trainer = EagleTrainer(model, feats, settings, tmp_path)
+    trainer = EagleTrainer(tiny_model, feats, settings, tmp_path)
     batch = trainer._batch([0, 1])
     assert batch["tokens"].tolist() == [[100, 101, 102, 103], [105, 106, 107, 0]]
     assert batch["labels"].tolist() == [[101, 102, 103, 104], [106, 107, 108, -100]]

@@ -17,86 +17,76 @@ from mtpctl.drafters.ngram import NgramDrafter
 from stats_util import chi_square_rejects
 
 
-@pytest.fixture
-def model(tiny_model):
-    return tiny_model
-
-
-@pytest.fixture
-def reference(tiny_reference):
-    return tiny_reference
-
-
-def test_plain_loop_equals_reference(model, reference):
-    result = run(model)
-    assert result.token_ids == reference
+def test_plain_loop_equals_reference(tiny_model, tiny_reference):
+    result = run(tiny_model)
+    assert result.token_ids == tiny_reference
     assert result.stats.decode_steps == 39 and result.stats.tau == 1.0
     assert result.stats.acceptance_rate is None
 
 
 @pytest.mark.parametrize("draft_len", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("corrupt_every", [0, 2, 3])
-def test_greedy_speculation_is_lossless(model, reference, draft_len, corrupt_every):
-    drafter = ScriptedDrafter(len(PROMPT), reference, model.cfg.vocab_size, corrupt_every, draft_len)
-    result = run(model, drafter)
-    assert result.token_ids == reference
+def test_greedy_speculation_is_lossless(tiny_model, tiny_reference, draft_len, corrupt_every):
+    drafter = ScriptedDrafter(len(PROMPT), tiny_reference, tiny_model.cfg.vocab_size, corrupt_every, draft_len)
+    result = run(tiny_model, drafter)
+    assert result.token_ids == tiny_reference
     if corrupt_every == 0:  # a perfect drafter: every step commits draft_len + 1 tokens but the last
         assert result.stats.decode_steps == -(-39 // (draft_len + 1))
         assert result.stats.acceptance_rate == 1.0
 
 
 @pytest.mark.parametrize("draft_len", [1, 4, 7])
-def test_ngram_speculation_is_lossless(model, reference, draft_len):
-    assert run(model, NgramDrafter(3, 1, draft_len)).token_ids == reference
+def test_ngram_speculation_is_lossless(tiny_model, tiny_reference, draft_len):
+    assert run(tiny_model, NgramDrafter(3, 1, draft_len)).token_ids == tiny_reference
 
 
-def test_wrong_drafts_only_cost_steps(model, reference):
+def test_wrong_drafts_only_cost_steps(tiny_model, tiny_reference):
     class Wrong:
         budget = 4
 
         def propose(self, context, max_tokens, last=None):
-            return DraftTree.chain([context[-1]] + [(context[-1] + 1) % model.cfg.vocab_size] * max_tokens)
+            return DraftTree.chain([context[-1]] + [(context[-1] + 1) % tiny_model.cfg.vocab_size] * max_tokens)
 
-    result = run(model, Wrong())
-    assert result.token_ids == reference
+    result = run(tiny_model, Wrong())
+    assert result.token_ids == tiny_reference
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 3, 4, 7])
-def test_max_new_tokens_is_never_exceeded(model, reference, max_new):
-    drafter = ScriptedDrafter(len(PROMPT), reference, model.cfg.vocab_size, budget=5)
-    result = run(model, drafter, max_new=max_new)  # includes draft-len - 1 = 4
-    assert result.token_ids == reference[:max_new]
+def test_max_new_tokens_is_never_exceeded(tiny_model, tiny_reference, max_new):
+    drafter = ScriptedDrafter(len(PROMPT), tiny_reference, tiny_model.cfg.vocab_size, budget=5)
+    result = run(tiny_model, drafter, max_new=max_new)  # includes draft-len - 1 = 4
+    assert result.token_ids == tiny_reference[:max_new]
     assert result.finish_reason == "length"
     assert result.stats.new_tokens == max_new
 
 
-def test_eos_inside_an_accepted_block_ends_there(model, reference):
-    eos = reference[10]
-    cut = reference.index(eos) + 1
-    drafter = ScriptedDrafter(len(PROMPT), reference, model.cfg.vocab_size, budget=6)
-    spec = run(model, drafter, eos={eos})
-    plain = run(model, eos={eos})
-    assert spec.token_ids == plain.token_ids == reference[:cut]
+def test_eos_inside_an_accepted_block_ends_there(tiny_model, tiny_reference):
+    eos = tiny_reference[10]
+    cut = tiny_reference.index(eos) + 1
+    drafter = ScriptedDrafter(len(PROMPT), tiny_reference, tiny_model.cfg.vocab_size, budget=6)
+    spec = run(tiny_model, drafter, eos={eos})
+    plain = run(tiny_model, eos={eos})
+    assert spec.token_ids == plain.token_ids == tiny_reference[:cut]
     assert spec.finish_reason == "eos"
     assert spec.stats.new_tokens == cut
     assert 1 + sum(spec.stats.accepted_per_step) == spec.stats.new_tokens
 
 
-def test_stop_string_inside_an_accepted_block_ends_there(model, reference):
-    text = decode(reference)
+def test_stop_string_inside_an_accepted_block_ends_there(tiny_model, tiny_reference):
+    text = decode(tiny_reference)
     stop = text[12:14]
     at = text.index(stop)
-    drafter = ScriptedDrafter(len(PROMPT), reference, model.cfg.vocab_size, budget=6)
-    spec = run(model, drafter, stops=[stop])
-    plain = run(model, stops=[stop])
-    assert spec.token_ids == plain.token_ids == reference[:at + 2]
+    drafter = ScriptedDrafter(len(PROMPT), tiny_reference, tiny_model.cfg.vocab_size, budget=6)
+    spec = run(tiny_model, drafter, stops=[stop])
+    plain = run(tiny_model, stops=[stop])
+    assert spec.token_ids == plain.token_ids == tiny_reference[:at + 2]
     assert spec.text == plain.text == text[:at]
     assert spec.finish_reason == "stop"
 
 
-def test_statistics_count_committed_tokens(model, reference):
-    drafter = ScriptedDrafter(len(PROMPT), reference, model.cfg.vocab_size, corrupt_every=2, budget=4)
-    s = run(model, drafter).stats
+def test_statistics_count_committed_tokens(tiny_model, tiny_reference):
+    drafter = ScriptedDrafter(len(PROMPT), tiny_reference, tiny_model.cfg.vocab_size, corrupt_every=2, budget=4)
+    s = run(tiny_model, drafter).stats
     assert s.new_tokens == 40
     assert 1 + sum(s.accepted_per_step) == s.new_tokens  # first token comes from prefill
     assert s.tau == pytest.approx(39 / s.decode_steps)
@@ -105,18 +95,18 @@ def test_statistics_count_committed_tokens(model, reference):
     assert len(s.step_ms) == s.decode_steps
 
 
-def test_context_full_ends_generation(model):
-    engine = TorchEngine(model, len(PROMPT) + 5)
+def test_context_full_ends_generation(tiny_model):
+    engine = TorchEngine(tiny_model, len(PROMPT) + 5)
     result = generate(engine, PROMPT, StopChecker((), (), 100, decode), GREEDY, NgramDrafter(budget=4))
     assert result.finish_reason == "context"
     assert len(result.token_ids) == 6  # 5 in cache + the last sampled token
 
 
-def test_same_seed_same_output(model):
+def test_same_seed_same_output(tiny_model):
     sampling = SamplingParams(temperature=1.0, seed=11)
-    first, second = (run(model, NgramDrafter(budget=4), sampling=sampling).token_ids for _ in range(2))
+    first, second = (run(tiny_model, NgramDrafter(budget=4), sampling=sampling).token_ids for _ in range(2))
     assert first == second
-    assert run(model, NgramDrafter(budget=4), sampling=SamplingParams(temperature=1.0, seed=12)).token_ids != first
+    assert run(tiny_model, NgramDrafter(budget=4), sampling=SamplingParams(temperature=1.0, seed=12)).token_ids != first
 
 
 class RandomDrafter:

@@ -88,31 +88,21 @@ class OracleTreeDrafter:
         return self.tree.draft(context[-1], torch.tensor(rows), max_tokens)
 
 
-@pytest.fixture
-def model(tiny_model):
-    return tiny_model
-
-
-@pytest.fixture
-def reference(tiny_reference):
-    return tiny_reference
-
-
 @pytest.mark.parametrize("name", sorted(TREES))
 @pytest.mark.parametrize("rank_of_truth", [(0,), (1,), (0, 1, 3)])
-def test_greedy_tree_decoding_is_lossless_for_every_tree_shape(model, reference, name, rank_of_truth):
+def test_greedy_tree_decoding_is_lossless_for_every_tree_shape(tiny_model, tiny_reference, name, rank_of_truth):
     tree = StaticTree.from_paths(TREES[name], 4)
-    drafter = OracleTreeDrafter(tree, reference, len(PROMPT), model.cfg.vocab_size, rank_of_truth)
-    result = run(model, drafter)
-    assert result.token_ids == reference
+    drafter = OracleTreeDrafter(tree, tiny_reference, len(PROMPT), tiny_model.cfg.vocab_size, rank_of_truth)
+    result = run(tiny_model, drafter)
+    assert result.token_ids == tiny_reference
     assert sum(result.stats.accepted_per_step) == 40 - 1
     assert result.stats.drafted_per_step[0] == len(tree.paths)
 
 
-def test_a_tree_that_holds_the_truth_accepts_along_it(model, reference):
+def test_a_tree_that_holds_the_truth_accepts_along_it(tiny_model, tiny_reference):
     tree = StaticTree.from_paths(TREES["deep-second"], 4)  # the rank-1 branch is 4 deep
-    result = run(model, OracleTreeDrafter(tree, reference, len(PROMPT), model.cfg.vocab_size, (1, 0, 0, 0)))
-    assert result.token_ids == reference
+    result = run(tiny_model, OracleTreeDrafter(tree, tiny_reference, len(PROMPT), tiny_model.cfg.vocab_size, (1, 0, 0, 0)))
+    assert result.token_ids == tiny_reference
     assert result.stats.tau == pytest.approx(39 / result.stats.decode_steps)
     assert max(result.stats.accepted_per_step) == 5  # 4 drafts along the deep branch + bonus
 
@@ -129,19 +119,19 @@ def random_heads(model, num_heads=3, seed=0, draft_vocab=0):
 
 @pytest.mark.parametrize("draft_vocab", [0, 64])
 @pytest.mark.parametrize("paths", [TREES["mixed"], TREES["wide"]])
-def test_medusa_drafter_is_lossless(model, reference, draft_vocab, paths):
-    heads = random_heads(model, draft_vocab=draft_vocab)
-    drafter = MedusaDrafter(StaticTree.from_paths(paths, 3), heads, model)
-    result = run(model, drafter)
-    assert result.token_ids == reference
+def test_medusa_drafter_is_lossless(tiny_model, tiny_reference, draft_vocab, paths):
+    heads = random_heads(tiny_model, draft_vocab=draft_vocab)
+    drafter = MedusaDrafter(StaticTree.from_paths(paths, 3), heads, tiny_model)
+    result = run(tiny_model, drafter)
+    assert result.token_ids == tiny_reference
 
 
-def test_identity_heads_repeat_the_base_prediction(model):
+def test_identity_heads_repeat_the_base_prediction(tiny_model):
     """Zero-initialised blocks are the identity: every head then proposes the lm_head's own argmax."""
-    cfg = HeadsConfig("medusa", 2, 1, False, model.cfg.hidden_size, model.cfg.vocab_size)
+    cfg = HeadsConfig("medusa", 2, 1, False, tiny_model.cfg.hidden_size, tiny_model.cfg.vocab_size)
     heads = MedusaHeads(cfg)
-    out = TorchEngine(model, 32).prefill(PROMPT)
-    drafter = MedusaDrafter(StaticTree.from_paths([[0], [0, 0]], 2), heads, model)
+    out = TorchEngine(tiny_model, 32).prefill(PROMPT)
+    drafter = MedusaDrafter(StaticTree.from_paths([[0], [0, 0]], 2), heads, tiny_model)
     pending = int(out[0].argmax())
     draft = drafter.propose(PROMPT + [pending], 8, TargetStep(out, 0))
     assert draft.tokens == [pending, pending, pending] and draft.parents == [-1, 0, 1]
@@ -189,45 +179,45 @@ def test_tree_grown_from_accuracy_maximises_expected_accepts():
 
 
 @pytest.mark.parametrize("draft_vocab,own", [(0, False), (64, False), (0, True), (64, True)])
-def test_head_folder_round_trip(tmp_path, model, draft_vocab, own):
-    cfg = HeadsConfig("medusa", 2, 2, own, model.cfg.hidden_size, model.cfg.vocab_size, draft_vocab,
+def test_head_folder_round_trip(tmp_path, tiny_model, draft_vocab, own):
+    cfg = HeadsConfig("medusa", 2, 2, own, tiny_model.cfg.hidden_size, tiny_model.cfg.vocab_size, draft_vocab,
                       target="tiny", target_hash="ab" * 32, tree=[[0], [0, 0]])
     token_map = torch.arange(0, 2 * draft_vocab, 2) if draft_vocab else None
-    heads = MedusaHeads(cfg, torch.float32, model.dense_lm_head().float(), token_map)
+    heads = MedusaHeads(cfg, torch.float32, tiny_model.dense_lm_head().float(), token_map)
     for p in heads.parameters():
         p.data.normal_()
     save_heads(heads, tmp_path)
-    loaded = load_heads(tmp_path, torch.float32, model.dense_lm_head().float())
-    x = torch.randn(3, model.cfg.hidden_size)
-    assert torch.equal(loaded(x, model.logits), heads(x, model.logits))
-    full = loaded(x, model.logits)
-    assert full.shape == (3, 2, model.cfg.vocab_size)
+    loaded = load_heads(tmp_path, torch.float32, tiny_model.dense_lm_head().float())
+    x = torch.randn(3, tiny_model.cfg.hidden_size)
+    assert torch.equal(loaded(x, tiny_model.logits), heads(x, tiny_model.logits))
+    full = loaded(x, tiny_model.logits)
+    assert full.shape == (3, 2, tiny_model.cfg.vocab_size)
     if draft_vocab:  # tokens outside the draft vocabulary are never proposed
         assert torch.isinf(full[..., 1::2]).all() and torch.isfinite(full[..., 0:128:2]).all()
 
 
 @pytest.mark.skipif(not blocked_layout_available(), reason="this torch build has no oneDNN linear ops")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_heads_loaded_for_decoding_project_through_the_blocked_layout(tmp_path, model, dtype):
-    cfg = HeadsConfig("medusa", 2, 1, False, model.cfg.hidden_size, model.cfg.vocab_size, 64,
+def test_heads_loaded_for_decoding_project_through_the_blocked_layout(tmp_path, tiny_model, dtype):
+    cfg = HeadsConfig("medusa", 2, 1, False, tiny_model.cfg.hidden_size, tiny_model.cfg.vocab_size, 64,
                       target="tiny", target_hash="ab" * 32, tree=[[0], [0, 0]])
-    heads = MedusaHeads(cfg, torch.float32, model.dense_lm_head().float(), torch.arange(0, 128, 2))
+    heads = MedusaHeads(cfg, torch.float32, tiny_model.dense_lm_head().float(), torch.arange(0, 128, 2))
     for p in heads.parameters():
         p.data.normal_()
     save_heads(heads, tmp_path)
-    plain = load_heads(tmp_path, dtype, model.dense_lm_head().float())
-    fast = load_heads(tmp_path, dtype, model.dense_lm_head().float(), blocked=True)
+    plain = load_heads(tmp_path, dtype, tiny_model.dense_lm_head().float())
+    fast = load_heads(tmp_path, dtype, tiny_model.dense_lm_head().float(), blocked=True)
     assert plain.projection_kernel is None and fast.projection_kernel is not None
     assert fast.state_dict().keys() == plain.state_dict().keys()  # nothing more to save or load
-    x = torch.randn(3, model.cfg.hidden_size).to(dtype)
+    x = torch.randn(3, tiny_model.cfg.hidden_size).to(dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # the same weights; kernels round differently
-    torch.testing.assert_close(fast(x, model.logits), plain(x, model.logits), rtol=tol, atol=tol)
+    torch.testing.assert_close(fast(x, tiny_model.logits), plain(x, tiny_model.logits), rtol=tol, atol=tol)
 
 
-def test_head_folder_loads_strictly(tmp_path, model):
+def test_head_folder_loads_strictly(tmp_path, tiny_model):
     from safetensors.torch import load_file, save_file
 
-    heads = random_heads(model, num_heads=2)
+    heads = random_heads(tiny_model, num_heads=2)
     save_heads(heads, tmp_path)
     weights = tmp_path / "mtp_heads.safetensors"
     good = load_file(str(weights))
@@ -249,13 +239,13 @@ def test_head_folder_loads_strictly(tmp_path, model):
         load_heads(tmp_path, kinds=("eagle",))
 
 
-def test_heads_for_another_model_are_refused(model):
-    cfg = HeadsConfig("medusa", 2, 1, False, model.cfg.hidden_size, model.cfg.vocab_size, target_hash="a" * 64)
-    check_heads_match(cfg, model.cfg.hidden_size, model.cfg.vocab_size, "a" * 64)
+def test_heads_for_another_model_are_refused(tiny_model):
+    cfg = HeadsConfig("medusa", 2, 1, False, tiny_model.cfg.hidden_size, tiny_model.cfg.vocab_size, target_hash="a" * 64)
+    check_heads_match(cfg, tiny_model.cfg.hidden_size, tiny_model.cfg.vocab_size, "a" * 64)
     with pytest.raises(BadInput, match="trained on another model"):
-        check_heads_match(cfg, model.cfg.hidden_size, model.cfg.vocab_size, "b" * 64)
+        check_heads_match(cfg, tiny_model.cfg.hidden_size, tiny_model.cfg.vocab_size, "b" * 64)
     with pytest.raises(BadInput, match="vocabulary"):
-        check_heads_match(cfg, model.cfg.hidden_size, model.cfg.vocab_size + 1, None)
+        check_heads_match(cfg, tiny_model.cfg.hidden_size, tiny_model.cfg.vocab_size + 1, None)
 
 
 @pytest.mark.real
@@ -281,25 +271,25 @@ def test_tree_decoding_on_the_real_model_equals_plain_greedy(smollm2):
             assert got == plain
 
 
-def test_token_conditioned_heads_read_the_pending_token(model, reference, tmp_path):
-    cfg = HeadsConfig("medusa", 3, 1, False, model.cfg.hidden_size, model.cfg.vocab_size, token_conditioned=True)
+def test_token_conditioned_heads_read_the_pending_token(tiny_model, tiny_reference, tmp_path):
+    cfg = HeadsConfig("medusa", 3, 1, False, tiny_model.cfg.hidden_size, tiny_model.cfg.vocab_size, token_conditioned=True)
     heads = MedusaHeads(cfg)
     for p in heads.parameters():
         p.data.normal_(0, 0.3)
     heads.requires_grad_(False)
-    step = TargetStep(TorchEngine(model, 32).prefill(PROMPT), 0)
-    deep = MedusaDrafter(StaticTree.from_paths([[0], [0, 0], [0, 0, 0]], 3), heads, model)
+    step = TargetStep(TorchEngine(tiny_model, 32).prefill(PROMPT), 0)
+    deep = MedusaDrafter(StaticTree.from_paths([[0], [0, 0], [0, 0, 0]], 3), heads, tiny_model)
     assert not torch.equal(deep.logits(step, 5), deep.logits(step, 6))  # the token changes the drafts
-    first_two = MedusaDrafter(StaticTree.from_paths([[0], [0, 0]], 3), heads, model).logits(step, 5)
-    assert first_two.shape == (2, model.cfg.vocab_size)  # a tree two deep runs two heads: the same rows
+    first_two = MedusaDrafter(StaticTree.from_paths([[0], [0, 0]], 3), heads, tiny_model).logits(step, 5)
+    assert first_two.shape == (2, tiny_model.cfg.vocab_size)  # a tree two deep runs two heads: the same rows
     assert torch.allclose(first_two, deep.logits(step, 5)[:2], atol=1e-5)
     with pytest.raises(ValueError, match="pending token"):
-        heads(step.out.hidden_states[0], model.logits)
+        heads(step.out.hidden_states[0], tiny_model.logits)
     save_heads(heads, tmp_path)
     loaded = load_heads(tmp_path)
     assert loaded.cfg.token_conditioned and len(loaded.token_proj) == 3
-    result = run(model, MedusaDrafter(StaticTree.from_paths(TREES["mixed"], 3), loaded, model))
-    assert result.token_ids == reference
+    result = run(tiny_model, MedusaDrafter(StaticTree.from_paths(TREES["mixed"], 3), loaded, tiny_model))
+    assert result.token_ids == tiny_reference
 
 
 def test_tree_nodes_on_the_int4_kernel_equal_plain_decoding_of_their_path_bit_for_bit():
@@ -365,45 +355,45 @@ def random_hydra(model, num_heads=3, seed=0):
     return heads.requires_grad_(False)
 
 
-def test_hydra_tree_children_come_from_their_own_path(model):
+def test_hydra_tree_children_come_from_their_own_path(tiny_model):
     """Each node's children are the candidates of the next head run on the node's own state and
     token: the tree equals the teacher-forced heads along every path, and siblings at depth 1 get
     different children (with Medusa heads every node of a depth shares one candidate list)."""
-    heads = random_hydra(model)
-    out = TorchEngine(model, 32).prefill(PROMPT)
+    heads = random_hydra(tiny_model)
+    out = TorchEngine(tiny_model, 32).prefill(PROMPT)
     tree = StaticTree.from_paths([[0], [1], [0, 0], [0, 1], [1, 0], [1, 1], [0, 0, 0]], 3)
-    drafter = HydraDrafter(tree, heads, model)
+    drafter = HydraDrafter(tree, heads, tiny_model)
     draft = drafter.propose(PROMPT + [5], 7, TargetStep(out, 0))
     assert draft.tokens[0] == 5 and draft.parents == [-1, 0, 0, 1, 1, 2, 2, 3]
     node_of = {path: i + 1 for i, path in enumerate(tree.paths)}  # StaticTree.fill: path i is node i + 1
-    embed = model.embed
+    embed = tiny_model.embed
     for path, node in node_of.items():
         chain = [5] + [draft.tokens[node_of[path[:d]]] for d in range(1, len(path))]
-        logits = heads(out.hidden_states[0], model.logits, token_embeds=embed[torch.tensor(chain + [0] * (3 - len(chain)))])
+        logits = heads(out.hidden_states[0], tiny_model.logits, token_embeds=embed[torch.tensor(chain + [0] * (3 - len(chain)))])
         ranked = logits[len(path) - 1].topk(2).indices.tolist()
         assert draft.tokens[node] == ranked[path[-1]], f"node {path}"
-    siblings = [heads(out.hidden_states[0], model.logits, token_embeds=embed[torch.tensor([5, t, 0])])[1]
+    siblings = [heads(out.hidden_states[0], tiny_model.logits, token_embeds=embed[torch.tensor([5, t, 0])])[1]
                 for t in draft.tokens[1:3]]
     assert not torch.equal(*siblings)  # depth-1 siblings rank their children differently
     assert drafter.propose(PROMPT + [5], 3, TargetStep(out, 0)).tokens == draft.tokens[:4]  # cut to max_nodes
 
 
 @pytest.mark.parametrize("shape", ["chain", "mixed", "deep-second"])
-def test_hydra_heads_decode_losslessly(model, reference, shape, tmp_path):
-    heads = random_hydra(model, 4)
+def test_hydra_heads_decode_losslessly(tiny_model, tiny_reference, shape, tmp_path):
+    heads = random_hydra(tiny_model, 4)
     save_heads(heads, tmp_path)
     loaded = load_heads(tmp_path)
     assert loaded.sequential and loaded.cfg.kind == "hydra"
     tree = StaticTree.from_paths(TREES[shape], 4)
-    result = run(model, HydraDrafter(tree, loaded, model))
-    assert result.token_ids == reference
+    result = run(tiny_model, HydraDrafter(tree, loaded, tiny_model))
+    assert result.token_ids == tiny_reference
     assert sum(result.stats.drafted_per_step) > 0
 
 
-def test_hydra_config_must_be_token_conditioned(tmp_path, model):
+def test_hydra_config_must_be_token_conditioned(tmp_path, tiny_model):
     import json
 
-    heads = random_hydra(model)
+    heads = random_hydra(tiny_model)
     save_heads(heads, tmp_path)
     cfg = json.loads((tmp_path / "mtp_config.json").read_text())
     cfg["token_conditioned"] = False
@@ -449,12 +439,12 @@ def test_merged_drafter_builds_a_trie_of_the_drafters_paths():
         MergedDrafter([sampled]).propose([1], 4)
 
 
-def test_heads_merged_with_ngram_decode_losslessly(model, reference):
-    heads = random_hydra(model, 3)
-    drafter = MergedDrafter([HydraDrafter(StaticTree.from_paths(TREES["mixed"], 3), heads, model),
+def test_heads_merged_with_ngram_decode_losslessly(tiny_model, tiny_reference):
+    heads = random_hydra(tiny_model, 3)
+    drafter = MergedDrafter([HydraDrafter(StaticTree.from_paths(TREES["mixed"], 3), heads, tiny_model),
                              NgramDrafter(3, 1, 3)])
-    result = run(model, drafter)
-    assert result.token_ids == reference
+    result = run(tiny_model, drafter)
+    assert result.token_ids == tiny_reference
     assert max(result.stats.drafted_per_step) > 6  # the n-gram chain added nodes of its own
 
 

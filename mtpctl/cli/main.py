@@ -9,7 +9,7 @@ from typing import List, Optional
 
 import click
 
-from mtpctl import __version__
+from mtpctl.version import __version__
 from mtpctl.cli.add_heads import add_heads_cmd
 from mtpctl.cli.bench import bench_cmd
 from mtpctl.cli.export import export_cmd

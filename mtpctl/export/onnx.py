@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtpctl import __version__
+from mtpctl.version import __version__
 from mtpctl.backends.graph import GRAPH_DATA_FILE, GRAPH_FILE, MANIFEST_FILE, io_names
 from mtpctl.drafters.heads.config import WEIGHTS_FILE, HeadsConfig
 from mtpctl.drafters.heads.medusa import MedusaHeads

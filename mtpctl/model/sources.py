@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional
 
-from mtpctl import __version__
+from mtpctl.version import __version__
 from mtpctl.errors import BadInput, CorruptModel, HubUnreachable, ModelNotFound
 from mtpctl.files import mtpctl_home, sha256_file
 

@@ -36,7 +36,7 @@ from typing import Dict, Sequence
 
 import torch
 
-from mtpctl import __version__
+from mtpctl.version import __version__
 from mtpctl.drafters.heads.folder import save_heads
 from mtpctl.drafters.heads.tree import expected_accepted, tree_from_accuracy
 from mtpctl.drafters.retrieval import DATASTORE_FILE, Datastore
