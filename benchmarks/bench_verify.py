@@ -6,7 +6,7 @@ depth-2 spine and leaves), and prints a Markdown table of milliseconds per pass 
 and the ratio to the plain step. A verify pass of N tokens costing r times a plain step pays off only
 when a step commits more than r tokens on average. ``--kernels default,blocked`` also times the dense
 modes with torch's default linear kernel (a Decoder loaded without oneDNN's blocked layout, which a
-Session uses), rows of the two alternating pass by pass. ``--attention torch,native`` likewise times
+TorchSession uses), rows of the two alternating pass by pass. ``--attention torch,native`` likewise times
 torch's batch-invariant attention ops against the native kernels (``mtpctl.model.native``), and
 ``--int4-kernels torch,native`` torch's int4 matmul against the native one (csrc/int4_matmul.c).
 
@@ -24,10 +24,10 @@ import time
 
 import torch
 
-from mtpctl.model.sources import resolve_model
-from mtpctl.runtime.engine import TorchEngine
+from mtpctl.backends.torch import TorchEngine, TorchSession
+from mtpctl.decode.tree import DraftTree
 from mtpctl.model.decoder import DTYPES, Decoder
-from mtpctl.runtime.session import Session
+from mtpctl.model.sources import resolve_model
 
 MODES = {"float32": ("float32", "dense"), "bfloat16": ("bfloat16", "dense"), "int4": ("bfloat16", "int4")}
 
@@ -37,12 +37,12 @@ def tree_parents(n: int) -> list:
     return [-1, 0, 1][:n] + [0] * max(0, n - 3)
 
 
-def time_pass(engine: TorchEngine, tokens: list, parents, reps: int) -> float:
-    engine.verify(tokens, parents)
+def time_pass(engine: TorchEngine, tree: DraftTree, reps: int) -> float:
+    engine.verify(tree)
     times = []
     for _ in range(reps):
         start = time.perf_counter()
-        engine.verify(tokens, parents)
+        engine.verify(tree)
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
 
@@ -56,7 +56,7 @@ def main(argv=None) -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--kernels", default="blocked",
-                   help="dense modes: blocked (a Session's oneDNN layout), default (torch's kernel) or both")
+                   help="dense modes: blocked (a TorchSession's oneDNN layout), default (torch's kernel) or both")
     p.add_argument("--int4-kernels", default="native",
                    help="int4 mode: native (csrc/int4_matmul.c, where it builds), torch (torch's int4 kernel) or both")
     p.add_argument("--attention", default="native",
@@ -81,7 +81,7 @@ def main(argv=None) -> None:
             elif kernel == "int4-torch":
                 model = Decoder.from_folder(folder, torch.bfloat16, packed=True, blocked=True, native_int4=False)
             else:
-                model = Session(folder, *MODES[mode]).model
+                model = TorchSession(folder, *MODES[mode]).model
             for attention in args.attention.split(","):
                 engine = TorchEngine(model, args.context + max(sizes) + 1, native=attention == "native")
                 engine.prefill(list(range(100, 100 + args.context)))
@@ -90,7 +90,8 @@ def main(argv=None) -> None:
         for _ in range(args.reps):  # alternate the kernels pass by pass: load changes hit both alike
             for shape, n in shapes:
                 for kernel, engine in engines.items():
-                    times[kernel, shape, n].append(time_pass(engine, [5] * n, tree_parents(n) if shape == "tree" else None, 1))
+                    tree = DraftTree.from_parents([5] * n, tree_parents(n)) if shape == "tree" else DraftTree.chain([5] * n)
+                    times[kernel, shape, n].append(time_pass(engine, tree, 1))
         for kernel in engines:
             plain = statistics.median(times[kernel, "plain", 1])
             cells = [f"{plain:.1f}"] + [f"{statistics.median(times[kernel, shape, n]):.1f} "

@@ -1,5 +1,4 @@
-"""How a head's held-out accuracy grows with its training data: the evidence behind BENCHMARKS.md's
-"What tau 2.5 would take" (tenth session).
+"""How a head's held-out accuracy grows with its training data (docs/findings.md, what limits tau).
 
 Trains head 1 of the recipe's shape (token-conditioned Medusa head: h + W_tok e(t+1), one residual
 block x + SiLU(Wx + b) started as the identity, the frozen lm_head rows of the draft vocabulary) on
@@ -31,9 +30,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from mtpctl.model.sources import resolve_model
-from mtpctl.runtime.engine import attention_masks
+from mtpctl.decode.attention import attention_masks
 from mtpctl.model.decoder import Decoder
+from mtpctl.model.sources import resolve_model
 from mtpctl.model.tokenizer import TextCodec
 
 PIECE = 256  # tokens of a teacher-forced text piece

@@ -11,6 +11,8 @@ affects all methods alike. Figures (glossary in docs/glossary.md):
   p10..p90 spread (a paired ratio cancels the prompt's and the moment's own speed).
 - tau: committed tokens per decode step (bonus counted); acceptance by draft position j: accepted
   draft tokens at position j / draft tokens proposed at position j.
+- same as plain: runs whose tokens equal plain's run of the same prompt and round (greedy
+  speculation is lossless: every run; with sampling, or for peers with other numerics, fewer).
 """
 
 from __future__ import annotations
@@ -152,7 +154,8 @@ def summarize(runs: MethodRuns, plain: Optional[MethodRuns], weight_bytes: Optio
         ratios = [_ms_per_token(p) / _ms_per_token(m) for p, m in zip(plain.results, results)
                   if m.stats.new_tokens and p.stats.new_tokens]
         summary.update(speedup=percentile(ratios, 50), speedup_p10=percentile(ratios, 10),
-                       speedup_p90=percentile(ratios, 90))
+                       speedup_p90=percentile(ratios, 90),
+                       same_as_plain=sum(m.token_ids == p.token_ids for p, m in zip(plain.results, results)))
     return summary
 
 

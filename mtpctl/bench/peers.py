@@ -7,36 +7,49 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable, List, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from mtpctl.decode.loop import GenerationResult, GenerationStats
 
 
 def transformers_runner(folder: Path, eos_ids: Sequence[int], max_new_tokens: int,
-                        prompt_lookup_num_tokens: int = 0) -> Callable[[List[int]], GenerationResult]:
+                        prompt_lookup_num_tokens: int = 0,
+                        assistant: Optional[Path] = None) -> Callable[[List[int]], GenerationResult]:
     """A peer to compare with: HF transformers' greedy ``generate`` (float32) on the same checkpoint,
-    plain or with prompt lookup (``prompt_lookup_num_tokens``). Its runs carry total time and new
-    tokens only (TTFT, ITL and tau are not observable from outside ``generate``)."""
+    plain, with prompt lookup (``prompt_lookup_num_tokens``), or assisted by the draft model in the
+    checkpoint folder ``assistant`` (with both tokenizers: transformers' universal assisted generation,
+    which also pairs models whose tokenizers differ)."""
     import torch
-    from transformers import AutoModelForCausalLM
-
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     eos = sorted(eos_ids)
+    extra = {"prompt_lookup_num_tokens": prompt_lookup_num_tokens} if prompt_lookup_num_tokens else {}
+    if assistant is not None:
+        extra = {"assistant_model": AutoModelForCausalLM.from_pretrained(str(assistant), dtype=torch.float32).eval(),
+                 "tokenizer": AutoTokenizer.from_pretrained(str(folder)),
+                 "assistant_tokenizer": AutoTokenizer.from_pretrained(str(assistant))}
 
     def run(prompt_ids: List[int]) -> GenerationResult:
-        extra = {"prompt_lookup_num_tokens": prompt_lookup_num_tokens} if prompt_lookup_num_tokens else {}
         start = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
                                  max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
                                  pad_token_id=eos[0], **extra)
         total_ms = (time.perf_counter() - start) * 1e3
-        new = out[0, len(prompt_ids):].tolist()
+        new = trim_at_eos(out[0, len(prompt_ids):].tolist(), eos)
         stats = GenerationStats(prompt_tokens=len(prompt_ids), new_tokens=len(new), ttft_ms=None, total_ms=total_ms)
         return GenerationResult(new, "", "eos" if new and new[-1] in eos else "length", stats)
 
     return run
+
+
+def trim_at_eos(tokens: List[int], eos_ids: Sequence[int]) -> List[int]:
+    """``tokens`` up to and including the first EOS (assisted generation may keep accepted tokens past it)."""
+    for i, t in enumerate(tokens):
+        if t in eos_ids:
+            return tokens[:i + 1]
+    return tokens
 
 
 def llamacpp_runner(gguf: Path, eos_ids: Sequence[int], max_new_tokens: int, threads: int,

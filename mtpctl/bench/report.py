@@ -58,16 +58,17 @@ def _fmt(value, spec: str) -> str:
 def format_table(report: dict) -> str:
     """The methods as a markdown table (the same numbers as the JSON, rounded)."""
     lines = ["| method | tokens/s | speedup (p10-p90) | TTFT p50 ms | ITL p50 / p90 / p99 ms | tau | acceptance "
-             "| by position | peak memory MiB |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+             "| by position | same as plain | peak memory MiB |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for m in report["methods"]:
         speed = "1.00 (baseline)" if m["method"] == "plain" else (
             f"{_fmt(m.get('speedup'), '.2f')} ({_fmt(m.get('speedup_p10'), '.2f')}-{_fmt(m.get('speedup_p90'), '.2f')})")
         itl = " / ".join(_fmt(m[k], ".1f") for k in ("itl_ms_p50", "itl_ms_p90", "itl_ms_p99"))
         positions = " ".join(f"{a:.2f}" for a in m["acceptance_by_position"]) or "-"
+        same = "-" if m.get("same_as_plain") is None else f"{m['same_as_plain']}/{m['runs']}"
         lines.append(f"| {m['method']} | {m['tokens_per_s']:.1f} | {speed} | {_fmt(m['ttft_ms_p50'], '.1f')} | {itl} "
                      f"| {_fmt(m['tau'], '.2f')} | {_fmt(m['acceptance_rate'], '.2f')} | {positions} "
-                     f"| {_fmt(m['peak_memory_bytes'] and m['peak_memory_bytes'] / 2**20, '.1f')} |")
+                     f"| {same} | {_fmt(m['peak_memory_bytes'] and m['peak_memory_bytes'] / 2**20, '.1f')} |")
     cats = report["tokens_per_s_by_category"]
     names = [m["method"] for m in report["methods"]]
     lines += ["", "| category | " + " | ".join(f"{n} tokens/s" for n in names) + " |",

@@ -250,6 +250,10 @@ class MedusaDrafter:
         pending = context[-1]
         if last is None or max_tokens <= 0:
             return DraftTree(pending)
+        return self.draft(last, pending, max_tokens)
+
+    def draft(self, last: TargetStep, pending: int, max_tokens: int) -> DraftTree:
+        """The tree's first ``max_tokens`` paths under ``pending``, filled with each head's top-k."""
         logits = self.logits(last, pending)  # [depth, vocab], -inf outside a draft vocabulary
         return self.tree.draft(pending, logits.topk(self.tree.max_rank, dim=-1).indices, max_tokens)
 
@@ -266,7 +270,7 @@ class MedusaDrafter:
             return self.heads(hidden, self.target.logits, token_embeds=embeds, count=depth)
 
 
-class HydraDrafter:
+class HydraDrafter(MedusaDrafter):
     """Drafts with Hydra heads: the tree grown level by level from the target's last committed row
     (:meth:`MedusaHeads.draft_tree`), each node expanded from its own path. Candidates are
     deterministic (q one-hot).
@@ -278,13 +282,9 @@ class HydraDrafter:
     """
 
     def __init__(self, tree: StaticTree, heads: MedusaHeads, target: Decoder):
-        self.tree, self.heads, self.target = tree, heads, target
-        self.budget = len(tree.paths)
+        super().__init__(tree, heads, target)
 
-    def propose(self, context: Sequence[int], max_tokens: int, last: Optional[TargetStep] = None) -> DraftTree:
-        pending = context[-1]
-        if last is None or max_tokens <= 0:
-            return DraftTree(pending)
+    def draft(self, last: TargetStep, pending: int, max_tokens: int) -> DraftTree:
         hidden = last.out.hidden_states[last.row]
         dtype = hidden.dtype
         with torch.inference_mode():

@@ -1,0 +1,202 @@
+"""Regenerate BENCHMARKS.md: every current figure, one section per question, each with the command
+that produced it (run here as a subprocess, so the command shown is exactly what ran).
+
+    .venv/bin/python benchmarks/bench_all.py --heads heads/smollm2-medusa --write BENCHMARKS.md
+    .venv/bin/python benchmarks/bench_all.py --heads heads/smollm2-medusa --sections methods,heads --write BENCHMARKS.md
+
+``make bench`` trains the heads with the default recipe first when they are missing. ``--sections``
+reruns only the named sections and keeps the others as the file has them. Progress goes to stderr.
+Time it on a quiet machine: nothing else running (figures on this 2-core machine move by 10% and
+more under load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, List
+
+import torch
+
+from mtpctl.bench.harness import cpu_model
+
+ROOT = Path(__file__).resolve().parents[1]
+MTPCTL = ".venv/bin/mtpctl"
+PYTHON = ".venv/bin/python"
+THREADS = "2"
+
+
+@dataclass
+class Section:
+    """One question of BENCHMARKS.md: the commands that answer it (each printing markdown on stdout)."""
+
+    key: str
+    title: str
+    about: str
+    commands: Callable[[argparse.Namespace], List[str]]
+    tables_only: bool = True  # keep the stdout of `mtpctl bench` up to its first blank line (the methods table)
+    notes: List[str] = field(default_factory=list)
+
+
+def _bench(*args: str) -> str:
+    return " ".join([MTPCTL, "bench", *args, "--threads", THREADS])
+
+
+SECTIONS = [
+    Section("peers", "Plain decoding against its peers",
+            "mtpctl's plain and prompt-lookup decoding against HF transformers' `generate` (float32, plain and "
+            "prompt lookup) and llama.cpp decoding the same GGUF file (`--weights int4`), on the same prompt ids "
+            "in one run each. The speedup column is against mtpctl plain of the same run.",
+            lambda a: [_bench("--methods", "plain,ngram", "--baseline", "transformers", "--limit", "1"),
+                       _bench("--dtype", "bfloat16", "--weights", "int4", "--methods", "plain,ngram", "--baseline",
+                              "llama.cpp", "--limit", "1")],
+            notes=["HF and llama.cpp report total time and new tokens only (no TTFT, ITL or tau from outside); their "
+                   "'same as plain' compares other numerics with mtpctl's (a near-tie may flip a token)."]),
+    Section("methods", "Speculation methods, per numeric mode",
+            "Every lossless drafter of `--speculate` against plain decoding, in float32, dense bfloat16 and "
+            "bfloat16 with int4 weights; the heads are those of the default recipe (see the recipe section). "
+            "14 prompts of the built-in set, none seen in training.",
+            lambda a: [_bench(*dt, "--methods", "plain,ngram,retrieval,heads,heads+ngram,heads+ngram+retrieval",
+                              "--heads", a.heads, "--limit", "2")
+                       for dt in ((), ("--dtype", "bfloat16"), ("--dtype", "bfloat16", "--weights", "int4"))]),
+    Section("heads", "MTP heads: draft-tree size per mode",
+            "The heads' static tree at 2, 4 and 8 nodes, alone and merged with a 3-token prompt-lookup chain, per "
+            "numeric mode (the default size per mode, `--tree-nodes`, comes from this table).",
+            lambda a: [f"{PYTHON} benchmarks/bench_heads.py --heads {a.heads} --modes float32,bfloat16,int4 "
+                       f"--trees 2,4,8 --ngram 3 --limit 1 --threads {THREADS}"], tables_only=False),
+    Section("draft", "Draft models",
+            "A draft model proposing chains for a target (here SmolLM2-135M and Gemma 3 270M for each other: their "
+            "tokenizers differ, so they pair in the cross-tokenizer text mode), against HF's assisted generation "
+            "with both tokenizers.",
+            lambda a: [f"{PYTHON} benchmarks/bench_draft_pair.py --limit 1 --threads {THREADS}"], tables_only=False),
+    Section("backends", "Backends: onnxruntime against torch",
+            "The exported fused graph (the heads fused into it) on onnxruntime against the torch backend, float32.",
+            lambda a: [f"{PYTHON} benchmarks/bench_backends.py --heads {a.heads} --limit 1 --threads {THREADS}"],
+            tables_only=False),
+    Section("verify", "What one verify pass costs",
+            "The target's forward pass alone (no drafting, no logits) for a plain step and for chains and trees of "
+            "N tokens, after 200 committed tokens: a pass of N tokens costing r plain steps pays only when a step "
+            "commits more than r tokens.",
+            lambda a: [f"{PYTHON} benchmarks/bench_verify.py --modes float32,bfloat16,int4 --sizes 4,8,16 --reps 10 "
+                       f"--threads {THREADS}"], tables_only=False),
+]
+
+
+def recipe_section(heads: str) -> str:
+    """What the default recipe's heads took to train and what they predict (their mtp_config.json)."""
+    cfg = json.loads((Path(heads) / "mtp_config.json").read_text(encoding="utf-8"))
+    t = cfg.get("training", {})
+    times = t.get("timings_s", {})
+    rows = [("positions trained", t.get("positions")), ("sequences held out", t.get("held_out")),
+            ("held-out top-1 per head", t.get("held_out_top1")), ("expected tau of the default tree", t.get("expected_tau")),
+            ("self-distillation (s)", times.get("data_s")), ("features (s)", times.get("features_s")),
+            ("training (s)", times.get("train_s")), ("total (s)", times.get("total_s"))]
+    lines = ["| figure | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    return (f"{cpu_model()}, {os.cpu_count()} logical CPUs, {THREADS} threads, torch {torch.__version__}, "
+            f"Python {platform.python_version()}")
+
+
+def commit() -> str:
+    def git(*args):
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=False).stdout.strip()
+
+    dirty = git("status", "--porcelain", "--", "mtpctl", "benchmarks")
+    return (git("rev-parse", "--short", "HEAD") or "unknown") + (" (with uncommitted changes)" if dirty else "")
+
+
+def run(command: str) -> str:
+    print(f"$ {command}", file=sys.stderr, flush=True)
+    done = subprocess.run(shlex.split(command), cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    if done.returncode:
+        raise SystemExit(f"bench_all.py: error: `{command}` exited with {done.returncode}")
+    return done.stdout.strip()
+
+
+def render(section: Section, args) -> str:
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    lines = [f"<!-- section:{section.key} -->", f"## {section.title}", "", section.about, "",
+             f"Measured {date} at commit {commit()}.", ""]
+    for command in section.commands(args):
+        if "llama.cpp" in command and importlib.util.find_spec("llama_cpp") is None:
+            lines += [f"`{command}`: not run, llama-cpp-python is not installed (`make bench` installs it).", ""]
+            continue
+        out = run(command)
+        if section.tables_only:
+            out = out.split("\n\n")[0]
+        lines += [f"`{command}`", "", out, ""]
+    lines += [f"- {n}" for n in section.notes]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def assemble(old: str, fresh: dict, order: List[str]) -> str:
+    """The file's header, then every section in ``order``: freshly measured or kept from ``old``."""
+    kept = {}
+    for match in re.finditer(r"<!-- section:(\w+) -->\n(.*?)(?=<!-- section:|\Z)", old, re.S):
+        kept[match.group(1)] = f"<!-- section:{match.group(1)} -->\n{match.group(2).rstrip()}\n"
+    head = ["# Benchmarks", "",
+            "Current figures of mtpctl on this project's machine, one section per question, each with the command "
+            "that measured it. Regenerate all of them with `make bench` (about an hour here, heads training "
+            "included), or some with `.venv/bin/python benchmarks/bench_all.py --heads heads/smollm2-medusa "
+            "--sections KEY,... --write BENCHMARKS.md`. What was tried along the way, and what it showed, is in "
+            "[docs/findings.md](docs/findings.md); the columns are explained in [docs/glossary.md](docs/glossary.md).",
+            "",
+            f"Machine: {machine()}. Model: SmolLM2-135M-Instruct (the default, its Q4_1 GGUF) unless a section says "
+            "otherwise; greedy decoding, batch 1. Runs on this shared 2-core machine move by 10% or more: compare "
+            "methods within one table.", ""]
+    body = [fresh.get(key) or kept.get(key, f"<!-- section:{key} -->\n## {key}\n\n(not measured yet)\n") for key in order]
+    return "\n".join(head) + "\n" + "\n".join(body)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--heads", default="heads/smollm2-medusa", help="head folder of the default recipe")
+    p.add_argument("--sections", default=None, help=f"only these (comma-separated): {','.join(s.key for s in SECTIONS)},recipe")
+    p.add_argument("--write", type=Path, default=None, help="the file to write (else stdout)")
+    args = p.parse_args(argv)
+    order = [s.key for s in SECTIONS] + ["recipe"]
+    wanted = order if args.sections is None else [k.strip() for k in args.sections.split(",")]
+    unknown = set(wanted) - set(order)
+    if unknown:
+        p.error(f"unknown section(s) {sorted(unknown)}: choose from {', '.join(order)}")
+    if not (Path(args.heads) / "mtp_config.json").is_file():
+        p.error(f"no head folder at {args.heads}: train it with {MTPCTL} add-heads --recipe "
+                f"recipes/smollm2-135m-medusa.yaml --out {args.heads} (make bench does)")
+    fresh = {}
+    for section in SECTIONS:
+        if section.key in wanted:
+            fresh[section.key] = render(section, args)
+    if "recipe" in wanted:
+        fresh["recipe"] = "\n".join([
+            "<!-- section:recipe -->", "## The default recipe: time and what the heads predict", "",
+            "What training the heads of the sections above took here, and their held-out figures (from the head "
+            "folder's `mtp_config.json`).", "",
+            f"`{MTPCTL} add-heads --recipe recipes/smollm2-135m-medusa.yaml --out {args.heads}`", "",
+            recipe_section(args.heads), ""])
+    old = args.write.read_text(encoding="utf-8") if args.write and args.write.exists() else ""
+    text = assemble(old, fresh, order)
+    if args.write:
+        tmp = args.write.with_name(f".{args.write.name}.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, args.write)
+        print(f"wrote {args.write}", file=sys.stderr)
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
