@@ -423,7 +423,7 @@ def test_kept_features_are_cut_with_their_sequences(tiny_folder):
 
 @pytest.mark.parametrize("tau, warned", [(1.02, True), (1.15, True), (1.6, False)])
 def test_heads_that_predict_little_get_a_warning(tiny_folder, tmp_path, capsys, monkeypatch, tau, warned):
-    """helper-30: a run whose heads learned nothing stored its tree silently; generate with it is slower
+    """A run whose heads learned nothing stored its tree silently; generate with it is slower
     than plain decoding. The summary's expected tau now decides a warning on stderr (stdout stays JSON)."""
     import mtpctl.cli.add_heads as cli_module
 
@@ -439,7 +439,7 @@ def test_heads_that_predict_little_get_a_warning(tiny_folder, tmp_path, capsys, 
 
 
 def test_self_distillation_stops_at_the_models_context():
-    """helper-31: a prompt plus --response-tokens past max_position_embeddings (128 here) was an internal
+    """A prompt plus --response-tokens past max_position_embeddings (128 here) was an internal
     error (IndexError in the rotary table); a response now ends where the context does."""
     model = random_decoder(seed=2)
     ctx = model.cfg.max_position_embeddings
@@ -451,7 +451,7 @@ def test_self_distillation_stops_at_the_models_context():
 
 
 def test_add_heads_fits_sequences_to_the_models_context(tiny_folder, tmp_path):
-    """helper-31: max_seq_len (512) and response_tokens (128) by default, on a model of 128 positions: a
+    """max_seq_len (512) and response_tokens (128) by default, on a model of 128 positions: a
     long text record or a long self-distilled response was an internal error; sequences are cut to the
     context instead."""
     data = write_data(tmp_path)
@@ -463,7 +463,7 @@ def test_add_heads_fits_sequences_to_the_models_context(tiny_folder, tmp_path):
 
 
 def test_no_held_out_data_is_said_plainly(tiny_folder, tmp_path, capsys, monkeypatch):
-    """helper-31: with nothing held out, the figures are 0 because nothing was measured, not because the
+    """With nothing held out, the figures are 0 because nothing was measured, not because the
     heads are bad; the warning says so instead of "predict little"."""
     import mtpctl.cli.add_heads as cli_module
 

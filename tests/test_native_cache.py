@@ -138,7 +138,7 @@ def test_another_compiler_gets_its_own_build(home, monkeypatch):
 
 
 def test_a_built_library_is_reused_once_its_compiler_is_gone(home, monkeypatch, capsys):
-    # helper-31: with $CC in the key, a build made before the compiler was removed (a slim runtime image,
+    # with $CC in the key, a build made before the compiler was removed (a slim runtime image,
     # a shared MTPCTL_HOME) fell back to torch's ops; the build of these sources for this CPU serves
     monkeypatch.setenv("CC", shutil.which("cc") or shutil.which("gcc"))
     assert load_kernel() is not None
@@ -161,7 +161,7 @@ def test_a_built_library_is_reused_once_its_compiler_is_gone(home, monkeypatch, 
     (" ", "CC=' ' names no compiler"),
 ])
 def test_a_missing_compiler_is_named_as_looked_up(monkeypatch, cc, message):
-    # helper-31: "ccache gcc" without ccache said "no C compiler 'ccache gcc'", and CC=" " "no C compiler ''"
+    # "ccache gcc" without ccache said "no C compiler 'ccache gcc'", and CC=" " "no C compiler ''"
     monkeypatch.setenv("CC", cc)
     with pytest.raises(OSError) as e:
         native._compiler()

@@ -12,7 +12,7 @@ from mtpctl.train.distill import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
-BENCH_FILES = [ROOT / "mtpctl" / "data" / "bench_prompts.jsonl", ROOT / "benchmarks" / "prompts.jsonl"]
+BENCH_FILES = [ROOT / "mtpctl" / "data" / "bench_prompts.jsonl"]  # the built-in prompt set every benchmark uses
 RUN = 10  # words: a prompt sharing this many consecutive words with a benchmark prompt is too close
 
 

@@ -16,8 +16,8 @@ from mtpctl.errors import BadInput
 
 def parse_methods(text: str) -> List[str]:
     """``plain,ngram`` -> the list, ``plain`` first (the speedup baseline); a method is ``plain`` or
-    a drafter spec (``heads+ngram``, ``draft``), named in merge order (``heads+ngram``, not
-    ``ngram+heads``), each once.
+    a drafter spec (``heads+ngram``, ``draft``), each once; a spec is named by its parts in merge
+    order (``ngram+heads`` is the method ``heads+ngram``).
 
     Raises:
         BadInput: an unknown method.

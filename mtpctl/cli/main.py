@@ -21,21 +21,32 @@ from mtpctl.errors import MtpctlError, OutputClosed
 INTERNAL_ERROR, INTERRUPTED = 3, 130
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog="""\b
+Examples:
+  mtpctl generate "Write a haiku about caches."
+  mtpctl generate --speculate ngram --stats --prompt-file notes.txt
+  mtpctl bench --methods plain,ngram --limit 1 --fail-below-speedup 1.1
+  mtpctl models list
+
+\b
+Environment:
+  MTPCTL_HOME              cache root (default $XDG_CACHE_HOME/mtpctl, else ~/.cache/mtpctl): models/
+                           and gguf/ (imported models), hub/, work/ (add-heads' cached features and
+                           --resume checkpoints) and kernels/ (the native kernel library); all but
+                           models/ and gguf/ are rebuilt when deleted
+  CC                       C compiler (may carry arguments, e.g. "ccache gcc") for the native kernels
+                           (attention, RMSNorm, RoPE, int4); default cc
+  MTPCTL_NATIVE_ATTENTION  0, false, off or no: torch's ops instead of the native kernels
+  MTPCTL_DEBUG             1: as --debug
+""")
 @click.version_option(__version__, prog_name="mtpctl")
 @click.option("--debug", is_flag=True, help="Show the full traceback of an error.")
 def cli(debug: bool) -> None:
     """mtpctl: multi-token prediction heads and speculative decoding for LLMs.
 
-    stdout carries the product (text or JSON), stderr carries progress and logs.
-    Exit codes: 0 ok, 1 a gate failed, 2 bad input or missing resource, 3 internal error.
-
-    \b
-    Examples:
-      mtpctl generate "Write a haiku about caches."
-      mtpctl generate --speculate ngram --stats --prompt-file notes.txt
-      mtpctl bench --methods plain,ngram --limit 1 --fail-below-speedup 1.1
-      mtpctl models list
+    stdout carries the product (text, JSON or JSONL), stderr progress and logs; nothing prompts.
+    Exit codes: 0 ok, 1 a gate failed, 2 bad input or a missing resource, 3 internal error (a bug:
+    the traceback with --debug), 130 interrupted, 141 stdout closed by its reader.
     """
 
 
