@@ -47,6 +47,11 @@ class UnsupportedModel(MtpctlError):
     """The checkpoint is well formed but uses an architecture or feature the runtime lacks."""
 
 
+class NonFinite(MtpctlError):
+    """A NaN or inf in the target's or a drafter's logits (broken weights, or values that overflow the
+    dtype): the request fails rather than turn it into a token."""
+
+
 class GateFailed(MtpctlError):
     """A benchmark gate (speedup, latency) was missed."""
 

@@ -99,6 +99,15 @@ def output_folder(out: Path, overwrite: bool = False) -> Iterator[Path]:
         raise
 
 
+def check_writable(path: Path) -> None:
+    """BadInput unless ``path`` can be written (its folder exists and is writable; not a folder):
+    checked before the work whose output it will hold."""
+    path = Path(path)
+    folder = path.parent
+    if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise BadInput(f"cannot write {path}: its folder does not exist or is not writable")
+
+
 def write_file(path: Path, data: Union[str, bytes]) -> None:
     """Write ``data`` (text as UTF-8) to ``path`` atomically: a temporary file in the same folder,
     renamed when complete, with the modes the umask asks for.

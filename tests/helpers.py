@@ -214,3 +214,17 @@ def tree_positions(parents: Sequence[int]):
     """``(depth [N], ancestor mask [N, N])`` of the tree given by ``parents`` (-1 the root)."""
     tree = DraftTree.from_parents(list(range(len(parents))), parents)
     return tree.depth_tensor(), tree.ancestor_mask()
+
+
+def random_heads(model, num_heads=3, seed=0, draft_vocab=0):
+    """Medusa heads with random weights for ``model`` (float32; ``draft_vocab``: every second id)."""
+    from mtpctl.drafters.heads.config import HeadsConfig
+    from mtpctl.drafters.heads.medusa import MedusaHeads
+
+    cfg = HeadsConfig("medusa", num_heads, 1, False, model.cfg.hidden_size, model.cfg.vocab_size, draft_vocab)
+    token_map = torch.arange(0, 2 * draft_vocab, 2) if draft_vocab else None
+    heads = MedusaHeads(cfg, torch.float32, model.dense_lm_head().float(), token_map)
+    g = torch.Generator().manual_seed(seed)
+    for p in heads.parameters():
+        p.data = 0.3 * torch.randn(p.shape, generator=g)
+    return heads.requires_grad_(False)

@@ -94,7 +94,7 @@ def test_prompt_from_stdin_and_file(capsys, tiny_folder, tmp_path, monkeypatch):
     import io
 
     args = ["generate", "-m", tiny_folder, "--max-new-tokens", 5, "--json"]
-    monkeypatch.setattr(sys, "stdin", io.StringIO("tell me"))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"tell me")))
     code, from_stdin, _ = cli(capsys, *args, "-")
     (tmp_path / "p.txt").write_text("tell me")
     code2, from_file, _ = cli(capsys, *args, "--prompt-file", tmp_path / "p.txt")

@@ -5,7 +5,8 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import PROMPT, exact_sequence_probs, first_divergence, greedy_reference, plain_decode_logits, random_decoder, run, top2_gap
+from helpers import (PROMPT, exact_sequence_probs, first_divergence, greedy_reference, plain_decode_logits, random_decoder,
+                     random_heads, run, top2_gap)
 from stats_util import chi_square_rejects
 
 from mtpctl.backends.torch import TorchEngine
@@ -105,16 +106,6 @@ def test_a_tree_that_holds_the_truth_accepts_along_it(tiny_model, tiny_reference
     assert result.token_ids == tiny_reference
     assert result.stats.tau == pytest.approx(39 / result.stats.decode_steps)
     assert max(result.stats.accepted_per_step) == 5  # 4 drafts along the deep branch + bonus
-
-
-def random_heads(model, num_heads=3, seed=0, draft_vocab=0):
-    cfg = HeadsConfig("medusa", num_heads, 1, False, model.cfg.hidden_size, model.cfg.vocab_size, draft_vocab)
-    token_map = torch.arange(0, 2 * draft_vocab, 2) if draft_vocab else None
-    heads = MedusaHeads(cfg, torch.float32, model.dense_lm_head().float(), token_map)
-    g = torch.Generator().manual_seed(seed)
-    for p in heads.parameters():
-        p.data = 0.3 * torch.randn(p.shape, generator=g)
-    return heads.requires_grad_(False)
 
 
 @pytest.mark.parametrize("draft_vocab", [0, 64])

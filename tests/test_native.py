@@ -20,7 +20,7 @@ def reference(q, keys, values, scale, plan):
     out = torch.zeros(q.shape, dtype=torch.float64)
     group = HEADS // KV_HEADS
     for i in range(q.shape[2]):
-        slots = list(range(int(plan.starts[i]), plan.length)) + [int(s) for s in plan.paths[i] if s >= 0]
+        slots = list(range(int(plan.starts[i]), int(plan.ends[i]))) + [int(s) for s in plan.paths[i] if s >= 0]
         for h in range(HEADS):
             k = keys[0, h // group, slots].double()
             v = values[0, h // group, slots].double()
@@ -52,7 +52,7 @@ def test_slot_plan_lists_committed_slots_then_the_path():
     depth, tree_mask = tree_positions([-1, 0, 0, 1])  # node 3's path: 0 -> 1 -> 3
     plans = slot_plan([None, 4], 10, depth, tree_mask)
     full, local = plans[None], plans[4]
-    assert full.length == 10 and full.starts.tolist() == [0, 0, 0, 0]
+    assert full.ends.tolist() == [10] * 4 and full.starts.tolist() == [0, 0, 0, 0]
     assert full.paths.tolist() == [[10, -1, -1], [10, 11, -1], [10, 12, -1], [10, 11, 13]]
     # positions 10, 11, 11, 12 with a window of 4: committed slots from position - 3, path nodes within 3
     assert local.starts.tolist() == [7, 8, 8, 9] and local.paths.tolist() == full.paths.tolist()
@@ -90,14 +90,14 @@ def test_a_token_gets_the_same_bits_alone_in_any_pass_and_at_any_thread_count(bu
     for i in range(len(parents)):
         path = [int(s) for s in plan.paths[i] if s >= 0]
         alone = tree_attention(q[:, :, i:i + 1], keys, values, 0.3,
-                               SlotPlan(plan.starts[i:i + 1], length, plan.paths[i:i + 1, :len(path)].contiguous()), lib)
+                               SlotPlan(plan.starts[i:i + 1], plan.ends[i:i + 1], plan.paths[i:i + 1, :len(path)].contiguous()), lib)
         assert torch.equal(alone[:, :, 0], together[:, :, i]), f"token {i} alone"
         # plain decoding of the path: its ancestors committed at the next slots, the token last
         k2, v2 = keys.clone(), values.clone()
         k2[:, :, length:length + len(path)] = keys[:, :, path]
         v2[:, :, length:length + len(path)] = values[:, :, path]
         plain = tree_attention(q[:, :, i:i + 1], k2, v2, 0.3, SlotPlan(torch.zeros(1, dtype=torch.long),
-                               length + len(path) - 1, torch.tensor([[length + len(path) - 1]])), lib)
+                               torch.tensor([length + len(path) - 1]), torch.tensor([[length + len(path) - 1]])), lib)
         assert torch.equal(plain[:, :, 0], together[:, :, i]), f"token {i} as plain decoding"
 
 

@@ -93,9 +93,9 @@ def test_a_plan_that_does_not_fit_the_pass_is_refused_not_read_past():
     plan = slot_plan([None], 8, depth, tree_mask)[None]
     assert tree_attention(q, keys, keys, 0.25, plan).shape == q.shape
     for bad in (slot_plan([None], 8, depth[:2], tree_mask[:2, :2])[None],  # rows for 2 tokens, 3 in the pass
-                SlotPlan(plan.starts.int(), 8, plan.paths),  # int32 read as int64
-                SlotPlan(plan.starts, 10, plan.paths),  # 10 + 3 slots in a cache of 12
-                SlotPlan(plan.starts, 8, torch.cat((plan.paths, plan.paths), 1)[:, ::2])):  # strided: read as flat
+                SlotPlan(plan.starts.int(), plan.ends, plan.paths),  # int32 read as int64
+                SlotPlan(plan.starts, plan.ends + 2, plan.paths + 2),  # 10 + 3 slots in a cache of 12
+                SlotPlan(plan.starts, plan.ends, torch.cat((plan.paths, plan.paths), 1)[:, ::2])):  # strided: read as flat
         with pytest.raises(ValueError, match="slot plan"):
             tree_attention(q, keys, keys, 0.25, bad)
 

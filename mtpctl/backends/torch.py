@@ -4,68 +4,103 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from mtpctl.decode.attention import TAIL, attention_masks, attention_plan, slot_plan, tree_shape
+from mtpctl.decode.attention import TAIL, attention_masks, pass_plans, tree_shape
 from mtpctl.decode.session import Session
 from mtpctl.decode.tree import DraftTree
 from mtpctl.errors import UnsupportedModel
 from mtpctl.model.decoder import DTYPES, Decoder
 from mtpctl.model.linears import PackedLinear
-from mtpctl.model.native import kernel_runs
+from mtpctl.model.kv_cache import PassSlots
+from mtpctl.model.native import check_plan, kernel_runs
 from mtpctl.model.tokenizer import TextCodec
 from mtpctl.model.weights import weights_hash
 
 WEIGHTS = ("dense", "int4")
+#: a dense lm_head computes every row of a pass of at most this many rows at the first read
+ALL_ROWS = 16
 
 
-class TorchStepOutput:
-    """One forward pass: hidden states of its N tokens and their logits, computed on demand.
-
-    ``out[i]`` is row i's logits ``[vocab]`` (float32); ``out.logits`` all rows ``[N, vocab]``.
-    With an int4 lm_head, rows are computed one at a time as they are read (an acceptor stops at the
-    first rejection, and the int4 kernel's cost grows with the rows of a call); otherwise all rows are
-    computed together at the first read (a dense lm_head reads its weights once for all N rows, far
-    cheaper than N one-row calls).
+class PassLogits:
+    """The logits of a pass's rows, computed on demand and shared by the sequences whose rows the
+    pass carries, in as few lm_head calls as the reads allow: rows asked for ahead
+    (:meth:`want`, e.g. every sequence's next row in a round of greedy acceptance) are computed
+    together with the next row read. A dense lm_head computes every row of a small pass (at most
+    :data:`ALL_ROWS`) at the first read: it reads its weights once per call, and a few extra rows cost
+    less than a second call. An int4 lm_head computes only the rows read (its cost grows with the
+    rows of a call).
     """
 
-    head_logits = None  # MTP heads run in their drafter, not in the pass
-
-    def __init__(self, model: Decoder, hidden_states: torch.Tensor, prompt_hidden_states: Optional[torch.Tensor] = None):
+    def __init__(self, model: Decoder, hidden_states: torch.Tensor):
         self.model = model
         self.hidden_states = hidden_states  # [N, hidden], after the final norm
-        self.prompt_hidden_states = prompt_hidden_states  # prefill: [T, hidden] every prompt row; else None
         self._rows: Dict[int, torch.Tensor] = {}
+        self._wanted: set = set()
         self._all: Optional[torch.Tensor] = None
 
-    def __len__(self) -> int:
-        return self.hidden_states.shape[0]
+    def want(self, rows: Sequence[int]) -> None:
+        """Rows to compute with the next one read (not computed yet)."""
+        self._wanted.update(int(r) for r in rows if int(r) not in self._rows)
 
-    def __getitem__(self, i: int) -> torch.Tensor:
-        i = i % len(self)
+    def row(self, i: int) -> torch.Tensor:
+        """Row i's logits ``[vocab]`` float32."""
+        if self._all is None and not self.model.logits_by_row and len(self.hidden_states) <= ALL_ROWS:
+            self.all()
         if self._all is not None:
             return self._all[i]
-        if not self.model.logits_by_row:
-            return self.logits[i]
         if i not in self._rows:
+            todo = sorted(self._wanted | {i})
             with torch.inference_mode():
-                self._rows[i] = self.model.logits(self.hidden_states[i:i + 1])[0]
+                logits = self.model.logits(self.hidden_states[todo])
+            self._rows.update(zip(todo, logits))
+            self._wanted.clear()
         return self._rows[i]
 
-    @property
-    def logits(self) -> torch.Tensor:
-        """All rows' logits ``[N, vocab]`` float32."""
+    def all(self) -> torch.Tensor:
+        """Every row's logits ``[N, vocab]`` float32."""
         if self._all is None:
             with torch.inference_mode():
                 self._all = self.model.logits(self.hidden_states)
         return self._all
 
 
+class TorchStepOutput:
+    """One forward pass of one sequence: the hidden states of its N tokens and their logits, computed
+    on demand (:class:`PassLogits`, shared with the other sequences of a batched pass).
+
+    ``out[i]`` is row i's logits ``[vocab]`` (float32); ``out.logits`` all rows ``[N, vocab]``.
+    """
+
+    head_logits = None  # MTP heads run in their drafter, not in the pass
+
+    def __init__(self, logits: PassLogits, start: int, count: int, prompt_hidden_states: Optional[torch.Tensor] = None):
+        self._pass, self._start, self._count = logits, start, count
+        self.hidden_states = logits.hidden_states[start:start + count]  # [N, hidden], after the final norm
+        self.prompt_hidden_states = prompt_hidden_states  # prefill: [T, hidden] every prompt row; else None
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self._pass.row(self._start + i % self._count)
+
+    def prefetch(self, rows: Sequence[int]) -> None:
+        """Rows this sequence will read next: computed together with the pass's next row read."""
+        self._pass.want([self._start + i % self._count for i in rows])
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """All rows' logits ``[N, vocab]`` float32."""
+        return self._pass.all()[self._start:self._start + self._count]
+
+
 class TorchEngine:
-    """Runs a :class:`Decoder` on one sequence (batch 1) with its own KV cache
-    (:class:`mtpctl.decode.engine.Engine`).
+    """Runs a :class:`Decoder` on one sequence with its own KV cache
+    (:class:`mtpctl.decode.engine.Engine`); :func:`verify_packed` verifies several engines'
+    drafts in one pass.
 
     Args:
         model: the target decoder.
@@ -102,33 +137,23 @@ class TorchEngine:
         """KV cache slots allocated (tokens)."""
         return self.cache.capacity
 
-    @torch.inference_mode()
-    def _forward(self, tree: DraftTree, prefill: bool) -> TorchStepOutput:
-        if self.length + len(tree) > self.capacity:
-            raise ValueError(f"KV cache overflow: {self.length + len(tree)} slots needed, {self.capacity} allocated")
-        depth, tree_mask = tree_shape(tree)
-        windows = self.model.cfg.layer_windows
-        ids = torch.tensor([tree.tokens], dtype=torch.long)
-        positions = (self.length + depth)[None]
-        if prefill:  # prefill feeds plain and speculative decoding alike: it may use the fast kernel
-            masks = attention_masks(windows, self.length, depth, tree_mask, self.capacity)
-            hidden = self.model(ids, positions, self.cache, masks)[0]
-            return TorchStepOutput(self.model, hidden[-1:], prompt_hidden_states=hidden)
-        plan = slot_plan if self.native else attention_plan
-        hidden = self.model(ids, positions, self.cache, None, plan(windows, self.length, depth, tree_mask))[0]
-        return TorchStepOutput(self.model, hidden)
-
     def prefill(self, prompt_ids: Sequence[int]) -> TorchStepOutput:
-        """Reset the cache, run and commit the prompt; returns the last position's output (one row)."""
+        """Reset the cache, run and commit the prompt; returns the last position's output (one row).
+        Prefill feeds plain and speculative decoding alike, so it may use the fast fused kernel."""
         self.cache.reset()
-        out = self._forward(DraftTree.chain(prompt_ids), prefill=True)
+        if len(prompt_ids) > self.capacity:
+            raise ValueError(f"KV cache overflow: {len(prompt_ids)} slots needed, {self.capacity} allocated")
+        depth = torch.arange(len(prompt_ids))
+        masks = attention_masks(self.model.cfg.layer_windows, 0, depth, None, self.capacity)
+        with torch.inference_mode():
+            hidden = self.model(torch.tensor([list(prompt_ids)], dtype=torch.long), depth[None], self.cache, masks)[0]
         self.cache.advance(len(prompt_ids))
-        return out
+        return TorchStepOutput(PassLogits(self.model, hidden[-1:]), 0, 1, prompt_hidden_states=hidden)
 
     def verify(self, tree: DraftTree) -> TorchStepOutput:
         """Score the tree's N nodes after the committed tokens; row i is the target's prediction for
         the token following node i. Nothing is committed."""
-        return self._forward(tree, prefill=False)
+        return verify_packed([self], [tree])[0]
 
     def commit(self, path: Sequence[int]) -> None:
         """Keep the KV of the verified nodes ``path`` (root first)."""
@@ -137,6 +162,33 @@ class TorchEngine:
     def rollback(self, length: int) -> None:
         """Forget the committed tokens from ``length`` on."""
         self.cache.rollback(length)
+
+
+def verify_packed(engines: Sequence[TorchEngine], trees: Sequence[DraftTree]) -> List[TorchStepOutput]:
+    """Score each engine's draft tree in one forward pass of the shared model: the trees' nodes packed
+    one sequence after another (not padded), each reading and writing its own engine's KV cache.
+    Every kernel on the path computes a row the same alone or among others, so each engine's output
+    is bit for bit what :meth:`TorchEngine.verify` of its tree alone gives. Nothing is committed.
+
+    Raises:
+        ValueError: engines of different models or attention paths, or a tree that does not fit its
+            engine's cache (or deeper than verification supports).
+    """
+    model, native = engines[0].model, engines[0].native
+    if any(e.model is not model or e.native != native for e in engines):
+        raise ValueError("engines verified together must share one model and one attention path")
+    shapes = [(e.length,) + tree_shape(t) for e, t in zip(engines, trees)]
+    slots = PassSlots([e.cache for e in engines], [len(t) for t in trees])
+    plans = pass_plans(model.cfg.layer_windows, native, shapes)
+    if native:
+        for plan in plans.values():
+            check_plan(plan, slots.kv)
+    ids = torch.tensor([[token for t in trees for token in t.tokens]], dtype=torch.long)
+    positions = torch.cat([length + depth for length, depth, _ in shapes])[None]
+    with torch.inference_mode():
+        hidden = model(ids, positions, slots, None, plans)[0]
+    logits = PassLogits(model, hidden)
+    return [TorchStepOutput(logits, start, count) for start, count in zip(slots.starts, slots.counts)]
 
 
 class TorchSession(Session):
@@ -182,6 +234,10 @@ class TorchSession(Session):
 
     def new_engine(self, capacity: int) -> TorchEngine:
         return TorchEngine(self.model, capacity)
+
+    def verify_together(self, engines: Sequence[TorchEngine], trees: Sequence[DraftTree]) -> List[TorchStepOutput]:
+        """Every engine's draft tree in one packed pass (:func:`verify_packed`)."""
+        return verify_packed(engines, trees)
 
     @property
     def attention(self) -> str:

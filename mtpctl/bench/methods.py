@@ -8,6 +8,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from mtpctl.decode.drafter import Drafter
 from mtpctl.decode.loop import GenerationResult
+from mtpctl.decode.policy import Policy
 from mtpctl.decode.sampling import SamplingParams
 from mtpctl.decode.session import Session
 from mtpctl.drafters.build import DraftOptions, build, check, load_parts, parse
@@ -44,9 +45,11 @@ class Method:
 
 
 def build_methods(session: Session, names: Sequence[str], opts: DraftOptions, sampling: SamplingParams,
-                  max_new_tokens: int, acceptance: str = "exact") -> Dict[str, Method]:
+                  max_new_tokens: int, acceptance: str = "exact",
+                  make_policy: Callable[[], Optional[Policy]] = lambda: None) -> Dict[str, Method]:
     """Every method of ``names`` (see :func:`parse_methods`) for ``session``, the heads and datastore
-    loaded once and shared.
+    loaded once and shared; each generation speculates under a fresh ``make_policy()`` (None: every
+    step drafts the whole budget).
 
     Raises:
         BadInput, CorruptModel, UnsupportedModel: see :func:`mtpctl.drafters.build.build`.
@@ -67,7 +70,7 @@ def build_methods(session: Session, names: Sequence[str], opts: DraftOptions, sa
             size = head_bytes * ("heads" in parts) + store_bytes * ("retrieval" in parts)
 
         def run(ids, drafter=drafter):
-            return session.generate(ids, max_new_tokens, sampling, drafter, acceptance=acceptance)
+            return session.generate(ids, max_new_tokens, sampling, drafter, acceptance=acceptance, policy=make_policy())
 
         methods[name] = Method(name, run, drafter, size)
     return methods

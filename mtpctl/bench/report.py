@@ -78,13 +78,6 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def check_writable(path: Path) -> None:
-    """BadInput unless ``path`` can be written (its folder exists and is writable; not a folder)."""
-    folder = path.parent
-    if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
-        raise BadInput(f"cannot write {path}: its folder does not exist or is not writable")
-
-
 def write_json(path: Path, report: dict) -> None:
     """Write the report atomically (a temporary file, then rename). BadInput if it cannot be written."""
     write_file(Path(path), json.dumps(report, indent=2))
@@ -122,14 +115,17 @@ def plot(path: Path, report: dict, runs) -> None:
     write_file(path, buffer.getvalue())
 
 
-def check_gates(report: dict, min_speedup: Optional[float], max_p99_ms: Optional[float]) -> None:
-    """Raise GateFailed (exit 1) naming each method that misses a gate (``plain`` has no speedup gate)."""
+def check_gates(rows: list, min_speedup: Optional[float], max_p99_ms: Optional[float]) -> None:
+    """Raise GateFailed (exit 1) naming each method (at each batch size, for ``--batch-sizes`` rows)
+    that misses a gate; ``plain`` has no speedup gate. ``rows``: a report's ``methods``, or the rows of
+    :func:`mtpctl.bench.batched.summarize_batched`."""
     misses = []
-    for m in report["methods"]:
+    for m in rows:
+        name = m["method"] + (f" at batch {m['batch_size']}" if "batch_size" in m else "")
         if min_speedup is not None and m["method"] != "plain" and m.get("speedup") is not None \
                 and m["speedup"] < min_speedup:
-            misses.append(f"{m['method']} speedup {m['speedup']:.4g} < {min_speedup}")
+            misses.append(f"{name} speedup {m['speedup']:.4g} < {min_speedup}")
         if max_p99_ms is not None and m["itl_ms_p99"] is not None and m["itl_ms_p99"] > max_p99_ms:
-            misses.append(f"{m['method']} p99 ITL {m['itl_ms_p99']:.2f} ms > {max_p99_ms}")
+            misses.append(f"{name} p99 ITL {m['itl_ms_p99']:.2f} ms > {max_p99_ms}")
     if misses:
         raise GateFailed("gate missed: " + "; ".join(misses))

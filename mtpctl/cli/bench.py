@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import click
@@ -12,11 +13,15 @@ from mtpctl.backends.torch import set_threads
 from mtpctl.bench.harness import load_prompts, run_interleaved
 from mtpctl.bench.methods import build_methods, parse_methods
 from mtpctl.bench.peers import llamacpp_runner, transformers_runner
-from mtpctl.bench.report import build_report, check_gates, check_writable, format_table, plot, select_prompts, write_json
+from mtpctl.bench.report import build_report, check_gates, format_table, plot, select_prompts, write_json
+from mtpctl.bench.batched import format_batched, plot_batched, run_batch_sizes, stops_paying, summarize_batched
 from mtpctl.cli.options import (Command, check_backend, debug_option, draft_options_from, drafter_options, model_options,
-                                sampling_from, sampling_options)
+                                policy_option, sampling_from, sampling_options, session_mode)
+from mtpctl.decode.policy import make_policy
+from mtpctl.decode.session import GenerationRequest
 from mtpctl.drafters.build import RETRIEVAL_NODES, check, datastore_path
 from mtpctl.errors import BadInput
+from mtpctl.files import check_writable, write_file
 from mtpctl.model.sources import gguf_source
 
 
@@ -32,11 +37,17 @@ Examples:
   mtpctl bench --methods plain,heads,heads+ngram --heads heads/smollm2-medusa --dtype bfloat16 --draft-len 3 --limit 2
   mtpctl bench --methods plain,heads+ngram,heads+ngram+retrieval --heads heads/smollm2-medusa --dtype bfloat16 --limit 1
   mtpctl bench --methods plain,draft --draft smollm2-135m -m gemma3-270m --limit 1
+  mtpctl bench --dtype bfloat16 --methods plain,ngram,heads+ngram --heads heads/smollm2-medusa --batch-sizes 1,2,4,8 --limit 3 --max-new-tokens 64 --plot batch.png
 """)
 @click.option("--methods", default="plain,ngram", show_default=True,
               help="Comma-separated: plain, draft (--draft), or drafters as in generate --speculate: ngram, heads "
                    "(--heads), retrieval (--datastore or the heads' datastore) or several joined by '+' "
                    "(heads+ngram merges the heads' tree with a --draft-len prompt-lookup chain).")
+@click.option("--batch-sizes", default=None,
+              help="Comma-separated batch sizes (e.g. 1,2,4,8,16): every method runs the whole prompt set through "
+                   "continuous batching at each size; the table gives throughput, speedup over plain at the same "
+                   "size, TTFT and ITL per request, and where each method stops paying.")
+@policy_option
 @drafter_options
 @sampling_options
 @model_options
@@ -53,14 +64,17 @@ Examples:
 @click.option("--fail-below-speedup", type=float, default=None, help="Exit 1 if a method's speedup is below X.")
 @click.option("--fail-above-p99-ms", type=float, default=None, help="Exit 1 if a method's p99 ITL is above Y ms.")
 @debug_option
-def bench_cmd(methods, prompts_path, categories, limit, repeats, max_new_tokens, baseline, json_path, plot_path,
-              fail_below_speedup, fail_above_p99_ms, debug, **options) -> None:
+def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, max_new_tokens, baseline, json_path,
+              plot_path, fail_below_speedup, fail_above_p99_ms, debug, **options) -> None:
     """Run decoding methods on the same prompts in one process and compare them.
 
     Methods are interleaved over --repeats rounds after a warm-up. The table goes to stdout,
     progress to stderr. Gates exit with code 1 naming the methods that missed them.
     """
     names = parse_methods(methods)
+    sizes = parse_batch_sizes(batch_sizes) if batch_sizes is not None else None
+    if sizes and baseline != "none":
+        raise BadInput("--baseline runs one request at a time: drop it with --batch-sizes")
     opts = draft_options_from(options)
     used = {p for name in names if name != "plain" for p in name.split("+")}
     check(used, opts)  # before the model loads
@@ -82,10 +96,21 @@ def bench_cmd(methods, prompts_path, categories, limit, repeats, max_new_tokens,
     set_threads(options["threads"])
     session = open_session(options["model"], options["backend"], options["dtype"], options["weights"], options["threads"])
     encoded = [session.codec.encode_messages(list(p.messages)) for p in prompts]
-    built = build_methods(session, names, opts, sampling, max_new_tokens, options["acceptance"])
+    mode = session_mode(session)
+
+    def policy():
+        return make_policy(options["speculate_policy"], mode)
+
+    policy()  # a missing cost table is one error line before any run
+    built = build_methods(session, names, opts, sampling, max_new_tokens, options["acceptance"], policy)
     if "draft" in built:
         pairing = built["draft"].drafter.pairing
         click.echo(f"draft {pairing.draft.folder}: {pairing.verdict}, drafting in {pairing.mode}", err=True)
+    weights = {name: session.weight_bytes + m.drafter_bytes for name, m in built.items()}
+    if sizes:
+        _bench_batched(session, built, encoded * repeats, sizes, max_new_tokens, sampling, policy, options["acceptance"],
+                       weights, json_path, plot_path, fail_below_speedup, fail_above_p99_ms)
+        return
     runners = {name: m.run for name, m in built.items()}
     if baseline == "transformers":
         for name, lookup in (("hf", 0), ("hf-prompt-lookup", opts.draft_len or 3)):
@@ -107,11 +132,42 @@ def bench_cmd(methods, prompts_path, categories, limit, repeats, max_new_tokens,
         "retrieval_nodes": (opts.retrieval_nodes or RETRIEVAL_NODES) if "retrieval" in used else None,
         "attention": session.attention if torch_backend else None,
         "int4_kernel": session.int4_kernel if torch_backend else None}
-    weights = {name: session.weight_bytes + m.drafter_bytes for name, m in built.items()}
     report = build_report(runs, prompts, weights, settings)
     click.echo(format_table(report))
     if json_path:
         write_json(Path(json_path), report)
     if plot_path:
         plot(Path(plot_path), report, runs)
-    check_gates(report, fail_below_speedup, fail_above_p99_ms)
+    check_gates(report["methods"], fail_below_speedup, fail_above_p99_ms)
+
+
+def parse_batch_sizes(text: str) -> list:
+    """``1,2,4`` -> ``[1, 2, 4]`` (sorted, each once).
+
+    Raises:
+        BadInput: not a list of integers >= 1.
+    """
+    try:
+        sizes = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        sizes = []
+    if not sizes or sizes[0] < 1:
+        raise BadInput(f"batch sizes {text!r}: give integers >= 1 separated by commas, e.g. 1,2,4,8")
+    return sizes
+
+
+def _bench_batched(session, built, encoded, sizes, max_new_tokens, sampling, policy, acceptance, weights, json_path,
+                   plot_path, fail_below_speedup, fail_above_p99_ms) -> None:
+    """``--batch-sizes``: every method at every batch size (:mod:`mtpctl.bench.batched`)."""
+    drafters = {name: m.drafter for name, m in built.items()}
+    runs = run_batch_sizes(session, drafters, encoded, sizes,
+                           lambda ids: GenerationRequest(ids, max_new_tokens, sampling), policy, acceptance,
+                           progress=lambda line: click.echo(line, err=True))
+    rows = summarize_batched(runs, weights)
+    click.echo(format_batched(rows))
+    if json_path:
+        write_file(Path(json_path), json.dumps({"format_version": 1, "batch_sizes": sizes, "rows": rows,
+                                                "stops_paying": stops_paying(rows)}, indent=2))
+    if plot_path:
+        plot_batched(Path(plot_path), rows)
+    check_gates(rows, fail_below_speedup, fail_above_p99_ms)

@@ -5,33 +5,54 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Optional
 
 import click
 
 from mtpctl.backends import open_session
 from mtpctl.backends.torch import set_threads
+from mtpctl.cli.batch import BadRecord, read_records, result_json
 from mtpctl.cli.options import (Command, debug_option, draft_options_from, drafter_options, model_options,
-                                sampling_from, sampling_options)
+                                policy_option, sampling_from, sampling_options, session_mode)
+from mtpctl.decode.policy import make_policy
+from mtpctl.decode.session import GenerationRequest
 from mtpctl.drafters.build import build, check, parse
-from mtpctl.errors import BadInput, OutputClosed
+from mtpctl.errors import BadInput, MtpctlError, OutputClosed
+from mtpctl.files import check_writable, write_file
 
 
 def read_prompt(prompt: Optional[str], prompt_file: Optional[str]) -> str:
-    """The prompt from the argument, ``-`` (stdin) or ``--prompt-file``; BadInput if none or both."""
+    """The prompt from the argument, ``-`` (stdin) or ``--prompt-file``.
+
+    Raises:
+        BadInput: none or both given, or a prompt that is not UTF-8 text (naming where).
+    """
     if prompt is not None and prompt_file is not None:
         raise BadInput("give the prompt either as an argument or with --prompt-file, not both")
     if prompt_file is not None:
         try:
-            with open(prompt_file, encoding="utf-8") as handle:
-                return handle.read()
-        except (OSError, UnicodeDecodeError) as err:
-            raise BadInput(f"cannot read prompt file {prompt_file}: {err}") from err
+            with open(prompt_file, "rb") as handle:
+                return utf8(handle.read(), f"prompt file {prompt_file}")
+        except OSError as err:
+            raise BadInput(f"cannot read prompt file {prompt_file}: {err.strerror or err}") from err
     if prompt == "-":
-        return sys.stdin.read()
+        return utf8(sys.stdin.buffer.read(), "the prompt on stdin")
     if prompt is None:
         raise BadInput("no prompt: pass it as an argument, '-' for stdin, or --prompt-file FILE")
+    try:
+        prompt.encode("utf-8")  # bytes that are not UTF-8 reach argv as lone surrogates
+    except UnicodeEncodeError as err:
+        raise BadInput(f"the prompt argument is not UTF-8 text (at character {err.start + 1})") from err
     return prompt
+
+
+def utf8(data: bytes, where: str) -> str:
+    """``data`` as UTF-8 text; BadInput naming ``where`` and the offending byte otherwise."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise BadInput(f"{where} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start})") from err
 
 
 @click.command("generate", cls=Command, epilog="""\b
@@ -47,62 +68,160 @@ Examples:
   mtpctl generate --speculate heads+ngram --heads heads/smollm2-medusa --dtype bfloat16 --stats "Summarize: ..."
   mtpctl generate --speculate heads+ngram+retrieval --heads heads/smollm2-medusa --dtype bfloat16 "Hi"
   mtpctl generate --backend onnxruntime -m out/smollm2-onnx --speculate ngram "Repeat: a b c"
+  mtpctl generate --batch-file prompts.jsonl --max-batch 8 --speculate ngram --dtype bfloat16 > results.jsonl
+  mtpctl generate --no-chat --parse-special "<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n"
 """)
 @click.argument("prompt", required=False)
 @click.option("--prompt-file", type=click.Path(dir_okay=False), help="Read the prompt from a file.")
+@click.option("--batch-file", type=click.Path(dir_okay=False, allow_dash=True),
+              help="JSONL requests, one per line ('-': stdin): {\"prompt\": ...} or {\"messages\": [...]}, with optional "
+                   "max_new_tokens, temperature, top_k, top_p, seed, stop and id. Prints one JSON result per line in "
+                   "input order ({\"line\": N, \"error\": ...} for a line that failed; exit 2 if any did).")
+@click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True,
+              help="With --batch-file: the most requests decoded at once (continuous batching).")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False),
+              help="With --batch-file: write the results to this file (atomically) instead of stdout.")
 @click.option("--speculate", default="none", show_default=True,
               help="Drafter: none (plain decoding), draft (a draft model, --draft), or one or more of heads (MTP "
                    "heads, --heads), ngram (prompt lookup, a chain of --draft-len tokens) and retrieval (a tree of "
                    "--retrieval-nodes continuations from a datastore of the target's own text) joined by '+', "
                    "merged into one draft tree: e.g. heads+ngram+retrieval.")
+@policy_option
 @drafter_options
 @sampling_options
 @model_options
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--stop", "stop_strings", multiple=True, help="Stop string (repeatable); not included in the output.")
 @click.option("--no-chat", is_flag=True, help="Send the raw prompt, without the chat template.")
+@click.option("--parse-special", is_flag=True,
+              help="Turn control-token strings in the prompt (e.g. <|im_end|>) into those tokens; by default the "
+                   "prompt's text is text, with or without the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, ids, stats) instead of text.")
 @click.option("--stats", is_flag=True, help="Print speculation and speed figures to stderr.")
 @debug_option
-def generate_cmd(prompt, prompt_file, speculate, max_new_tokens, stop_strings, no_chat, as_json, stats, debug,
-                 **options) -> None:
-    """Generate text from PROMPT ('-' reads stdin), streaming it to stdout.
+def generate_cmd(prompt, prompt_file, batch_file, max_batch, out_path, speculate, max_new_tokens, stop_strings, no_chat,
+                 parse_special, as_json, stats, debug, **options) -> None:
+    """Generate text from PROMPT ('-' reads stdin), streaming it to stdout; or every request of
+    --batch-file, many at once.
 
     With --speculate, a drafter proposes up to --draft-len tokens that the model verifies in one
-    pass. Greedy output (temperature 0) is identical to plain decoding; with sampling the output
-    follows the model's distribution (speculative rejection sampling).
+    pass. Greedy output (temperature 0) is identical to plain decoding, in a batch as alone; with
+    sampling the output follows the model's distribution (speculative rejection sampling).
     """
-    text = read_prompt(prompt, prompt_file)
+    if batch_file is not None:
+        _refuse_with_batch(prompt, prompt_file, as_json, stats)
+    elif out_path is not None:
+        raise BadInput("--out writes the results of --batch-file; a single generation goes to stdout")
+    else:
+        text = read_prompt(prompt, prompt_file)
     parts = parse(speculate)
     opts = draft_options_from(options)
     check(parts, opts)  # before the model loads
+    if out_path:
+        check_writable(Path(out_path))
     set_threads(options["threads"])
-    backend = options["backend"]
-    session = open_session(options["model"], backend, options["dtype"], options["weights"], options["threads"])
-    prompt_ids = session.encode(text, chat=not no_chat)
+    session = open_session(options["model"], options["backend"], options["dtype"], options["weights"], options["threads"])
     sampling = sampling_from(options)
     drafter = build(session, parts, opts, sampling)
-    draft_info = None
+    policy = make_policy(options["speculate_policy"], session_mode(session))
+    fields = _settings(session, parts, drafter, opts, options)
     if parts == ("draft",):
-        pairing = drafter.pairing
-        click.echo(f"draft {pairing.draft.folder}: {pairing.verdict}, drafting in {pairing.mode}", err=True)
-        draft_info = {"folder": str(pairing.draft.folder), "verdict": pairing.verdict, "mode": pairing.mode,
-                      "draft_len": opts.draft_len or "auto"}
+        click.echo(f"draft {fields['draft']['folder']}: {fields['draft']['verdict']}, drafting in "
+                   f"{fields['draft']['mode']}", err=True)
+    if batch_file is not None:
+        data = sys.stdin.buffer.read() if batch_file == "-" else _read_bytes(batch_file)
+        records = read_records(data, max_new_tokens, sampling, tuple(stop_strings))
+        failed = _run_batch(session, records, drafter, policy, max_batch, no_chat, parse_special, fields, out_path,
+                            options["acceptance"])
+        if failed:
+            raise BadInput(f"{failed} of {len(records)} requests failed (their lines hold the errors)")
+        return
+    prompt_ids = session.encode(text, chat=not no_chat, parse_special=parse_special)
     on_text = None if as_json else _stream
-    result = session.generate(prompt_ids, max_new_tokens, sampling, drafter, stop_strings, on_text, options["acceptance"])
+    result = session.generate(prompt_ids, max_new_tokens, sampling, drafter, stop_strings, on_text,
+                              options["acceptance"], policy)
     if as_json:
-        torch_backend = backend == "torch"
-        _stream(json.dumps({
-            "text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
-            "model": str(session.folder), "speculate": "+".join(parts) or "none", "draft": draft_info,
-            "draft_len": drafter.budget if drafter else 0, "backend": backend, "dtype": options["dtype"],
-            "weights": options["weights"], "attention": session.attention if torch_backend else None,
-            "int4_kernel": session.int4_kernel if torch_backend else None, "stats": result.stats.to_dict(),
-        }) + "\n")
+        _stream(json.dumps(_result_fields(result, fields)) + "\n")
     else:
         _stream("\n")
     if stats:
         click.echo(format_stats(result.stats.to_dict()), err=True)
+
+
+def _refuse_with_batch(prompt, prompt_file, as_json, stats) -> None:
+    if prompt is not None or prompt_file is not None:
+        raise BadInput("--batch-file takes the prompts from its records: give no PROMPT or --prompt-file with it")
+    if as_json or stats:
+        raise BadInput("--batch-file always writes JSON lines, each with its stats: drop --json and --stats")
+
+
+def _read_bytes(path: str) -> bytes:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read()
+    except OSError as err:
+        raise BadInput(f"cannot read batch file {path}: {err.strerror or err}") from err
+
+
+def _run_batch(session, records, drafter, policy, max_batch, no_chat, parse_special, fields, out_path,
+               acceptance) -> int:
+    """Generate every usable record, write one line per record in input order; the number that failed."""
+    requests, where = [], []
+    lines = [None] * len(records)
+    failed = 0
+    for i, record in enumerate(records):
+        if isinstance(record, BadRecord):
+            lines[i], failed = json.dumps(record.to_json()), failed + 1
+            continue
+        try:
+            ids = (session.encode(record.prompt, not no_chat, parse_special) if isinstance(record.prompt, str)
+                   else session.codec.encode_messages(record.prompt, parse_special))
+        except MtpctlError as err:
+            lines[i], failed = json.dumps(BadRecord(record.line, str(err), record.id).to_json()), failed + 1
+            continue
+        requests.append(GenerationRequest(ids, record.max_new_tokens, record.sampling, record.stop))
+        where.append(i)
+    done = 0
+
+    def progress(index, outcome) -> None:
+        nonlocal done
+        done += 1
+        click.echo(f"mtpctl: batch: {done}/{len(requests)} done", err=True)
+
+    outcomes = session.generate_batch(requests, drafter, max_batch, policy, acceptance, on_done=progress)
+    for i, outcome in zip(where, outcomes):
+        record = records[i]
+        if isinstance(outcome, MtpctlError):
+            lines[i], failed = json.dumps(BadRecord(record.line, str(outcome), record.id).to_json()), failed + 1
+        else:
+            lines[i] = result_json(record, _result_fields(outcome, fields))
+    text = "".join(line + "\n" for line in lines)
+    if out_path:
+        write_file(Path(out_path), text)
+    else:
+        _stream(text)
+    return failed
+
+
+def _settings(session, parts, drafter, opts, options) -> dict:
+    """The fields every JSON result carries about how it was generated."""
+    torch_backend = options["backend"] == "torch"
+    draft_info = None
+    if parts == ("draft",):
+        pairing = drafter.pairing
+        draft_info = {"folder": str(pairing.draft.folder), "verdict": pairing.verdict, "mode": pairing.mode,
+                      "draft_len": opts.draft_len or "auto"}
+    return {"model": str(session.folder), "speculate": "+".join(parts) or "none", "draft": draft_info,
+            "draft_len": drafter.budget if drafter else 0, "speculate_policy": options["speculate_policy"],
+            "backend": options["backend"], "dtype": options["dtype"], "weights": options["weights"],
+            "attention": session.attention if torch_backend else None,
+            "int4_kernel": session.int4_kernel if torch_backend else None}
+
+
+def _result_fields(result, settings: dict) -> dict:
+    """``generate --json``'s object for one result."""
+    return {"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason, **settings,
+            "stats": result.stats.to_dict()}
 
 
 def _stream(piece: str) -> None:

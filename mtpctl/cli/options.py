@@ -18,6 +18,7 @@ from typing import Callable, Dict, Optional
 import click
 
 from mtpctl.backends import BACKENDS
+from mtpctl.decode.policy import POLICIES
 from mtpctl.decode.sampling import SamplingParams
 from mtpctl.drafters.build import DraftOptions
 from mtpctl.errors import BadInput, MtpctlError
@@ -146,6 +147,21 @@ def drafter_options(f):
         click.option("--acceptance", type=click.Choice(["exact", "typical"]), default="exact", show_default=True,
                      help="exact: lossless; typical: Medusa's typical acceptance when sampling (lossy)."),
     ])(f)
+
+
+def policy_option(f):
+    """``--speculate-policy``: how many draft tokens each request verifies each step."""
+    return click.option("--speculate-policy", type=click.Choice(POLICIES), default="auto", show_default=True,
+                        help="auto: a request drafts only while its drafts are expected to pay for the rows they add "
+                             "to the pass (measured pass costs of this mode); alone that is almost always, in a full "
+                             "batch less or not at all. always: every request drafts its whole --draft-len or tree "
+                             "every step.")(f)
+
+
+def session_mode(session) -> Optional[str]:
+    """The numeric mode whose pass costs the auto policy reads: the torch backend's (float32,
+    bfloat16, int4); None for backends that verify one request per pass."""
+    return getattr(session, "mode", None)
 
 
 def draft_options_from(options: dict) -> DraftOptions:

@@ -23,7 +23,7 @@ rejecting x is p with x removed, renormalised, so each committed token is still 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -67,6 +67,33 @@ def accept_greedy(tree: DraftTree, logits) -> Acceptance:
         node = match
         path.append(node)
         target = int(logits[node].argmax())
+
+
+def accept_greedy_together(trees: Sequence[DraftTree], outs: Sequence) -> List[Acceptance]:
+    """:func:`accept_greedy` of several sequences' trees, walked in lockstep: each round asks every
+    sequence still walking for its next row first (``prefetch``, where the output has it), so a
+    backend can compute the round's rows in one call, then reads them. The same result as
+    :func:`accept_greedy` on each, row for row."""
+    nodes, paths = [0] * len(trees), [[0] for _ in trees]
+    results: List[Optional[Acceptance]] = [None] * len(trees)
+    walking = list(range(len(trees)))
+    while walking:
+        for i in walking:
+            prefetch = getattr(outs[i], "prefetch", None)
+            if prefetch is not None:
+                prefetch([nodes[i]])
+        still = []
+        for i in walking:
+            target = int(outs[i][nodes[i]].argmax())
+            match = trees[i].child(nodes[i], target)
+            if match is None:
+                results[i] = _outcome(trees[i], paths[i], target)
+            else:
+                nodes[i] = match
+                paths[i].append(match)
+                still.append(i)
+        walking = still
+    return results
 
 
 def accept_rejection_sampling(tree: DraftTree, logits, params: SamplingParams,

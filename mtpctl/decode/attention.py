@@ -140,8 +140,36 @@ def slot_plan(windows, length: int, depth: torch.Tensor, tree_mask: Optional[tor
         slots = torch.where(allowed, length + torch.arange(n), -1).gather(1, order)
         paths = slots[:, :max(1, int(allowed.sum(1).max()))].contiguous()  # once per pass, not per layer
         starts = torch.zeros(n, dtype=torch.long) if window is None else (pos - window + 1).clamp(0, length)
-        plans[window] = SlotPlan(starts, length, paths)
+        plans[window] = SlotPlan(starts, torch.full((n,), length, dtype=torch.long), paths)
     return plans
+
+
+def pass_plans(windows, native: bool, sequences: Sequence[tuple]) -> dict:
+    """Attention window -> the plan of a decode or verify pass whose rows are several sequences'
+    tokens packed one sequence after another: a :class:`~mtpctl.model.native.SlotPlan` of every row
+    (``native``: each sequence's :func:`slot_plan`, joined) or a tuple of one
+    :class:`~mtpctl.model.decoder.AttentionPlan` per sequence (:func:`attention_plan`).
+    ``sequences`` holds ``(length, depth [n], tree_mask [n, n] or None)`` per sequence, as
+    :func:`tree_shape` gives them. Each token's slots are those of its own sequence's cache, so it
+    reads what it would read decoded alone.
+
+    Raises:
+        ValueError: a draft tree deeper than :data:`MAX_DRAFT_DEPTH`.
+    """
+    if not native:
+        per_sequence = [attention_plan(windows, length, depth, mask) for length, depth, mask in sequences]
+        return {window: tuple(plans[window] for plans in per_sequence) for window in set(windows)}
+    per_sequence = [slot_plan(windows, length, depth, mask) for length, depth, mask in sequences]
+    if len(per_sequence) == 1:
+        return per_sequence[0]
+    joined = {}
+    for window in set(windows):
+        plans = [p[window] for p in per_sequence]
+        width = max(p.paths.shape[1] for p in plans)
+        paths = torch.cat([torch.nn.functional.pad(p.paths, (0, width - p.paths.shape[1]), value=-1) for p in plans])
+        joined[window] = SlotPlan(torch.cat([p.starts for p in plans]), torch.cat([p.ends for p in plans]),
+                                  paths.contiguous())
+    return joined
 
 
 def attention_masks(windows, length: int, depth: torch.Tensor, tree_mask: Optional[torch.Tensor],

@@ -8,10 +8,13 @@ draft model and its engine, a datastore).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Protocol, Sequence
+from typing import List, Optional, Protocol, Sequence, Tuple
+
+import torch
 
 from mtpctl.decode.engine import StepOutput
 from mtpctl.decode.tree import DraftTree
+from mtpctl.errors import NonFinite
 
 
 @dataclass
@@ -27,6 +30,32 @@ class TargetStep:
     rows: Optional[List[int]] = None  # [m] rows of ``out`` committed, in position order; None after prefill
 
 
+#: one row's proposal request: (context, max_tokens, last), the arguments of ``Drafter.propose``
+Call = Tuple[Sequence[int], int, Optional[TargetStep]]
+
+
+def propose_all(drafter: "Drafter", calls: Sequence[Call]) -> List[DraftTree]:
+    """``drafter.propose`` for several requests that share it (forks of a drafter without per-request
+    state are the drafter itself): in one ``propose_together`` call where the drafter has one (MTP
+    heads run once on every row's hidden state), else one call each."""
+    together = getattr(drafter, "propose_together", None)
+    if together is not None and len(calls) > 1:
+        return together(calls)
+    return [drafter.propose(*call) for call in calls]
+
+
+def check_finite(logits: torch.Tensor, who: str) -> torch.Tensor:
+    """``logits`` unchanged when every value is finite.
+
+    Raises:
+        NonFinite: a NaN or inf, named by ``who`` (the drafter whose logits they are).
+    """
+    if not bool(torch.isfinite(logits).all()):
+        raise NonFinite(f"{who}'s logits hold NaN or inf: its weights or this input overflow; no token was taken "
+                        "from them")
+    return logits
+
+
 class Drafter(Protocol):
     """Proposes up to ``max_tokens`` draft tokens (tree nodes under the root) to follow ``context``
     (prompt + committed output ids, the pending token last), as a tree rooted at the pending token;
@@ -36,3 +65,8 @@ class Drafter(Protocol):
     budget: int
 
     def propose(self, context: Sequence[int], max_tokens: int, last: Optional[TargetStep] = None) -> DraftTree: ...
+
+    def fork(self) -> "Drafter":
+        """A drafter for another request: the same weights and data (heads, datastore, draft model),
+        its own per-request state (an EAGLE layer's KV cache, a draft model's engine); a drafter that
+        keeps no such state returns itself. A batch gives each request its own fork."""

@@ -31,6 +31,10 @@ class StepOutput(Protocol):
 
     def __getitem__(self, i: int) -> torch.Tensor: ...
 
+    def prefetch(self, rows: Sequence[int]) -> None:
+        """Rows to be read soon: a backend may compute them together with other sequences' rows
+        (optional; see :func:`mtpctl.decode.acceptance.accept_greedy_together`)."""
+
     @property
     def logits(self) -> torch.Tensor: ...
 

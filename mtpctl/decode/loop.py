@@ -1,21 +1,36 @@
-"""The decoding loop: prefill, then draft -> verify -> accept -> commit until a stop.
+"""The decoding loop: prefill, then draft -> verify -> accept -> commit until a stop, for one request
+or many at once (continuous batching).
 
-One loop serves plain decoding (no drafter, or a drafter that proposes nothing) and every kind of
-speculation; only the drafter differs.
+One loop serves plain decoding (no drafter, or a drafter that proposes nothing), every kind of
+speculation and any number of requests: each step, every active request (a row) drafts its own tree
+(of the size the speculation policy gives it, possibly none), one pass verifies every row's tree
+together, and each row accepts and commits its own path. A request joins when a row is free and
+leaves at its own stop, without pausing the others beyond its prefill.
+
+Glossary (also in docs/glossary.md):
+- request: one prompt with its settings (:class:`Request`); its result comes back in input order.
+- row: an active request: its engine (KV cache), drafter, stop checks, sampling generator and
+  figures (:class:`_Row`).
+- step: one verify pass over every active row.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Union
 
-from mtpctl.decode.acceptance import accept_greedy, accept_rejection_sampling, accept_typical
-from mtpctl.decode.drafter import Drafter, TargetStep
-from mtpctl.decode.engine import Engine
-from mtpctl.decode.tree import DraftTree
+import torch
+
+from mtpctl.decode.acceptance import (Acceptance, accept_greedy, accept_greedy_together, accept_rejection_sampling,
+                                      accept_typical)
+from mtpctl.decode.drafter import Call, Drafter, TargetStep, propose_all
+from mtpctl.decode.engine import Engine, StepOutput
+from mtpctl.decode.policy import AlwaysDraft, Policy
 from mtpctl.decode.sampling import SamplingParams, next_token
 from mtpctl.decode.stopping import CONTEXT, StopChecker
+from mtpctl.decode.tree import DraftTree
+from mtpctl.errors import MtpctlError, NonFinite
 
 
 @dataclass
@@ -24,8 +39,10 @@ class GenerationStats:
 
     ``tau`` (mean accepted length) is committed tokens per decode step, the bonus/recovered token
     counted, so plain decoding has tau = 1. ``acceptance_rate`` is accepted draft tokens over draft
-    tokens verified (None when nothing was drafted). Times are in ms, rates in tokens/s; TTFT covers
-    prefill and the first token; ``tokens_per_s`` is new tokens over the whole generation time.
+    tokens verified (None when nothing was drafted). Times are in ms from the request's arrival (the
+    start of the ``generate`` call), rates in tokens/s; TTFT covers waiting for a row, prefill and the
+    first token; ``tokens_per_s`` is new tokens over the whole generation time; a step's time is that
+    of the whole batch's step.
     """
 
     prompt_tokens: int = 0
@@ -75,85 +92,314 @@ class GenerationResult:
     stats: GenerationStats
 
 
+@dataclass
+class Request:
+    """One generation: ``prompt_ids`` ``[T]`` (T >= 1), its stop conditions (``stop``: EOS, stop
+    strings, max new tokens), its sampling settings (each request draws from its own generator) and
+    its own ``drafter`` (None: plain decoding; a drafter serves one request at a time, see
+    :meth:`mtpctl.decode.drafter.Drafter.fork`). ``on_text`` receives each piece of text as soon as
+    it is final (streaming)."""
+
+    prompt_ids: Sequence[int]
+    stop: StopChecker
+    sampling: SamplingParams = SamplingParams()
+    drafter: Optional[Drafter] = None
+    on_text: Optional[Callable[[str], None]] = None
+
+
+#: engines -> one verify pass over every engine's draft tree (``Session.verify_together``)
+VerifyMany = Callable[[Sequence[Engine], Sequence[DraftTree]], List[StepOutput]]
+
+
+class _CheckedRows:
+    """A pass's output as acceptance reads it: each row's logits checked for NaN and inf on the way."""
+
+    def __init__(self, out: StepOutput, where: str):
+        self.out, self.where = out, where
+
+    def __len__(self) -> int:
+        return len(self.out)
+
+    def prefetch(self, rows: Sequence[int]) -> None:
+        prefetch = getattr(self.out, "prefetch", None)
+        if prefetch is not None:
+            prefetch(rows)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        row = self.out[i]
+        if not bool(torch.isfinite(row).all()):
+            raise NonFinite(f"the target's logits hold NaN or inf ({self.where}, row {i % len(self.out)} of its draft "
+                            "tree): its weights or this input overflow; no token was taken from them")
+        return row
+
+
+class _Row:
+    """One active request: prefilled at construction, then stepped by :func:`run`."""
+
+    def __init__(self, index: int, request: Request, engine: Engine, arrival: float):
+        self.index, self.request, self.engine, self.arrival = index, request, engine, arrival
+        self.stop, self.drafter = request.stop, request.drafter
+        self.generator = request.sampling.generator()
+        self.context = list(request.prompt_ids)  # prompt + committed output, the pending token last
+        self.stats = GenerationStats(prompt_tokens=len(self.context), kv_cache_bytes=engine.kv_cache_bytes)
+        self.budget = self.drafter.budget if self.drafter is not None else 0
+        self.steps = 0
+        out = engine.prefill(self.context)
+        self.last = TargetStep(out, len(out) - 1)
+        first = next_token(_CheckedRows(out, "prefill")[self.last.row], request.sampling, self.generator)
+        self.stats.ttft_ms = (time.perf_counter() - arrival) * 1e3
+        self.done = self._commit([first])
+
+    def room(self) -> int:
+        """The most draft tokens this step may verify: the drafter's budget, the tokens left after
+        the pending one, and the KV slots left after it."""
+        return min(self.budget, self.stop.max_new_tokens - len(self.stop.tokens) - 1,
+                   self.engine.capacity - self.engine.length - 1)
+
+    def call(self, max_tokens: int) -> Call:
+        """This step's arguments to the drafter's ``propose``."""
+        return self.context, max_tokens, self.last
+
+    def check(self, tree: DraftTree) -> DraftTree:
+        """The drafter's tree for this step, checked: rooted at the pending token, distributions finite."""
+        pending = self.context[-1]
+        if tree.tokens[0] != pending:
+            raise ValueError(f"the drafter's tree is rooted at token {tree.tokens[0]}, not the pending token {pending}")
+        if tree.q is not None and not bool(torch.isfinite(tree.q).all()):
+            raise NonFinite(f"the drafter's distributions hold NaN or inf (step {self.steps + 1}): no token was "
+                            "taken from them")
+        return tree
+
+    def checked(self, out: StepOutput) -> _CheckedRows:
+        """This step's pass output as acceptance reads it (NaN and inf refused, naming the step)."""
+        return _CheckedRows(out, f"step {self.steps + 1}")
+
+    def accept(self, tree: DraftTree, out: StepOutput, acceptance: str) -> Acceptance:
+        """Which path of ``tree`` the target keeps (this row's sampling settings and generator)."""
+        sampling, rows = self.request.sampling, self.checked(out)
+        if sampling.greedy:
+            return accept_greedy(tree, rows)
+        if acceptance == "typical":
+            return accept_typical(tree, rows, sampling, self.generator)
+        return accept_rejection_sampling(tree, rows, sampling, self.generator)
+
+    def settle(self, tree: DraftTree, out: StepOutput, result: Acceptance) -> None:
+        """Commit this step's accepted path of ``tree`` (``result``), check the stops."""
+        self.steps += 1
+        self.engine.commit(result.path)
+        self.last = TargetStep(out, result.path[-1], list(result.path))
+        before = len(self.stop.tokens)
+        self.done = self._commit(result.tokens)
+        committed = len(self.stop.tokens) - before
+        s = self.stats
+        s.decode_steps += 1
+        s.accepted_tokens += min(len(result.accepted), committed)
+        s.accepted_per_step.append(committed)
+        s.drafted_per_step.append(tree.drafted)
+        s.depth_per_step.append(tree.depth)
+
+    def _commit(self, tokens: Sequence[int]) -> bool:
+        """Push tokens one by one until a stop; stream what became final. True when generation ended."""
+        on_text = self.request.on_text
+        for token in tokens:
+            self.context.append(token)
+            if self.stop.push(token):
+                return True
+        if on_text:
+            piece = self.stop.stream()
+            if piece:
+                on_text(piece)
+        return False
+
+    def result(self) -> GenerationResult:
+        """The finished generation; streams the last of its text."""
+        self.stats.total_ms = (time.perf_counter() - self.arrival) * 1e3
+        self.stats.new_tokens = len(self.stop.tokens)
+        if self.request.on_text:
+            self.request.on_text(self.stop.stream())
+        return GenerationResult(list(self.stop.tokens), self.stop.text, self.stop.finish_reason, self.stats)
+
+
+Outcome = Union[GenerationResult, MtpctlError]
+
+
+def run(requests: Sequence[Request], new_engine: Callable[[Request], Engine], verify_many: VerifyMany,
+        max_batch: int = 1, policy: Optional[Policy] = None, acceptance: str = "exact",
+        on_done: Optional[Callable[[int, Outcome], None]] = None) -> List[Outcome]:
+    """Generate every request, up to ``max_batch`` at once, speculating with each request's drafter.
+
+    Lossless: every request's greedy output equals plain greedy decoding of it alone, token for
+    token, whatever the batch and the draft sizes; sampled output follows the target's
+    distribution (speculative rejection sampling), each request drawing from its own generator.
+
+    Args:
+        requests: the generations, in input order.
+        new_engine: an engine (KV cache) sized for a request.
+        verify_many: verifies several engines' draft trees in one pass.
+        max_batch: the most requests decoded at once; the others wait for a free row, in order.
+        policy: how many draft tokens each row may verify each step (default: every row its
+            drafter's whole budget, :class:`~mtpctl.decode.policy.AlwaysDraft`).
+        acceptance: ``exact`` (lossless: greedy or rejection sampling) or ``typical`` (Medusa's
+            typical acceptance when sampling: lossy, see :func:`accept_typical`).
+        on_done: called with a request's index and outcome as soon as it is known.
+
+    Returns:
+        one outcome per request, in input order: its :class:`GenerationResult`, or the
+        :class:`~mtpctl.errors.MtpctlError` that ended it (a NaN in its logits, ...); a failed request
+        does not disturb the others.
+
+    Raises:
+        ValueError: an empty prompt, a prompt that leaves no room in its engine, or a draft tree
+            whose root is not the pending token (a drafter's bug).
+    """
+    policy = policy or AlwaysDraft()
+    arrival = time.perf_counter()
+    waiting = list(range(len(requests)))
+    outcomes: List[Optional[Outcome]] = [None] * len(requests)
+    reported: set = set()
+    rows: List[_Row] = []
+    while waiting or rows:
+        waited = {r.index for r in rows}  # rows that wait while newcomers are prefilled
+        admit_start = time.perf_counter()
+        while waiting and len(rows) < max_batch:
+            index = waiting.pop(0)
+            row = _admit(index, requests[index], new_engine, arrival, outcomes)
+            rows += [row] if row is not None else []
+        for row in rows:
+            if row.engine.length + 1 > row.engine.capacity:
+                row.stop.end(CONTEXT)
+                row.done = True
+        rows = _finish(rows, outcomes)
+        if rows:
+            admit_ms = (time.perf_counter() - admit_start) * 1e3
+            _step(rows, verify_many, policy, acceptance, outcomes, waited, admit_ms)
+            rows = _finish(rows, outcomes)
+        for index, outcome in enumerate(outcomes):
+            if outcome is not None and index not in reported:
+                reported.add(index)
+                if on_done:
+                    on_done(index, outcome)
+    return outcomes
+
+
+def _step(rows: List[_Row], verify_many: VerifyMany, policy: Policy, acceptance: str, outcomes: list,
+          waited: set, admit_ms: float) -> None:
+    """One step of every active row: draft (the policy's sizes), one pass over every tree, accept
+    and commit each row's path; a row whose drafter or logits failed ends with its error."""
+    start = time.perf_counter()
+    sizes = policy.draft_sizes([r.room() for r in rows], [r.index for r in rows])
+    trees = _propose(rows, [min(size, row.room()) for row, size in zip(rows, sizes)], outcomes)
+    rows = [r for r in rows if not r.done]
+    if not rows:
+        return
+    outs = verify_many([r.engine for r in rows], [trees[r.index] for r in rows])
+    for row, out, result in zip(rows, outs, _accept_all(rows, trees, outs, acceptance, outcomes)):
+        if result is None:
+            continue
+        tree = trees[row.index]
+        row.settle(tree, out, result)
+        policy.observe(row.index, tree.drafted, row.stats.accepted_per_step[-1] - 1)
+    step_ms = (time.perf_counter() - start) * 1e3
+    for row in rows:
+        if outcomes[row.index] is None:
+            row.stats.step_ms.append(step_ms + (admit_ms if row.index in waited else 0.0))
+
+
+def _admit(index: int, request: Request, new_engine: Callable[[Request], Engine], arrival: float,
+           outcomes: list) -> Optional[_Row]:
+    """A row for ``request``, prefilled; None when its prefill failed (its outcome recorded)."""
+    if not request.prompt_ids:
+        raise ValueError("the prompt has no tokens")
+    engine = new_engine(request)
+    if len(request.prompt_ids) >= engine.capacity:
+        raise ValueError(f"the prompt has {len(request.prompt_ids)} tokens; the context holds {engine.capacity}")
+    try:
+        return _Row(index, request, engine, arrival)
+    except MtpctlError as err:
+        outcomes[index] = err
+        return None
+
+
+def _propose(rows: List[_Row], sizes: Sequence[int], outcomes: list) -> dict:
+    """Each row's tree for this step (request index -> tree): the pending token alone where its size is
+    0, else its drafter's proposal, rows that share a drafter proposing together
+    (:func:`propose_all`). A row whose drafter failed ends with its error."""
+    trees, groups = {}, {}
+    for row, size in zip(rows, sizes):
+        if size <= 0:
+            trees[row.index] = DraftTree(row.context[-1])
+        else:
+            groups.setdefault(id(row.drafter), []).append((row, size))
+    for group in groups.values():
+        try:
+            proposed = propose_all(group[0][0].drafter, [row.call(size) for row, size in group])
+        except NonFinite:  # one row's values: find it, the others draft again alone
+            proposed = [None] * len(group)
+        for (row, size), tree in zip(group, proposed):
+            try:
+                trees[row.index] = row.check(tree if tree is not None else row.drafter.propose(*row.call(size)))
+            except MtpctlError as err:
+                outcomes[row.index], row.done = err, True
+    return trees
+
+
+def _accept_all(rows: List[_Row], trees: dict, outs: List[StepOutput], acceptance: str,
+                outcomes: list) -> List[Optional[Acceptance]]:
+    """Every row's acceptance of its tree: greedy rows walked together in rounds
+    (:func:`accept_greedy_together`, each round's rows computed in one call where the backend can),
+    sampled rows one by one. A row whose logits hold NaN or inf ends with that error (None)."""
+    results: List[Optional[Acceptance]] = [None] * len(rows)
+    greedy = [i for i, row in enumerate(rows) if row.request.sampling.greedy]
+    try:
+        together = accept_greedy_together([trees[rows[i].index] for i in greedy],
+                                          [rows[i].checked(outs[i]) for i in greedy])
+        for i, result in zip(greedy, together):
+            results[i] = result
+    except NonFinite:  # find the row(s) at fault one by one; the others are read again from their cache
+        for i in greedy:
+            results[i] = _accept_one(rows[i], trees, outs[i], acceptance, outcomes)
+    for i, row in enumerate(rows):
+        if i not in greedy:
+            results[i] = _accept_one(row, trees, outs[i], acceptance, outcomes)
+    return results
+
+
+def _accept_one(row: _Row, trees: dict, out: StepOutput, acceptance: str, outcomes: list) -> Optional[Acceptance]:
+    try:
+        return row.accept(trees[row.index], out, acceptance)
+    except MtpctlError as err:
+        outcomes[row.index], row.done = err, True
+        return None
+
+
+def _finish(rows: List[_Row], outcomes: list) -> List[_Row]:
+    """Record the finished rows' results; the rows still active."""
+    active = []
+    for row in rows:
+        if not row.done:
+            active.append(row)
+        elif outcomes[row.index] is None:
+            outcomes[row.index] = row.result()
+    return active
+
+
 def generate(engine: Engine, prompt_ids: Sequence[int], stop: StopChecker, sampling: SamplingParams,
              drafter: Optional[Drafter] = None, on_text: Optional[Callable[[str], None]] = None,
-             acceptance: str = "exact") -> GenerationResult:
-    """Generate from ``prompt_ids`` until ``stop`` says so, speculating with ``drafter``.
+             acceptance: str = "exact", policy: Optional[Policy] = None) -> GenerationResult:
+    """Generate from ``prompt_ids`` until ``stop`` says so, speculating with ``drafter``: :func:`run`
+    with one request on ``engine`` (``policy``: default every step drafts the drafter's whole budget).
 
     Lossless: greedy output equals plain greedy decoding token for token; sampled output follows the
     target's distribution (speculative rejection sampling).
 
-    Args:
-        engine: a backend (:class:`mtpctl.decode.engine.Engine`); its capacity bounds prompt + output
-            + the drafter's budget.
-        prompt_ids: prompt token ids ``[T]``, T >= 1.
-        stop: stop conditions (EOS, stop strings, max new tokens), checked on every committed token.
-        sampling: greedy or sampling settings.
-        drafter: proposes up to its ``budget`` of draft tokens a step (a chain or a draft tree); None
-            for plain decoding.
-        on_text: called with each piece of text as soon as it is final (streaming).
-        acceptance: ``exact`` (lossless: greedy or rejection sampling) or ``typical`` (Medusa's
-            typical acceptance when sampling: lossy, see :func:`accept_typical`).
-
     Raises:
-        ValueError: empty prompt, a prompt that leaves no room in the engine's capacity, or a draft
-            tree whose root is not the pending token.
+        ValueError: see :func:`run`.
+        MtpctlError: what ended the generation (:class:`~mtpctl.errors.NonFinite`: a NaN or inf in
+            the logits).
     """
-    if not prompt_ids:
-        raise ValueError("the prompt has no tokens")
-    if len(prompt_ids) >= engine.capacity:
-        raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context holds {engine.capacity}")
-    budget = drafter.budget if drafter is not None else 0
-    generator = sampling.generator()
-    stats = GenerationStats(prompt_tokens=len(prompt_ids), kv_cache_bytes=engine.kv_cache_bytes)
-    start = time.perf_counter()
-    out = engine.prefill(prompt_ids)
-    last = TargetStep(out, len(out) - 1)
-    pending = next_token(out[last.row], sampling, generator)
-    stats.ttft_ms = (time.perf_counter() - start) * 1e3
-    done = _commit([pending], stop, on_text)
-    while not done:
-        if engine.length + 1 > engine.capacity:
-            stop.end(CONTEXT)
-            break
-        step_start = time.perf_counter()
-        room = min(budget, stop.max_new_tokens - len(stop.tokens) - 1, engine.capacity - engine.length - 1)
-        tree = drafter.propose(list(prompt_ids) + stop.tokens, room, last) if room > 0 else DraftTree(pending)
-        if tree.tokens[0] != pending:
-            raise ValueError(f"the drafter's tree is rooted at token {tree.tokens[0]}, not the pending token {pending}")
-        out = engine.verify(tree)
-        if sampling.greedy:
-            result = accept_greedy(tree, out)
-        elif acceptance == "typical":
-            result = accept_typical(tree, out, sampling, generator)
-        else:
-            result = accept_rejection_sampling(tree, out, sampling, generator)
-        engine.commit(result.path)
-        last = TargetStep(out, result.path[-1], list(result.path))
-        pending = result.next_token
-        before = len(stop.tokens)
-        done = _commit(result.tokens, stop, on_text)
-        committed = len(stop.tokens) - before
-        stats.decode_steps += 1
-        stats.accepted_tokens += min(len(result.accepted), committed)
-        stats.accepted_per_step.append(committed)
-        stats.drafted_per_step.append(tree.drafted)
-        stats.depth_per_step.append(tree.depth)
-        stats.step_ms.append((time.perf_counter() - step_start) * 1e3)
-    stats.total_ms = (time.perf_counter() - start) * 1e3
-    stats.new_tokens = len(stop.tokens)
-    if on_text:
-        on_text(stop.stream())
-    return GenerationResult(list(stop.tokens), stop.text, stop.finish_reason, stats)
-
-
-def _commit(tokens: Sequence[int], stop: StopChecker, on_text) -> bool:
-    """Push tokens one by one until a stop; stream what became final. True when generation ended."""
-    for token in tokens:
-        if stop.push(token):
-            return True
-    if on_text:
-        piece = stop.stream()
-        if piece:
-            on_text(piece)
-    return False
+    request = Request(prompt_ids, stop, sampling, drafter, on_text)
+    outcome = run([request], lambda _: engine, lambda engines, trees: [engine.verify(trees[0])],
+                  policy=policy, acceptance=acceptance)[0]
+    if isinstance(outcome, MtpctlError):
+        raise outcome
+    return outcome

@@ -4,14 +4,17 @@ session goes through (the request's checks, the KV cache sized for it, the loop)
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence
 
 from mtpctl.decode.drafter import Drafter
-from mtpctl.decode.engine import Engine
-from mtpctl.decode.loop import GenerationResult, generate
+from mtpctl.decode.engine import Engine, StepOutput
+from mtpctl.decode.loop import GenerationResult, Outcome, Request, generate, run
+from mtpctl.decode.policy import Policy
 from mtpctl.decode.sampling import SamplingParams
 from mtpctl.decode.stopping import StopChecker
-from mtpctl.errors import BadInput
+from mtpctl.decode.tree import DraftTree
+from mtpctl.errors import BadInput, MtpctlError
 from mtpctl.model.tokenizer import TextCodec
 
 ACCEPTANCE = ("exact", "typical")
@@ -56,25 +59,91 @@ class Session:
         drafter proposes up to ``budget`` tokens a step (beyond what the context allows: e.g. a
         TensorRT engine's build limits). Nothing to check by default."""
 
-    def encode(self, prompt: str, chat: bool = True) -> list:
-        """Prompt text -> ids (chat template applied when ``chat`` and the model has one)."""
-        return self.codec.encode_prompt(prompt, chat)
+    def encode(self, prompt: str, chat: bool = True, parse_special: bool = False) -> list:
+        """Prompt text -> ids (chat template applied when ``chat`` and the model has one; control-token
+        strings in the text stay text unless ``parse_special``, see
+        :meth:`~mtpctl.model.tokenizer.TextCodec.encode_prompt`)."""
+        return self.codec.encode_prompt(prompt, chat, parse_special)
+
+    def verify_together(self, engines: Sequence[Engine], trees: Sequence[DraftTree]) -> List[StepOutput]:
+        """One step of several requests: each engine's draft tree verified, nothing committed. By
+        default one pass per engine; backends that pack several sequences into one pass (torch)
+        override it."""
+        return [engine.verify(tree) for engine, tree in zip(engines, trees)]
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                  drafter: Optional[Drafter] = None, stop_strings: Sequence[str] = (),
-                 on_text: Optional[Callable[[str], None]] = None, acceptance: str = "exact") -> GenerationResult:
-        """Generate up to ``max_new_tokens`` after ``prompt_ids``; see :func:`mtpctl.decode.loop.generate`.
+                 on_text: Optional[Callable[[str], None]] = None, acceptance: str = "exact",
+                 policy: Optional[Policy] = None) -> GenerationResult:
+        """Generate up to ``max_new_tokens`` after ``prompt_ids``; see :func:`mtpctl.decode.loop.generate`
+        (``policy``: how much to draft each step, default all the drafter's budget).
 
         Raises:
             BadInput: ``max_new_tokens`` < 1, a prompt that does not fit the model's context, an
                 unknown acceptance rule, or a request beyond the backend's limits.
+            NonFinite: a NaN or inf in the target's or the drafter's logits.
         """
         budget = drafter.budget if drafter is not None else 0
         capacity = generation_capacity(len(prompt_ids), max_new_tokens, budget, self.context_length, acceptance)
         self.check_request(capacity, budget)
         engine = self.new_engine(capacity)
         stop = StopChecker(self.codec.eos_ids, stop_strings, max_new_tokens, self.codec.decode)
-        return generate(engine, prompt_ids, stop, sampling, drafter, on_text, acceptance)
+        return generate(engine, prompt_ids, stop, sampling, drafter, on_text, acceptance, policy)
+
+    def generate_batch(self, requests: Sequence[GenerationRequest], drafter: Optional[Drafter] = None,
+                       max_batch: int = 8, policy: Optional[Policy] = None, acceptance: str = "exact",
+                       on_done: Optional[Callable[[int, Outcome], None]] = None) -> List[Outcome]:
+        """Generate every request, up to ``max_batch`` at once (continuous batching), each speculating
+        with its own fork of ``drafter`` (:meth:`~mtpctl.decode.drafter.Drafter.fork`); see
+        :func:`mtpctl.decode.loop.run`. Each request's KV cache holds its prompt, its output and its
+        largest draft, not the model's whole context. ``on_done(index, outcome)`` is called as each
+        admitted request finishes (progress).
+
+        Returns:
+            one outcome per request, in input order: a :class:`GenerationResult`, or the
+            :class:`~mtpctl.errors.MtpctlError` that refused or ended that request alone (a prompt
+            that does not fit the context, a NaN in its logits, ...).
+
+        Raises:
+            BadInput: ``max_batch`` < 1 or an unknown acceptance rule.
+        """
+        if max_batch < 1:
+            raise BadInput(f"the batch must hold at least 1 request, got {max_batch}", option="max_batch")
+        if acceptance not in ACCEPTANCE:
+            raise BadInput(f"acceptance {acceptance!r}: choose exact or typical", option="acceptance")
+        budget = drafter.budget if drafter is not None else 0
+        outcomes: List[Optional[Outcome]] = [None] * len(requests)
+        admitted, capacity = [], {}
+        for index, r in enumerate(requests):
+            try:
+                capacity[index] = generation_capacity(len(r.prompt_ids), r.max_new_tokens, budget,
+                                                      self.context_length, acceptance)
+                self.check_request(capacity[index], budget)
+            except MtpctlError as err:
+                outcomes[index] = err
+                continue
+            stop = StopChecker(self.codec.eos_ids, r.stop_strings, r.max_new_tokens, self.codec.decode)
+            admitted.append((index, Request(r.prompt_ids, stop, r.sampling, drafter.fork() if drafter else None,
+                                            r.on_text)))
+        sizes = [capacity[index] for index, _ in admitted]
+        engines = iter(sizes)
+        done = run([request for _, request in admitted], lambda _: self.new_engine(next(engines)),
+                   self.verify_together, max_batch, policy, acceptance,
+                   (lambda i, outcome: on_done(admitted[i][0], outcome)) if on_done else None)
+        for (index, _), outcome in zip(admitted, done):
+            outcomes[index] = outcome
+        return outcomes
+
+
+@dataclass
+class GenerationRequest:
+    """One request of :meth:`Session.generate_batch`: prompt ids ``[T]`` and its own settings."""
+
+    prompt_ids: Sequence[int]
+    max_new_tokens: int = 256
+    sampling: SamplingParams = SamplingParams()
+    stop_strings: Sequence[str] = ()
+    on_text: Optional[Callable[[str], None]] = None
 
 
 def generation_capacity(prompt_tokens: int, max_new_tokens: int, budget: int, context_length: int,
@@ -87,6 +156,8 @@ def generation_capacity(prompt_tokens: int, max_new_tokens: int, budget: int, co
     """
     if acceptance not in ACCEPTANCE:
         raise BadInput(f"acceptance {acceptance!r}: choose exact or typical", option="acceptance")
+    if prompt_tokens < 1:
+        raise BadInput("the prompt has no tokens")
     if max_new_tokens < 1:
         raise BadInput(f"max new tokens must be at least 1, got {max_new_tokens}", option="max_new_tokens")
     if prompt_tokens >= context_length:

@@ -27,13 +27,14 @@ the target's distribution whatever produced x).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Set
 
 import torch
 
 from mtpctl.backends.torch import TorchEngine
-from mtpctl.decode.drafter import TargetStep
+from mtpctl.decode.drafter import TargetStep, check_finite
 from mtpctl.decode.sampling import SamplingParams, probs_from_logits, sample
 from mtpctl.decode.tree import DraftTree
 from mtpctl.model.decoder import Decoder
@@ -194,6 +195,19 @@ class DraftModelDrafter:
         self._prompt_key, self._prompt_draft = tuple(target_prompt), list(draft_prompt)
 
     # -- the Drafter protocol ------------------------------------------------------------------
+    def fork(self) -> "DraftModelDrafter":
+        """The same draft model, maps and settings with a KV cache, draft length and generator of its
+        own (the generator seeded from this drafter's, so forks draw reproducibly); see
+        :meth:`mtpctl.decode.drafter.Drafter.fork`."""
+        twin = copy.copy(self)
+        twin.engine, twin.cached, twin._last_len, twin._last = None, [], 0, []
+        twin._prompt_key, twin._prompt_draft = (), []
+        twin.k = self.fixed or min(AUTO_START, self.max_draft_len)
+        twin.forward_passes = 0
+        twin.generator = torch.Generator()
+        twin.generator.manual_seed(int(torch.randint(2 ** 62, (), generator=self.generator)))
+        return twin
+
     def propose(self, context: Sequence[int], max_tokens: int, last: Optional[TargetStep] = None) -> DraftTree:
         """A chain of up to ``min(max_tokens, draft length)`` draft tokens (target ids) following
         ``context`` (prompt + committed output, the pending token last); its ``q`` ``[k,
@@ -286,7 +300,7 @@ class DraftModelDrafter:
             self.engine.commit(range(len(ctx) - common))
         self.cached = list(ctx)
         with torch.inference_mode():
-            return self.model.logits(out.hidden_states[-1:])[0]
+            return check_finite(self.model.logits(out.hidden_states[-1:])[0], "the draft model")
 
     def _step(self, token: int) -> torch.Tensor:
         """Feed one draft token; its logits ``[draft_vocab]``."""
@@ -295,7 +309,7 @@ class DraftModelDrafter:
         self.engine.commit([0])
         self.cached.append(token)
         with torch.inference_mode():
-            return self.model.logits(out.hidden_states)[0]
+            return check_finite(self.model.logits(out.hidden_states)[0], "the draft model")
 
     # -- back to the target's ids ----------------------------------------------------------------
     def _to_target(self, tokens: List[int], rows: List[torch.Tensor], tail, max_tokens: int):

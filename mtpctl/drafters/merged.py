@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 from mtpctl.decode.attention import MAX_DRAFT_DEPTH
-from mtpctl.decode.drafter import TargetStep
+from mtpctl.decode.drafter import Call, TargetStep, propose_all
 from mtpctl.decode.tree import DraftTree
 
 
@@ -35,12 +35,28 @@ class MergedDrafter:
         self.max_depth = max_depth
         self.budget = sum(d.budget for d in self.drafters)
 
+    def fork(self) -> "MergedDrafter":
+        """The same merge of each member's fork; itself when no member keeps per-request state (see
+        :meth:`mtpctl.decode.drafter.Drafter.fork`)."""
+        forks = [d.fork() for d in self.drafters]
+        return self if all(f is d for f, d in zip(forks, self.drafters)) else MergedDrafter(forks, self.max_depth)
+
+    def propose_together(self, calls: Sequence[Call]) -> List[DraftTree]:
+        """:meth:`propose` for several requests at once, each member proposing for all of them together
+        where it can (:func:`mtpctl.decode.drafter.propose_all`)."""
+        proposals = [propose_all(d, [(context, d.budget, last) for context, _, last in calls]) for d in self.drafters]
+        return [self._merge(context, max_tokens, [p[i] for p in proposals])
+                for i, (context, max_tokens, _) in enumerate(calls)]
+
     def propose(self, context: Sequence[int], max_tokens: int, last: Optional[TargetStep] = None) -> DraftTree:
+        return self._merge(context, max_tokens, [d.propose(context, d.budget, last) for d in self.drafters])
+
+    def _merge(self, context: Sequence[int], max_tokens: int, trees: Sequence[DraftTree]) -> DraftTree:
+        """The members' trees (in merge order) as one trie of at most ``max_tokens`` nodes."""
         merged = DraftTree(context[-1])
-        for drafter in self.drafters:
+        for tree in trees:
             if merged.drafted >= max_tokens:
                 break
-            tree = drafter.propose(context, drafter.budget, last)
             if tree.q is not None:
                 raise ValueError("MergedDrafter merges deterministic drafters only (this one samples)")
             where = {0: 0}  # the member's node -> the merged tree's node (None: left out)

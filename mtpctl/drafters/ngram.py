@@ -32,6 +32,10 @@ class NgramDrafter:
             raise ValueError(f"the prompt-lookup chain needs at least 1 token, got {budget}")
         self.ngram_max, self.ngram_min, self.budget = ngram_max, ngram_min, budget
 
+    def fork(self) -> "NgramDrafter":
+        """Itself: it keeps no per-request state (see :meth:`mtpctl.decode.drafter.Drafter.fork`)."""
+        return self
+
     def propose(self, context: Sequence[int], max_tokens: int, last: Optional[TargetStep] = None) -> DraftTree:
         pending = context[-1]
         if max_tokens <= 0:

@@ -158,6 +158,10 @@ class RetrievalDrafter:
         self.store, self.max_match, self.min_match, self.depth = store, max_match, min_match, depth
         self.max_rows, self.min_share, self.budget = max_rows, min_share, budget
 
+    def fork(self) -> "RetrievalDrafter":
+        """Itself: it keeps no per-request state (see :meth:`mtpctl.decode.drafter.Drafter.fork`)."""
+        return self
+
     def propose(self, context: Sequence[int], max_tokens: int, last: Optional[TargetStep] = None) -> DraftTree:
         pending = context[-1]
         if max_tokens <= 0:

@@ -17,7 +17,7 @@ import math
 from functools import partial
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +25,8 @@ from torch import nn
 
 from mtpctl.errors import UnsupportedModel
 from mtpctl.model.config import DecoderConfig, RopeConfig
-from mtpctl.model.kv_cache import KVCache
-from mtpctl.model.native import SlotPlan, norm_takes, rms_norm, rope_write, tree_attention
+from mtpctl.model.kv_cache import KVCache, PassSlots
+from mtpctl.model.native import SlotPlan, attend, norm_takes, rms_norm, rotate_write
 from mtpctl.model.linears import BlockedLinear, PackedLinear, blocked_layout_available, pack_exact
 from mtpctl.model.weights import load_tensors, safetensors_files
 
@@ -292,14 +292,16 @@ class DecoderLayer(nn.Module):
         self.q_norm = param(hd, dtype=norm_dtype) if cfg.qk_norm else None
         self.k_norm = param(hd, dtype=norm_dtype) if cfg.qk_norm else None
 
-    def forward(self, x, cos, sin, cache: KVCache, mask: Optional[torch.Tensor], plan: Optional[AttentionPlan] = None):
+    def forward(self, x, cos, sin, cache, mask: Optional[torch.Tensor], plan=None):
         """x ``[batch, N, hidden]`` -> ``[batch, N, hidden]``; writes this layer's N new KV slots.
 
-        With a ``plan`` (decode and verify passes) attention is batch-invariant (:func:`_attention`;
-        with a :class:`SlotPlan` the native kernel, the native RMSNorm for this layer's norms and,
-        without q/k norms, the rotary embedding fused with the cache write, :mod:`mtpctl.model.native`);
-        without one (prefill, teacher-forced batches) the fused SDPA kernel attends over the used
-        slots only, which is faster for long N.
+        Prefill and teacher-forced passes: ``cache`` a :class:`KVCache` and ``mask`` (the fused SDPA
+        kernel attends over the used slots only, which is faster for long N). Decode and verify passes:
+        ``cache`` a :class:`PassSlots` (batch 1, the rows of one or more sequences, each with its own
+        cache) and ``plan``, so that attention is batch-invariant: a :class:`SlotPlan` (the native
+        kernel, the native RMSNorm for this layer's norms and, without q/k norms, the rotary embedding
+        fused with the cache write, :mod:`mtpctl.model.native`), or one :class:`AttentionPlan` per
+        sequence (torch's ops, :func:`_attention`).
         """
         cfg = self.cfg
         b, n, _ = x.shape
@@ -308,12 +310,11 @@ class DecoderLayer(nn.Module):
         native = isinstance(plan, SlotPlan)
         norm = rms_norm if self.native_norms and native else self.norm
         qkv = _linear(norm(x, self.input_norm, cfg.rms_norm_eps), self.qkv, self.qkv_bias)
-        if native and self.q_norm is None and b == 1:  # rotate, write the cache and attend in C
-            keys, values = cache.layer_for_write(self.index, n)
-            q = rope_write(qkv[0], cos[0, :, 0], sin[0, :, 0], keys, values, cache.length, heads,
-                           cfg.num_key_value_heads)
-            attn = tree_attention(q.transpose(0, 1)[None], keys, values, cfg.scale, plan).to(x.dtype)
-            return self._attention_out_and_mlp(x, attn, b, n, norm)
+        if native and self.q_norm is None:  # rotate, write the caches and attend in C
+            q = rotate_write(qkv[0], cos[0, :, 0], sin[0, :, 0], cache.kv, self.index, cache.dest, heads,
+                             cfg.num_key_value_heads)
+            attn = attend(q, cache.kv, self.index, cfg.num_key_value_heads, cfg.scale, plan)
+            return self._attention_out_and_mlp(x, attn.transpose(0, 1)[None].to(x.dtype), b, n, norm)
         qk = qkv[..., :self.q_size + self.kv_size].unflatten(-1, (heads + cfg.num_key_value_heads, hd))
         if self.q_norm is not None:
             qk = torch.cat((norm(qk[:, :, :heads], self.q_norm, cfg.rms_norm_eps),
@@ -321,12 +322,18 @@ class DecoderLayer(nn.Module):
         qk = _rotate(qk, cos, sin).transpose(1, 2)  # queries and keys rotated in one go
         q, k = qk[:, :heads], qk[:, heads:]
         v = qkv[..., self.q_size + self.kv_size:].unflatten(-1, (cfg.num_key_value_heads, hd)).transpose(1, 2)
-        keys, values = cache.write(self.index, k, v)
-        if isinstance(plan, SlotPlan):
-            attn = tree_attention(q, keys, values, cfg.scale, plan)
-        elif plan is not None:
-            attn = _attention(q, keys, values, cfg.scale, plan)
+        if native:
+            cache.write(self.index, k, v)
+            attn = attend(q[0].transpose(0, 1).float().contiguous(), cache.kv, self.index, cfg.num_key_value_heads,
+                          cfg.scale, plan).transpose(0, 1)[None].to(q.dtype)
+        elif plan is not None:  # one plan per sequence of the pass, each over its own cache
+            cache.write(self.index, k, v)
+            attn = torch.cat([_attention(q[:, :, start:start + count], seq.k[self.index], seq.v[self.index], cfg.scale,
+                                         seq_plan)
+                              for seq, start, count, seq_plan in zip(cache.caches, cache.starts, cache.counts, plan)],
+                             dim=2)
         else:
+            keys, values = cache.write(self.index, k, v)
             used = cache.length + n
             attn = F.scaled_dot_product_attention(q.float(), keys[:, :, :used], values[:, :, :used],
                                                   attn_mask=mask[..., :used], enable_gqa=True,
@@ -480,22 +487,25 @@ class Decoder(nn.Module):
         return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, c.head_dim, capacity, torch.float32,
                        spare=spare)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
-                masks: Optional[Dict[Optional[int], torch.Tensor]],
-                plans: Optional[Dict[Optional[int], AttentionPlan]] = None) -> torch.Tensor:
-        """Run N new tokens per row against the cache; their KV go to slots ``[length, length+N)``.
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: Union[KVCache, PassSlots],
+                masks: Optional[Dict[Optional[int], torch.Tensor]], plans: Optional[dict] = None) -> torch.Tensor:
+        """Run N new tokens per row against the KV cache(s); their KV go to the slots after each
+        sequence's committed ones, uncommitted (the caller commits accepted slots).
 
         Args:
             input_ids: ``[batch, N]`` token ids.
-            position_ids: ``[batch, N]`` positions (a token's depth in a draft tree adds to ``length``).
-            cache: the KV cache; not advanced here (the caller commits accepted slots).
+            position_ids: ``[batch, N]`` positions (a token's depth in a draft tree adds to its
+                sequence's committed length).
+            cache: prefill and teacher-forced passes: the :class:`KVCache` of ``batch`` sequences of
+                the same length; decode and verify passes: :class:`PassSlots`, batch 1, the rows of
+                one or more sequences packed, each sequence with its own cache.
             masks: attention window (None = full) -> bool mask ``[batch|1, 1, N, capacity]``
                 (True = may attend), from :func:`mtpctl.decode.attention.attention_masks`: prefill and
                 teacher-forced passes (the fused SDPA kernel, where only speed matters).
-            plans: instead of masks, for decode and verify passes: attention window ->
-                :class:`AttentionPlan`, so that each token is computed exactly as it would be alone
-                (:class:`SlotPlan`: the native attention kernel and native RMSNorm,
-                :mod:`mtpctl.model.native`).
+            plans: instead of masks, for decode and verify passes: attention window -> a
+                :class:`SlotPlan` of every row (the native attention kernel and native RMSNorm,
+                :mod:`mtpctl.model.native`) or a tuple of one :class:`AttentionPlan` per sequence
+                (torch's ops), so that each token is computed exactly as it would be alone.
 
         Returns:
             hidden_states after the final norm, ``[batch, N, hidden]``.

@@ -99,3 +99,45 @@ class KVCache:
     def reset(self) -> None:
         """Forget every committed slot (``length = 0``); memory is kept for reuse."""
         self.rollback(0)
+
+
+class PassSlots:
+    """Where the tokens of one decode or verify pass keep their keys and values: the tokens of one or
+    more sequences packed one sequence after another, each sequence with its own :class:`KVCache`.
+    Token j of sequence s goes to slot ``caches[s].length + j`` of its cache; nothing is committed.
+
+    Attributes:
+        caches: the sequences' caches, in pass order.
+        counts: ``[S]`` tokens of each sequence in the pass.
+        starts: ``[S]`` the first row of each sequence in the pass.
+        kv: ``[N, 4]`` long, per token the addresses of its cache's keys and values (layer 0), the
+            elements between two layers and the slots per KV head: the native kernels' table
+            (:func:`mtpctl.model.native.rotate_write`, :func:`mtpctl.model.native.attend`).
+        dest: ``[N]`` long, the slot of its own cache each token's key and value go to.
+
+    Raises:
+        ValueError: caches and counts of different lengths, or a sequence whose tokens do not fit its
+            cache's capacity.
+    """
+
+    def __init__(self, caches: Sequence[KVCache], counts: Sequence[int]):
+        if len(caches) != len(counts) or not caches:
+            raise ValueError(f"{len(caches)} caches for {len(counts)} sequences")
+        for cache, n in zip(caches, counts):
+            if cache.length + n > cache.capacity:
+                raise ValueError(f"KV cache overflow: {cache.length + n} slots needed, {cache.capacity} allocated")
+        self.caches = list(caches)
+        self.counts = [int(n) for n in counts]
+        self.starts = [sum(self.counts[:s]) for s in range(len(self.counts))]
+        rows = torch.tensor([[c.k.data_ptr(), c.v.data_ptr(), c.k[0].numel(), c.k.shape[3]] for c in self.caches],
+                            dtype=torch.long)
+        counts_t = torch.tensor(self.counts)
+        self.kv = rows.repeat_interleave(counts_t, dim=0)
+        lengths = torch.tensor([c.length for c in self.caches])
+        within = torch.arange(int(counts_t.sum())) - torch.tensor(self.starts).repeat_interleave(counts_t)
+        self.dest = lengths.repeat_interleave(counts_t) + within
+
+    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Store ``k_new``/``v_new`` ``[1, kv_heads, N, head_dim]``, each sequence's rows in its own cache."""
+        for cache, start, n in zip(self.caches, self.starts, self.counts):
+            cache.write(layer, k_new[:, :, start:start + n], v_new[:, :, start:start + n])

@@ -49,20 +49,22 @@ BUILD_TIMEOUT_S = 120.0
 @dataclass(frozen=True)
 class SlotPlan:
     """Which cache slots each token of a decode or verify pass attends to, in order, for one
-    attention window (built by :func:`mtpctl.decode.attention.slot_plan`).
+    attention window (built by :func:`mtpctl.decode.attention.slot_plan`). The tokens of a pass may
+    belong to several sequences, each with its own KV cache (:class:`mtpctl.model.kv_cache.PassSlots`);
+    slots are those of the token's own cache.
 
     Attributes:
         starts: ``[N]`` long, first committed slot token i attends to (0, or where its sliding
-            window begins); it reads the committed slots ``[starts[i], length)``.
-        length: committed slots before the pass.
+            window begins); it reads the committed slots ``[starts[i], ends[i])``.
+        ends: ``[N]`` long, the committed slots of token i's sequence before the pass.
         paths: ``[N, P]`` long, then the slots of its draft-tree path (ancestors root first, then
             itself), -1 padded. Plain decoding lists ``[length]``.
 
-    Both tensors are contiguous (the kernel reads them as flat arrays; :func:`tree_attention` checks).
+    All three are contiguous (the kernel reads them as flat arrays; :func:`tree_attention` checks).
     """
 
     starts: torch.Tensor
-    length: int
+    ends: torch.Tensor
     paths: torch.Tensor
 
 
@@ -203,11 +205,11 @@ def load_kernel(portable: bool = False) -> Optional[ctypes.CDLL]:
         matmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                            ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.rope_write.restype = ctypes.c_int
-    lib.rope_write.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-                               + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int64])
+    lib.rope_write.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                                                          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                                                          ctypes.c_void_p])
     lib.tree_attention.restype = ctypes.c_int
-    lib.tree_attention.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    lib.tree_attention.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
                                    + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int])
     return lib
 
@@ -220,9 +222,48 @@ def _loaded(lib: Optional[ctypes.CDLL]) -> ctypes.CDLL:
     return lib
 
 
+def cache_rows(keys: torch.Tensor, values: torch.Tensor, n: int) -> torch.Tensor:
+    """The kernels' table ``[n, 4]`` long for n tokens that all keep their KV in one cache: the
+    addresses of ``keys``/``values`` ``[layers, 1, kv_heads, slots, head_dim]`` (or one layer,
+    ``[1, kv_heads, slots, head_dim]``) float32 contiguous, the elements between two layers and the
+    slots per KV head (see :class:`mtpctl.model.kv_cache.PassSlots`, which builds it for several
+    caches).
+
+    Raises:
+        ValueError: a cache that is not contiguous float32, or keys and values of other shapes.
+    """
+    if keys.dtype != torch.float32 or values.dtype != torch.float32 or keys.shape != values.shape \
+            or not (keys.is_contiguous() and values.is_contiguous()):
+        raise ValueError("the native kernels take a contiguous float32 KV cache, keys and values alike")
+    per_layer = keys[0].numel() if keys.dim() == 5 else 0
+    row = torch.tensor([keys.data_ptr(), values.data_ptr(), per_layer, keys.shape[-2]], dtype=torch.long)
+    return row.expand(n, 4).contiguous()
+
+
+def check_plan(plan: SlotPlan, kv: torch.Tensor) -> None:
+    """Check once per pass what :func:`attend` trusts (its C code reads whatever the tensors say): N
+    rows of contiguous long tensors, and every slot a token reads inside its own cache.
+
+    Raises:
+        ValueError: a plan or table that does not fit.
+    """
+    n = kv.shape[0]
+    starts, ends, paths = plan.starts, plan.ends, plan.paths
+    tensors = (kv, starts, ends, paths)
+    if any(t.dtype != torch.long or not t.is_contiguous() for t in tensors) or kv.shape != (n, 4) \
+            or starts.shape != (n,) or ends.shape != (n,) or paths.dim() != 2 or paths.shape[0] != n:
+        raise ValueError(f"a slot plan of {tuple(starts.shape)} starts, {tuple(ends.shape)} ends and "
+                         f"{tuple(paths.shape)} paths does not fit a cache table of {tuple(kv.shape)} "
+                         "(or is not contiguous long tensors)")
+    slots = kv[:, 3]
+    if bool((starts < 0).any() or (starts > ends).any() or (ends > slots).any() or (paths >= slots[:, None]).any()):
+        raise ValueError("a slot plan reads slots outside its token's cache")
+
+
 def tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
                    plan: SlotPlan, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
-    """Grouped-query attention of N tokens over their slot lists (:class:`SlotPlan`), in float32.
+    """Grouped-query attention of N tokens of one sequence over their slot lists
+    (:class:`SlotPlan`), in float32: :func:`attend` for one layer of one cache, checked.
 
     q ``[1, heads, N, head_dim]``; keys/values ``[1, kv_heads, slots, head_dim]`` float32 (one layer
     of the KV cache); ``scale`` multiplies q.k; ``lib`` the compiled kernel (default:
@@ -230,36 +271,46 @@ def tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sc
 
     Raises:
         OSError: the kernel could not be built (see :func:`load_kernel`).
-        ValueError: a batch other than 1, shapes the kernel does not take (head_dim not a
-            multiple of 16 or above 512, a GQA group above 16), or a plan that does not fit (not N
-            rows of long, or ``length + N`` past the cache's slots; its slots must lie below that).
+        ValueError: a batch other than 1, a cache that is not contiguous float32, a plan that does not
+            fit (:func:`check_plan`), or see :func:`attend`.
+    """
+    if q.shape[0] != 1 or keys.dim() != 4 or keys.shape[-1] != q.shape[-1]:
+        raise ValueError("the native attention kernel takes batch 1 and one layer of a KV cache")
+    table = cache_rows(keys, values, q.shape[2])
+    check_plan(plan, table)
+    out = attend(q[0].transpose(0, 1).float().contiguous(), table, 0, keys.shape[1], scale, plan, lib)
+    return out.transpose(0, 1)[None].to(q.dtype)
+
+
+def attend(q: torch.Tensor, kv: torch.Tensor, layer: int, kv_heads: int, scale: float, plan: SlotPlan,
+           lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """Grouped-query attention of N tokens over their slot lists (:class:`SlotPlan`, checked by
+    :func:`check_plan`) in ``layer`` of each token's own KV cache, in float32.
+
+    q ``[N, heads, head_dim]`` float32 contiguous; ``kv`` ``[N, 4]`` long, where each token's cache
+    lies (:func:`cache_rows`, :class:`mtpctl.model.kv_cache.PassSlots`); ``scale`` multiplies q.k.
+    Returns ``[N, heads, head_dim]`` float32.
+
+    Raises:
+        OSError: the kernel could not be built (see :func:`load_kernel`).
+        ValueError: q not contiguous float32, or a shape the kernel does not take (head_dim not a
+            multiple of 16 or above 512, a GQA group above 16).
+        MemoryError: no scratch memory.
     """
     lib = _loaded(lib)
-    b, heads, n, d = q.shape
-    k, v = keys[0], values[0]
-    if b != 1 or keys.dtype != torch.float32 or values.dtype != torch.float32 or keys.shape != values.shape \
-            or keys.shape[-1] != d or not (k.is_contiguous() and v.is_contiguous()):
-        raise ValueError("the native attention kernel takes batch 1 and a contiguous float32 KV cache")
-    # the C code trusts these (a mismatch read past the plan's rows or the cache: garbage or a crash)
-    starts, paths = plan.starts, plan.paths
-    if starts.dtype != torch.long or paths.dtype != torch.long or starts.shape != (n,) or paths.dim() != 2 \
-            or paths.shape[0] != n or plan.length + n > keys.shape[2] \
-            or not (starts.is_contiguous() and paths.is_contiguous()):
-        raise ValueError(f"a slot plan of {tuple(starts.shape)} starts, {tuple(paths.shape)} paths after "
-                         f"{plan.length} slots does not fit {n} tokens and a cache of {keys.shape[2]} slots "
-                         "(or is not contiguous long tensors)")
-    qf = q[0].transpose(0, 1).float().contiguous()  # [N, heads, d]
-    out = torch.empty(n, heads, d, dtype=torch.float32)  # whatever torch's default dtype
-    rc = lib.tree_attention(qf.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[1], starts.data_ptr(), plan.length,
-                            paths.data_ptr(), paths.shape[1], n, heads, k.shape[0], d, scale, out.data_ptr(),
+    n, heads, d = q.shape
+    if q.dtype != torch.float32 or not q.is_contiguous():
+        raise ValueError("the native attention kernel takes contiguous float32 queries")
+    out = torch.empty(n, heads, d, dtype=torch.float32)
+    rc = lib.tree_attention(q.data_ptr(), kv.data_ptr(), layer, plan.starts.data_ptr(), plan.ends.data_ptr(),
+                            plan.paths.data_ptr(), plan.paths.shape[1], n, heads, kv_heads, d, scale, out.data_ptr(),
                             torch.get_num_threads())
     if rc == -2:
-        raise MemoryError(f"the native attention kernel could not allocate scratch memory for {n} tokens over "
-                          f"{plan.length} slots")
+        raise MemoryError(f"the native attention kernel could not allocate scratch memory for {n} tokens")
     if rc:
         raise ValueError(f"the native attention kernel does not take head_dim {d} with {heads} heads over "
-                         f"{k.shape[0]} KV heads")
-    return out.transpose(0, 1)[None].to(q.dtype)
+                         f"{kv_heads} KV heads")
+    return out
 
 
 #: widest row :func:`rms_norm` takes (``MAX_DIM`` in csrc/rms_norm.c)
@@ -305,40 +356,57 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib: Optional[ct
 
 def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                first: int, heads: int, kv_heads: int, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
-    """Rotary embedding (RoPE, Su et al. 2021) of a pass's queries and keys, fused with the KV cache
-    write: the computation of :func:`mtpctl.model.decoder._rotate` (each product and the sum rounded
-    to the model's dtype), bit for bit, followed by what ``KVCache.write`` and :func:`tree_attention`
-    do with the result.
-
-    qkv ``[N, stride]`` (bfloat16 or float32; each row holds ``heads`` query, ``kv_heads`` key and
-    ``kv_heads`` value heads of head_dim values first); cos/sin ``[N, head_dim]`` in qkv's dtype (each
-    token's rotation); keys/values ``[1, kv_heads, slots, head_dim]`` float32, one layer of the KV
-    cache, token i's key and value going to slot ``first + i``. Returns the rotated queries
-    ``[N, heads, head_dim]`` in float32.
+    """:func:`rotate_write` for N tokens of one sequence into one layer of its cache, checked:
+    keys/values ``[1, kv_heads, slots, head_dim]`` float32, token i's key and value going to slot
+    ``first + i``. Returns the rotated queries ``[N, heads, head_dim]`` in float32.
 
     Raises:
         OSError: the kernel could not be built (see :func:`load_kernel`).
         ValueError: shapes or dtypes that do not fit (an odd head_dim, a row too short for the heads,
             slots past the cache, a batch other than 1, a cache that is not contiguous float32).
     """
+    n, d = qkv.shape[0], cos.shape[-1]
+    if keys.dim() != 4 or keys.shape[0] != 1 or keys.shape[1] != kv_heads or keys.shape[-1] != d \
+            or first < 0 or first + n > keys.shape[2]:
+        raise ValueError(f"rope_write does not take a cache layer {tuple(keys.shape)} from slot {first} for {n} "
+                         f"tokens of {kv_heads} KV heads of {d} values")
+    dest = torch.arange(first, first + n)
+    return rotate_write(qkv, cos, sin, cache_rows(keys, values, n), 0, dest, heads, kv_heads, lib)
+
+
+def rotate_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, layer: int,
+                 dest: torch.Tensor, heads: int, kv_heads: int, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """Rotary embedding (RoPE, Su et al. 2021) of a pass's queries and keys, fused with the KV cache
+    write: the computation of :func:`mtpctl.model.decoder._rotate` (each product and the sum rounded
+    to the model's dtype), bit for bit, followed by what ``KVCache.write`` and :func:`attend` do with
+    the result.
+
+    qkv ``[N, stride]`` (bfloat16 or float32; each row holds ``heads`` query, ``kv_heads`` key and
+    ``kv_heads`` value heads of head_dim values first); cos/sin ``[N, head_dim]`` in qkv's dtype (each
+    token's rotation); ``kv`` ``[N, 4]`` long, where each token's cache lies (:func:`cache_rows`,
+    :class:`mtpctl.model.kv_cache.PassSlots`), token i's key and value going to slot ``dest[i]`` of
+    ``layer``. Returns the rotated queries ``[N, heads, head_dim]`` in float32.
+
+    Raises:
+        OSError: the kernel could not be built (see :func:`load_kernel`).
+        ValueError: shapes or dtypes that do not fit (an odd head_dim, a row too short for the heads, a
+            slot outside its cache, tables that are not N rows of contiguous long).
+    """
     lib = _loaded(lib)
     n, d = qkv.shape[0], cos.shape[-1]
-    k, v = keys[0], values[0]
     if qkv.dim() != 2 or qkv.dtype not in (torch.bfloat16, torch.float32) or qkv.stride(-1) != 1 \
             or cos.shape != (n, d) or sin.shape != (n, d) or cos.dtype != qkv.dtype or sin.dtype != qkv.dtype \
-            or keys.shape[0] != 1 or keys.dtype != torch.float32 or values.dtype != torch.float32 \
-            or keys.shape != values.shape or k.shape[0] != kv_heads or k.shape[-1] != d \
-            or not (k.is_contiguous() and v.is_contiguous()) or qkv.shape[1] < (heads + 2 * kv_heads) * d \
-            or d % 2 or first < 0 or first + n > k.shape[1]:
-        raise ValueError(f"rope_write does not take qkv {tuple(qkv.shape)} {qkv.dtype}, cos/sin "
-                         f"{tuple(cos.shape)}, a cache layer {tuple(keys.shape)} {keys.dtype} from slot {first}, "
-                         f"{heads} heads over {kv_heads} KV heads")
+            or qkv.shape[1] < (heads + 2 * kv_heads) * d or d % 2 or kv.shape != (n, 4) or dest.shape != (n,) \
+            or kv.dtype != torch.long or dest.dtype != torch.long or not (kv.is_contiguous() and dest.is_contiguous()):
+        raise ValueError(f"rotate_write does not take qkv {tuple(qkv.shape)} {qkv.dtype}, cos/sin {tuple(cos.shape)}, "
+                         f"a cache table {tuple(kv.shape)} and slots {tuple(dest.shape)}, {heads} heads over "
+                         f"{kv_heads} KV heads")
     cos, sin = cos.contiguous(), sin.contiguous()
     q = torch.empty(n, heads, d, dtype=torch.float32)
     rc = lib.rope_write(qkv.data_ptr(), n, qkv.stride(0), heads, kv_heads, d, cos.data_ptr(), sin.data_ptr(),
-                        int(qkv.dtype == torch.bfloat16), q.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[1], first)
+                        int(qkv.dtype == torch.bfloat16), q.data_ptr(), kv.data_ptr(), layer, dest.data_ptr())
     if rc:
-        raise ValueError(f"rope_write refused head_dim {d} or slots {first}..{first + n} of {k.shape[1]}")
+        raise ValueError(f"rotate_write refused head_dim {d} or a slot outside its cache")
     return q
 
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
-from typing import List, Set
+from typing import Callable, List, Set, Tuple
 
 from mtpctl.errors import BadInput, CorruptModel
 
@@ -32,10 +33,14 @@ class TextCodec:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
-    def encode_prompt(self, text: str, chat: bool = True) -> List[int]:
+    def encode_prompt(self, text: str, chat: bool = True, parse_special: bool = False) -> List[int]:
         """Prompt ids ``[T]``: through the chat template (one user turn, generation prompt added) when
         the model has one and ``chat`` is set, else the raw text with the tokenizer's own special
         tokens (BOS where the tokenizer adds one).
+
+        The user's text is tokenized as text: a control token's string in it (``<|im_end|>``) is not
+        turned into that token, so it cannot close its turn or open another; ``parse_special`` turns
+        such strings into their tokens (for prompts built with control tokens on purpose).
 
         Raises:
             BadInput: the prompt is empty or only whitespace.
@@ -43,26 +48,87 @@ class TextCodec:
         if not text.strip():
             raise BadInput("the prompt is empty")
         if chat and self.has_chat_template:
-            return self.encode_messages([{"role": "user", "content": text}])
-        return [int(i) for i in self.tokenizer(text)["input_ids"]]
+            return self.encode_messages([{"role": "user", "content": text}], parse_special)
+        return [int(i) for i in self.tokenizer(text, split_special_tokens=not parse_special)["input_ids"]]
 
-    def encode_messages(self, messages: List[dict]) -> List[int]:
+    def encode_messages(self, messages: List[dict], parse_special: bool = False) -> List[int]:
         """A conversation (``[{"role": ..., "content": ...}, ...]``) -> prompt ids through the chat
         template, generation prompt added; without a template, the contents joined by newlines.
+        The template's control tokens are tokens; the messages' contents are text, unless
+        ``parse_special`` (see :meth:`encode_prompt`). Ids equal the tokenizer's own for any
+        conversation without control-token strings in its contents.
 
         Raises:
-            BadInput: no message, or every message empty.
+            BadInput: no message, every message empty, or a template that does not reproduce a
+                message's content (so the user's text cannot be told from the template's).
         """
         if not messages or not any(str(m.get("content", "")).strip() for m in messages):
             raise BadInput("the conversation is empty")
         if not self.has_chat_template:
-            return self.encode_prompt("\n".join(m["content"] for m in messages), chat=False)
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return [int(i) for i in (out["input_ids"] if hasattr(out, "keys") else out)]
+            return self.encode_prompt("\n".join(m["content"] for m in messages), chat=False, parse_special=parse_special)
+        if parse_special:
+            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return [int(i) for i in (out["input_ids"] if hasattr(out, "keys") else out)]
+        rendered, spans = _content_spans(
+            lambda chat: self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False), messages)
+        return self._encode_rendered(rendered, spans)
+
+    def _encode_rendered(self, rendered: str, spans: List[Tuple[int, int]]) -> List[int]:
+        """Ids of a rendered chat: the tokenizer's own splitting at added tokens, except inside
+        ``spans`` (the messages' contents), where nothing is a control token."""
+        added = self.tokenizer.get_added_vocab()
+        pattern = re.compile("|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)))
+        ids: List[int] = []
+        start = 0
+
+        def text(end: int) -> None:
+            if end > start:
+                ids.extend(self.tokenizer(rendered[start:end], add_special_tokens=False,
+                                          split_special_tokens=True)["input_ids"])
+
+        for match in pattern.finditer(rendered):
+            if any(a < match.end() and match.start() < b for a, b in spans):
+                continue  # inside a message: text
+            text(match.start())
+            ids.append(int(added[match.group()]))
+            start = match.end()
+        text(len(rendered))
+        return [int(i) for i in ids]
 
     def decode(self, ids: List[int]) -> str:
         """Token ids -> text, special tokens skipped."""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _content_spans(render: Callable[[List[dict]], str], messages: List[dict]) -> Tuple[str, List[Tuple[int, int]]]:
+    """The rendered chat and where each message's content stands in it: the template is rendered
+    once with a marker in place of each content, and the contents put where the markers landed
+    (stripped, for templates that strip them); that must give the template's own rendering.
+
+    Raises:
+        BadInput: a template that changes a message's text otherwise.
+    """
+    rendered = render(messages)
+    markers = [f"\ue000{i}\ue001" for i in range(len(messages))]
+    skeleton = render([{**m, "content": marker} for m, marker in zip(messages, markers)])
+    for strip in (False, True):
+        out, spans, start = [], [], 0
+        for marker, m in zip(markers, messages):
+            at = skeleton.find(marker, start)
+            if at < 0:
+                break
+            content = str(m.get("content", ""))
+            content = content.strip() if strip else content
+            out.append(skeleton[start:at])
+            begin = sum(len(piece) for piece in out)
+            out.append(content)
+            spans.append((begin, begin + len(content)))
+            start = at + len(marker)
+        out.append(skeleton[start:])
+        if len(spans) == len(messages) and "".join(out) == rendered:
+            return rendered, spans
+    raise BadInput("the chat template changes a message's text, so it cannot be kept apart from the template's "
+                   "control tokens: send the raw prompt, or parse control tokens in it", option="parse_special")
 
 
 def _eos_ids(folder: Path, tokenizer) -> Set[int]:

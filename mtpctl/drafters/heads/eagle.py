@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtpctl.decode.attention import causal_mask, draft_rows_mask, unrolled_draft_mask
-from mtpctl.decode.drafter import TargetStep
+from mtpctl.decode.drafter import TargetStep, check_finite
 from mtpctl.decode.tree import DraftTree
 from mtpctl.drafters.heads.config import EagleLayerConfig, HeadsConfig
 from mtpctl.drafters.heads.tree import StaticTree
@@ -202,6 +202,11 @@ class EagleDrafter:
         self.values = torch.zeros(lc.kv_heads, 0, lc.head_dim, dtype=dtype)
         self.length = 0  # positions whose KV was computed from the target's true features
 
+    def fork(self) -> "EagleDrafter":
+        """The same EAGLE layer and tree with an empty KV cache of its own (see
+        :meth:`mtpctl.decode.drafter.Drafter.fork`)."""
+        return EagleDrafter(self.head, self.tree, self.embed, self.lm_head)
+
     def propose(self, context: Sequence[int], max_tokens: int, last: Optional[TargetStep] = None) -> DraftTree:
         """See :class:`~mtpctl.decode.drafter.Drafter`. The drafter must see every target pass:
         after prefill ``last.out.prompt_hidden_states``, after a verify pass ``last.rows``.
@@ -286,7 +291,7 @@ class EagleDrafter:
     def _top(self, g: torch.Tensor, paths: Sequence[Tuple[int, ...]], depth: int) -> List[List[int]]:
         """Candidate ids ``[M][ranks]`` for the children at ``depth`` of each row's node."""
         ranks = 1 + max(p[-1] for p in paths if len(p) == depth)
-        top = self.head.logits(g, self.lm_head).topk(ranks, dim=-1).indices
+        top = check_finite(self.head.logits(g, self.lm_head), "the EAGLE layer").topk(ranks, dim=-1).indices
         if self.head.token_map is not None:
             top = self.head.token_map[top]
         return top.tolist()

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtpctl.decode.drafter import TargetStep
+from mtpctl.decode.drafter import Call, TargetStep, check_finite
 from mtpctl.decode.tree import DraftTree
 from mtpctl.drafters.heads.config import HeadsConfig
 from mtpctl.drafters.heads.tree import StaticTree
@@ -188,7 +188,8 @@ class MedusaHeads(nn.Module):
             expand = sorted({p[:-1] for p in level})
             z = self.head_step(depth - 1, torch.stack([states[q] for q in expand]),
                                embed(torch.tensor([tokens[q] for q in expand])))
-            top = self.project(z, lm_head, head=depth - 1).topk(1 + max(p[-1] for p in level), dim=-1).indices
+            top = check_finite(self.project(z, lm_head, head=depth - 1), "the Hydra heads").topk(
+                1 + max(p[-1] for p in level), dim=-1).indices
             if self.token_map is not None:
                 top = self.token_map[top]
             row = {q: j for j, q in enumerate(expand)}
@@ -246,11 +247,33 @@ class MedusaDrafter:
         self.tree, self.heads, self.target = tree, heads, target
         self.budget = len(tree.paths)
 
+    def fork(self) -> "MedusaDrafter":
+        """Itself: it keeps no per-request state (see :meth:`mtpctl.decode.drafter.Drafter.fork`)."""
+        return self
+
     def propose(self, context: Sequence[int], max_tokens: int, last: Optional[TargetStep] = None) -> DraftTree:
         pending = context[-1]
         if last is None or max_tokens <= 0:
             return DraftTree(pending)
         return self.draft(last, pending, max_tokens)
+
+    def propose_together(self, calls: Sequence[Call]) -> List[DraftTree]:
+        """:meth:`propose` for several requests at once: the heads run once on every row's hidden
+        state (Hydra heads and heads fused into a graph: one call each)."""
+        live = [i for i, (context, max_tokens, last) in enumerate(calls) if last is not None and max_tokens > 0]
+        if self.heads is None or self.heads.sequential or len(live) < 2:
+            return [self.propose(*call) for call in calls]
+        hidden = torch.stack([calls[i][2].out.hidden_states[calls[i][2].row] for i in live])
+        pending = torch.tensor([calls[i][0][-1] for i in live])
+        embeds = self.target.embed[pending].to(hidden.dtype) if self.heads.cfg.token_conditioned else None
+        with torch.inference_mode():
+            logits = check_finite(self.heads(hidden, self.target.logits, token_embeds=embeds, count=self.tree.depth),
+                                  "the MTP heads")
+        top = logits.topk(self.tree.max_rank, dim=-1).indices  # [rows, depth, ranks]
+        trees = [DraftTree(call[0][-1]) for call in calls]
+        for j, i in enumerate(live):
+            trees[i] = self.tree.draft(int(pending[j]), top[j], calls[i][1])
+        return trees
 
     def draft(self, last: TargetStep, pending: int, max_tokens: int) -> DraftTree:
         """The tree's first ``max_tokens`` paths under ``pending``, filled with each head's top-k."""
@@ -263,11 +286,11 @@ class MedusaDrafter:
         if self.heads is None:
             if last.out.head_logits is None:
                 raise ValueError("this backend's passes carry no MTP head logits: load the heads for the drafter")
-            return last.out.head_logits[last.row][:depth]
+            return check_finite(last.out.head_logits[last.row][:depth], "the MTP heads")
         hidden = last.out.hidden_states[last.row]
         embeds = self.target.embed[pending].to(hidden.dtype) if self.heads.cfg.token_conditioned else None
         with torch.inference_mode():
-            return self.heads(hidden, self.target.logits, token_embeds=embeds, count=depth)
+            return check_finite(self.heads(hidden, self.target.logits, token_embeds=embeds, count=depth), "the MTP heads")
 
 
 class HydraDrafter(MedusaDrafter):

@@ -36,24 +36,32 @@ static void rotate_head(const void *x, int64_t at, const void *cos, const void *
     }
 }
 
-/* Returns 0, or -1 when d is odd or a slot lies outside the cache.
+/* Returns 0, or -1 when d is odd or a slot lies outside its cache.
  *   qkv    [n, stride]              model dtype (bf16 != 0: bfloat16, else float32), rows contiguous:
  *                                   heads queries, kv_heads keys, kv_heads values of d values each
  *   cos,sin [n, d]                  model dtype, contiguous (each token's rotation)
  *   q_out  [n, heads, d]            float32
- *   k, v   [kv_heads, cap, d]       float32, contiguous (one layer of the KV cache); token i goes to
- *                                   slot first + i */
+ *   kv     [n, 4]                   where token i's sequence keeps its KV cache (as in tree_attention.c:
+ *                                   keys and values addresses at layer 0, elements between layers,
+ *                                   slots per KV head)
+ *   layer  the layer written
+ *   dest   [n]                      token i's key and value go to slot dest[i] of its cache */
 int rope_write(const void *qkv, int64_t n, int64_t stride, int64_t heads, int64_t kv_heads, int64_t d,
-               const void *cos, const void *sin, int bf16, float *q_out, float *k, float *v, int64_t cap,
-               int64_t first) {
-    if (d % 2 || first < 0 || first + n > cap || stride < (heads + 2 * kv_heads) * d)
+               const void *cos, const void *sin, int bf16, float *q_out, const int64_t *kv, int64_t layer,
+               const int64_t *dest) {
+    if (d % 2 || stride < (heads + 2 * kv_heads) * d)
         return -1;
+    for (int64_t i = 0; i < n; i++)
+        if (dest[i] < 0 || dest[i] >= kv[i * 4 + 3])
+            return -1;
     for (int64_t i = 0; i < n; i++) {
-        int64_t row = i * stride, c = i * d;
+        int64_t row = i * stride, c = i * d, cap = kv[i * 4 + 3];
+        float *k = (float *)(intptr_t)kv[i * 4] + layer * kv[i * 4 + 2];
+        float *v = (float *)(intptr_t)kv[i * 4 + 1] + layer * kv[i * 4 + 2];
         for (int64_t h = 0; h < heads; h++)
             rotate_head(qkv, row + h * d, cos, sin, c, d, bf16, q_out + (i * heads + h) * d);
         for (int64_t g = 0; g < kv_heads; g++) {
-            float *slot_k = k + (g * cap + first + i) * d, *slot_v = v + (g * cap + first + i) * d;
+            float *slot_k = k + (g * cap + dest[i]) * d, *slot_v = v + (g * cap + dest[i]) * d;
             rotate_head(qkv, row + (heads + g) * d, cos, sin, c, d, bf16, slot_k);
             for (int64_t j = 0; j < d; j++)
                 slot_v[j] = load(qkv, row + (heads + kv_heads + g) * d + j, bf16);

@@ -1,7 +1,7 @@
 /* Decode/verify attention over explicit slot lists: one fused pass per (token, KV head).
  *
  * Built and loaded by mtpctl/model/native.py (cc -O3 -march=native -fopenmp -shared). Token i
- * attends, in this order, to the committed cache slots [starts[i], length) and then to the slots in
+ * attends, in this order, to the committed cache slots [starts[i], ends[i]) and then to the slots in
  * paths[i] (its draft-tree ancestors root first, then itself; -1 pads the row). Every output value is
  * a deterministic function of the token's query and of the keys and values of its slot list, in
  * list order (C semantics: no -ffast-math, every reduction in a fixed order): a token scored inside
@@ -101,14 +101,19 @@ static void weighted_sum(float *o, const float *p, const float *v, const int64_t
 
 /* Returns 0, -1 when d or the GQA group exceed the kernel's limits, or -2 when scratch memory fails.
  *   q      [n, heads, d]          float32, contiguous
- *   k, v   [kv_heads, cap, d]     float32, contiguous (one layer of the KV cache)
+ *   kv     [n, 4]                 where token i's sequence keeps its KV cache: the addresses of its
+ *                                 keys and values (layer 0, [layers][kv_heads][slots][d] float32), the
+ *                                 elements between two layers, and slots per KV head; the tokens of a
+ *                                 pass may come from different sequences, each with its own cache
+ *   layer  the layer whose keys and values are read
  *   starts [n]                    first committed slot each token attends to
+ *   ends   [n]                    committed slots of token i's sequence: it reads [starts[i], ends[i])
  *   paths  [n, path_len]          slots after the committed range, -1 padded
  *   out    [n, heads, d]          float32
  */
-int tree_attention(const float *q, const float *k, const float *v, int64_t cap, const int64_t *starts,
-                   int64_t length, const int64_t *paths, int64_t path_len, int64_t n, int64_t heads,
-                   int64_t kv_heads, int64_t d, float scale, float *out, int threads) {
+int tree_attention(const float *q, const int64_t *kv, int64_t layer, const int64_t *starts, const int64_t *ends,
+                   const int64_t *paths, int64_t path_len, int64_t n, int64_t heads, int64_t kv_heads, int64_t d,
+                   float scale, float *out, int threads) {
     if (kv_heads <= 0 || heads % kv_heads || d % LANES || d > MAX_HEAD_DIM || heads / kv_heads > MAX_GROUP)
         return -1;
     int64_t group = heads / kv_heads;
@@ -117,7 +122,11 @@ int tree_attention(const float *q, const float *k, const float *v, int64_t cap, 
     for (int64_t unit = 0; unit < n * kv_heads; unit++) {
         int64_t i = unit / kv_heads, g = unit % kv_heads;
         const int64_t *path = paths + i * path_len;
-        int64_t committed = length - starts[i], extra = 0;
+        const int64_t *where = kv + i * 4;
+        const float *k = (const float *)(intptr_t)where[0] + layer * where[2];
+        const float *v = (const float *)(intptr_t)where[1] + layer * where[2];
+        int64_t cap = where[3];
+        int64_t committed = ends[i] - starts[i], extra = 0;
         while (extra < path_len && path[extra] >= 0)
             extra++;
         int64_t count = committed + extra;

@@ -1,0 +1,140 @@
+"""``mtpctl bench --batch-sizes``: every method at every batch size, on the same requests.
+
+At each batch size B the whole request set (the selected prompts) runs through
+:meth:`~mtpctl.decode.session.Session.generate_batch` with ``max_batch`` B, once per method, the
+methods' order rotated from one batch size to the next. Figures per (method, B):
+
+- tokens/s: all new tokens over the wall time of the whole batch run (throughput);
+- speedup: that over plain's at the same batch size;
+- TTFT p50: from the run's start (every request arrives at once, so it includes waiting for a row);
+- ITL p50 / p99: each step's time divided among the tokens a request committed in it;
+- tau and acceptance over every request's steps;
+- same as plain: requests whose tokens equal plain decoding's at batch size 1 (greedy: all of them);
+- peak memory: the weights plus the KV caches of the B largest requests held at once.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+from mtpctl.bench.harness import itl_samples, percentile
+from mtpctl.decode.loop import GenerationResult
+from mtpctl.decode.session import GenerationRequest, Session
+from mtpctl.errors import MtpctlError
+
+
+def run_batch_sizes(session: Session, drafters: Dict[str, object], prompts: Sequence[List[int]],
+                    batch_sizes: Sequence[int], make_request: Callable[[List[int]], GenerationRequest],
+                    make_policy: Callable[[], object], acceptance: str = "exact",
+                    progress: Optional[Callable[[str], None]] = None) -> Dict[tuple, dict]:
+    """(method, batch size) -> ``{"results": [...], "wall_ms": ...}`` for every method (name ->
+    drafter, None for plain) at every batch size.
+
+    Raises:
+        MtpctlError: a request that failed (the benchmark's requests must all run).
+    """
+    names = list(drafters)
+    runs = {}
+    for turn, size in enumerate(batch_sizes):
+        shift = turn % len(names)
+        for name in names[shift:] + names[:shift]:
+            requests = [make_request(ids) for ids in prompts]
+            start = time.perf_counter()
+            outcomes = session.generate_batch(requests, drafters[name], size, make_policy(), acceptance)
+            wall_ms = (time.perf_counter() - start) * 1e3
+            failed = next((o for o in outcomes if isinstance(o, MtpctlError)), None)
+            if failed is not None:
+                raise failed
+            runs[name, size] = {"results": outcomes, "wall_ms": wall_ms}
+            if progress:
+                tokens = sum(r.stats.new_tokens for r in outcomes)
+                progress(f"batch {size} {name}: {len(outcomes)} requests, {tokens} tokens, "
+                         f"{tokens / (wall_ms / 1e3):.1f} tokens/s")
+    return runs
+
+
+def summarize_batched(runs: Dict[tuple, dict], weight_bytes: Dict[str, int]) -> List[dict]:
+    """One figure set per (method, batch size), in batch-size then method order (see the module
+    docstring); ``weight_bytes``: method -> bytes of its weights (target + drafter)."""
+    reference = {size: run["results"] for (name, size), run in runs.items() if name == "plain"}
+    first = reference[min(reference)] if reference else None
+    rows = []
+    for (name, size), run in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0] != "plain")):
+        results: List[GenerationResult] = run["results"]
+        tokens = sum(r.stats.new_tokens for r in results)
+        rate = tokens / (run["wall_ms"] / 1e3) if run["wall_ms"] else 0.0
+        plain = runs.get(("plain", size))
+        plain_rate = (sum(r.stats.new_tokens for r in plain["results"]) / (plain["wall_ms"] / 1e3)
+                      if plain else None)
+        steps = sum(r.stats.decode_steps for r in results)
+        drafted = sum(r.stats.draft_tokens for r in results)
+        itl = [x for r in results for x in itl_samples(r)]
+        ttft = [r.stats.ttft_ms for r in results if r.stats.ttft_ms is not None]
+        kv = sorted((r.stats.kv_cache_bytes for r in results), reverse=True)[:size]
+        rows.append({
+            "method": name, "batch_size": size, "requests": len(results), "new_tokens": tokens,
+            "tokens_per_s": rate, "speedup": rate / plain_rate if plain_rate else None,
+            "ttft_ms_p50": percentile(ttft, 50), "itl_ms_p50": percentile(itl, 50), "itl_ms_p99": percentile(itl, 99),
+            "tau": sum(sum(r.stats.accepted_per_step) for r in results) / steps if steps else None,
+            "acceptance_rate": sum(r.stats.accepted_tokens for r in results) / drafted if drafted else None,
+            "same_as_plain": (sum(a.token_ids == b.token_ids for a, b in zip(results, first)) if first else None),
+            "peak_memory_bytes": (weight_bytes[name] + sum(kv)) if name in weight_bytes else None,
+        })
+    return rows
+
+
+def stops_paying(rows: List[dict]) -> Dict[str, Optional[int]]:
+    """Method -> the smallest batch size at which it is slower than plain (None: it never is)."""
+    out: Dict[str, Optional[int]] = {}
+    for row in rows:
+        if row["method"] == "plain":
+            continue
+        out.setdefault(row["method"], None)
+        if row["speedup"] is not None and row["speedup"] < 1.0 and out[row["method"]] is None:
+            out[row["method"]] = row["batch_size"]
+    return out
+
+
+def format_batched(rows: List[dict]) -> str:
+    """The rows as a markdown table, then where each method stops paying."""
+    def f(value, spec):
+        return "-" if value is None else format(value, spec)
+
+    lines = ["| batch | method | tokens/s | speedup vs plain | TTFT p50 ms | ITL p50 / p99 ms | tau | acceptance "
+             "| same as plain | peak memory MiB |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['batch_size']} | {r['method']} | {r['tokens_per_s']:.1f} | {f(r['speedup'], '.2f')} "
+                     f"| {f(r['ttft_ms_p50'], '.0f')} | {f(r['itl_ms_p50'], '.1f')} / {f(r['itl_ms_p99'], '.1f')} "
+                     f"| {f(r['tau'], '.2f')} | {f(r['acceptance_rate'], '.2f')} "
+                     f"| {r['same_as_plain']}/{r['requests']} "
+                     f"| {f(r['peak_memory_bytes'] and r['peak_memory_bytes'] / 2 ** 20, '.1f')} |")
+    paying = stops_paying(rows)
+    if paying:
+        lines.append("")
+        lines += [f"- {name}: " + (f"slower than plain from batch size {size}" if size else
+                                   "never slower than plain at the batch sizes measured")
+                  for name, size in paying.items()]
+    return "\n".join(lines)
+
+
+def plot_batched(path, rows: List[dict]) -> None:
+    """Throughput against batch size, one line per method (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in dict.fromkeys(r["method"] for r in rows):
+        points = [(r["batch_size"], r["tokens_per_s"]) for r in rows if r["method"] == name]
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size (requests decoded at once)")
+    ax.set_ylabel("tokens/s (all requests)")
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,148 @@
+"""Speculation policies: how many draft tokens each active row may verify in a step.
+
+A verify pass costs more the more rows it carries; a draft pays only when the tokens it is expected
+to add outweigh what its rows add to the pass. Alone, a request can afford a large draft; in a full
+batch every draft row competes with the other requests' rows, and a drafter whose drafts keep failing
+should stop drafting. A policy sees each row's room (the most it may draft this step) and the
+outcome of each step (nodes drafted, draft tokens accepted) and returns each row's draft size.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Optional, Protocol, Sequence, Tuple
+
+from mtpctl.errors import BadInput
+
+
+class Policy(Protocol):
+    """Decides each step's draft size per row; rows are named by their request's index."""
+
+    def draft_sizes(self, rooms: Sequence[int], rows: Sequence[int]) -> list:
+        """The most draft tokens each row may propose this step (0: a plain step), at most its room."""
+
+    def observe(self, row: int, drafted: int, accepted: int) -> None:
+        """A row's step: ``drafted`` nodes verified, ``accepted`` draft tokens accepted."""
+
+
+class AlwaysDraft:
+    """Every row drafts as much as its room allows, every step (``--speculate-policy always``)."""
+
+    def draft_sizes(self, rooms: Sequence[int], rows: Sequence[int]) -> list:
+        return list(rooms)
+
+    def observe(self, row: int, drafted: int, accepted: int) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class PassCosts:
+    """What a verify pass costs against the rows it carries, for one numeric mode on one machine
+    (measured by ``benchmarks/bench_pass_costs.py --write``, stored in ``mtpctl/data/pass_costs.json``).
+
+    Attributes:
+        rows: ``[K]`` increasing row counts measured.
+        ms: ``[K]`` the median time of a pass of that many rows, ms.
+    """
+
+    rows: Tuple[int, ...]
+    ms: Tuple[float, ...]
+
+    def __call__(self, rows: float) -> float:
+        """The cost of a pass of ``rows`` rows, ms: linear between measured points, and past the last
+        one along the last segment."""
+        r, ms = self.rows, self.ms
+        if rows <= r[0]:
+            return ms[0]
+        for i in range(1, len(r)):
+            if rows <= r[i] or i == len(r) - 1:
+                return ms[i - 1] + (ms[i] - ms[i - 1]) * (rows - r[i - 1]) / (r[i] - r[i - 1])
+        return ms[-1]
+
+
+class CostModelPolicy:
+    """``--speculate-policy auto``: drafts only where they are expected to pay for the rows they add.
+
+    Each row keeps running means (exponential, weight ``decay`` on the past) of the draft tokens it
+    got accepted and of the nodes it drafted, over the steps it was allowed to draft. Each step starts
+    from every row's pending token alone (one row each, one token each) and admits the rows' drafts in
+    order of accepted tokens per node while the expected tokens per ms, ``tokens / costs(rows)``,
+    rises. So a lone request drafts whenever its drafts are worth their rows, a full batch drafts
+    less or not at all, and a row whose drafts keep failing stops drafting; a row left out
+    ``probe_every`` steps in a row drafts once to measure itself again.
+
+    Args:
+        costs: the pass costs of the mode the session runs (:class:`PassCosts`).
+        decay: weight of the past in the running means.
+        probe_every: steps after which a row left out drafts once.
+    """
+
+    def __init__(self, costs: PassCosts, decay: float = 0.7, probe_every: int = 8):
+        self.costs, self.decay, self.probe_every = costs, decay, probe_every
+        self._accepted: Dict[int, float] = {}
+        self._drafted: Dict[int, float] = {}
+        self._left_out: Dict[int, int] = {}
+
+    def draft_sizes(self, rooms: Sequence[int], rows: Sequence[int]) -> list:
+        sizes = [0] * len(rows)
+        tokens, width = float(len(rows)), float(len(rows))
+        order = sorted((i for i, room in enumerate(rooms) if room > 0), key=lambda i: -self._value(rows[i], rooms[i]))
+        for i in order:
+            row = rows[i]
+            gain = self._accepted.get(row, 1.0)
+            nodes = min(self._drafted.get(row, float(rooms[i])), float(rooms[i]))
+            probe = self._left_out.get(row, 0) >= self.probe_every
+            if probe or (tokens + gain) / self.costs(width + nodes) > tokens / self.costs(width):
+                sizes[i] = rooms[i]
+                tokens, width = tokens + gain, width + nodes
+                self._left_out[row] = 0
+            else:
+                self._left_out[row] = self._left_out.get(row, 0) + 1
+        return sizes
+
+    def _value(self, row: int, room: int) -> float:
+        """Expected accepted tokens per drafted node."""
+        nodes = min(self._drafted.get(row, float(room)), float(room))
+        return self._accepted.get(row, 1.0) / max(nodes, 1e-3)
+
+    def observe(self, row: int, drafted: int, accepted: int) -> None:
+        if drafted == 0 and self._left_out.get(row, 0):
+            return  # a plain step the policy chose: nothing learnt about the drafter
+        d = self.decay
+        self._accepted[row] = d * self._accepted.get(row, 1.0) + (1 - d) * accepted
+        self._drafted[row] = d * self._drafted.get(row, float(drafted)) + (1 - d) * drafted
+
+
+POLICIES = ("auto", "always")
+COSTS_FILE = Path(__file__).resolve().parent.parent / "data" / "pass_costs.json"
+
+
+def load_costs(mode: str, path: Path = COSTS_FILE) -> PassCosts:
+    """The pass costs of ``mode`` (``float32``, ``bfloat16``, ``int4``) from ``path``.
+
+    Raises:
+        BadInput: an unreadable file, or no costs for ``mode`` in it.
+    """
+    try:
+        table = json.loads(Path(path).read_text(encoding="utf-8"))
+        entry = table["modes"][mode]
+        return PassCosts(tuple(int(r) for r in entry["rows"]), tuple(float(m) for m in entry["ms"]))
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise BadInput(f"no pass costs for mode {mode} in {path} ({err}): measure them with "
+                       "benchmarks/bench_pass_costs.py (docs/batching.md)", option="speculate_policy") from err
+
+
+def make_policy(name: str, mode: Optional[str]) -> Policy:
+    """The policy ``name`` (:data:`POLICIES`) for a session running in ``mode`` (None: a backend
+    that verifies one request per pass, where every row drafts as alone).
+
+    Raises:
+        BadInput: an unknown name, or see :func:`load_costs`.
+    """
+    if name not in POLICIES:
+        raise BadInput(f"speculation policy {name!r}: choose {' or '.join(POLICIES)}", option="speculate_policy")
+    if name == "always" or mode is None:
+        return AlwaysDraft()
+    return CostModelPolicy(load_costs(mode))
