@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -40,6 +41,14 @@ class PassLogits:
         self._rows: Dict[int, torch.Tensor] = {}
         self._wanted: set = set()
         self._all: Optional[torch.Tensor] = None
+        self.ms = 0.0  # time spent in the lm_head so far
+
+    def _logits(self, rows) -> torch.Tensor:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.logits(self.hidden_states[rows])
+        self.ms += (time.perf_counter() - start) * 1e3
+        return out
 
     def want(self, rows: Sequence[int]) -> None:
         """Rows to compute with the next one read (not computed yet)."""
@@ -53,17 +62,14 @@ class PassLogits:
             return self._all[i]
         if i not in self._rows:
             todo = sorted(self._wanted | {i})
-            with torch.inference_mode():
-                logits = self.model.logits(self.hidden_states[todo])
-            self._rows.update(zip(todo, logits))
+            self._rows.update(zip(todo, self._logits(todo)))
             self._wanted.clear()
         return self._rows[i]
 
     def all(self) -> torch.Tensor:
         """Every row's logits ``[N, vocab]`` float32."""
         if self._all is None:
-            with torch.inference_mode():
-                self._all = self.model.logits(self.hidden_states)
+            self._all = self._logits(slice(None))
         return self._all
 
 
@@ -86,6 +92,11 @@ class TorchStepOutput:
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return self._pass.row(self._start + i % self._count)
+
+    @property
+    def logits_timer(self) -> PassLogits:
+        """The pass's logits, whose ``ms`` is the time spent in the lm_head (shared by the pass's sequences)."""
+        return self._pass
 
     def prefetch(self, rows: Sequence[int]) -> None:
         """Rows this sequence will read next: computed together with the pass's next row read."""

@@ -149,6 +149,7 @@ def summarize(runs: MethodRuns, plain: Optional[MethodRuns], weight_bytes: Optio
         "accept_length_histogram": _histogram([n for r in results for n in r.stats.accepted_per_step]),
         "peak_memory_bytes": (weight_bytes + max(r.stats.kv_cache_bytes for r in results)
                               if weight_bytes is not None and results else None),
+        "profile_ms_per_step": step_profile(results),
     }
     if plain is not None:
         ratios = [_ms_per_token(p) / _ms_per_token(m) for p, m in zip(plain.results, results)
@@ -157,6 +158,24 @@ def summarize(runs: MethodRuns, plain: Optional[MethodRuns], weight_bytes: Optio
                        speedup_p90=percentile(ratios, 90),
                        same_as_plain=sum(m.token_ids == p.token_ids for p, m in zip(plain.results, results)))
     return summary
+
+
+PHASES = ("draft", "verify", "logits", "accept", "commit")
+
+
+def step_profile(results: Sequence[GenerationResult]) -> Optional[Dict[str, float]]:
+    """Mean ms per decode step by phase (:attr:`GenerationStats.phase_ms`), ``other`` the rest of the
+    step, and ``outside_pass`` everything but the target's pass and its lm_head rows; None for runs
+    without phases (peers)."""
+    steps = sum(r.stats.decode_steps for r in results)
+    if not steps or not any(r.stats.phase_ms for r in results):
+        return None
+    out = {p: sum(r.stats.phase_ms.get(p, 0.0) for r in results) / steps for p in PHASES}
+    step = sum(sum(r.stats.step_ms) for r in results) / steps
+    out["other"] = max(0.0, step - sum(out.values()))
+    out["step"] = step
+    out["outside_pass"] = step - out["verify"] - out["logits"]
+    return out
 
 
 def _ms_per_token(result: GenerationResult) -> float:

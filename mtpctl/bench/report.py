@@ -129,3 +129,20 @@ def check_gates(rows: list, min_speedup: Optional[float], max_p99_ms: Optional[f
             misses.append(f"{name} p99 ITL {m['itl_ms_p99']:.2f} ms > {max_p99_ms}")
     if misses:
         raise GateFailed("gate missed: " + "; ".join(misses))
+
+
+def format_profile(report: dict) -> str:
+    """Where each method's decode steps spend their time (ms per step) and what lies outside the
+    target's pass, against plain decoding's whole step."""
+    plain = next((m.get("profile_ms_per_step") for m in report["methods"] if m["method"] == "plain"), None)
+    lines = ["| method | draft | verify (pass) | logits | accept | commit | other | step | outside the pass | "
+             "outside / plain step |", "|---|" + "---:|" * 9]
+    for m in report["methods"]:
+        p = m.get("profile_ms_per_step")
+        if not p:
+            continue
+        share = f"{p['outside_pass'] / plain['step']:.0%}" if plain else "-"
+        lines.append(f"| {m['method']} | " + " | ".join(f"{p[k]:.2f}" for k in ("draft", "verify", "logits", "accept",
+                                                                               "commit", "other", "step", "outside_pass"))
+                     + f" | {share} |")
+    return "\n".join(lines)

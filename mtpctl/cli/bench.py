@@ -13,7 +13,7 @@ from mtpctl.backends.torch import set_threads
 from mtpctl.bench.harness import load_prompts, run_interleaved
 from mtpctl.bench.methods import build_methods, parse_methods
 from mtpctl.bench.peers import llamacpp_runner, transformers_runner
-from mtpctl.bench.report import build_report, check_gates, format_table, plot, select_prompts, write_json
+from mtpctl.bench.report import build_report, check_gates, format_profile, format_table, plot, select_prompts, write_json
 from mtpctl.bench.batched import format_batched, plot_batched, run_batch_sizes, stops_paying, summarize_batched
 from mtpctl.cli.options import (Command, check_backend, debug_option, draft_options_from, drafter_options, model_options,
                                 policy_option, sampling_from, sampling_options, session_mode)
@@ -61,11 +61,14 @@ Examples:
                    "(llama-cpp-python, installed separately) on the model's GGUF file.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write every figure to this JSON file.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Draw tokens/s and accept lengths (PNG).")
+@click.option("--profile", is_flag=True,
+              help="Also print where each method's decode steps spend their time (draft, the target's pass, lm_head "
+                   "rows, acceptance, commit) and what lies outside the pass.")
 @click.option("--fail-below-speedup", type=float, default=None, help="Exit 1 if a method's speedup is below X.")
 @click.option("--fail-above-p99-ms", type=float, default=None, help="Exit 1 if a method's p99 ITL is above Y ms.")
 @debug_option
 def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, max_new_tokens, baseline, json_path,
-              plot_path, fail_below_speedup, fail_above_p99_ms, debug, **options) -> None:
+              plot_path, profile, fail_below_speedup, fail_above_p99_ms, debug, **options) -> None:
     """Run decoding methods on the same prompts in one process and compare them.
 
     Methods are interleaved over --repeats rounds after a warm-up. The table goes to stdout,
@@ -134,6 +137,8 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ma
         "int4_kernel": session.int4_kernel if torch_backend else None}
     report = build_report(runs, prompts, weights, settings)
     click.echo(format_table(report))
+    if profile:
+        click.echo("\n" + format_profile(report))
     if json_path:
         write_json(Path(json_path), report)
     if plot_path:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -55,6 +55,9 @@ class GenerationStats:
     drafted_per_step: List[int] = field(default_factory=list)  # draft tokens (tree nodes) verified per step
     depth_per_step: List[int] = field(default_factory=list)  # longest draft path per step (chain: its length)
     step_ms: List[float] = field(default_factory=list)  # wall time of each decode step
+    # the decode steps' time by phase, summed over steps (ms): draft (the drafters), verify (the
+    # target's pass), logits (lm_head rows read), accept, commit (KV commit, stop checks, streaming)
+    phase_ms: Dict[str, float] = field(default_factory=dict)
     kv_cache_bytes: int = 0  # memory of the KV cache allocated for this generation
 
     @property
@@ -286,23 +289,37 @@ def _step(rows: List[_Row], verify_many: VerifyMany, policy: Policy, acceptance:
           waited: set, admit_ms: float) -> None:
     """One step of every active row: draft (the policy's sizes), one pass over every tree, accept
     and commit each row's path; a row whose drafter or logits failed ends with its error."""
-    start = time.perf_counter()
+    clock = [time.perf_counter()]
+
+    def lap() -> float:  # ms since the last lap
+        clock.append(time.perf_counter())
+        return (clock[-1] - clock[-2]) * 1e3
+
     sizes = policy.draft_sizes([r.room() for r in rows], [r.index for r in rows])
     trees = _propose(rows, [min(size, row.room()) for row, size in zip(rows, sizes)], outcomes)
     rows = [r for r in rows if not r.done]
     if not rows:
         return
+    phases = {"draft": lap()}
     outs = verify_many([r.engine for r in rows], [trees[r.index] for r in rows])
-    for row, out, result in zip(rows, outs, _accept_all(rows, trees, outs, acceptance, outcomes)):
+    phases["verify"] = lap()
+    results = _accept_all(rows, trees, outs, acceptance, outcomes)
+    phases["accept"] = lap()
+    logits_ms = sum({id(s): s.ms for s in (getattr(o, "logits_timer", None) for o in outs) if s is not None}.values())
+    phases["logits"], phases["accept"] = logits_ms, phases["accept"] - logits_ms
+    for row, out, result in zip(rows, outs, results):
         if result is None:
             continue
         tree = trees[row.index]
         row.settle(tree, out, result)
         policy.observe(row.index, tree.drafted, row.stats.accepted_per_step[-1] - 1)
-    step_ms = (time.perf_counter() - start) * 1e3
+    phases["commit"] = lap()
+    step_ms = (clock[-1] - clock[0]) * 1e3
     for row in rows:
         if outcomes[row.index] is None:
             row.stats.step_ms.append(step_ms + (admit_ms if row.index in waited else 0.0))
+            for phase, ms in phases.items():
+                row.stats.phase_ms[phase] = row.stats.phase_ms.get(phase, 0.0) + ms
 
 
 def _admit(index: int, request: Request, new_engine: Callable[[Request], Engine], arrival: float,

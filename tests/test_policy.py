@@ -1,0 +1,67 @@
+"""Speculation policies: the pass-cost table (exact interpolation), and which rows the auto policy
+lets draft as the batch fills and as a row's drafts fail."""
+
+import json
+
+import pytest
+
+from mtpctl.decode.policy import AlwaysDraft, CostModelPolicy, PassCosts, load_costs, make_policy
+from mtpctl.errors import BadInput
+
+FLAT = PassCosts((1, 8, 64), (10.0, 11.0, 60.0))  # dense-like: 8 rows cost 1.1x one
+STEEP = PassCosts((1, 2, 4, 8), (7.0, 8.0, 10.0, 14.0))  # int4-like: each row ~1 ms
+
+
+def test_pass_costs_interpolate_and_extrapolate_linearly():
+    assert FLAT(1) == 10.0 and FLAT(0) == 10.0
+    assert FLAT(4.5) == pytest.approx(10.5)
+    assert FLAT(36) == pytest.approx(35.5)
+    assert STEEP(16) == pytest.approx(22.0)  # past the last point along the last segment
+
+
+def test_a_lone_request_drafts_when_its_drafts_are_worth_their_rows():
+    policy = CostModelPolicy(FLAT)
+    assert policy.draft_sizes([6], [0]) == [6]
+    for _ in range(3):
+        policy.observe(0, drafted=6, accepted=1)  # 1 token for 6 rows: worth it where rows are cheap
+    assert policy.draft_sizes([6], [0]) == [6]
+
+
+def test_a_full_batch_of_costly_rows_drafts_less():
+    policy = CostModelPolicy(STEEP)
+    rows = list(range(8))
+    for row in rows:
+        for _ in range(4):
+            policy.observe(row, drafted=4, accepted=1)
+    sizes = policy.draft_sizes([4] * 8, rows)
+    assert sizes == [0] * 8  # 8 tokens in 14 ms beat 8 + 1 tokens in 18 ms
+    assert CostModelPolicy(STEEP).draft_sizes([4], [0]) == [4]  # alone, the same drafts pay
+
+
+def test_a_row_whose_drafts_keep_failing_stops_then_probes():
+    policy = CostModelPolicy(STEEP, probe_every=8)
+    for _ in range(10):
+        policy.observe(0, drafted=4, accepted=0)
+    decisions = []
+    for _ in range(9):
+        size = policy.draft_sizes([4], [0])[0]
+        decisions.append(size)
+        policy.observe(0, drafted=size, accepted=0)
+    assert decisions[:8] == [0] * 8 and decisions[8] == 4  # left out 8 steps, then drafts once to re-measure
+
+
+def test_always_drafts_the_room():
+    assert AlwaysDraft().draft_sizes([3, 0, 5], [0, 1, 2]) == [3, 0, 5]
+
+
+def test_policies_by_name(tmp_path):
+    assert isinstance(make_policy("always", "int4"), AlwaysDraft)
+    assert isinstance(make_policy("auto", None), AlwaysDraft)  # one pass per request: every row as alone
+    assert isinstance(make_policy("auto", "bfloat16"), CostModelPolicy)  # the shipped table has every mode
+    with pytest.raises(BadInput, match="choose auto or always"):
+        make_policy("sometimes", "int4")
+    table = tmp_path / "costs.json"
+    table.write_text(json.dumps({"version": 1, "modes": {"int4": {"rows": [1, 2], "ms": [7, 8]}}}))
+    assert load_costs("int4", table)(2) == 8.0
+    with pytest.raises(BadInput, match="no pass costs for mode float32"):
+        load_costs("float32", table)
