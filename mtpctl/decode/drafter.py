@@ -45,12 +45,13 @@ def propose_all(drafter: "Drafter", calls: Sequence[Call]) -> List[DraftTree]:
 
 
 def check_finite(logits: torch.Tensor, who: str) -> torch.Tensor:
-    """``logits`` unchanged when every value is finite.
+    """``logits`` unchanged when no value is NaN or +inf (-inf marks tokens a drafter never proposes,
+    e.g. outside MTP heads' draft vocabulary).
 
     Raises:
-        NonFinite: a NaN or inf, named by ``who`` (the drafter whose logits they are).
+        NonFinite: a NaN or +inf, named by ``who`` (the drafter whose logits they are).
     """
-    if not bool(torch.isfinite(logits).all()):
+    if bool(torch.isnan(logits).any() or torch.isposinf(logits).any()):
         raise NonFinite(f"{who}'s logits hold NaN or inf: its weights or this input overflow; no token was taken "
                         "from them")
     return logits
