@@ -83,6 +83,29 @@ SECTIONS = [
             "The exported fused graph (the heads fused into it) on onnxruntime against the torch backend, float32.",
             lambda a: [f"{PYTHON} benchmarks/bench_backends.py --heads {a.heads} --limit 1 --threads {THREADS}"],
             tables_only=False),
+    Section("batching", "Many requests at once: throughput by batch size",
+            "35 requests of the built-in set (5 per category), 64 new tokens each, decoded by continuous batching "
+            "at each batch size, every method on the same requests; speedup is throughput over plain's at the same "
+            "batch size. `auto` is the default speculation policy (a request drafts only while its drafts pay for "
+            "the rows they add, by the pass costs below); `always` drafts every step, for comparison.",
+            lambda a: [_bench(*dt, "--methods", "plain,ngram,heads,heads+ngram", "--heads", a.heads, "--batch-sizes",
+                              "1,2,4,8,16", "--limit", "5", "--max-new-tokens", "64", "--speculate-policy", policy)
+                       for dt in (("--dtype", "bfloat16"), ("--dtype", "bfloat16", "--weights", "int4"))
+                       for policy in ("auto", "always")], tables_only=False),
+    Section("passcosts", "What a pass of N rows costs (the auto policy's table)",
+            "One packed verify pass over N one-row requests after 200 committed tokens each, every row's logits read "
+            "(what N plain requests cost per step, and about what N draft nodes add to a pass); the command also "
+            "stores the table the auto policy reads (`mtpctl/data/pass_costs.json`).",
+            lambda a: [f"{PYTHON} benchmarks/bench_pass_costs.py --modes float32,bfloat16,int4 --threads {THREADS} "
+                       "--write mtpctl/data/pass_costs.json"], tables_only=False),
+    Section("profile", "Where a decode step's time goes",
+            "Each method's decode steps split into drafting, the target's pass, its lm_head rows, acceptance and "
+            "commit (ms per step, `--profile`), per numeric mode; 'outside the pass' is all but the pass and its "
+            "logits, against plain decoding's whole step.",
+            lambda a: [_bench(*dt, "--methods", "plain,ngram,heads,heads+ngram", "--heads", a.heads, "--limit", "1",
+                              "--profile")
+                       for dt in ((), ("--dtype", "bfloat16"), ("--dtype", "bfloat16", "--weights", "int4"))],
+            tables_only=False),
     Section("verify", "What one verify pass costs",
             "The target's forward pass alone (no drafting, no logits) for a plain step and for chains and trees of "
             "N tokens, after 200 committed tokens: a pass of N tokens costing r plain steps pays only when a step "
@@ -155,7 +178,7 @@ def assemble(old: str, fresh: dict, order: List[str]) -> str:
             "[docs/findings.md](docs/findings.md); the columns are explained in [docs/glossary.md](docs/glossary.md).",
             "",
             f"Machine: {machine()}. Model: SmolLM2-135M-Instruct (the default, its Q4_1 GGUF) unless a section says "
-            "otherwise; greedy decoding, batch 1. Runs on this shared 2-core machine move by 10% or more: compare "
+            "otherwise; greedy decoding, one request at a time unless a section batches them. Runs on this shared 2-core machine move by 10% or more: compare "
             "methods within one table.", ""]
     body = [fresh.get(key) or kept.get(key, f"<!-- section:{key} -->\n## {key}\n\n(not measured yet)\n") for key in order]
     return "\n".join(head) + "\n" + "\n".join(body)

@@ -191,3 +191,33 @@ def test_bench_refuses_none_as_a_method(capsys, tiny_folder, tmp_path):
     assert main(["bench", "-m", str(tiny_folder), "--prompts", str(prompts), "--methods", "plain,none"]) == 2
     err = capsys.readouterr().err
     assert "unknown method 'none'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_batch_sizes_run_every_method_at_every_size(capsys, tiny_folder, prompt_file, tmp_path):
+    code, out, err, report = bench(capsys, tiny_folder, prompt_file, tmp_path, "--batch-sizes", "2,1",
+                                   "--plot", str(tmp_path / "batch.png"), "--speculate-policy", "always")
+    assert code == 0, err
+    rows = report["rows"]
+    assert [(r["batch_size"], r["method"]) for r in rows] == [(1, "plain"), (1, "ngram"), (2, "plain"), (2, "ngram")]
+    for r in rows:
+        assert r["requests"] == 2 * 3  # repeats x prompts, every one run at every size
+        assert r["same_as_plain"] == r["requests"]  # greedy: every request as plain decoding alone
+        assert f"| {r['batch_size']} | {r['method']} | {r['tokens_per_s']:.1f} |" in out
+    assert rows[0]["speedup"] == 1.0 and set(report["stops_paying"]) == {"ngram"}
+    assert (tmp_path / "batch.png").stat().st_size > 0
+
+
+def test_batch_sizes_are_checked_before_any_model_loads(capsys, tiny_folder, prompt_file, tmp_path):
+    for sizes in ("0,2", "a", ""):
+        code, out, err, _ = bench(capsys, tiny_folder, prompt_file, tmp_path, "--batch-sizes", sizes)
+        assert code == 2 and "batch sizes" in err and len(err.strip().splitlines()) == 1
+
+
+def test_profile_splits_each_step(capsys, tiny_folder, prompt_file, tmp_path):
+    code, out, err, report = bench(capsys, tiny_folder, prompt_file, tmp_path, "--profile")
+    assert code == 0, err
+    for m in report["methods"]:
+        p = m["profile_ms_per_step"]
+        assert set(p) == {"draft", "verify", "logits", "accept", "commit", "other", "step", "outside_pass"}
+        assert p["verify"] > 0 and abs(p["step"] - p["outside_pass"] - p["verify"] - p["logits"]) < 1e-6
+    assert "| method | draft | verify (pass) |" in out
