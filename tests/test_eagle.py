@@ -115,7 +115,8 @@ def test_eagle_folder_round_trip_and_strict_load(tmp_path, tiny_model):
     for change, error in [({"layer": None}, CorruptModel), ({"layer": [4, 2, 16, 128]}, CorruptModel),
                           ({"layer": {**good["layer"], "attention_heads": 4.0}}, CorruptModel),
                           ({"layer": {**good["layer"], "rope_theta": 0}}, CorruptModel),
-                          ({"num_heads": "3"}, CorruptModel), ({"kind": "eagle3"}, UnsupportedModel)]:
+                          ({"num_heads": "3"}, CorruptModel), ({"kind": "eagle3"}, CorruptModel),  # no aux_layers
+                          ({"kind": "eagle4"}, UnsupportedModel)]:
         (tmp_path / "mtp_config.json").write_text(json.dumps({**good, **change}))
         with pytest.raises(error):
             load_heads(tmp_path, torch.float32, tiny_model.dense_lm_head())

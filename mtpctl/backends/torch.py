@@ -33,10 +33,14 @@ class TorchStepOutput:
 
     head_logits = None  # MTP heads run in their drafter, not in the pass
 
-    def __init__(self, model: Decoder, hidden_states: torch.Tensor, prompt_hidden_states: Optional[torch.Tensor] = None):
+    def __init__(self, model: Decoder, hidden_states: torch.Tensor, prompt_hidden_states: Optional[torch.Tensor] = None,
+                 aux_hidden_states: Optional[Dict[int, torch.Tensor]] = None):
         self.model = model
         self.hidden_states = hidden_states  # [N, hidden], after the final norm
         self.prompt_hidden_states = prompt_hidden_states  # prefill: [T, hidden] every prompt row; else None
+        # the engine's aux_layers: layer id -> [rows, hidden] residual stream of every row of the pass
+        # (prefill: every prompt row), see Decoder.forward; None without aux_layers
+        self.aux_hidden_states = aux_hidden_states
         self._rows: Dict[int, torch.Tensor] = {}
         self._all: Optional[torch.Tensor] = None
 
@@ -76,10 +80,13 @@ class TorchEngine:
             :func:`mtpctl.decode.attention.attention_plan`). Either way each token of a verify pass
             gets bit for bit what plain decoding gives it (the engine's ``native`` attribute says
             which runs).
+        aux_layers: layer ids whose residual stream each pass's output also carries
+            (``aux_hidden_states``, for EAGLE-3 drafters; see :meth:`Decoder.forward`).
     """
 
-    def __init__(self, model: Decoder, capacity: int, native: Optional[bool] = None):
+    def __init__(self, model: Decoder, capacity: int, native: Optional[bool] = None, aux_layers: Sequence[int] = ()):
         self.model = model
+        self.aux_layers = tuple(aux_layers)
         self.cache = model.new_cache(capacity, spare=TAIL)  # a lone token reads its tail in place
         cfg = model.cfg
         self.native = native is not False and kernel_runs(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
@@ -110,13 +117,14 @@ class TorchEngine:
         windows = self.model.cfg.layer_windows
         ids = torch.tensor([tree.tokens], dtype=torch.long)
         positions = (self.length + depth)[None]
+        aux = dict.fromkeys(self.aux_layers) if self.aux_layers else None
         if prefill:  # prefill feeds plain and speculative decoding alike: it may use the fast kernel
             masks = attention_masks(windows, self.length, depth, tree_mask, self.capacity)
-            hidden = self.model(ids, positions, self.cache, masks)[0]
-            return TorchStepOutput(self.model, hidden[-1:], prompt_hidden_states=hidden)
+            hidden = self.model(ids, positions, self.cache, masks, aux=aux)[0]
+            return TorchStepOutput(self.model, hidden[-1:], hidden, _first_row(aux))
         plan = slot_plan if self.native else attention_plan
-        hidden = self.model(ids, positions, self.cache, None, plan(windows, self.length, depth, tree_mask))[0]
-        return TorchStepOutput(self.model, hidden)
+        hidden = self.model(ids, positions, self.cache, None, plan(windows, self.length, depth, tree_mask), aux=aux)[0]
+        return TorchStepOutput(self.model, hidden, aux_hidden_states=_first_row(aux))
 
     def prefill(self, prompt_ids: Sequence[int]) -> TorchStepOutput:
         """Reset the cache, run and commit the prompt; returns the last position's output (one row)."""
@@ -137,6 +145,11 @@ class TorchEngine:
     def rollback(self, length: int) -> None:
         """Forget the committed tokens from ``length`` on."""
         self.cache.rollback(length)
+
+
+def _first_row(aux: Optional[Dict[int, torch.Tensor]]) -> Optional[Dict[int, torch.Tensor]]:
+    """The one sequence's ``[N, hidden]`` of each ``[1, N, hidden]`` aux layer output."""
+    return None if aux is None else {layer: h[0] for layer, h in aux.items()}
 
 
 class TorchSession(Session):
@@ -163,6 +176,7 @@ class TorchSession(Session):
                                    option="weights")
         super().__init__(folder, TextCodec(Path(folder)))
         self._target_hash: Optional[str] = None
+        self.aux_layers: tuple = ()  # layer ids each pass also returns (set by an EAGLE-3 drafter's build)
         self.model = Decoder.from_folder(self.folder, DTYPES[dtype], packed=weights == "int4", blocked=True)
         if weights == "int4" and not self.model.packed_weights:
             raise UnsupportedModel(f"no weight of {self.folder} is 4-/8-bit group-quantized (GGUF Q4_1/Q8_0), "
@@ -181,7 +195,7 @@ class TorchSession(Session):
         return self.model.weight_bytes
 
     def new_engine(self, capacity: int) -> TorchEngine:
-        return TorchEngine(self.model, capacity)
+        return TorchEngine(self.model, capacity, aux_layers=self.aux_layers)
 
     @property
     def attention(self) -> str:
