@@ -130,3 +130,29 @@ def test_every_draft_step_reads_the_previous_output_and_gradients_reach_fc(tiny_
     outs[2][:, 5].sum().backward()
     assert aux.grad[:, :4].abs().sum() > 0 and aux.grad[:, 4:].abs().sum() == 0
     assert head.fc.grad.abs().sum() > 0 and head.embed_norm.grad.abs().sum() > 0
+
+
+def test_trainer_reads_the_aux_layers_and_trains_the_heads_own_lm_head(tiny_model, tmp_path):
+    """The first draft step reads ``feats.aux``; the loss is the tokens' cross-entropy alone (a
+    feature regression would need next_feats); every parameter, lm_head included, gets a gradient."""
+    from mtpctl.errors import BadInput
+    from mtpctl.train.eagle import Eagle3Trainer
+    from mtpctl.train.features import Features
+    from mtpctl.train.settings import TrainSettings
+
+    h = tiny_model.cfg.hidden_size
+    ids = torch.tensor([199, 100, 101, 102, 103, 204, 105, 106, 107])
+    hidden, aux = torch.randn(9, h), torch.randn(9, 3 * h)
+    feats = Features(hidden, torch.arange(100, 109), torch.tensor([0, 5, 9]), torch.tensor([2, 0]), ids, aux=aux)
+    settings = TrainSettings(kind="eagle3", num_heads=2, holdout=0.5, batch_tokens=64, epochs=1, draft_vocab=50)
+    trainer = Eagle3Trainer(tiny_model, feats, settings, tmp_path)
+    assert trainer.hcfg.own_lm_head and trainer.hcfg.layer.aux_layers == [0, 1, 2]
+    batch = trainer._batch([0, 1])
+    assert torch.equal(batch["feats"][0, :4], aux[0:4]) and torch.equal(batch["feats"][1, :3], aux[5:8])
+    loss, per_step = trainer._loss([0, 1], trainer._label_counts([0, 1]))
+    loss.backward()
+    assert per_step.shape == (2,) and bool((per_step > 0).all())
+    grads = {n: p.grad for n, p in trainer.heads.named_parameters()}
+    assert "lm_head" in grads and all(g is not None and g.abs().sum() > 0 for g in grads.values())
+    with pytest.raises(BadInput, match="aux layers"):
+        Eagle3Trainer(tiny_model, Features(hidden, feats.pred, feats.offsets, feats.loss_from, ids), settings, tmp_path)
