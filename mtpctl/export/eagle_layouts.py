@@ -1,0 +1,216 @@
+"""EAGLE-3 heads in the layouts serving engines load, and the way back into
+:class:`~mtpctl.drafters.heads.eagle3.Eagle3Head`.
+
+Facts read from the engines' loaders (vLLM 0.32 ``model_executor/models/llama_eagle3.py`` and
+``transformers_utils/configs/speculators/``, the ``speculators`` package's ``Eagle3SpeculatorConfig``,
+the EAGLE / SpecForge checkpoints that SGLang and TensorRT-LLM's PyTorch backend read):
+
+- **speculators** (vLLM's own format): ``config.json`` with ``speculators_model_type: eagle3``,
+  ``architectures: [Eagle3Speculator]``, ``speculators_config`` (``algorithm``, ``proposal_methods``
+  with ``speculative_tokens``, ``default_proposal_method``, ``verifier`` with ``name_or_path`` and
+  ``architectures``), ``transformer_layer_config`` (a one-layer Llama config; its ``vocab_size`` is
+  the target's), ``draft_vocab_size``, ``target_hidden_size``, ``eagle_aux_hidden_state_layer_ids``
+  and ``norm_before_residual``, always written: vLLM takes it as true when absent, the speculators
+  package as false. Tensors in ``model.safetensors``: ``fc.weight [H, k H]``,
+  ``layers.0.{input_layernorm,hidden_norm,post_attention_layernorm}.weight [H]``,
+  ``layers.0.self_attn.{q,k,v}_proj.weight [*, 2H]`` (the layer reads [embedding ; feature]),
+  ``layers.0.self_attn.o_proj.weight``, ``layers.0.mlp.{gate,up,down}_proj.weight``,
+  ``norm.weight [H]``, ``lm_head.weight [V_d, H]`` and, with a draft vocabulary, ``d2t [V_d]``
+  (int64 offsets: target id = draft id + d2t[draft id]) and ``t2d [V]`` (bool: target id is in the
+  draft vocabulary). No ``embed_tokens``: the engines share the target's.
+- **eagle** (the EAGLE-3 authors' layout, SpecForge's, read by SGLang, by vLLM with
+  ``method: eagle3`` and by TensorRT-LLM's PyTorch backend as ``speculative_model_dir``): the same
+  tensors with ``midlayer.`` in place of ``layers.0.``, and a Llama ``config.json`` with
+  ``architectures: [LlamaForCausalLMEagle3]``, ``num_hidden_layers: 1``, ``draft_vocab_size`` and
+  ``eagle_config.eagle_aux_hidden_state_layer_ids`` (engines that ignore the ids use
+  ``(2, n // 2, n - 3)``, mtpctl's default).
+
+Both configs also carry ``mtpctl`` (the head folder's config without its training record) so that
+:func:`read_eagle3` restores the exact :class:`HeadsConfig`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, replace
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from mtpctl.drafters.heads.config import EagleLayerConfig, HeadsConfig
+from mtpctl.drafters.heads.eagle3 import Eagle3Head, default_aux_layers
+from mtpctl.errors import CorruptModel, UnsupportedModel
+from mtpctl.model.config import DecoderConfig
+
+LAYOUTS = ("speculators", "eagle")
+PREFIX = {"speculators": "layers.0.", "eagle": "midlayer."}
+WEIGHTS = "model.safetensors"
+#: mtpctl's parameter -> the layer's tensor name(s) in the layouts (a fused mtpctl weight is split in rows)
+LAYER = {"embed_norm": ("input_layernorm.weight",), "hidden_norm": ("hidden_norm.weight",),
+         "qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+         "o_proj": ("self_attn.o_proj.weight",), "post_attention_norm": ("post_attention_layernorm.weight",),
+         "gate_up": ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "down": ("mlp.down_proj.weight",)}
+TOP = {"fc": "fc.weight", "norm": "norm.weight", "lm_head": "lm_head.weight"}
+#: EAGLE-3 variants vLLM knows and mtpctl's layer does not compute
+VARIANTS = ("norm_before_fc", "fc_norm", "norm_output")
+
+
+def meta(cfg: HeadsConfig) -> dict:
+    """The head folder's config as the layouts carry it (``mtpctl``), without the training record."""
+    return {k: v for k, v in asdict(cfg).items() if k != "training"}
+
+
+def _splits(head: Eagle3Head) -> Dict[str, List[int]]:
+    lc = head.cfg.layer
+    return {"qkv": [head.q_size, head.kv_size, head.kv_size], "gate_up": [lc.intermediate_size] * 2}
+
+
+def eagle3_tensors(head: Eagle3Head, layout: str) -> Dict[str, torch.Tensor]:
+    """Tensor name -> tensor (float32, contiguous; ``d2t`` int64, ``t2d`` bool) of ``head`` in
+    ``layout`` (speculators | eagle)."""
+    params = dict(head.named_parameters())
+    out = {name: params[attr] for attr, name in TOP.items()}
+    splits = _splits(head)
+    for attr, names in LAYER.items():
+        parts = params[attr].split(splits[attr]) if attr in splits else (params[attr],)
+        out.update({PREFIX[layout] + name: part for name, part in zip(names, parts)})
+    out = {k: v.detach().float().contiguous() for k, v in out.items()}
+    if head.token_map is not None:
+        out["d2t"] = (head.token_map - torch.arange(len(head.token_map))).contiguous()
+        t2d = torch.zeros(head.cfg.vocab_size, dtype=torch.bool)
+        t2d[head.token_map] = True
+        out["t2d"] = t2d
+    return out
+
+
+def _layer_config(cfg: HeadsConfig, target: DecoderConfig) -> dict:
+    """The draft layer as a one-layer Llama config (what the layouts' ``transformer_layer_config`` and
+    the EAGLE layout's ``config.json`` hold)."""
+    lc = cfg.layer
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": cfg.hidden_size,
+            "intermediate_size": lc.intermediate_size, "num_attention_heads": lc.attention_heads,
+            "num_key_value_heads": lc.kv_heads, "head_dim": lc.head_dim, "num_hidden_layers": 1,
+            "hidden_act": "silu", "rms_norm_eps": lc.rms_norm_eps, "rope_theta": lc.rope_theta,
+            "max_position_embeddings": target.max_position_embeddings, "vocab_size": cfg.vocab_size,
+            "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False, "torch_dtype": "float32"}
+
+
+def speculators_config(cfg: HeadsConfig, target: DecoderConfig, verifier: str) -> dict:
+    """The speculators layout's ``config.json`` for heads of ``cfg`` made for ``target`` (its
+    checkpoint ``verifier``, a folder or hub id)."""
+    return {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+            "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                   "proposal_methods": [{"proposal_type": "greedy",
+                                                         "speculative_tokens": cfg.num_heads}],
+                                   "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]}},
+            "transformer_layer_config": _layer_config(cfg, target),
+            "draft_vocab_size": cfg.draft_vocab_size or cfg.vocab_size, "target_hidden_size": cfg.hidden_size,
+            "eagle_aux_hidden_state_layer_ids": list(cfg.layer.aux_layers),
+            "norm_before_residual": cfg.layer.norm_before_residual, "torch_dtype": "float32", "mtpctl": meta(cfg)}
+
+
+def eagle_config(cfg: HeadsConfig, target: DecoderConfig) -> dict:
+    """The EAGLE-3 authors' layout's ``config.json``."""
+    out = _layer_config(cfg, target)
+    out.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=cfg.draft_vocab_size or cfg.vocab_size,
+               target_hidden_size=cfg.hidden_size, norm_before_residual=cfg.layer.norm_before_residual,
+               eagle_config={"eagle_aux_hidden_state_layer_ids": list(cfg.layer.aux_layers),
+                             "use_aux_hidden_state": True},
+               mtpctl=meta(cfg))
+    return out
+
+
+def detect(config: dict, names) -> Optional[str]:
+    """``speculators`` or ``eagle`` when ``config.json`` and the tensor names are an EAGLE-3 head in
+    that layout, else None."""
+    if config.get("speculators_model_type") == "eagle3":
+        return "speculators"
+    if any(n.startswith(PREFIX["eagle"]) for n in names) and "fc.weight" in names:
+        return "eagle"
+    return None
+
+
+def expected_shapes(cfg: HeadsConfig, layout: str) -> Dict[str, tuple]:
+    """Tensor name -> shape of heads of ``cfg`` in ``layout`` (``d2t``/``t2d`` with a draft vocabulary)."""
+    lc, h = cfg.layer, cfg.hidden_size
+    q, kv, i = lc.attention_heads * lc.head_dim, lc.kv_heads * lc.head_dim, lc.intermediate_size
+    layer = {"input_layernorm.weight": (h,), "hidden_norm.weight": (h,), "post_attention_layernorm.weight": (h,),
+             "self_attn.q_proj.weight": (q, 2 * h), "self_attn.k_proj.weight": (kv, 2 * h),
+             "self_attn.v_proj.weight": (kv, 2 * h), "self_attn.o_proj.weight": (h, q),
+             "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)}
+    out = {PREFIX[layout] + k: v for k, v in layer.items()}
+    out.update({"fc.weight": (h, len(lc.aux_layers) * h), "norm.weight": (h,),
+                "lm_head.weight": (cfg.draft_vocab_size or cfg.vocab_size, h)})
+    if cfg.draft_vocab_size:
+        out.update({"d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,)})
+    return out
+
+
+def heads_config(config: dict, layout: str, target: DecoderConfig, notes: List[str]) -> HeadsConfig:
+    """The :class:`HeadsConfig` of an EAGLE-3 layout's ``config.json`` (``mtpctl``'s own entry where
+    present) for ``target``; ``notes`` gets a line for each value not given and taken as the engines do.
+
+    Raises:
+        CorruptModel: a config without the layer's shapes. UnsupportedModel: an EAGLE-3 variant mtpctl's
+            layer does not compute (``norm_before_fc``, ``fc_norm``, ``norm_output``, more than one layer).
+    """
+    if isinstance(config.get("mtpctl"), dict):
+        try:
+            return HeadsConfig(**config["mtpctl"])
+        except (TypeError, ValueError) as err:
+            raise CorruptModel(f"config.json's mtpctl entry is not a valid head config: {err}") from err
+    layer = config.get("transformer_layer_config", {}) if layout == "speculators" else config
+    extra = config.get("eagle_config") if isinstance(config.get("eagle_config"), dict) else {}
+    used = [v for v in VARIANTS if config.get(v) or extra.get(v)]
+    if used or layer.get("num_hidden_layers", 1) != 1:
+        raise UnsupportedModel(f"an EAGLE-3 variant mtpctl does not run ({', '.join(used) or 'several layers'})")
+    try:
+        hidden, heads = int(layer["hidden_size"]), int(layer["num_attention_heads"])
+        shapes = EagleLayerConfig(heads, int(layer.get("num_key_value_heads", heads)),
+                                  int(layer.get("head_dim") or hidden // heads), int(layer["intermediate_size"]),
+                                  float(_rope_theta(layer)), float(layer.get("rms_norm_eps", 1e-6)))
+        vocab = int(layer.get("vocab_size") or target.vocab_size)
+        draft = int(config.get("draft_vocab_size") or vocab)
+    except (KeyError, TypeError, ValueError) as err:
+        raise CorruptModel(f"config.json lacks the EAGLE-3 layer's shapes ({err})") from err
+    ids = config.get("eagle_aux_hidden_state_layer_ids") or extra.get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        ids = list(default_aux_layers(target.num_hidden_layers))
+        notes.append(f"the config names no target layers: reading {ids}, the engines' default")
+    before = config.get("norm_before_residual")
+    if before is None:
+        before = False
+        notes.append("the config does not say norm_before_residual: taken as false (the EAGLE-3 authors' layer "
+                     "and the speculators package; vLLM would take true)")
+    shapes = replace(shapes, aux_layers=[int(i) for i in ids], norm_before_residual=bool(before))
+    speculative = config.get("speculators_config", {}).get("proposal_methods", [{}])[0].get("speculative_tokens")
+    steps = int(speculative or 3)
+    return HeadsConfig("eagle3", steps, 0, True, hidden, vocab, 0 if draft == vocab else draft, layer=shapes,
+                       tree=[[0] * d for d in range(1, steps + 1)])
+
+
+def _rope_theta(layer: dict) -> float:
+    params = layer.get("rope_parameters") if isinstance(layer.get("rope_parameters"), dict) else {}
+    return layer.get("rope_theta") or params.get("rope_theta") or 10000.0
+
+
+def state_dict(cfg: HeadsConfig, layout: str, tensors: Dict[str, torch.Tensor]) -> Tuple[Dict[str, torch.Tensor], Optional[torch.Tensor]]:
+    """The layout's tensors (checked by name and shape against :func:`expected_shapes`) -> an
+    :class:`Eagle3Head` state dict and its ``token_map`` (None without a draft vocabulary).
+
+    Raises:
+        CorruptModel: a d2t/t2d pair that does not describe one draft vocabulary inside the target's.
+    """
+    out = {attr: tensors[name] for attr, name in TOP.items()}
+    for attr, names in LAYER.items():
+        out[attr] = torch.cat([tensors[PREFIX[layout] + n] for n in names]) if len(names) > 1 else tensors[PREFIX[layout] + names[0]]
+    token_map = None
+    if cfg.draft_vocab_size:
+        token_map = torch.arange(cfg.draft_vocab_size) + tensors["d2t"].long()
+        t2d = tensors["t2d"].bool()
+        if int(token_map.min()) < 0 or int(token_map.max()) >= cfg.vocab_size or \
+                len(set(token_map.tolist())) != len(token_map) or int(t2d.sum()) != len(token_map) or \
+                not bool(t2d[token_map].all()):
+            raise CorruptModel("d2t and t2d do not describe one draft vocabulary inside the target's "
+                               "(target id = draft id + d2t[draft id], t2d marking exactly those ids)")
+        out["token_map"] = token_map
+    return out, token_map
