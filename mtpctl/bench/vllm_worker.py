@@ -1,12 +1,12 @@
 """Runs greedy generations in vLLM's offline API, inside vLLM's own virtualenv (``make vllm-env``
 creates ``.venv-vllm``; vLLM pins another transformers than mtpctl, so the two never share a process).
 
-It imports nothing of mtpctl (mtpctl is not installed there): :mod:`mtpctl.bench.vllm` runs it as
+It imports nothing of mtpctl (mtpctl is not installed there): :mod:`mtpctl.bench.vllm_peer` runs it as
 ``.venv-vllm/bin/python vllm_worker.py`` with one JSON request on stdin and reads one JSON object from
 stdout; vLLM's own logs go to stderr.
 
 Request: ``model`` (a checkpoint folder), ``prompts`` (token id lists), ``max_new_tokens``,
-``speculative_config`` (vLLM's, or null for plain decoding), ``threads``, ``max_model_len``,
+``speculative_config`` (vLLM's, or null for plain decoding), ``threads``, ``dtype``, ``max_model_len``,
 ``weights_track`` (false turns off vLLM's check that every checkpoint tensor was loaded: its Medusa
 loader loads ``token_map`` without reporting it).
 
@@ -19,6 +19,9 @@ import json
 import os
 import sys
 import time
+
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    del sys.path[0]  # this folder holds mtpctl's modules, whose names must not hide vLLM's own
 
 COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
             "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
@@ -40,6 +43,9 @@ def spec_counters(llm) -> dict:
 
 def main() -> int:
     request = json.load(sys.stdin)
+    reply = os.fdopen(os.dup(1), "w")  # the reply alone goes to stdout: whatever vLLM prints goes to stderr
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     threads = int(request.get("threads") or 1)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -51,7 +57,7 @@ def main() -> int:
     torch.set_num_threads(threads)
     extra = {} if request.get("weights_track", True) else {"model_loader_extra_config": {"enable_weights_track": False}}
     started = time.perf_counter()
-    llm = LLM(model=request["model"], dtype="float32", enforce_eager=True, seed=0,
+    llm = LLM(model=request["model"], dtype=request.get("dtype") or "float32", enforce_eager=True, seed=0,
               max_model_len=int(request.get("max_model_len") or 2048), disable_log_stats=False,
               speculative_config=request.get("speculative_config"), **extra)
     load_s = time.perf_counter() - started
@@ -70,8 +76,9 @@ def main() -> int:
         spec = {k: after[k] - before[k] for k in COUNTERS.values()}
         spec["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"],
                                                           before["accepted_per_pos"] + [0] * len(after["accepted_per_pos"]))]
-    json.dump({"load_s": load_s, "results": results, "spec": spec, "version": __version__}, sys.stdout)
-    sys.stdout.write("\n")
+    json.dump({"load_s": load_s, "results": results, "spec": spec, "version": __version__}, reply)
+    reply.write("\n")
+    reply.close()
     return 0
 
 

@@ -42,6 +42,7 @@ WRITES = {"speculators": {"eagle3": "speculators"}, "eagle": {"eagle3": "eagle"}
 #: head kind -> how to train heads of that kind for the default model
 RECIPES = {"eagle3": "mtpctl add-heads --recipe recipes/smollm2-135m-eagle3.yaml",
            "medusa": "mtpctl add-heads --recipe recipes/smollm2-135m-medusa.yaml --no-condition-on-token"}
+FULL_VOCABULARY = RECIPES["medusa"] + " --draft-vocab 0"  # Medusa heads TensorRT-LLM's layout takes
 
 
 def check_exportable(fmt: str, cfg: HeadsConfig) -> str:
@@ -64,7 +65,7 @@ def check_exportable(fmt: str, cfg: HeadsConfig) -> str:
                                option="fmt")
     if fmt == "trtllm" and cfg.kind == "medusa" and cfg.draft_vocab_size:
         raise BadInput("TensorRT-LLM's Medusa layout has no draft vocabulary (token_map): train the heads on the "
-                       f"full vocabulary ({RECIPES['medusa']} --draft-vocab 0), or export to vllm", option="fmt")
+                       f"full vocabulary ({FULL_VOCABULARY}), or export to vllm", option="fmt")
     return kinds[cfg.kind]
 
 
