@@ -214,3 +214,20 @@ def tree_positions(parents: Sequence[int]):
     """``(depth [N], ancestor mask [N, N])`` of the tree given by ``parents`` (-1 the root)."""
     tree = DraftTree.from_parents(list(range(len(parents))), parents)
     return tree.depth_tensor(), tree.ancestor_mask()
+
+
+def perturbed(module: torch.nn.Module, seed: int, scale: float = 0.3) -> torch.nn.Module:
+    """``module`` with seeded N(0, scale) noise added to every parameter, frozen (random heads whose
+    norms are not all ones and whose drafts differ)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen))
+    return module.requires_grad_(False)
+
+
+def generate_json(main, capsys, args: Sequence[str]) -> dict:
+    """``mtpctl generate ARGS --json`` through the CLI's ``main``: its JSON reply (exit code 0 asserted)."""
+    capsys.readouterr()
+    assert main(["generate", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)

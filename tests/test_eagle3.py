@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from helpers import PROMPT
+from helpers import PROMPT, perturbed
 from test_heads import TREES
 
 from mtpctl.backends.torch import TorchEngine
@@ -29,11 +29,7 @@ def random_eagle3(model, depth=4, seed=0, draft_vocab=0, norm_before_residual=Fa
     cfg = HeadsConfig("eagle3", depth, 0, True, model.cfg.hidden_size, model.cfg.vocab_size, draft_vocab, layer=layer)
     token_map = torch.arange(0, 2 * draft_vocab, 2) if draft_vocab else None
     torch.manual_seed(seed)
-    head = Eagle3Head(cfg, torch.float32, model.dense_lm_head().float(), token_map)
-    gen = torch.Generator().manual_seed(seed)
-    for p in head.parameters():
-        p.data = p.data + 0.3 * torch.randn(p.shape, generator=gen)
-    return head.requires_grad_(False)
+    return perturbed(Eagle3Head(cfg, torch.float32, model.dense_lm_head().float(), token_map), seed)
 
 
 def drafter(model, head, paths):

@@ -12,6 +12,7 @@ import pathlib
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import generate_json
 from safetensors.torch import save_file
 
 from mtpctl.cli.main import main
@@ -71,12 +72,8 @@ def test_imported_heads_decode_export_and_bench_like_trained_ones(tiny_folder, t
     out = tmp_path / "heads"
     assert main(["models", "import-heads", str(medusa_original(tmp_path / "src")), "--target", str(tiny_folder),
                  "--out", str(out)]) == 0
-    capsys.readouterr()
-    args = ["generate", "-m", str(tiny_folder), "--max-new-tokens", "24", "--json", "count: 3 4"]
-    assert main(args) == 0
-    plain = json.loads(capsys.readouterr().out)
-    assert main(args + ["--speculate", "heads", "--heads", str(out)]) == 0
-    spec = json.loads(capsys.readouterr().out)
+    args = ["-m", str(tiny_folder), "--max-new-tokens", "24", "count: 3 4"]
+    plain, spec = generate_json(main, capsys, args), generate_json(main, capsys, args + ["--speculate", "heads", "--heads", str(out)])
     assert spec["token_ids"] == plain["token_ids"] and spec["stats"]["draft_tokens"] > 0
     for fmt in ("vllm", "trtllm"):
         assert main(["export", str(out), "--format", fmt, "--out", str(tmp_path / fmt)]) == 0
@@ -230,12 +227,9 @@ def test_imported_eagle3_heads_decode_losslessly(tiny_folder, tmp_path, capsys):
     src = write_eagle3(tmp_path / "src", "speculators", eagle3_tensors("layers.0.", draft_ids), 120, False)
     out = tmp_path / "o"
     assert main(["models", "import-heads", str(src), "--target", str(tiny_folder), "--out", str(out)]) == 0
-    args = ["generate", "-m", str(tiny_folder), "--max-new-tokens", "24", "--json", "count: 3 4"]
-    capsys.readouterr()
-    assert main(args) == 0
-    plain = json.loads(capsys.readouterr().out)
-    assert main(args + ["--speculate", "heads+ngram", "--heads", str(out)]) == 0
-    assert json.loads(capsys.readouterr().out)["token_ids"] == plain["token_ids"]
+    args = ["-m", str(tiny_folder), "--max-new-tokens", "24", "count: 3 4"]
+    spec = generate_json(main, capsys, args + ["--speculate", "heads+ngram", "--heads", str(out)])
+    assert spec["token_ids"] == generate_json(main, capsys, args)["token_ids"]
     assert main(["export", str(out), "--format", "eagle", "--out", str(tmp_path / "again")]) == 0
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers import perturbed
 from test_export_onnx import TREE, make_heads
 
 from mtpctl.backends.torch import TorchEngine
@@ -77,12 +78,8 @@ def eagle3_heads(folder, target, model, draft_vocab=100, seed=0):
     g = torch.Generator().manual_seed(seed)
     token_map = torch.randperm(VOCAB, generator=g)[:draft_vocab].sort().values if draft_vocab else None
     torch.manual_seed(seed)
-    head = Eagle3Head(cfg, torch.float32, model.dense_lm_head(), token_map)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=g))
     folder.mkdir(parents=True)
-    save_heads(head, folder)
+    save_heads(perturbed(Eagle3Head(cfg, torch.float32, model.dense_lm_head(), token_map), seed), folder)
     return folder
 
 
