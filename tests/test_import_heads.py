@@ -260,6 +260,8 @@ def strictness_cases(tmp_path):
     cases.append(("d2t", write_eagle3(tmp_path / "d2t", "speculators", bad_d2t, 120, False), "d2t and t2d"))
     cases.append(("layers", write_eagle3(tmp_path / "layers", "speculators", eagle3_tensors("layers.0.", ids), 120,
                                          False, ids=(0, 1, 9)), "model of 2 layers"))
+    cases.append(("ids", write_eagle3(tmp_path / "ids", "speculators", eagle3_tensors("layers.0.", ids), 120, False,
+                                      ids=("2",)), "target layers ['2']"))
     eagle1 = tmp_path / "eagle1"
     eagle1.mkdir()
     save_file({"fc.weight": rand(H, 2 * H), "layers.0.self_attn.q_proj.weight": rand(H, H)},

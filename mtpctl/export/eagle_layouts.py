@@ -31,7 +31,7 @@ Both configs also carry ``mtpctl`` (the head folder's config without its trainin
 
 from __future__ import annotations
 
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -39,6 +39,7 @@ import torch
 from mtpctl.drafters.heads.config import EagleLayerConfig, HeadsConfig
 from mtpctl.drafters.heads.eagle3 import Eagle3Head, default_aux_layers
 from mtpctl.errors import CorruptModel, UnsupportedModel
+from mtpctl.export.entry import meta, mtpctl_entry
 from mtpctl.model.config import DecoderConfig
 
 LAYOUTS = ("speculators", "eagle")
@@ -52,11 +53,6 @@ LAYER = {"embed_norm": ("input_layernorm.weight",), "hidden_norm": ("hidden_norm
 TOP = {"fc": "fc.weight", "norm": "norm.weight", "lm_head": "lm_head.weight"}
 #: EAGLE-3 variants vLLM knows and mtpctl's layer does not compute
 VARIANTS = ("norm_before_fc", "fc_norm", "norm_output")
-
-
-def meta(cfg: HeadsConfig) -> dict:
-    """The head folder's config as the layouts carry it (``mtpctl``), without the training record."""
-    return {k: v for k, v in asdict(cfg).items() if k != "training"}
 
 
 def _splits(head: Eagle3Head) -> Dict[str, List[int]]:
@@ -154,11 +150,10 @@ def heads_config(config: dict, layout: str, target: DecoderConfig, notes: List[s
             layer does not compute (``norm_before_fc``, ``fc_norm``, ``norm_output``, more than one layer).
     """
     if isinstance(config.get("mtpctl"), dict):
-        try:
-            return HeadsConfig(**config["mtpctl"])
-        except (TypeError, ValueError) as err:
-            raise CorruptModel(f"config.json's mtpctl entry is not a valid head config: {err}") from err
+        return mtpctl_entry(config, ("eagle3",))
     layer = config.get("transformer_layer_config", {}) if layout == "speculators" else config
+    if not isinstance(layer, dict):
+        raise CorruptModel("config.json's transformer_layer_config is not a mapping")
     extra = config.get("eagle_config") if isinstance(config.get("eagle_config"), dict) else {}
     used = [v for v in VARIANTS if config.get(v) or extra.get(v)]
     if used or layer.get("num_hidden_layers", 1) != 1:
@@ -181,11 +176,31 @@ def heads_config(config: dict, layout: str, target: DecoderConfig, notes: List[s
         before = False
         notes.append("the config does not say norm_before_residual: taken as false (the EAGLE-3 authors' layer "
                      "and the speculators package; vLLM would take true)")
-    shapes = replace(shapes, aux_layers=[int(i) for i in ids], norm_before_residual=bool(before))
-    speculative = config.get("speculators_config", {}).get("proposal_methods", [{}])[0].get("speculative_tokens")
-    steps = int(speculative or 3)
+    try:
+        shapes = replace(shapes, aux_layers=list(ids), norm_before_residual=before)
+    except (TypeError, ValueError) as err:
+        raise CorruptModel(f"config.json's target layers {ids!r} or norm_before_residual {before!r} are not valid "
+                           f"({err})") from err
+    steps = _speculative_tokens(config)
     return HeadsConfig("eagle3", steps, 0, True, hidden, vocab, 0 if draft == vocab else draft, layer=shapes,
                        tree=[[0] * d for d in range(1, steps + 1)])
+
+
+def _speculative_tokens(config: dict, default: int = 3) -> int:
+    """The draft depth a speculators config proposes (``proposal_methods[0].speculative_tokens``), else ``default``.
+
+    Raises:
+        CorruptModel: a value that is not a positive integer.
+    """
+    try:
+        value = config.get("speculators_config", {}).get("proposal_methods", [{}])[0].get("speculative_tokens")
+    except (AttributeError, IndexError, TypeError) as err:
+        raise CorruptModel(f"config.json's speculators_config is malformed ({err})") from err
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise CorruptModel(f"config.json's speculative_tokens is {value!r}, not a positive integer")
+    return value
 
 
 def _rope_theta(layer: dict) -> float:

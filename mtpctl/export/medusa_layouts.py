@@ -26,7 +26,7 @@ the tensors decide, and the reader says so.
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -34,6 +34,7 @@ import torch
 from mtpctl.drafters.heads.config import HeadsConfig
 from mtpctl.drafters.heads.medusa import MedusaHeads
 from mtpctl.errors import BadInput, CorruptModel
+from mtpctl.export.entry import meta, mtpctl_entry
 from mtpctl.model.weights import check_tensors
 
 VLLM_WEIGHTS = "model.safetensors"
@@ -41,11 +42,6 @@ MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
 MEDUSA_PICKLE = "medusa_lm_head.pt"
 _MEDUSA_NAME = re.compile(r"^(\d+)\.(\d+)\.(?:linear\.)?(weight|bias)$")
 _VLLM_BLOCK = re.compile(r"^blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)$")
-
-
-def meta(cfg: HeadsConfig) -> dict:
-    """The head folder's config as the layouts carry it (``mtpctl``), without the training record."""
-    return {k: v for k, v in asdict(cfg).items() if k != "training"}
 
 
 def vllm_tensors(heads: MedusaHeads, target_lm_head: torch.Tensor) -> Dict[str, torch.Tensor]:
@@ -185,7 +181,7 @@ def read_medusa(layout: str, config: dict, tensors: Dict[str, torch.Tensor], tar
     rows = target_lm_head.float() if token_map is None else target_lm_head.float()[token_map]
     own = not all(p.float().shape in (rows.shape, target_lm_head.shape) and
                   torch.equal(p.float(), rows if p.shape == rows.shape else target_lm_head.float()) for p in projections)
-    base = HeadsConfig(**config["mtpctl"]) if isinstance(config.get("mtpctl"), dict) else \
+    base = mtpctl_entry(config, ("medusa",)) if isinstance(config.get("mtpctl"), dict) else \
         HeadsConfig(kind="medusa", num_heads=num, head_layers=layers, own_lm_head=own, hidden_size=hidden,
                     vocab_size=vocab, tree=[[0] * d for d in range(1, num + 1)])
     cfg = replace(base, num_heads=num, head_layers=layers, hidden_size=hidden, vocab_size=vocab, own_lm_head=own,
