@@ -1,8 +1,9 @@
 """mtpctl models import-heads: heads written here by hand in each published layout (Medusa's original
-pickle, vLLM's Medusa layout, EAGLE-3 in the speculators and EAGLE layouts) import into head folders
-that decode losslessly, export and bench; an EAGLE-3 import computes what vLLM's layer computes
-(a reference written from vLLM's code, in this file); a pickle carrying anything but tensors is
-refused without running it; every strictness error is one line and exit code 2."""
+pickle, vLLM's Medusa layout, EAGLE-1 and EAGLE-3 in the speculators and EAGLE layouts) import into
+head folders that decode losslessly, export and bench; an EAGLE-1 or EAGLE-3 import computes what
+vLLM's layer computes (references written from vLLM's code, in this file); a pickle carrying
+anything but tensors is refused without running it; every strictness error is one line and exit
+code 2."""
 
 from __future__ import annotations
 
@@ -233,6 +234,80 @@ def test_imported_eagle3_heads_decode_losslessly(tiny_folder, tmp_path, capsys):
     assert main(["export", str(out), "--format", "eagle", "--out", str(tmp_path / "again")]) == 0
 
 
+# --- EAGLE-1 -------------------------------------------------------------------------------------
+
+
+def eagle1_tensors(fc: str, prefix: str, seed=3, bias=True) -> dict:
+    """EAGLE-1 heads for the tiny model with the engines' names: no input layernorm, fc over [embedding; feature]."""
+    shapes = {"self_attn.q_proj.weight": (NH * D, H), "self_attn.k_proj.weight": (NKV * D, H),
+              "self_attn.v_proj.weight": (NKV * D, H), "self_attn.o_proj.weight": (H, NH * D),
+              "post_attention_layernorm.weight": (H,), "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H),
+              "mlp.down_proj.weight": (H, I)}
+    out = {prefix + n: (1.0 + rand(*s, seed=seed + i)) if "norm" in n else rand(*s, seed=seed + i, scale=0.2)
+           for i, (n, s) in enumerate(shapes.items())}
+    out[fc + "weight"] = rand(H, 2 * H, seed=seed + 40, scale=0.2)
+    if bias:
+        out[fc + "bias"] = rand(H, seed=seed + 41)
+    return out
+
+
+def write_eagle1(folder, layout, tensors):
+    folder.mkdir()
+    save_file(tensors, str(folder / "model.safetensors"))
+    layer = {"model_type": "llama", "hidden_size": H, "intermediate_size": I, "num_attention_heads": NH,
+             "num_key_value_heads": NKV, "num_hidden_layers": 1, "rms_norm_eps": 1e-5, "vocab_size": V}
+    config = layer if layout == "eagle1" else {"speculators_model_type": "eagle", "transformer_layer_config": layer,
+                                                "layernorms": False, "fusion_bias": True}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def vllm_eagle1_logits(t, fc, prefix, feats, embeds, lm_head):
+    """vLLM's EagleLlamaForCausalLM (llama_eagle.py), written from its code: fc over [embedding;
+    feature] (here with the checkpoint's bias), the layer without input layernorm, no final norm,
+    the target's lm_head. T rows, causal, positions 0..T-1."""
+    p = lambda n: t[prefix + n]  # noqa: E731
+    x = torch.cat([embeds, feats], -1) @ t[fc + "weight"].T + t.get(fc + "bias", torch.zeros(H))
+    q = (x @ p("self_attn.q_proj.weight").T).view(-1, NH, D)
+    k = (x @ p("self_attn.k_proj.weight").T).view(-1, NKV, D)
+    v = (x @ p("self_attn.v_proj.weight").T).view(-1, NKV, D)
+    ang = torch.cat([torch.arange(len(x)).float()[:, None] * (1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D)))] * 2,
+                    -1)[:, None]
+    rot = lambda y: y * ang.cos() + torch.cat([-y[..., D // 2:], y[..., :D // 2]], -1) * ang.sin()  # noqa: E731
+    q, k = rot(q), rot(k).repeat_interleave(NH // NKV, 1)
+    scores = (torch.einsum("qhd,khd->hqk", q, k) / D ** 0.5).masked_fill(torch.ones(len(x), len(x)).triu(1).bool(),
+                                                                        float("-inf"))
+    attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.repeat_interleave(NH // NKV, 1)).reshape(len(x), -1)
+    x = x + attn @ p("self_attn.o_proj.weight").T
+    h = rms(x, p("post_attention_layernorm.weight"))
+    out = x + (F.silu(h @ p("mlp.gate_proj.weight").T) * (h @ p("mlp.up_proj.weight").T)) @ p("mlp.down_proj.weight").T
+    return out @ lm_head.T
+
+
+@pytest.mark.parametrize("layout,fc,prefix", [("eagle1", "fc.", "layers.0."),
+                                              ("speculators-eagle1", "fusion_fc.", "transformer.")])
+def test_eagle1_import_computes_what_vllms_layer_computes_and_decodes_losslessly(layout, fc, prefix, tiny_folder,
+                                                                               tiny_model, tmp_path, capsys):
+    tensors = eagle1_tensors(fc, prefix)
+    src = write_eagle1(tmp_path / "src", layout, tensors)
+    out = tmp_path / "o"
+    code, stdout, err = run(["models", "import-heads", str(src), "--target", str(tiny_folder), "--out", str(out),
+                             "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(stdout)["layout"] == layout
+    lm_head = Decoder.from_folder(tiny_folder).dense_lm_head()
+    head = load_heads(out, torch.float32, lm_head)
+    assert head.cfg.kind == "eagle" and head.cfg.layer.eagle1
+    feats = rand(1, 5, H, seed=8, scale=1.0)
+    embeds = tiny_model.embed[torch.tensor([[3, 7, 11, 2, 9]])]
+    g = head(feats, embeds, torch.ones(1, 5, dtype=torch.bool), 1)[0][0]
+    torch.testing.assert_close(g @ lm_head.T, vllm_eagle1_logits(tensors, fc, prefix, feats[0], embeds[0], lm_head),
+                               atol=1e-4, rtol=1e-4)
+    args = ["-m", str(tiny_folder), "--max-new-tokens", "24", "count: 3 4"]
+    spec = generate_json(main, capsys, args + ["--speculate", "heads", "--heads", str(out)])
+    assert spec["token_ids"] == generate_json(main, capsys, args)["token_ids"] and spec["stats"]["draft_tokens"] > 0
+
+
 def strictness_cases(tmp_path):
     """(name, source folder, words of the error) for each way a Medusa or EAGLE-3 file can be wrong."""
     cases = []
@@ -262,11 +337,10 @@ def strictness_cases(tmp_path):
                                          False, ids=(0, 1, 9)), "model of 2 layers"))
     cases.append(("ids", write_eagle3(tmp_path / "ids", "speculators", eagle3_tensors("layers.0.", ids), 120, False,
                                       ids=("2",)), "target layers ['2']"))
-    eagle1 = tmp_path / "eagle1"
-    eagle1.mkdir()
-    save_file({"fc.weight": rand(H, 2 * H), "layers.0.self_attn.q_proj.weight": rand(H, H)},
-              str(eagle1 / "model.safetensors"))
-    cases.append(("eagle1", eagle1, "EAGLE-1"))
+    eagle1 = write_eagle1(tmp_path / "eagle1", "eagle1", eagle1_tensors("fc.", "layers.0."))
+    (eagle1 / "config.json").write_text(json.dumps({**json.loads((eagle1 / "config.json").read_text()),
+                                                    "layernorms": True}))
+    cases.append(("eagle1", eagle1, "EAGLE-1 variant"))
     other = tmp_path / "other"
     other.mkdir()
     save_file({"weight": rand(2, 2)}, str(other / "model.safetensors"))

@@ -63,7 +63,8 @@ def import_heads_cmd(src: str, target: str, out: str, overwrite: bool, as_json: 
     """Import published MTP heads (SRC: a folder or a weights file) as an mtpctl head folder.
 
     Reads Medusa heads in the original layout (medusa_lm_head.pt or .safetensors; TensorRT-LLM's
-    input) or vLLM's, and EAGLE-3 heads in the speculators or EAGLE/SpecForge layout (d2t/t2d).
+    input) or vLLM's, and EAGLE-1 and EAGLE-3 heads in the speculators or EAGLE/SpecForge layout
+    (d2t/t2d).
     Pickles are unpickled tensor-only: anything but plain tensors is refused, never run. Every
     tensor is checked (names, shapes, finite values) against the target; what a file leaves unsaid
     is decided as the engines decide it and said on stderr.

@@ -26,7 +26,14 @@ the EAGLE / SpecForge checkpoints that SGLang and TensorRT-LLM's PyTorch backend
   ``(2, n // 2, n - 3)``, mtpctl's default).
 
 Both configs also carry ``mtpctl`` (the head folder's config without its training record) so that
-:func:`read_eagle3` restores the exact :class:`HeadsConfig`.
+the way back restores the exact :class:`HeadsConfig`.
+
+EAGLE-1 heads are read (imported, not written): the EAGLE authors' layout (``fc.weight [H, 2H]``,
+``fc.bias``, ``layers.0.self_attn.*``, ``layers.0.mlp.*``, ``layers.0.post_attention_layernorm``, no
+input layernorm; a Llama ``config.json``) and the speculators one (``speculators_model_type: eagle``:
+``fusion_fc.*``, ``transformer.*``; ``layernorms: true`` is refused). Both concatenate
+[embedding ; feature], which mtpctl's ``eagle`` layer reads as [feature ; embedding]: ``fc``'s two
+halves swap places.
 """
 
 from __future__ import annotations
@@ -115,13 +122,25 @@ def eagle_config(cfg: HeadsConfig, target: DecoderConfig) -> dict:
     return out
 
 
+#: EAGLE-1 layout -> (prefix of fc, prefix of the layer)
+EAGLE1_PREFIX = {"eagle1": ("fc.", "layers.0."), "speculators-eagle1": ("fusion_fc.", "transformer.")}
+EAGLE1_LAYER = {"qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+                "o_proj": ("self_attn.o_proj.weight",), "post_attention_norm": ("post_attention_layernorm.weight",),
+                "gate_up": ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "down": ("mlp.down_proj.weight",)}
+
+
 def detect(config: dict, names) -> Optional[str]:
-    """``speculators`` or ``eagle`` when ``config.json`` and the tensor names are an EAGLE-3 head in
-    that layout, else None."""
+    """``speculators`` or ``eagle`` (EAGLE-3), ``speculators-eagle1`` or ``eagle1`` (EAGLE-1) when
+    ``config.json`` and the tensor names are heads in that layout, else None."""
     if config.get("speculators_model_type") == "eagle3":
         return "speculators"
+    if config.get("speculators_model_type") == "eagle":
+        return "speculators-eagle1"
     if any(n.startswith(PREFIX["eagle"]) for n in names) and "fc.weight" in names:
         return "eagle"
+    if "fc.weight" in names and any(n.startswith("layers.0.") for n in names) and \
+            "layers.0.hidden_norm.weight" not in names:
+        return "eagle1"
     return None
 
 
@@ -158,15 +177,12 @@ def heads_config(config: dict, layout: str, target: DecoderConfig, notes: List[s
     used = [v for v in VARIANTS if config.get(v) or extra.get(v)]
     if used or layer.get("num_hidden_layers", 1) != 1:
         raise UnsupportedModel(f"an EAGLE-3 variant mtpctl does not run ({', '.join(used) or 'several layers'})")
+    hidden, shapes = _layer_shapes(layer)
     try:
-        hidden, heads = int(layer["hidden_size"]), int(layer["num_attention_heads"])
-        shapes = EagleLayerConfig(heads, int(layer.get("num_key_value_heads", heads)),
-                                  int(layer.get("head_dim") or hidden // heads), int(layer["intermediate_size"]),
-                                  float(_rope_theta(layer)), float(layer.get("rms_norm_eps", 1e-6)))
         vocab = int(layer.get("vocab_size") or target.vocab_size)
         draft = int(config.get("draft_vocab_size") or vocab)
-    except (KeyError, TypeError, ValueError) as err:
-        raise CorruptModel(f"config.json lacks the EAGLE-3 layer's shapes ({err})") from err
+    except (TypeError, ValueError) as err:
+        raise CorruptModel(f"config.json's vocabulary sizes are not numbers ({err})") from err
     ids = config.get("eagle_aux_hidden_state_layer_ids") or extra.get("eagle_aux_hidden_state_layer_ids")
     if not ids:
         ids = list(default_aux_layers(target.num_hidden_layers))
@@ -184,6 +200,67 @@ def heads_config(config: dict, layout: str, target: DecoderConfig, notes: List[s
     steps = _speculative_tokens(config)
     return HeadsConfig("eagle3", steps, 0, True, hidden, vocab, 0 if draft == vocab else draft, layer=shapes,
                        tree=[[0] * d for d in range(1, steps + 1)])
+
+
+def _layer_shapes(layer: dict, **flags) -> Tuple[int, EagleLayerConfig]:
+    """(hidden size, the draft layer's shapes) of a Llama layer config.
+
+    Raises:
+        CorruptModel: the shapes are missing or not valid.
+    """
+    try:
+        hidden, heads = int(layer["hidden_size"]), int(layer["num_attention_heads"])
+        return hidden, EagleLayerConfig(heads, int(layer.get("num_key_value_heads", heads)),
+                                        int(layer.get("head_dim") or hidden // heads), int(layer["intermediate_size"]),
+                                        float(_rope_theta(layer)), float(layer.get("rms_norm_eps", 1e-6)), **flags)
+    except (KeyError, TypeError, ValueError) as err:
+        raise CorruptModel(f"config.json lacks the draft layer's shapes ({err})") from err
+
+
+def eagle1_config(config: dict, layout: str, target: DecoderConfig) -> HeadsConfig:
+    """The :class:`HeadsConfig` (kind ``eagle``, ``layer.eagle1``) of EAGLE-1 heads for ``target``.
+
+    Raises:
+        CorruptModel: a config without the layer's shapes. UnsupportedModel: the speculators
+            variant with layernorms, or several layers.
+    """
+    layer = config.get("transformer_layer_config", {}) if layout == "speculators-eagle1" else config
+    if not isinstance(layer, dict):
+        raise CorruptModel("config.json's transformer_layer_config is not a mapping")
+    if config.get("layernorms") or layer.get("num_hidden_layers", 1) != 1:
+        raise UnsupportedModel("an EAGLE-1 variant mtpctl does not run (layernorms, or several layers)")
+    hidden, shapes = _layer_shapes(layer, eagle1=True)
+    steps = _speculative_tokens(config, default=4)
+    return HeadsConfig("eagle", steps, 0, False, hidden, target.vocab_size, layer=shapes,
+                       tree=[[0] * d for d in range(1, steps + 1)])
+
+
+def eagle1_shapes(cfg: HeadsConfig, layout: str, bias: bool) -> Dict[str, tuple]:
+    """Tensor name -> shape of EAGLE-1 heads of ``cfg`` in ``layout`` (``fc``'s bias where ``bias``)."""
+    lc, h = cfg.layer, cfg.hidden_size
+    q, kv, i = lc.attention_heads * lc.head_dim, lc.kv_heads * lc.head_dim, lc.intermediate_size
+    fc, prefix = EAGLE1_PREFIX[layout]
+    shapes = {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+              "self_attn.o_proj.weight": (h, q), "post_attention_layernorm.weight": (h,),
+              "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)}
+    out = {prefix + k: v for k, v in shapes.items()}
+    out[fc + "weight"] = (h, 2 * h)
+    if bias:
+        out[fc + "bias"] = (h,)
+    return out
+
+
+def eagle1_state_dict(cfg: HeadsConfig, layout: str, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """EAGLE-1 tensors (checked by :func:`eagle1_shapes`) -> an :class:`EagleHead` state dict: ``fc``'s
+    [embedding ; feature] halves swapped to mtpctl's [feature ; embedding], a missing bias as zeros."""
+    fc, prefix = EAGLE1_PREFIX[layout]
+    h = cfg.hidden_size
+    weight = tensors[fc + "weight"]
+    out = {"fc": torch.cat((weight[:, h:], weight[:, :h]), dim=1),
+           "fc_bias": tensors.get(fc + "bias", torch.zeros(h))}
+    for attr, names in EAGLE1_LAYER.items():
+        out[attr] = torch.cat([tensors[prefix + n] for n in names])
+    return out
 
 
 def _speculative_tokens(config: dict, default: int = 3) -> int:

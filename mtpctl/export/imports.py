@@ -7,11 +7,8 @@ Layouts read (:func:`read_layout` detects which from ``config.json`` and the ten
 - Medusa, the original repository's (FasterDecoding: ``medusa_lm_head.pt`` or ``.safetensors``) and
   TensorRT-LLM's input, and vLLM's Medusa layout (:mod:`~mtpctl.export.medusa_layouts`);
 - EAGLE-3 in the speculators layout and in the EAGLE authors' / SpecForge layout, with ``d2t`` /
-  ``t2d`` (:mod:`~mtpctl.export.eagle_layouts`).
-
-EAGLE-1 heads (``fc [H, 2H]`` and one layer without ``hidden_norm``) are refused: their layer (no
-input norm, no output norm, ``fc`` with a bias over [embedding; feature]) is not mtpctl's ``eagle``
-layer, and no conversion would decode the same.
+  ``t2d``, and EAGLE-1 in both (:mod:`~mtpctl.export.eagle_layouts`; EAGLE-1 becomes an ``eagle``
+  head with ``layer.eagle1``: ``fc`` with a bias, no norm before the attention nor after the MLP).
 
 Pickles (``.pt``, ``.bin``, ``.pth``) are read with torch's tensor-only unpickler
 (``weights_only=True``): a file that holds anything but a flat mapping of names to plain tensors is
@@ -31,6 +28,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from mtpctl.drafters.heads.eagle import EagleHead
 from mtpctl.drafters.heads.eagle3 import Eagle3Head, check_aux_layers
 from mtpctl.drafters.heads.folder import save_heads
 from mtpctl.errors import BadInput, CorruptModel, UnsupportedModel
@@ -114,13 +112,15 @@ def read_source(src: Path) -> Tuple[dict, Dict[str, torch.Tensor]]:
 
 def read_layout(src: Path, target: Decoder, notes: List[str]) -> Tuple[str, torch.nn.Module]:
     """The heads in ``src`` (folder or file), in whichever supported layout they are, checked strictly
-    against ``target``: (layout, :class:`MedusaHeads` or :class:`Eagle3Head`, float32, frozen).
+    against ``target``: (layout, :class:`MedusaHeads`, :class:`EagleHead` or :class:`Eagle3Head`,
+    float32, frozen).
     ``notes`` gets one line per quirk decided on the way.
 
     Raises:
         BadInput: see :func:`read_source`; heads for another hidden size, vocabulary or layer count.
         CorruptModel: missing, unexpected, mis-shaped or non-finite tensors.
-        UnsupportedModel: a layout or variant mtpctl does not run (EAGLE-1, EAGLE-3 variants).
+        UnsupportedModel: a variant mtpctl does not run (EAGLE-3's norm_before_fc, fc_norm, norm_output;
+            EAGLE-1 with layernorms; embeddings of their own).
     """
     config, tensors = read_source(src)
     names = set(tensors)
@@ -128,32 +128,52 @@ def read_layout(src: Path, target: Decoder, notes: List[str]) -> Tuple[str, torc
     if layout in ("vllm", "medusa"):
         return layout, medusa_layouts.read_medusa(layout, config, tensors, target.dense_lm_head().float(), notes)
     if layout is None:
-        if "fc.weight" in names and any(n.startswith("layers.0.") for n in names):
-            raise UnsupportedModel(f"{src} holds EAGLE-1 heads (fc over [embedding; feature], no hidden_norm): their "
-                                   "layer is not mtpctl's eagle layer; import EAGLE-3 heads, or train with "
-                                   "mtpctl add-heads --recipe recipes/smollm2-135m-eagle3.yaml")
         raise BadInput(f"{src} is not a layout mtpctl imports (Medusa: FasterDecoding, TensorRT-LLM or vLLM; "
-                       "EAGLE-3: speculators or EAGLE/SpecForge)", option="src")
+                       "EAGLE-1 and EAGLE-3: speculators or EAGLE/SpecForge)", option="src")
+    _drop_target_embedding(tensors, target, notes)
+    if layout in eagle_layouts.EAGLE1_PREFIX:
+        return layout, _read_eagle1(layout, config, tensors, target)
     return layout, _read_eagle3(layout, config, tensors, target, notes)
+
+
+def _drop_target_embedding(tensors: Dict[str, torch.Tensor], target: Decoder, notes: List[str]) -> None:
+    """Drop an ``embed_tokens.weight`` that is the target's embedding (EAGLE checkpoints may carry a
+    copy); UnsupportedModel for embeddings of their own (mtpctl's EAGLE layers read the target's)."""
+    embed = tensors.pop("embed_tokens.weight", None)
+    if embed is None:
+        return
+    if embed.shape != target.embed.shape or not torch.equal(embed.float(), target.embed.float()):
+        raise UnsupportedModel("these heads carry embeddings of their own, not the target's; mtpctl's EAGLE layers "
+                               "read the target's")
+    notes.append("embed_tokens.weight is the target's embedding: dropped (the heads read the target's)")
+
+
+def _check_target(hidden: int, vocab: int, target: Decoder) -> None:
+    tc = target.cfg
+    if hidden != tc.hidden_size or vocab != tc.vocab_size:
+        raise BadInput(f"these heads were made for a model with hidden size {hidden} and vocabulary {vocab}; the "
+                       f"target has {tc.hidden_size} and {tc.vocab_size}")
+
+
+def _read_eagle1(layout: str, config: dict, tensors: Dict[str, torch.Tensor], target: Decoder) -> EagleHead:
+    cfg = eagle_layouts.eagle1_config(config, layout, target.cfg)
+    _check_target(cfg.hidden_size, cfg.vocab_size, target)
+    bias = eagle_layouts.EAGLE1_PREFIX[layout][0] + "bias" in tensors
+    check_tensors(tensors, eagle_layouts.eagle1_shapes(cfg, layout, bias), source=f"{layout} EAGLE-1 heads")
+    head = EagleHead(cfg, torch.float32)
+    head.load_state_dict({k: v.float() for k, v in eagle_layouts.eagle1_state_dict(cfg, layout, tensors).items()})
+    return head.requires_grad_(False)
+
 
 
 def _read_eagle3(layout: str, config: dict, tensors: Dict[str, torch.Tensor], target: Decoder,
                  notes: List[str]) -> Eagle3Head:
-    tc = target.cfg
-    cfg = eagle_layouts.heads_config(config, layout, tc, notes)
-    if cfg.hidden_size != tc.hidden_size or cfg.vocab_size != tc.vocab_size:
-        raise BadInput(f"these heads were made for a model with hidden size {cfg.hidden_size} and vocabulary "
-                       f"{cfg.vocab_size}; the target has {tc.hidden_size} and {tc.vocab_size}")
+    cfg = eagle_layouts.heads_config(config, layout, target.cfg, notes)
+    _check_target(cfg.hidden_size, cfg.vocab_size, target)
     try:
-        check_aux_layers(cfg.layer.aux_layers, tc.num_hidden_layers)
+        check_aux_layers(cfg.layer.aux_layers, target.cfg.num_hidden_layers)
     except ValueError as err:
         raise BadInput(str(err)) from err
-    embed = tensors.pop("embed_tokens.weight", None)
-    if embed is not None:
-        if embed.shape != target.embed.shape or not torch.equal(embed.float(), target.embed.float()):
-            raise UnsupportedModel("these heads carry embeddings of their own, not the target's; mtpctl's EAGLE-3 "
-                                   "layer reads the target's")
-        notes.append("embed_tokens.weight is the target's embedding: dropped (the heads read the target's)")
     check_tensors(tensors, eagle_layouts.expected_shapes(cfg, layout), source=f"{layout} EAGLE-3 heads")
     state, token_map = eagle_layouts.state_dict(cfg, layout, tensors)
     head = Eagle3Head(cfg, torch.float32, target.dense_lm_head().float(), token_map)

@@ -30,7 +30,9 @@ class EagleLayerConfig:
     EAGLE-3 (kind ``eagle3``) also records ``aux_layers``, the target layers whose residual streams
     it fuses (ids as in :meth:`mtpctl.model.decoder.Decoder.forward`: after that many layers), and
     ``norm_before_residual`` (the residual of its layer takes the fused feature after ``hidden_norm``
-    rather than before it; speculators' option of that name)."""
+    rather than before it; speculators' option of that name). ``eagle1`` (kind ``eagle``, imported
+    heads) is the EAGLE-1 authors' layer: ``fc`` with a bias, no norm before the attention nor after
+    the MLP."""
 
     attention_heads: int
     kv_heads: int
@@ -40,6 +42,7 @@ class EagleLayerConfig:
     rms_norm_eps: float = 1e-5
     aux_layers: Optional[List[int]] = None  # eagle3 only
     norm_before_residual: bool = False  # eagle3 only
+    eagle1: bool = False  # eagle only: EAGLE-1's layer (imported heads)
 
     def __post_init__(self) -> None:
         sizes = (self.attention_heads, self.kv_heads, self.head_dim, self.intermediate_size)
@@ -48,7 +51,7 @@ class EagleLayerConfig:
         if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes) or \
                 self.attention_heads % self.kv_heads or self.head_dim % 2 or \
                 not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in numbers) or \
-                not isinstance(self.norm_before_residual, bool) or (aux is not None and (
+                not isinstance(self.norm_before_residual, bool) or not isinstance(self.eagle1, bool) or (aux is not None and (
                     not isinstance(aux, list) or not aux or
                     not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in aux))):
             raise ValueError(f"EAGLE layer shapes are not valid (positive integer sizes, heads divisible by "
@@ -98,6 +101,8 @@ class HeadsConfig:
                              "layers of layer.aux_layers")
         if self.kind == "eagle" and (self.layer.aux_layers is not None or self.layer.norm_before_residual):
             raise ValueError("aux_layers and norm_before_residual belong to eagle3 heads")
+        if self.kind == "eagle3" and self.layer.eagle1:
+            raise ValueError("eagle1 is a variant of eagle heads")
 
     def save(self, folder: Path) -> None:
         """Write ``mtp_config.json`` into ``folder``."""

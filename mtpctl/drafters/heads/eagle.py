@@ -127,7 +127,8 @@ class EagleHead(DraftLayer):
     Parameters (``H`` hidden, ``A``/``G`` attention/KV heads of ``D`` dims, ``I`` MLP width):
     ``fc [H, 2H]``, ``input_norm [H]``, ``qkv [(A + 2G) D, H]``, ``o_proj [H, A D]``,
     ``post_attention_norm [H]``, ``gate_up [2I, H]``, ``down [H, I]``, ``out_norm [H]`` (RMSNorms,
-    SiLU-gated MLP, RoPE). With ``cfg.draft_vocab_size`` V_d > 0 the logits cover the ``token_map``
+    SiLU-gated MLP, RoPE). EAGLE-1's layer (``layer.eagle1``, imported heads) has ``fc_bias [H]``
+    and neither ``input_norm`` nor ``out_norm``. With ``cfg.draft_vocab_size`` V_d > 0 the logits cover the ``token_map``
     ``[V_d]`` rows of the target's frozen lm_head (derived, never saved).
 
     Weights start as N(0, 0.02) draws from torch's global generator (``add-heads`` seeds it with
@@ -149,11 +150,12 @@ class EagleHead(DraftLayer):
                  token_map: Optional[torch.Tensor] = None, blocked: bool = False):
         super().__init__()
         self.cfg = cfg
-        h = cfg.hidden_size
+        h, eagle1 = cfg.hidden_size, cfg.layer.eagle1
         self.fc = normal_weight(dtype, h, 2 * h)
-        self.input_norm = nn.Parameter(torch.ones(h, dtype=dtype))
+        self.fc_bias = nn.Parameter(torch.zeros(h, dtype=dtype)) if eagle1 else None
+        self.input_norm = None if eagle1 else nn.Parameter(torch.ones(h, dtype=dtype))
         self._init_layer(cfg, dtype, h)
-        self.out_norm = nn.Parameter(torch.ones(h, dtype=dtype))
+        self.out_norm = None if eagle1 else nn.Parameter(torch.ones(h, dtype=dtype))
         if cfg.draft_vocab_size:
             if token_map is None or target_lm_head is None or token_map.shape != (cfg.draft_vocab_size,):
                 raise ValueError(f"a draft vocabulary of {cfg.draft_vocab_size} needs token_map and the target's lm_head")
@@ -175,13 +177,15 @@ class EagleHead(DraftLayer):
             token_embeds: ``[..., T, H]`` embeddings of the next tokens x_{p+1}.
             positions: ``[..., T]`` positions p (int64).
         """
-        x = F.linear(torch.cat((feats, token_embeds), dim=-1), self.fc)
-        return (x,) + self.rotary_qkv(_rms_norm(x, self.input_norm, self.cfg.layer.rms_norm_eps), positions)
+        x = F.linear(torch.cat((feats, token_embeds), dim=-1), self.fc, self.fc_bias)
+        inp = x if self.input_norm is None else _rms_norm(x, self.input_norm, self.cfg.layer.rms_norm_eps)
+        return (x,) + self.rotary_qkv(inp, positions)
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual stream ``[..., T, H]`` and attention ``[..., A, T, D]`` -> predicted features
-        ``g [..., T, H]`` (after the output norm)."""
-        return _rms_norm(self.residual_mlp(x, attn), self.out_norm, self.cfg.layer.rms_norm_eps)
+        ``g [..., T, H]`` (after the output norm; EAGLE-1 has none)."""
+        g = self.residual_mlp(x, attn)
+        return g if self.out_norm is None else _rms_norm(g, self.out_norm, self.cfg.layer.rms_norm_eps)
 
     def logits(self, g: torch.Tensor, lm_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
         """Predicted features ``[..., H]`` -> float32 logits over the draft vocabulary ``[..., V_d]``
