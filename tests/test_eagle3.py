@@ -152,3 +152,21 @@ def test_trainer_reads_the_aux_layers_and_trains_the_heads_own_lm_head(tiny_mode
     assert "lm_head" in grads and all(g is not None and g.abs().sum() > 0 for g in grads.values())
     with pytest.raises(BadInput, match="aux layers"):
         Eagle3Trainer(tiny_model, Features(hidden, feats.pred, feats.offsets, feats.loss_from, ids), settings, tmp_path)
+
+
+def test_a_head_trained_on_the_targets_output_gets_drafts_accepted_and_stays_lossless(tiny_model, tiny_reference, tmp_path):
+    """Heads overfitted to the target's own continuation of PROMPT draft it: long accepted paths
+    exercise the drafter's cache across multi-token commits (random heads are almost never right)."""
+    from mtpctl.train.distill import TrainSequence
+    from mtpctl.train.eagle import Eagle3Trainer
+    from mtpctl.train.features import compute_features
+    from mtpctl.train.settings import TrainSettings
+
+    settings = TrainSettings(kind="eagle3", num_heads=3, aux_layers=[0, 1, 2], epochs=150, lr=1e-2, batch_tokens=256)
+    feats = compute_features(tiny_model, [TrainSequence(PROMPT + tiny_reference, len(PROMPT))], settings)
+    trainer = Eagle3Trainer(tiny_model, feats, settings, tmp_path)
+    trainer.train(resume=False)
+    head = trainer.heads.requires_grad_(False)
+    result = decode(tiny_model, drafter(tiny_model, head, TREES["mixed"]))
+    assert result.token_ids == tiny_reference
+    assert result.stats.accepted_tokens >= 15 and max(result.stats.accepted_per_step) >= 3
