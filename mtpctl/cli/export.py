@@ -75,6 +75,10 @@ def export_cmd(model, heads_dir, onnx_out, fmt, out, trt, trt_precision, trt_max
     --trt also builds a TensorRT engine from the graph (one optimization profile from the
     --trt-max-* limits, saved with it and checked before decoding). TensorRT needs an NVIDIA GPU:
     without tensorrt or CUDA it fails at once with exit code 2.
+
+    --format writes the heads alone (config.json and safetensors) in the layout a serving engine
+    loads: EAGLE-3 heads to every format, plain Medusa heads to vllm and trtllm. A head kind a format
+    cannot express is refused with one line naming the kinds it takes and how to train them.
     """
     from mtpctl.export.onnx import export_onnx
 
