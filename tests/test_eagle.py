@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from helpers import PROMPT, run
+from helpers import PROMPT, perturbed, run
 from test_heads import TREES
 
 from mtpctl.backends.torch import TorchEngine
@@ -24,11 +24,7 @@ def random_eagle(model, depth=4, seed=0, draft_vocab=0):
                       layer=layer_config_for(model.cfg))
     token_map = torch.arange(0, 2 * draft_vocab, 2) if draft_vocab else None
     torch.manual_seed(seed)  # the layer's own initialisation draws from the global generator
-    head = EagleHead(cfg, torch.float32, model.dense_lm_head().float(), token_map)
-    gen = torch.Generator().manual_seed(seed)
-    for p in head.parameters():
-        p.data = p.data + 0.3 * torch.randn(p.shape, generator=gen)
-    return head.requires_grad_(False)
+    return perturbed(EagleHead(cfg, torch.float32, model.dense_lm_head().float(), token_map), seed)
 
 
 def drafter(model, head, paths):
@@ -115,7 +111,8 @@ def test_eagle_folder_round_trip_and_strict_load(tmp_path, tiny_model):
     for change, error in [({"layer": None}, CorruptModel), ({"layer": [4, 2, 16, 128]}, CorruptModel),
                           ({"layer": {**good["layer"], "attention_heads": 4.0}}, CorruptModel),
                           ({"layer": {**good["layer"], "rope_theta": 0}}, CorruptModel),
-                          ({"num_heads": "3"}, CorruptModel), ({"kind": "eagle3"}, UnsupportedModel)]:
+                          ({"num_heads": "3"}, CorruptModel), ({"kind": "eagle3"}, CorruptModel),  # no aux_layers
+                          ({"kind": "eagle4"}, UnsupportedModel)]:
         (tmp_path / "mtp_config.json").write_text(json.dumps({**good, **change}))
         with pytest.raises(error):
             load_heads(tmp_path, torch.float32, tiny_model.dense_lm_head())

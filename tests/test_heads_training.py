@@ -161,15 +161,20 @@ def test_kept_features_equal_a_teacher_forced_pass():
     model = random_decoder(seed=2)
     prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9], [4]]
     eos = {int(batch_greedy(model, [[9, 9]], 5, set())[0].response[2])}  # one row stops early
-    got = batch_greedy(model, prompts, 6, eos_ids=eos, batch_size=4, keep_features=True)
+    got = batch_greedy(model, prompts, 6, eos_ids=eos, batch_size=4, keep_features=True, aux_layers=(0, 2))
     assert len(got[2].response) == 3  # ended at its EOS, 3 rows kept on going
+    eagle3 = TrainSettings(kind="eagle3", aux_layers=[0, 2])  # EAGLE-3 features: the layers' streams too
     for prompt, d in zip(prompts, got):
         ids = prompt + d.response
         assert d.hidden.shape == (len(ids), model.cfg.hidden_size) and d.pred.shape == (len(ids),)
+        assert d.aux.shape == (len(ids), 2 * model.cfg.hidden_size)
         assert d.pred[len(prompt) - 1:-1].tolist() == d.response
-        ref = compute_features(model, [TrainSequence(ids, len(prompt))], TrainSettings())
+        ref = compute_features(model, [TrainSequence(ids, len(prompt))], eagle3)
         torch.testing.assert_close(d.hidden.float(), ref.hidden.float(), atol=0.02, rtol=0.02)  # bf16 storage
+        torch.testing.assert_close(d.aux.float(), ref.aux.float(), atol=0.05, rtol=0.02)
+        assert torch.equal(ref.aux[:, :model.cfg.hidden_size], model.embed[torch.tensor(ids)].to(torch.bfloat16))
         assert d.pred.tolist() == ref.pred.tolist()
+    assert compute_features(model, [TrainSequence([5, 6, 7], 1)], TrainSettings()).aux is None
 
 
 def write_data(folder: Path) -> Path:
@@ -327,7 +332,7 @@ def test_generate_with_heads_end_to_end(tiny_folder, tmp_path, capsys, monkeypat
     other = tmp_path / "other"
     (other / "mtp_config.json").write_text(json.dumps(cfg))
     (other / "mtp_heads.safetensors").write_bytes((heads / "mtp_heads.safetensors").read_bytes())
-    for kind in ("hydra", "eagle"):  # heads that draft level by level: torch backend only
+    for kind in ("hydra", "eagle", "eagle3"):  # heads that draft level by level: torch backend only
         folder = tmp_path / kind
         assert main(["add-heads", "-m", str(tiny_folder), "--data", str(data), "--self-distill", "--num-heads", "2",
                      "--response-tokens", "12", "--epochs", "1", "--kind", kind, "--out", str(folder)]) == 0

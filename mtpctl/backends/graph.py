@@ -250,5 +250,8 @@ class GraphSession(Session):
         sha256), or None."""
         return self.manifest.get("heads") or None
 
-    def new_engine(self, capacity: int) -> GraphEngine:
+    def new_engine(self, capacity: int, aux_layers: Sequence[int] = ()) -> GraphEngine:
+        if aux_layers:
+            raise UnsupportedModel("an exported graph returns no intermediate layers: EAGLE-3 heads decode on the torch "
+                                   "backend", option="backend")
         return GraphEngine(self.runner, capacity)

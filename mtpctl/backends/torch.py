@@ -82,10 +82,14 @@ class TorchStepOutput:
 
     head_logits = None  # MTP heads run in their drafter, not in the pass
 
-    def __init__(self, logits: PassLogits, start: int, count: int, prompt_hidden_states: Optional[torch.Tensor] = None):
+    def __init__(self, logits: PassLogits, start: int, count: int, prompt_hidden_states: Optional[torch.Tensor] = None,
+                 aux_hidden_states: Optional[Dict[int, torch.Tensor]] = None):
         self._pass, self._start, self._count = logits, start, count
         self.hidden_states = logits.hidden_states[start:start + count]  # [N, hidden], after the final norm
         self.prompt_hidden_states = prompt_hidden_states  # prefill: [T, hidden] every prompt row; else None
+        # the engine's aux_layers: layer id -> [rows, hidden] residual stream of every row of the pass
+        # (prefill: every prompt row), see Decoder.forward; None without aux_layers
+        self.aux_hidden_states = aux_hidden_states
 
     def __len__(self) -> int:
         return self._count
@@ -122,10 +126,13 @@ class TorchEngine:
             :func:`mtpctl.decode.attention.attention_plan`). Either way each token of a verify pass
             gets bit for bit what plain decoding gives it (the engine's ``native`` attribute says
             which runs).
+        aux_layers: layer ids whose residual stream each pass's output also carries
+            (``aux_hidden_states``, for EAGLE-3 drafters; see :meth:`Decoder.forward`).
     """
 
-    def __init__(self, model: Decoder, capacity: int, native: Optional[bool] = None):
+    def __init__(self, model: Decoder, capacity: int, native: Optional[bool] = None, aux_layers: Sequence[int] = ()):
         self.model = model
+        self.aux_layers = tuple(aux_layers)
         self.cache = model.new_cache(capacity, spare=TAIL)  # a lone token reads its tail in place
         cfg = model.cfg
         self.native = native is not False and kernel_runs(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
@@ -156,10 +163,13 @@ class TorchEngine:
             raise ValueError(f"KV cache overflow: {len(prompt_ids)} slots needed, {self.capacity} allocated")
         depth = torch.arange(len(prompt_ids))
         masks = attention_masks(self.model.cfg.layer_windows, 0, depth, None, self.capacity)
+        aux = dict.fromkeys(self.aux_layers) if self.aux_layers else None
         with torch.inference_mode():
-            hidden = self.model(torch.tensor([list(prompt_ids)], dtype=torch.long), depth[None], self.cache, masks)[0]
+            hidden = self.model(torch.tensor([list(prompt_ids)], dtype=torch.long), depth[None], self.cache, masks,
+                                aux=aux)[0]
         self.cache.advance(len(prompt_ids))
-        return TorchStepOutput(PassLogits(self.model, hidden[-1:]), 0, 1, prompt_hidden_states=hidden)
+        return TorchStepOutput(PassLogits(self.model, hidden[-1:]), 0, 1, prompt_hidden_states=hidden,
+                               aux_hidden_states=_rows_of(aux, 0, len(prompt_ids)))
 
     def verify(self, tree: DraftTree) -> TorchStepOutput:
         """Score the tree's N nodes after the committed tokens; row i is the target's prediction for
@@ -182,12 +192,12 @@ def verify_packed(engines: Sequence[TorchEngine], trees: Sequence[DraftTree]) ->
     is bit for bit what :meth:`TorchEngine.verify` of its tree alone gives. Nothing is committed.
 
     Raises:
-        ValueError: engines of different models or attention paths, or a tree that does not fit its
-            engine's cache (or deeper than verification supports).
+        ValueError: engines of different models, attention paths or aux layers, or a tree that does
+            not fit its engine's cache (or deeper than verification supports).
     """
-    model, native = engines[0].model, engines[0].native
-    if any(e.model is not model or e.native != native for e in engines):
-        raise ValueError("engines verified together must share one model and one attention path")
+    model, native, aux_layers = engines[0].model, engines[0].native, engines[0].aux_layers
+    if any(e.model is not model or e.native != native or e.aux_layers != aux_layers for e in engines):
+        raise ValueError("engines verified together must share one model, one attention path and their aux layers")
     shapes = [(e.length,) + tree_shape(t) for e, t in zip(engines, trees)]
     slots = PassSlots([e.cache for e in engines], [len(t) for t in trees])
     plans = pass_plans(model.cfg.layer_windows, native, shapes)
@@ -196,10 +206,17 @@ def verify_packed(engines: Sequence[TorchEngine], trees: Sequence[DraftTree]) ->
             check_plan(plan, slots.kv)
     ids = torch.tensor([[token for t in trees for token in t.tokens]], dtype=torch.long)
     positions = torch.cat([length + depth for length, depth, _ in shapes])[None]
+    aux = dict.fromkeys(aux_layers) if aux_layers else None
     with torch.inference_mode():
-        hidden = model(ids, positions, slots, None, plans)[0]
+        hidden = model(ids, positions, slots, None, plans, aux=aux)[0]
     logits = PassLogits(model, hidden)
-    return [TorchStepOutput(logits, start, count) for start, count in zip(slots.starts, slots.counts)]
+    return [TorchStepOutput(logits, start, count, aux_hidden_states=_rows_of(aux, start, count))
+            for start, count in zip(slots.starts, slots.counts)]
+
+
+def _rows_of(aux: Optional[Dict[int, torch.Tensor]], start: int, count: int) -> Optional[Dict[int, torch.Tensor]]:
+    """One sequence's ``[count, hidden]`` rows of each ``[1, N, hidden]`` aux layer output of a pass."""
+    return None if aux is None else {layer: h[0, start:start + count] for layer, h in aux.items()}
 
 
 class TorchSession(Session):
@@ -243,8 +260,8 @@ class TorchSession(Session):
     def weight_bytes(self) -> int:
         return self.model.weight_bytes
 
-    def new_engine(self, capacity: int) -> TorchEngine:
-        return TorchEngine(self.model, capacity)
+    def new_engine(self, capacity: int, aux_layers: Sequence[int] = ()) -> TorchEngine:
+        return TorchEngine(self.model, capacity, aux_layers=aux_layers)
 
     def verify_together(self, engines: Sequence[TorchEngine], trees: Sequence[DraftTree]) -> List[TorchStepOutput]:
         """Every engine's draft tree in one packed pass (:func:`verify_packed`)."""

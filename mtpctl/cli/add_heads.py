@@ -59,6 +59,7 @@ Examples:
   mtpctl add-heads --recipe recipes/smollm2-135m-medusa.yaml --out heads/smollm2-medusa
   mtpctl add-heads --recipe recipes/smollm2-135m-medusa.yaml --kind hydra --out heads/smollm2-hydra
   mtpctl add-heads --recipe recipes/smollm2-135m-eagle.yaml --out heads/smollm2-eagle
+  mtpctl add-heads --recipe recipes/smollm2-135m-eagle3.yaml --out heads/smollm2-eagle3
   mtpctl add-heads -m smollm2-135m --kind medusa --num-heads 3 --self-distill \\
       --data prompts.jsonl --data notes.txt --out heads/mine --epochs 3 --seed 1
   torchrun --nproc-per-node 2 -m mtpctl add-heads --recipe R.yaml --out heads/ddp
@@ -66,10 +67,12 @@ Examples:
 """)
 @click.option("--recipe", type=click.Path(dir_okay=False), help="YAML recipe (model, data, settings); options override it.")
 @click.option("-m", "--model", default=None, help=f"Target: alias, folder, .gguf or hub id [default: {DEFAULT_MODEL}].")
-@click.option("--kind", type=click.Choice(["medusa", "hydra", "eagle"]), default=None,
+@click.option("--kind", type=click.Choice(["medusa", "hydra", "eagle", "eagle3"]), default=None,
               help="medusa: independent heads; hydra: head k reads head k-1 and the token drafted before "
                    "it (always token-conditioned); eagle: one transformer layer drafting from the target's "
-                   "features, --num-heads steps deep (hydra and eagle: torch backend only) [default: medusa].")
+                   "features, --num-heads steps deep (hydra and eagle: torch backend only); eagle3: EAGLE-3, "
+                   "the layer reading a low, a middle and a high target layer, with its own lm_head (what "
+                   "vLLM, SGLang and TensorRT-LLM run: mtpctl export --format) [default: medusa].")
 @click.option("--num-heads", type=int, default=None, help="K heads; head k predicts k+1 tokens past the next [default: 4].")
 @click.option("--head-layers", type=int, default=None, help="Residual blocks per head [default: 1].")
 @click.option("--own-lm-head/--no-own-lm-head", default=None, help="A trainable vocabulary projection per head.")
@@ -131,6 +134,6 @@ def add_heads_cmd(recipe, model, data, out, resume, overwrite, bundle, threads, 
     elif not measured:
         click.echo(f"mtpctl: wrote {out} (no held-out figures)", err=True)
     else:
-        unit = "draft step" if settings.kind == "eagle" else "head"
+        unit = "draft step" if settings.kind in ("eagle", "eagle3") else "head"
         click.echo(f"mtpctl: wrote {out}: held-out top-1 per {unit} {summary['held_out_top1']}, expected tau "
                    f"of the default tree {summary['expected_tau']} (on held-out prompts of the training set)", err=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import tempfile
 from pathlib import Path
 
 import click
@@ -13,8 +14,9 @@ from mtpctl.backends.torch import set_threads
 from mtpctl.bench.harness import load_prompts, run_interleaved
 from mtpctl.bench.methods import build_methods, parse_methods
 from mtpctl.bench.peers import llamacpp_runner, transformers_runner
-from mtpctl.bench.report import build_report, check_gates, format_profile, format_table, plot, select_prompts, write_json
 from mtpctl.bench.batched import format_batched, plot_batched, run_batch_sizes, stops_paying, summarize_batched
+from mtpctl.bench.report import build_report, check_gates, format_profile, format_table, plot, select_prompts, write_json
+from mtpctl.bench.vllm_peer import apply_figures, require_vllm, vllm_peers
 from mtpctl.cli.options import (Command, check_backend, debug_option, draft_options_from, drafter_options, model_options,
                                 policy_option, sampling_from, sampling_options, session_mode)
 from mtpctl.decode.policy import make_policy
@@ -31,6 +33,7 @@ Examples:
   mtpctl bench --dtype bfloat16 --weights int4 --methods plain,ngram --limit 2 --json bench.json --plot bench.png
   mtpctl bench --methods plain,ngram --limit 1 --fail-below-speedup 1.1 --fail-above-p99-ms 80 || echo "exit $?"
   mtpctl bench --baseline transformers --categories code,summarization --limit 2
+  mtpctl bench --baseline vllm --methods plain,ngram,heads --heads heads/smollm2-eagle3 --limit 1   (make vllm-env)
   mtpctl bench --dtype bfloat16 --weights int4 --methods plain,ngram --baseline llama.cpp --limit 1
   mtpctl bench --backend onnxruntime -m out/smollm2-onnx --methods plain,ngram --limit 2
   mtpctl bench --methods plain,heads --heads heads/smollm2-medusa --dtype bfloat16 --limit 1 --fail-below-speedup 1.1
@@ -56,9 +59,11 @@ Examples:
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="At most N prompts per category.")
 @click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True, help="Rounds over the prompts.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option("--baseline", type=click.Choice(["none", "transformers", "llama.cpp"]), default="none", show_default=True,
-              help="Add peers: HF transformers' generate (plain and prompt lookup) on the checkpoint, or llama.cpp "
-                   "(llama-cpp-python, installed separately) on the model's GGUF file.")
+@click.option("--baseline", type=click.Choice(["none", "transformers", "llama.cpp", "vllm"]), default="none",
+              show_default=True,
+              help="Add peers: HF transformers' generate (plain and prompt lookup) on the checkpoint, llama.cpp "
+                   "(llama-cpp-python, installed separately) on the model's GGUF file, or vLLM (its own virtualenv, "
+                   "make vllm-env: plain, its n-gram speculation, and the --heads exported for it).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write every figure to this JSON file.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Draw tokens/s and accept lengths (PNG).")
 @click.option("--profile", is_flag=True,
@@ -90,6 +95,8 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ma
         check_backend(options, f"--baseline {baseline}")
         if not sampling.greedy:
             raise BadInput(f"--baseline {baseline} compares greedy decoding: use --temperature 0")
+    if baseline == "vllm":
+        require_vllm()
     if baseline == "llama.cpp":
         if importlib.util.find_spec("llama_cpp") is None:
             raise BadInput("--baseline llama.cpp needs llama-cpp-python: pip install llama-cpp-python "
@@ -122,7 +129,15 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ma
         import torch
 
         runners["llama.cpp"] = llamacpp_runner(gguf, session.codec.eos_ids, max_new_tokens, torch.get_num_threads())
+    peer_runs, figures = {}, {}
+    if baseline == "vllm":
+        with tempfile.TemporaryDirectory(prefix="mtpctl-vllm-heads-") as tmp:
+            configs = vllm_configs(session, opts, Path(tmp) / "heads")
+            peer_runs, figures = vllm_peers(session.folder, configs, encoded, repeats, max_new_tokens, options["dtype"],
+                                            torch_threads(), session.codec.eos_ids,
+                                            progress=lambda line: click.echo(f"mtpctl: {line}", err=True))
     runs = run_interleaved(runners, encoded, repeats, progress=lambda line: click.echo(line, err=True))
+    runs.update(peer_runs)
     torch_backend = options["backend"] == "torch"
     settings = {
         "model": str(session.folder), "backend": options["backend"], "dtype": options["dtype"],
@@ -136,6 +151,7 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ma
         "attention": session.attention if torch_backend else None,
         "int4_kernel": session.int4_kernel if torch_backend else None}
     report = build_report(runs, prompts, weights, settings)
+    apply_figures(report, figures)
     click.echo(format_table(report))
     if profile:
         click.echo("\n" + format_profile(report))
@@ -176,3 +192,35 @@ def _bench_batched(session, built, encoded, sizes, max_new_tokens, sampling, pol
     if plot_path:
         plot_batched(Path(plot_path), rows)
     check_gates(rows, fail_below_speedup, fail_above_p99_ms)
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def vllm_configs(session, opts, heads_out: Path) -> dict:
+    """vLLM peer name -> (speculative_config, weights_track): plain, n-gram with the run's
+    --draft-len / --ngram-max / --ngram-min, and with --heads those heads exported to ``heads_out``
+    in the layout vLLM reads (skipped, with a note, for heads vLLM cannot run)."""
+    from mtpctl.drafters.heads.config import HeadsConfig
+    from mtpctl.errors import MtpctlError
+    from mtpctl.export.serving import check_exportable, export_serving_heads
+
+    configs = {"vllm": (None, True),
+               "vllm-ngram": ({"method": "ngram", "num_speculative_tokens": opts.draft_len or 3,
+                               "prompt_lookup_max": opts.ngram_max, "prompt_lookup_min": opts.ngram_min}, True)}
+    if opts.heads_dir:
+        cfg = HeadsConfig.load(Path(opts.heads_dir))
+        try:
+            check_exportable("vllm", cfg)
+        except MtpctlError as err:
+            click.echo(f"mtpctl: note: no vllm-heads peer: {err}", err=True)
+            return configs
+        export_serving_heads("vllm", session.folder, Path(opts.heads_dir), heads_out)
+        method = "eagle3" if cfg.kind == "eagle3" else "medusa"
+        # vLLM's Medusa loader loads token_map without reporting it: its weight check must be off
+        configs["vllm-heads"] = ({"method": method, "model": str(heads_out), "num_speculative_tokens": cfg.num_heads},
+                                 method != "medusa")
+    return configs

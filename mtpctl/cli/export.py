@@ -37,15 +37,20 @@ Examples:
   mtpctl export smollm2-135m --heads heads/smollm2-medusa --onnx out/smollm2-medusa-onnx
   mtpctl generate --backend onnxruntime -m out/smollm2-onnx "Hello"
   mtpctl export smollm2-135m --onnx out/smollm2-trt --trt --trt-precision fp16   (NVIDIA GPU only)
-  mtpctl export smollm2-135m --heads heads/smollm2-medusa --format vllm --out out/smollm2-medusa-vllm
-  mtpctl export heads/smollm2-medusa --format trtllm --out out/smollm2-medusa-trtllm
+  mtpctl export heads/smollm2-eagle3 --format speculators --out out/smollm2-eagle3-speculators
+  mtpctl export heads/smollm2-eagle3 --format eagle --out out/smollm2-eagle3-eagle
+  mtpctl export smollm2-135m --heads heads/smollm2-medusa-plain --format vllm --out out/smollm2-medusa-vllm
+  mtpctl export heads/smollm2-medusa-plain --format trtllm --out out/smollm2-medusa-trtllm
 """)
 @click.argument("model")
 @click.option("--heads", "heads_dir", type=click.Path(file_okay=False, exists=True),
               help="MTP head folder (mtpctl add-heads output) to fuse into the graph.")
 @click.option("--onnx", "onnx_out", type=click.Path(), help="Write the fused draft/verify ONNX graph to this folder.")
-@click.option("--format", "fmt", type=click.Choice(["vllm", "trtllm"]), default=None,
-              help="Write the --heads in a serving engine's Medusa checkpoint layout (vLLM or TensorRT-LLM) to --out.")
+@click.option("--format", "fmt", type=click.Choice(["speculators", "eagle", "vllm", "trtllm"]), default=None,
+              help="Write the --heads in a serving engine's checkpoint layout to --out: speculators (eagle3 heads, "
+                   "vLLM), eagle (eagle3 heads: EAGLE/SpecForge layout, SGLang, vLLM, TensorRT-LLM), vllm (Medusa "
+                   "heads in vLLM's layout; eagle3 heads as speculators), trtllm (Medusa heads in the original "
+                   "Medusa layout; eagle3 heads as eagle).")
 @click.option("-o", "--out", "out", type=click.Path(), help="Output folder of --format.")
 @click.option("--trt", is_flag=True,
               help="Also build a TensorRT engine (model.plan) into the --onnx folder (needs tensorrt and a CUDA GPU).")
@@ -70,13 +75,17 @@ def export_cmd(model, heads_dir, onnx_out, fmt, out, trt, trt_precision, trt_max
     --trt also builds a TensorRT engine from the graph (one optimization profile from the
     --trt-max-* limits, saved with it and checked before decoding). TensorRT needs an NVIDIA GPU:
     without tensorrt or CUDA it fails at once with exit code 2.
+
+    --format writes the heads alone (config.json and safetensors) in the layout a serving engine
+    loads: EAGLE-3 heads to every format, plain Medusa heads to vllm and trtllm. A head kind a format
+    cannot express is refused with one line naming the kinds it takes and how to train them.
     """
     from mtpctl.export.onnx import export_onnx
 
     if fmt:
         return export_serving(model, heads_dir, fmt, out, onnx_out, trt, overwrite, as_json)
     if not onnx_out:
-        raise BadInput("nothing to export: give --onnx OUT (or --format vllm|trtllm --out OUT)")
+        raise BadInput("nothing to export: give --onnx OUT (or --format speculators|eagle|vllm|trtllm --out OUT)")
     finish = None
     if trt:
         from mtpctl.backends.tensorrt import TrtLimits, require_tensorrt
@@ -101,7 +110,7 @@ def export_cmd(model, heads_dir, onnx_out, fmt, out, trt, trt_precision, trt_max
 
 
 def export_serving(model, heads_dir, fmt, out, onnx_out, trt, overwrite, as_json) -> None:
-    """--format vllm|trtllm: the heads in a serving engine's layout (config.json + safetensors)."""
+    """--format: the heads in a serving engine's layout (config.json + safetensors)."""
     from mtpctl.export.serving import export_serving_heads
 
     if onnx_out or trt:
@@ -115,5 +124,6 @@ def export_serving(model, heads_dir, fmt, out, onnx_out, trt, overwrite, as_json
     if as_json:
         click.echo(json.dumps(config))
     else:
-        click.echo(f"{out}: {config.get('num_heads') or config.get('medusa_num_heads')} Medusa heads in the "
-                   f"{'vLLM' if fmt == 'vllm' else 'TensorRT-LLM'} layout")
+        meta = config["mtpctl"]
+        click.echo(f"{out}: {meta['kind']} heads ({meta['num_heads']} deep) in the {fmt} format "
+                   f"({len(list(Path(out).iterdir()))} files)")

@@ -34,6 +34,12 @@ class TargetStep:
 Call = Tuple[Sequence[int], int, Optional[TargetStep]]
 
 
+def aux_layers_of(*drafters: Optional["Drafter"]) -> Tuple[int, ...]:
+    """The target layers whose residual streams every pass must return to these drafters (a drafter's
+    optional ``aux_layers``: EAGLE-3 reads them), sorted, each once."""
+    return tuple(sorted({layer for d in drafters if d is not None for layer in getattr(d, "aux_layers", ())}))
+
+
 def propose_all(drafter: "Drafter", calls: Sequence[Call]) -> List[DraftTree]:
     """``drafter.propose`` for several requests that share it (forks of a drafter without per-request
     state are the drafter itself): in one ``propose_together`` call where the drafter has one (MTP

@@ -338,15 +338,16 @@ def _admit(index: int, request: Request, new_engine: Callable[[Request], Engine]
 
 
 def _propose(rows: List[_Row], sizes: Sequence[int], outcomes: list) -> dict:
-    """Each row's tree for this step (request index -> tree): the pending token alone where its size is
-    0, else its drafter's proposal, rows that share a drafter proposing together
-    (:func:`propose_all`). A row whose drafter failed ends with its error."""
+    """Each row's tree for this step (request index -> tree): its drafter's proposal of up to its size,
+    rows that share a drafter proposing together (:func:`propose_all`); the pending token alone for a
+    row without a drafter. A drafter sees every step, a size of 0 included (an EAGLE layer keeps its
+    cache in step with the target's). A row whose drafter failed ends with its error."""
     trees, groups = {}, {}
     for row, size in zip(rows, sizes):
-        if size <= 0:
+        if row.drafter is None:
             trees[row.index] = DraftTree(row.context[-1])
         else:
-            groups.setdefault(id(row.drafter), []).append((row, size))
+            groups.setdefault(id(row.drafter), []).append((row, max(size, 0)))
     for group in groups.values():
         try:
             proposed = propose_all(group[0][0].drafter, [row.call(size) for row, size in group])

@@ -7,7 +7,7 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
-from mtpctl.decode.drafter import Drafter
+from mtpctl.decode.drafter import Drafter, aux_layers_of
 from mtpctl.decode.engine import Engine, StepOutput
 from mtpctl.decode.loop import GenerationResult, Outcome, Request, generate, run
 from mtpctl.decode.policy import Policy
@@ -50,8 +50,13 @@ class Session:
         """Memory of the target's weights, bytes."""
         raise NotImplementedError
 
-    def new_engine(self, capacity: int) -> Engine:
-        """An engine with room for ``capacity`` tokens."""
+    def new_engine(self, capacity: int, aux_layers: Sequence[int] = ()) -> Engine:
+        """An engine with room for ``capacity`` tokens whose passes also return the residual streams of
+        ``aux_layers`` (what the drafter reads: :func:`mtpctl.decode.drafter.aux_layers_of`).
+
+        Raises:
+            UnsupportedModel: aux layers a backend cannot return.
+        """
         raise NotImplementedError
 
     def check_request(self, capacity: int, budget: int) -> None:
@@ -86,7 +91,7 @@ class Session:
         budget = drafter.budget if drafter is not None else 0
         capacity = generation_capacity(len(prompt_ids), max_new_tokens, budget, self.context_length, acceptance)
         self.check_request(capacity, budget)
-        engine = self.new_engine(capacity)
+        engine = self.new_engine(capacity, aux_layers_of(drafter))
         stop = StopChecker(self.codec.eos_ids, stop_strings, max_new_tokens, self.codec.decode)
         return generate(engine, prompt_ids, stop, sampling, drafter, on_text, acceptance, policy)
 
@@ -127,7 +132,8 @@ class Session:
                                             r.on_text)))
         sizes = [capacity[index] for index, _ in admitted]
         engines = iter(sizes)
-        done = run([request for _, request in admitted], lambda _: self.new_engine(next(engines)),
+        aux = aux_layers_of(drafter)
+        done = run([request for _, request in admitted], lambda _: self.new_engine(next(engines), aux),
                    self.verify_together, max_batch, policy, acceptance,
                    (lambda i, outcome: on_done(admitted[i][0], outcome)) if on_done else None)
         for (index, _), outcome in zip(admitted, done):

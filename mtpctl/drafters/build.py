@@ -24,6 +24,7 @@ from mtpctl.decode.sampling import SamplingParams
 from mtpctl.decode.session import Session
 from mtpctl.drafters.heads.config import CONFIG_FILE, WEIGHTS_FILE, HeadsConfig, check_heads_match
 from mtpctl.drafters.heads.eagle import EagleDrafter
+from mtpctl.drafters.heads.eagle3 import Eagle3Drafter, check_aux_layers
 from mtpctl.drafters.heads.folder import load_heads
 from mtpctl.drafters.heads.medusa import HydraDrafter, MedusaDrafter
 from mtpctl.drafters.heads.tree import DEFAULT_TREE_NODES, StaticTree, tree_from_accuracy
@@ -175,6 +176,11 @@ def heads_for(session: Session, folder: Union[str, Path]) -> LoadedHeads:
     model = session.model
     cfg = HeadsConfig.load(folder)
     check_heads_match(cfg, model.cfg.hidden_size, model.cfg.vocab_size, session.target_hash())
+    if cfg.kind == "eagle3":
+        try:
+            check_aux_layers(cfg.layer.aux_layers, model.cfg.num_hidden_layers)
+        except ValueError as err:
+            raise BadInput(f"{folder}: {err}", option="heads_dir") from err
     return LoadedHeads(cfg, load_heads(folder, model.dtype, model.dense_lm_head(), blocked=True))
 
 
@@ -227,9 +233,11 @@ def heads_drafter(session: Session, heads: LoadedHeads, tree: Optional[StaticTre
         raise BadInput(f"the draft tree is {tree.depth} deep; verification supports trees up to {MAX_DRAFT_DEPTH}",
                        option="tree_file")
     model = session.model
+    dtype = model.dtype
     if cfg.kind == "eagle":
-        dtype = model.dtype
         return EagleDrafter(heads.module, tree, lambda ids: model.embed[ids].to(dtype), model.logits)
+    if cfg.kind == "eagle3":  # its aux_layers: the target's layers each pass must return to it
+        return Eagle3Drafter(heads.module, tree, lambda ids: model.embed[ids].to(dtype))
     if cfg.kind == "hydra":
         return HydraDrafter(tree, heads.module, model)
     return MedusaDrafter(tree, heads.module, model)

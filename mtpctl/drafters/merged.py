@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import List, Optional, Sequence
 
 from mtpctl.decode.attention import MAX_DRAFT_DEPTH
-from mtpctl.decode.drafter import Call, TargetStep, propose_all
+from mtpctl.decode.drafter import Call, TargetStep, aux_layers_of, propose_all
 from mtpctl.decode.tree import DraftTree
 
 
@@ -34,6 +34,7 @@ class MergedDrafter:
         self.drafters = list(drafters)
         self.max_depth = max_depth
         self.budget = sum(d.budget for d in self.drafters)
+        self.aux_layers = aux_layers_of(*self.drafters)
 
     def fork(self) -> "MergedDrafter":
         """The same merge of each member's fork; itself when no member keeps per-request state (see
@@ -44,12 +45,15 @@ class MergedDrafter:
     def propose_together(self, calls: Sequence[Call]) -> List[DraftTree]:
         """:meth:`propose` for several requests at once, each member proposing for all of them together
         where it can (:func:`mtpctl.decode.drafter.propose_all`)."""
-        proposals = [propose_all(d, [(context, d.budget, last) for context, _, last in calls]) for d in self.drafters]
+        proposals = [propose_all(d, [(context, d.budget if max_tokens > 0 else 0, last)
+                                     for context, max_tokens, last in calls]) for d in self.drafters]
         return [self._merge(context, max_tokens, [p[i] for p in proposals])
                 for i, (context, max_tokens, _) in enumerate(calls)]
 
     def propose(self, context: Sequence[int], max_tokens: int, last: Optional[TargetStep] = None) -> DraftTree:
-        return self._merge(context, max_tokens, [d.propose(context, d.budget, last) for d in self.drafters])
+        # with max_tokens 0 the members only see the step (an EAGLE layer keeps its cache in step)
+        return self._merge(context, max_tokens, [d.propose(context, d.budget if max_tokens > 0 else 0, last)
+                                                 for d in self.drafters])
 
     def _merge(self, context: Sequence[int], max_tokens: int, trees: Sequence[DraftTree]) -> DraftTree:
         """The members' trees (in merge order) as one trie of at most ``max_tokens`` nodes."""

@@ -18,13 +18,15 @@ def exportable_heads(heads_dir: Path, model: Decoder, target_hash: str) -> Medus
 
     Raises:
         BadInput: not a head folder, or heads of another model.
-        UnsupportedModel: hydra or eagle heads, which no export runs.
+        UnsupportedModel: hydra, eagle or eagle3 heads, which no fused graph runs.
         CorruptModel: see :func:`mtpctl.drafters.heads.folder.load_heads`.
     """
     cfg = HeadsConfig.load(heads_dir)
     check_heads_match(cfg, model.cfg.hidden_size, model.cfg.vocab_size, target_hash)
     if cfg.kind != "medusa":
+        serving = " (eagle3 heads go to serving engines: mtpctl export HEADS --format speculators|eagle|vllm|trtllm)" \
+            if cfg.kind == "eagle3" else ""
         raise UnsupportedModel(f"{heads_dir}: {cfg.kind} heads draft level by level from the tokens they draft, "
-                               "which neither one fused graph pass nor vLLM's or TensorRT-LLM's Medusa layout "
-                               "can run: decode with them on the torch backend", option="heads_dir")
+                               f"which one fused graph pass cannot run: decode with them on the torch backend{serving}",
+                               option="heads_dir")
     return load_heads(heads_dir, torch.float32, model.dense_lm_head())

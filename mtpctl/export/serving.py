@@ -1,208 +1,111 @@
-"""``mtpctl export --format vllm|trtllm``: trained Medusa heads in the checkpoint layouts that serving
-engines load, and the way back into :class:`mtpctl.drafters.heads.medusa.MedusaHeads`.
+"""``mtpctl export HEADS --format speculators|eagle|vllm|trtllm``: trained heads in the checkpoint
+layouts that serving engines load (:mod:`~mtpctl.export.medusa_layouts`,
+:mod:`~mtpctl.export.eagle_layouts`), written atomically. The way back is
+:func:`mtpctl.export.imports.read_layout`.
 
-Layouts (facts read from the engines' loaders; the tensors are mtpctl's own, renamed):
+Which layout each format writes for each head kind (:data:`WRITES`); every other pair is refused
+with one line naming the kinds the format takes and the recipe that trains them:
 
-vLLM (``vllm/model_executor/models/medusa.py``, ``vllm/transformers_utils/configs/medusa.py``): a
-folder with ``config.json`` (``model_type: "medusa"``, ``architectures: ["MedusaModel"]``,
-``hidden_size``, ``vocab_size``, ``num_heads``, ``num_hidden_layers`` = residual blocks per head,
-``truncated_vocab_size``, ``medusa_fc_bias``, ``original_lm_head``, ``max_paths``, ``topk``) and
-``model.safetensors`` with ``blocks.{k}.layers.{j}.weight`` ``[hidden, hidden]`` and ``.bias``
-``[hidden]``, ``lm_heads.{k}.weight`` ``[vocab | truncated_vocab, hidden]`` (with ``original_lm_head``
-one shared ``lm_heads.0.weight``), and ``token_map`` ``[truncated_vocab]`` for a draft vocabulary.
-Served with ``--speculative-config '{"method": "medusa", "model": OUT, ...}'``.
+========================  =============  ===============  ============================
+format                    medusa         eagle3           read by
+========================  =============  ===============  ============================
+``speculators``           --             speculators      vLLM (and the speculators package)
+``eagle``                 --             EAGLE            SGLang, vLLM, TensorRT-LLM (PyTorch backend), EAGLE
+``vllm``                  vLLM Medusa    speculators      vLLM
+``trtllm``                Medusa         EAGLE            TensorRT-LLM (Medusa converter; PyTorch backend)
+========================  =============  ===============  ============================
 
-TensorRT-LLM (``tensorrt_llm/models/medusa``: ``load_medusa_hf`` and ``MedusaConfig``; the layout of
-the original Medusa repository): a folder with ``config.json`` (``medusa_num_heads`` and
-``num_medusa_heads``, ``medusa_num_layers``, ``hidden_size``, ``vocab_size``,
-``base_model_name_or_path``) and ``medusa_lm_head.safetensors`` with ``{k}.{j}.linear.weight``
-``[hidden, hidden]``, ``{k}.{j}.linear.bias`` ``[hidden]`` and ``{k}.{L}.weight`` ``[vocab, hidden]``
-(L = blocks per head: the head's vocabulary projection). Converted with TensorRT-LLM's
-``examples/medusa/convert_checkpoint.py --model_dir TARGET --medusa_model_dir OUT``. The layout has
-no draft vocabulary: truncated heads are refused.
-
-Both folders also carry ``mtpctl`` in ``config.json`` (target hash, tree, held-out accuracy) so
-that :func:`load_serving_heads` restores the exact :class:`HeadsConfig`.
+Medusa heads go only without token conditioning (no layout has the token projection), and to
+``trtllm`` only without a draft vocabulary. Hydra and mtpctl's ``eagle`` layer (features after the
+final norm, ``fc`` over [feature; embedding], normed input and output) are what no engine runs.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Dict, Optional
 
 import torch
 
-from mtpctl.drafters.heads.config import HeadsConfig
-from mtpctl.drafters.heads.medusa import MedusaHeads
-from mtpctl.errors import BadInput, CorruptModel, UnsupportedModel
-from mtpctl.export.heads import exportable_heads
+from mtpctl.drafters.heads.config import HeadsConfig, check_heads_match
+from mtpctl.drafters.heads.folder import load_heads
+from mtpctl.errors import BadInput, UnsupportedModel
+from mtpctl.export import eagle_layouts, medusa_layouts
 from mtpctl.files import output_folder
 from mtpctl.model.decoder import Decoder
 from mtpctl.model.weights import weights_hash
 
-FORMATS = ("vllm", "trtllm")
-VLLM_WEIGHTS = "model.safetensors"
-TRTLLM_WEIGHTS = "medusa_lm_head.safetensors"
+FORMATS = ("speculators", "eagle", "vllm", "trtllm")
+#: format -> head kind -> the layout written
+WRITES = {"speculators": {"eagle3": "speculators"}, "eagle": {"eagle3": "eagle"},
+          "vllm": {"medusa": "vllm", "eagle3": "speculators"}, "trtllm": {"medusa": "medusa", "eagle3": "eagle"}}
+#: head kind -> how to train heads of that kind for the default model
+RECIPES = {"eagle3": "mtpctl add-heads --recipe recipes/smollm2-135m-eagle3.yaml",
+           "medusa": "mtpctl add-heads --recipe recipes/smollm2-135m-medusa.yaml --no-condition-on-token"}
+FULL_VOCABULARY = RECIPES["medusa"] + " --draft-vocab 0"  # Medusa heads TensorRT-LLM's layout takes
 
 
-def _mtpctl_meta(cfg: HeadsConfig) -> dict:
-    return {k: v for k, v in asdict(cfg).items() if k != "training"}
-
-
-def vllm_tensors(heads: MedusaHeads, target_lm_head: torch.Tensor) -> Dict[str, torch.Tensor]:
-    """vLLM tensor name -> tensor (float32, contiguous) for ``heads``; ``target_lm_head`` ``[vocab,
-    hidden]`` is written as the shared ``lm_heads.0.weight`` of heads without their own."""
-    cfg = heads.cfg
-    out: Dict[str, torch.Tensor] = {}
-    for k, blocks in enumerate(heads.blocks):
-        for j, block in enumerate(blocks):
-            out[f"blocks.{k}.layers.{j}.weight"] = block.linear.weight
-            out[f"blocks.{k}.layers.{j}.bias"] = block.linear.bias
-    if heads.lm_heads is not None:
-        for k, w in enumerate(heads.lm_heads):
-            out[f"lm_heads.{k}.weight"] = w  # [V_d or vocab, hidden]
-    else:  # vLLM slices a full lm_head by token_map itself
-        out["lm_heads.0.weight"] = target_lm_head
-    if cfg.draft_vocab_size:
-        out["token_map"] = heads.token_map
-    return {k: (v.detach().float() if v.is_floating_point() else v.detach()).contiguous() for k, v in out.items()}
-
-
-def vllm_config(cfg: HeadsConfig) -> dict:
-    """vLLM's Medusa ``config.json`` for heads of ``cfg``."""
-    tree = cfg.tree or [[0]]
-    return {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": cfg.hidden_size,
-            "vocab_size": cfg.vocab_size, "num_heads": cfg.num_heads, "num_hidden_layers": cfg.head_layers,
-            "truncated_vocab_size": cfg.draft_vocab_size or cfg.vocab_size, "medusa_fc_bias": True,
-            "original_lm_head": not cfg.own_lm_head, "max_paths": len(tree),
-            "topk": 1 + max(r for path in tree for r in path), "torch_dtype": "float32", "mtpctl": _mtpctl_meta(cfg)}
-
-
-def trtllm_tensors(heads: MedusaHeads, target_lm_head: torch.Tensor) -> Dict[str, torch.Tensor]:
-    """TensorRT-LLM (original Medusa) tensor name -> tensor for ``heads``; each head's vocabulary
-    projection is its own lm_head, or a copy of ``target_lm_head`` for heads that share it.
+def check_exportable(fmt: str, cfg: HeadsConfig) -> str:
+    """The layout ``fmt`` writes for heads of ``cfg``.
 
     Raises:
-        BadInput: heads with a truncated draft vocabulary (the layout has no token_map).
+        BadInput: an unknown format. UnsupportedModel: a head kind (or Medusa variant) the format
+            cannot express, naming the kinds it takes and how to train them.
     """
-    cfg = heads.cfg
-    if cfg.draft_vocab_size:
-        raise BadInput("TensorRT-LLM's Medusa layout has no draft vocabulary (token_map): export heads "
-                       "trained on the full vocabulary, or in vLLM's layout", option="fmt")
-    out: Dict[str, torch.Tensor] = {}
-    for k, blocks in enumerate(heads.blocks):
-        for j, block in enumerate(blocks):
-            out[f"{k}.{j}.linear.weight"] = block.linear.weight
-            out[f"{k}.{j}.linear.bias"] = block.linear.bias
-        out[f"{k}.{cfg.head_layers}.weight"] = heads.lm_heads[k] if heads.lm_heads is not None else target_lm_head
-    return {k: v.detach().float().contiguous() for k, v in out.items()}
+    if fmt not in WRITES:
+        raise BadInput(f"unknown format {fmt!r} (choose from {', '.join(FORMATS)})", option="fmt")
+    kinds = WRITES[fmt]
+    if cfg.kind not in kinds:
+        train = "; ".join(f"{kind}: {RECIPES[kind]}" for kind in kinds)
+        raise UnsupportedModel(f"the {fmt} format takes {' or '.join(kinds)} heads, not {cfg.kind} heads "
+                               f"(to train them: {train})", option="fmt")
+    if cfg.kind == "medusa" and cfg.token_conditioned:
+        raise UnsupportedModel(f"token-conditioned Medusa heads have no place in the {fmt} format's Medusa layout: "
+                               f"train plain ones ({RECIPES['medusa']}), or eagle3 heads ({RECIPES['eagle3']})",
+                               option="fmt")
+    if fmt == "trtllm" and cfg.kind == "medusa" and cfg.draft_vocab_size:
+        raise BadInput("TensorRT-LLM's Medusa layout has no draft vocabulary (token_map): train the heads on the "
+                       f"full vocabulary ({FULL_VOCABULARY}), or export to vllm", option="fmt")
+    return kinds[cfg.kind]
 
 
-def trtllm_config(cfg: HeadsConfig) -> dict:
-    """The Medusa heads' ``config.json`` that TensorRT-LLM's checkpoint converter reads."""
-    return {"medusa_num_heads": cfg.num_heads, "num_medusa_heads": cfg.num_heads,
-            "medusa_num_layers": cfg.head_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
-            "base_model_name_or_path": cfg.target, "max_draft_len": max(len(cfg.tree or [[0]]), 1),
-            "medusa_choices": cfg.tree, "mtpctl": _mtpctl_meta(cfg)}
-
-
-def write_serving_heads(fmt: str, heads: MedusaHeads, target_lm_head: torch.Tensor, folder: Path) -> None:
-    """Write ``heads`` in layout ``fmt`` (vllm | trtllm) into the existing empty ``folder``."""
+def write_layout(layout: str, heads: torch.nn.Module, target: Decoder, verifier: str, folder: Path) -> dict:
+    """Write ``heads`` in ``layout`` into the existing empty ``folder``; returns its ``config.json``."""
     from safetensors.torch import save_file
 
-    if heads.cfg.token_conditioned:
-        raise UnsupportedModel("token-conditioned heads have no place in vLLM's or TensorRT-LLM's Medusa layout: "
-                               "train plain Medusa heads (no token conditioning) to serve them there", option="fmt")
-    if fmt == "vllm":
-        tensors, config, name = vllm_tensors(heads, target_lm_head), vllm_config(heads.cfg), VLLM_WEIGHTS
-    elif fmt == "trtllm":
-        tensors, config, name = trtllm_tensors(heads, target_lm_head), trtllm_config(heads.cfg), TRTLLM_WEIGHTS
+    if layout == "vllm":
+        tensors, config, name = medusa_layouts.vllm_tensors(heads, target.dense_lm_head()), \
+            medusa_layouts.vllm_config(heads.cfg), medusa_layouts.VLLM_WEIGHTS
+    elif layout == "medusa":
+        tensors, config, name = medusa_layouts.medusa_tensors(heads, target.dense_lm_head()), \
+            medusa_layouts.medusa_config(heads.cfg), medusa_layouts.MEDUSA_WEIGHTS
+    elif layout == "speculators":
+        tensors, config, name = eagle_layouts.eagle3_tensors(heads, layout), \
+            eagle_layouts.speculators_config(heads.cfg, target.cfg, verifier), eagle_layouts.WEIGHTS
     else:
-        raise BadInput(f"unknown format {fmt!r} (choose from {', '.join(FORMATS)})", option="fmt")
+        tensors, config, name = eagle_layouts.eagle3_tensors(heads, layout), \
+            eagle_layouts.eagle_config(heads.cfg, target.cfg), eagle_layouts.WEIGHTS
     # a shared tensor is written once per name (safetensors refuses aliases)
     save_file({k: v.clone() for k, v in tensors.items()}, str(Path(folder) / name), metadata={"format": "pt"})
     (Path(folder) / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return config
 
 
 def export_serving_heads(fmt: str, model_folder: Path, heads_dir: Path, out: Path, overwrite: bool = False) -> dict:
     """Export the heads in ``heads_dir`` (made for the checkpoint in ``model_folder``) to ``out`` in
-    layout ``fmt``; written to a temporary folder and renamed. Returns ``config.json``.
+    the layout ``fmt`` writes for their kind; written to a temporary folder and renamed. Returns
+    ``config.json``.
 
     Raises:
-        BadInput: ``out`` exists without ``overwrite``; heads of another model; truncated heads for trtllm.
-        CorruptModel, UnsupportedModel: unreadable checkpoint or heads.
+        BadInput: ``out`` exists without ``overwrite``; heads of another model.
+        UnsupportedModel: a head kind the format cannot express (see :func:`check_exportable`).
+        CorruptModel: unreadable checkpoint or heads.
     """
+    cfg = HeadsConfig.load(Path(heads_dir))
+    layout = check_exportable(fmt, cfg)
     with output_folder(Path(out), overwrite) as tmp:
         model = Decoder.from_folder(Path(model_folder), torch.float32)
-        heads = exportable_heads(Path(heads_dir), model, weights_hash(Path(model_folder)))
-        write_serving_heads(fmt, heads, model.dense_lm_head(), tmp)
-        config = json.loads((tmp / "config.json").read_text(encoding="utf-8"))
+        check_heads_match(cfg, model.cfg.hidden_size, model.cfg.vocab_size, weights_hash(Path(model_folder)))
+        heads = load_heads(Path(heads_dir), torch.float32, model.dense_lm_head())
+        config = write_layout(layout, heads, model, str(Path(model_folder).resolve()), tmp)
     return config
-
-
-def load_serving_heads(folder: Path, target_lm_head: Optional[torch.Tensor] = None) -> MedusaHeads:
-    """Read heads written in the vLLM or TensorRT-LLM layout back into :class:`MedusaHeads`.
-
-    Heads whose every vocabulary projection equals ``target_lm_head`` come back sharing it (as
-    they were trained); others with their own.
-
-    Raises:
-        BadInput: not a vLLM/TensorRT-LLM Medusa folder. CorruptModel: missing or mis-shaped tensors.
-    """
-    from safetensors.torch import load_file
-
-    folder = Path(folder)
-    try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise BadInput(f"{folder} has no readable config.json: {err}") from err
-    meta = config.get("mtpctl")
-    if config.get("model_type") == "medusa" and (folder / VLLM_WEIGHTS).is_file():
-        t = load_file(str(folder / VLLM_WEIGHTS))
-        num_heads, layers = config["num_heads"], config["num_hidden_layers"]
-        blocks = [[(t[f"blocks.{k}.layers.{j}.weight"], t[f"blocks.{k}.layers.{j}.bias"]) for j in range(layers)]
-                  for k in range(num_heads)]
-        projections = [t["lm_heads.0.weight"]] * num_heads if config.get("original_lm_head") else \
-            [t[f"lm_heads.{k}.weight"] for k in range(num_heads)]
-        token_map = t.get("token_map")
-    elif "medusa_num_heads" in config and (folder / TRTLLM_WEIGHTS).is_file():
-        t = load_file(str(folder / TRTLLM_WEIGHTS))
-        num_heads, layers = config["medusa_num_heads"], config["medusa_num_layers"]
-        blocks = [[(t[f"{k}.{j}.linear.weight"], t[f"{k}.{j}.linear.bias"]) for j in range(layers)]
-                  for k in range(num_heads)]
-        projections = [t[f"{k}.{layers}.weight"] for k in range(num_heads)]
-        token_map = None
-    else:
-        raise BadInput(f"{folder} is not a vLLM or TensorRT-LLM Medusa heads folder")
-    hidden, vocab = config["hidden_size"], config["vocab_size"]
-    if "original_lm_head" in config:  # vLLM says whether the heads share one projection
-        own = not config["original_lm_head"]
-    else:  # TensorRT-LLM: every head has one; shared when they all equal the target's
-        own = not (target_lm_head is not None and all(
-            p.shape == target_lm_head.shape and torch.equal(p, target_lm_head.float()) for p in projections))
-    base = HeadsConfig(**meta) if meta else HeadsConfig(kind="medusa", num_heads=num_heads, head_layers=layers,
-                                                        own_lm_head=own, hidden_size=hidden, vocab_size=vocab)
-    cfg = replace(base, num_heads=num_heads, head_layers=layers, hidden_size=hidden, vocab_size=vocab,
-                  own_lm_head=own, draft_vocab_size=0 if token_map is None else int(token_map.shape[0]))
-    if own:
-        init = torch.zeros(vocab, hidden)  # shape only: each head's projection is copied below
-    elif token_map is not None:
-        init = projections[0].float()  # the full target lm_head, whose token_map rows the heads use
-    else:
-        init = None
-    heads = MedusaHeads(cfg, torch.float32, init, token_map)
-    try:
-        with torch.no_grad():
-            for k, per_head in enumerate(blocks):
-                for j, (w, b) in enumerate(per_head):
-                    heads.blocks[k][j].linear.weight.copy_(w)
-                    heads.blocks[k][j].linear.bias.copy_(b)
-            if own:
-                for k, p in enumerate(projections):
-                    heads.lm_heads[k].copy_(p[token_map] if token_map is not None and p.shape[0] == vocab else p)
-    except RuntimeError as err:
-        raise CorruptModel(f"{folder}: a tensor has the wrong shape ({err})") from err
-    heads.requires_grad_(False)
-    return heads

@@ -488,7 +488,8 @@ class Decoder(nn.Module):
                        spare=spare)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: Union[KVCache, PassSlots],
-                masks: Optional[Dict[Optional[int], torch.Tensor]], plans: Optional[dict] = None) -> torch.Tensor:
+                masks: Optional[Dict[Optional[int], torch.Tensor]], plans: Optional[dict] = None,
+                aux: Optional[Dict[int, Optional[torch.Tensor]]] = None) -> torch.Tensor:
         """Run N new tokens per row against the KV cache(s); their KV go to the slots after each
         sequence's committed ones, uncommitted (the caller commits accepted slots).
 
@@ -506,6 +507,10 @@ class Decoder(nn.Module):
                 :class:`SlotPlan` of every row (the native attention kernel and native RMSNorm,
                 :mod:`mtpctl.model.native`) or a tuple of one :class:`AttentionPlan` per sequence
                 (torch's ops), so that each token is computed exactly as it would be alone.
+            aux: layer id -> filled here with the residual stream ``[batch, N, hidden]`` after that
+                many decoder layers (0: the embeddings), for drafters that read intermediate layers
+                (EAGLE-3); the ids are the keys given, the ids vLLM's ``eagle_aux_hidden_state_layer_ids``
+                name.
 
         Returns:
             hidden_states after the final norm, ``[batch, N, hidden]``.
@@ -513,15 +518,19 @@ class Decoder(nn.Module):
         x = F.embedding(input_ids, self.embed)
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        if aux is not None and 0 in aux:
+            aux[0] = x
         rot = (self.rope_cos[position_ids].unsqueeze(2), self.rope_sin[position_ids].unsqueeze(2))
         local = rot if self.rope_local_cos is None else (
             self.rope_local_cos[position_ids].unsqueeze(2), self.rope_local_sin[position_ids].unsqueeze(2))
-        for layer, window, is_local in zip(self.layers, self.cfg.layer_windows, self.local_rope):
+        for index, (layer, window, is_local) in enumerate(zip(self.layers, self.cfg.layer_windows, self.local_rope), 1):
             cos, sin = local if is_local else rot
             if plans is not None:
                 x = layer(x, cos, sin, cache, None, plans[window])
             else:
                 x = layer(x, cos, sin, cache, masks[window])
+            if aux is not None and index in aux:
+                aux[index] = x
         native = plans is not None and any(isinstance(p, SlotPlan) for p in plans.values()) \
             and norm_takes(self.cfg.hidden_size)
         return (rms_norm if native else self.final_norm)(x, self.norm, self.cfg.rms_norm_eps)

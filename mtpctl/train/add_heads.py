@@ -37,6 +37,7 @@ from typing import Dict, Sequence
 import torch
 
 from mtpctl.version import __version__
+from mtpctl.drafters.heads.eagle3 import check_aux_layers, default_aux_layers
 from mtpctl.drafters.heads.folder import save_heads
 from mtpctl.drafters.heads.tree import expected_accepted, tree_from_accuracy
 from mtpctl.drafters.retrieval import DATASTORE_FILE, Datastore
@@ -47,7 +48,7 @@ from mtpctl.model.tokenizer import TextCodec
 from mtpctl.model.weights import weights_hash
 from mtpctl.train import distributed
 from mtpctl.train.distill import read_records
-from mtpctl.train.eagle import EagleTrainer
+from mtpctl.train.eagle import Eagle3Trainer, EagleTrainer
 from mtpctl.train.features import FEATURES_FORMAT, Features, build_sequences, compute_features, data_fingerprint, run_key
 from mtpctl.train.settings import DTYPES, TrainSettings
 from mtpctl.train.trainer import Trainer
@@ -108,9 +109,18 @@ def add_heads(target_folder: Path, target_name: str, data: Sequence[Path], out: 
     target = Decoder.from_folder(target_folder, torch.float32)
     if settings.max_seq_len > target.cfg.max_position_embeddings:  # no sequence runs past the model's context
         settings = replace(settings, max_seq_len=target.cfg.max_position_embeddings)
+    if settings.kind == "eagle3":  # the layers it reads, named in the config and the caches' keys
+        layers = settings.aux_layers or list(default_aux_layers(target.cfg.num_hidden_layers))
+        try:
+            check_aux_layers(layers, target.cfg.num_hidden_layers)
+        except ValueError as err:
+            raise BadInput(str(err), option="aux_layers") from err
+        settings = replace(settings, aux_layers=layers)
     shape = {k: getattr(settings, k) for k in ("self_distill", "response_tokens", "distill_dtype", "features_dtype",
                                                 "max_seq_len", "soft_labels", "soft_top")}
     shape["features_format"] = FEATURES_FORMAT
+    if settings.kind == "eagle3":
+        shape["aux_layers"] = settings.aux_layers
     feat_dir = Path(home) / "work" / f"features-{run_key(target_hash, data_fingerprint(data), shape)}"
     work = Path(home) / "work" / f"heads-{run_key(feat_dir.name, asdict(settings))}"
     feat_path = feat_dir / "features.safetensors"
@@ -140,11 +150,8 @@ def add_heads(target_folder: Path, target_name: str, data: Sequence[Path], out: 
         torch.distributed.barrier()
     feats = Features.load(feat_path)
     work.mkdir(parents=True, exist_ok=True)
-    if settings.kind == "eagle":
-        trainer = EagleTrainer(target, feats, settings, work)
-    else:
-        trainer = Trainer(target, feats, settings, work)
-    what = (f"an eagle head ({settings.num_heads} draft steps)" if settings.kind == "eagle"
+    trainer = {"eagle": EagleTrainer, "eagle3": Eagle3Trainer}.get(settings.kind, Trainer)(target, feats, settings, work)
+    what = (f"an {settings.kind} head ({settings.num_heads} draft steps)" if settings.kind in ("eagle", "eagle3")
             else f"{settings.num_heads} {settings.kind} heads")
     distributed.log(f"training {what} on {len(trainer.train_pos)} positions "
         f"({len(trainer.eval_pos)} held out), {trainer.total_steps} optimizer step{'s' if trainer.total_steps != 1 else ''}")

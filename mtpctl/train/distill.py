@@ -41,6 +41,7 @@ class TrainSequence:
     loss_from: int
     hidden: Optional[torch.Tensor] = None
     pred: Optional[torch.Tensor] = None
+    aux: Optional[torch.Tensor] = None  # [T, k hidden]: the residual streams of the aux layers asked for
 
 
 HF_DATASET = "hf://datasets/"
@@ -130,17 +131,19 @@ class Distilled:
     hidden ``[P + R, hidden]`` (the model's dtype) and pred ``[P + R]`` (int64): the final hidden state
     and the argmax of the logits at every position of prompt + response (P prompt tokens, R response
     tokens); ``pred[P - 1 + j]`` is response token j, the last one predicts past the response. None
-    unless ``keep_features``.
+    unless ``keep_features``; ``aux`` ``[P + R, k hidden]`` the residual streams of the aux layers
+    asked for, side by side (None without them).
     """
 
     response: List[int]
     hidden: Optional[torch.Tensor] = None
     pred: Optional[torch.Tensor] = None
+    aux: Optional[torch.Tensor] = None
 
 
 def batch_greedy(model: Decoder, prompts: Sequence[List[int]], max_new_tokens: int, eos_ids: Set[int],
                  batch_size: int = 32, progress: Optional[Callable[[int], None]] = None,
-                 keep_features: bool = False) -> List[Distilled]:
+                 keep_features: bool = False, aux_layers: Sequence[int] = ()) -> List[Distilled]:
     """Greedy responses of the target to many prompts, ``batch_size`` at a time (left-padded).
 
     A bfloat16 decode step over 32 rows costs about what one row does on this CPU (the weights are
@@ -156,6 +159,8 @@ def batch_greedy(model: Decoder, prompts: Sequence[List[int]], max_new_tokens: i
         keep_features: also keep the hidden states and argmax tokens of every position (what a
             teacher-forced pass over prompt + response would give, computed in the same batch), so
             training needs no second pass of the target over the sequences.
+        aux_layers: with ``keep_features``, also keep these layers' residual streams
+            (:meth:`Decoder.forward`'s ``aux``).
 
     Returns:
         one :class:`Distilled` per prompt, in order.
@@ -167,7 +172,8 @@ def batch_greedy(model: Decoder, prompts: Sequence[List[int]], max_new_tokens: i
     results = {}
     for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
-        found = _greedy_batch(model, [prompts[i] for i in chunk], max_new_tokens, eos_ids, keep_features)
+        found = _greedy_batch(model, [prompts[i] for i in chunk], max_new_tokens, eos_ids, keep_features,
+                              tuple(aux_layers))
         results.update(zip(chunk, found))
         if progress:
             progress(len(chunk))
@@ -176,7 +182,7 @@ def batch_greedy(model: Decoder, prompts: Sequence[List[int]], max_new_tokens: i
 
 @torch.inference_mode()
 def _greedy_batch(model: Decoder, prompts: List[List[int]], max_new: int, eos_ids: Set[int],
-                  keep: bool) -> List[Distilled]:
+                  keep: bool, aux_layers: tuple = ()) -> List[Distilled]:
     b, longest = len(prompts), max(len(p) for p in prompts)
     max_new = min(max_new, model.cfg.max_position_embeddings - longest)  # the last response token's position fits
     if max_new < 1:
@@ -190,18 +196,20 @@ def _greedy_batch(model: Decoder, prompts: List[List[int]], max_new: int, eos_id
     slot_pos = (torch.arange(longest + max_new)[None] - torch.tensor(pad)[:, None]).clamp(min=0)  # [b, cap]
     cache = model.new_cache(longest + max_new, batch=b)
     responses: List[List[int]] = [[] for _ in range(b)]
-    kept: List[list] = [[] for _ in range(b)]  # per row: (hidden [n, d], pred [n]) pieces in position order
+    kept: List[list] = [[] for _ in range(b)]  # per row: (hidden [n, d], pred [n], aux [n, k d]) in position order
     done = torch.zeros(b, dtype=torch.bool)
     start, n, step = 0, longest, 0
     while True:
         finished = bool(done.all())  # with keep, one more pass feeds the last response tokens
         queries = torch.arange(start, start + n)
         masks = padded_batch_masks(model.cfg.layer_windows, valid, slot_pos, queries)
-        hidden = model(ids, slot_pos[:, queries], cache, masks)
+        streams = dict.fromkeys(aux_layers) if keep and aux_layers else None
+        hidden = model(ids, slot_pos[:, queries], cache, masks, aux=streams)
         cache.advance(n)
         nxt = model.logits(hidden[:, -1]).argmax(-1)  # [b]
         if keep:
-            _keep_step(model, kept, hidden, nxt, pad, responses, step)
+            aux = torch.cat([streams[i] for i in aux_layers], dim=-1) if streams else None
+            _keep_step(model, kept, hidden, nxt, pad, responses, step, aux)
         if finished:
             return _distilled(responses, kept)
         for r in range(b):
@@ -215,17 +223,24 @@ def _greedy_batch(model: Decoder, prompts: List[List[int]], max_new: int, eos_id
 
 
 def _keep_step(model: Decoder, kept: List[list], hidden: torch.Tensor, nxt: torch.Tensor, pad: List[int],
-               responses: List[List[int]], step: int) -> None:
-    """Keep what a pass computed: at step 0 (prefill) every prompt position of every row; at step s the
-    position of response token s - 1, for the rows that have one."""
+               responses: List[List[int]], step: int, aux: Optional[torch.Tensor] = None) -> None:
+    """Keep what a pass computed (``aux [b, N, k d]`` too, where given): at step 0 (prefill) every
+    prompt position of every row; at step s the position of response token s - 1, for the rows that
+    have one."""
     for r in range(len(kept)):
         if step == 0:
             h = hidden[r, pad[r]:]
-            kept[r].append((h, model.logits(h).argmax(-1)))
+            kept[r].append((h, model.logits(h).argmax(-1), None if aux is None else aux[r, pad[r]:]))
         elif len(responses[r]) >= step:
-            kept[r].append((hidden[r, -1:], nxt[r:r + 1]))
+            kept[r].append((hidden[r, -1:], nxt[r:r + 1], None if aux is None else aux[r, -1:]))
 
 
 def _distilled(responses: List[List[int]], kept: List[list]) -> List[Distilled]:
-    return [Distilled(resp, torch.cat([h for h, _ in pieces]), torch.cat([p for _, p in pieces])) if pieces
-            else Distilled(resp) for resp, pieces in zip(responses, kept)]
+    out = []
+    for resp, pieces in zip(responses, kept):
+        if not pieces:
+            out.append(Distilled(resp))
+            continue
+        hidden, pred, aux = zip(*pieces)
+        out.append(Distilled(resp, torch.cat(hidden), torch.cat(pred), None if aux[0] is None else torch.cat(aux)))
+    return out

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from mtpctl.drafters.heads.eagle import EagleHead
+from mtpctl.drafters.heads.eagle3 import Eagle3Head
 from mtpctl.errors import BadInput
 from mtpctl.train import distributed
 from mtpctl.train.trainer import EVAL_RANKS, Trainer
@@ -36,6 +37,11 @@ class EagleTrainer(Trainer):
     whole sequences of at most ``batch_tokens`` tokens (at least one sequence per process)."""
 
     unit = "draft step"
+    feature_loss_weight = FEATURE_LOSS_WEIGHT
+
+    def _inputs(self, start: int, end: int) -> torch.Tensor:
+        """What the first draft step reads at positions ``[start, end)``: the target's features."""
+        return self.feats.hidden[start:end]
 
     def _new_heads(self, token_map: Optional[torch.Tensor]) -> torch.nn.Module:
         return EagleHead(self.hcfg, torch.float32, self.target.dense_lm_head().float(), token_map)
@@ -77,14 +83,15 @@ class EagleTrainer(Trainer):
         f = self.feats
         t = max(int(f.offsets[s + 1] - f.offsets[s]) for s in seqs) - 1
         b, h = len(seqs), f.hidden.shape[1]
-        out = {"feats": torch.zeros(b, t, h), "next_feats": torch.zeros(b, t, h),
+        width = self._inputs(0, 1).shape[1]
+        out = {"feats": torch.zeros(b, t, width), "next_feats": torch.zeros(b, t, h),
                "tokens": torch.zeros(b, t, dtype=torch.long), "labels": torch.full((b, t), -100),
                "valid": torch.zeros(b, t, dtype=torch.bool), "first": torch.zeros(b, dtype=torch.long),
                "on_path": torch.zeros(b, t, dtype=torch.bool)}
         for i, s in enumerate(seqs):
             start, end = int(f.offsets[s]), int(f.offsets[s + 1])
             n = end - start - 1
-            out["feats"][i, :n] = f.hidden[start:end - 1].float()
+            out["feats"][i, :n] = self._inputs(start, end - 1).float()
             out["next_feats"][i, :n] = f.hidden[start + 1:end].float()
             out["tokens"][i, :n] = f.ids[start + 1:end]
             labels = f.pred[start + 1:end]
@@ -119,9 +126,11 @@ class EagleTrainer(Trainer):
         sums = []
         for s, g in enumerate(outs):
             keep = rows[s]
-            ce = F.cross_entropy(self.heads.logits(g[keep], self.lm_head), batch["labels"][keep], reduction="sum")
-            reg = F.smooth_l1_loss(g[keep], batch["next_feats"][keep], reduction="none").mean(-1).sum()
-            sums.append(ce + FEATURE_LOSS_WEIGHT * reg)
+            loss = F.cross_entropy(self.heads.logits(g[keep], self.lm_head), batch["labels"][keep], reduction="sum")
+            if self.feature_loss_weight:
+                reg = F.smooth_l1_loss(g[keep], batch["next_feats"][keep], reduction="none").mean(-1).sum()
+                loss = loss + self.feature_loss_weight * reg
+            sums.append(loss)
         per_step = torch.stack(sums) / counts.clamp(min=1) * distributed.world_size()
         weights = self.s.head_decay ** torch.arange(self.s.num_heads, dtype=torch.float32)
         return (per_step * weights).sum(), per_step.detach()
@@ -143,3 +152,23 @@ class EagleTrainer(Trainer):
                 hits[s] += ((top == labels) & (labels >= 0)).sum(0).float()
                 counts[s] += keep.sum()
         return (hits / counts.clamp(min=1)[:, None]).tolist()
+
+
+class Eagle3Trainer(EagleTrainer):
+    """:class:`EagleTrainer` for an EAGLE-3 head (:mod:`mtpctl.drafters.heads.eagle3`): the first
+    draft step reads the target's aux layers (``feats.aux``), the loss is the token cross-entropy
+    alone (EAGLE-3 drops the feature regression), and the head's own lm_head trains too.
+
+    Raises:
+        BadInput: features without the aux layers' streams.
+    """
+
+    feature_loss_weight = 0.0
+
+    def _new_heads(self, token_map: Optional[torch.Tensor]) -> torch.nn.Module:
+        if self.feats.aux is None:
+            raise BadInput("eagle3 heads train on the target's aux layers, and these features lack them")
+        return Eagle3Head(self.hcfg, torch.float32, self.target.dense_lm_head().float(), token_map)
+
+    def _inputs(self, start: int, end: int) -> torch.Tensor:
+        return self.feats.aux[start:end]

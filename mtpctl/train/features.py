@@ -39,7 +39,9 @@ class Features:
 
     hidden ``[P, hidden]`` (bfloat16) and pred ``[P]`` (int64) for all P positions of all sequences
     back to back; ``offsets [S + 1]`` where each sequence starts; ``loss_from [S]`` its first position
-    with a loss; ``ids [P]`` the input token ids; with soft labels ``soft_ids``/``soft_probs`` ``[P, m]``.
+    with a loss; ``ids [P]`` the input token ids; with soft labels ``soft_ids``/``soft_probs`` ``[P, m]``;
+    for EAGLE-3 ``aux [P, k hidden]`` (bfloat16), the residual streams of the k layers it reads
+    (``aux_layers``), side by side.
     """
 
     hidden: torch.Tensor
@@ -49,6 +51,7 @@ class Features:
     ids: torch.Tensor
     soft_ids: Optional[torch.Tensor] = None
     soft_probs: Optional[torch.Tensor] = None
+    aux: Optional[torch.Tensor] = None
 
     def save(self, path: Path) -> None:
         from safetensors.torch import save_file
@@ -92,16 +95,24 @@ def build_sequences(records: Sequence[Record], codec: TextCodec, settings: Train
             f"time, {settings.distill_dtype})")
         bar = distributed.progress_bar(len(prompts), "distill")
         found = batch_greedy(model, prompts, settings.response_tokens, codec.eos_ids, settings.distill_batch,
-                             progress=bar.update if bar else None, keep_features=keeps_features(settings))
+                             progress=bar.update if bar else None, keep_features=keeps_features(settings),
+                             aux_layers=aux_layers_of(settings))
         if bar:
             bar.close()
         for p, d in zip(prompts, found):
             n = min(len(p) + len(d.response), settings.max_seq_len)
             sequences.append(TrainSequence((p + d.response)[:n], len(p), None if d.hidden is None else d.hidden[:n],
-                                           None if d.pred is None else d.pred[:n]))
+                                           None if d.pred is None else d.pred[:n],
+                                           None if d.aux is None else d.aux[:n]))
     if not sequences:
         raise BadInput("the training data holds no sequence of two tokens or more")
     return sequences
+
+
+def aux_layers_of(settings: TrainSettings) -> tuple:
+    """The target layers whose residual streams the features keep (EAGLE-3's ``aux_layers``, resolved
+    by :func:`mtpctl.train.add_heads.add_heads`), else none."""
+    return tuple(settings.aux_layers or ()) if settings.kind == "eagle3" else ()
 
 
 def keeps_features(settings: TrainSettings) -> bool:
@@ -115,12 +126,15 @@ def compute_features(model: Optional[Decoder], sequences: Sequence[TrainSequence
                      chunk_tokens: int = 4096) -> Features:
     """Features of every sequence: kept from self-distillation where a sequence has them, else one
     teacher-forced pass of ``model`` (which may be None when every sequence has them)."""
-    hidden, pred, soft_ids, soft_probs = [], [], [], []
+    hidden, pred, soft_ids, soft_probs, aux = [], [], [], [], []
+    layers = aux_layers_of(settings)
     bar = distributed.progress_bar(len(sequences), "features")
     for seq in sequences:
         if seq.hidden is not None:
             hidden.append(seq.hidden.to(torch.bfloat16))
             pred.append(seq.pred)
+            if layers:
+                aux.append(seq.aux.to(torch.bfloat16))
             if bar:
                 bar.update(1)
             continue
@@ -128,7 +142,10 @@ def compute_features(model: Optional[Decoder], sequences: Sequence[TrainSequence
         cache = model.new_cache(len(ids))
         depth = torch.arange(len(ids))
         masks = attention_masks(model.cfg.layer_windows, 0, depth, None, len(ids))
-        h = model(torch.tensor([ids]), depth[None], cache, masks)[0]
+        streams = dict.fromkeys(layers) if layers else None
+        h = model(torch.tensor([ids]), depth[None], cache, masks, aux=streams)[0]
+        if layers:
+            aux.append(torch.cat([streams[i][0] for i in layers], dim=-1).to(torch.bfloat16))
         for start in range(0, len(ids), chunk_tokens):
             logits = model.logits(h[start:start + chunk_tokens])
             pred.append(logits.argmax(-1))
@@ -144,7 +161,8 @@ def compute_features(model: Optional[Decoder], sequences: Sequence[TrainSequence
     lengths = torch.tensor([0] + [len(s.ids) for s in sequences])
     return Features(torch.cat(hidden), torch.cat(pred), lengths.cumsum(0), torch.tensor([s.loss_from for s in sequences]),
                     torch.tensor([i for s in sequences for i in s.ids], dtype=torch.long),
-                    torch.cat(soft_ids) if soft_ids else None, torch.cat(soft_probs) if soft_probs else None)
+                    torch.cat(soft_ids) if soft_ids else None, torch.cat(soft_probs) if soft_probs else None,
+                    torch.cat(aux) if aux else None)
 
 
 def example_positions(feats: Features, seq_ids: Sequence[int]) -> torch.Tensor:

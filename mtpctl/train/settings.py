@@ -4,6 +4,7 @@ options fill it; ``mtp_config.json`` records it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import List, Optional
 
 import torch
 
@@ -42,6 +43,7 @@ class TrainSettings:
     holdout: float = 0.05  # fraction of sequences held out for accuracy
     tree_nodes: int = 4  # nodes of the default draft tree (the size generate uses by default, session.DEFAULT_TREE_NODES)
     seed: int = 0
+    aux_layers: Optional[List[int]] = None  # eagle3: the target layers it reads (None: the engines' default)
 
     def check(self) -> None:
         """Raise BadInput on a setting that cannot work."""
@@ -62,11 +64,14 @@ class TrainSettings:
             raise BadInput("holdout must be in (0, 1), warmup in [0, 1), head-decay in (0, 1]")
         if self.kind == "eagle" and self.own_lm_head:
             raise BadInput("eagle heads project through the target's lm_head, not their own", option="own_lm_head")
-        if self.kind == "eagle" and self.condition_on_token:
-            raise BadInput("an eagle head always reads the next token: it takes no token conditioning",
+        if self.kind in ("eagle", "eagle3") and self.condition_on_token:
+            raise BadInput(f"an {self.kind} head always reads the next token: it takes no token conditioning",
                            option="condition_on_token")
-        if self.kind == "eagle" and self.soft_labels:
-            raise BadInput("eagle heads train on the target's argmax only, not soft labels", option="soft_labels")
+        if self.kind in ("eagle", "eagle3") and self.soft_labels:
+            raise BadInput(f"{self.kind} heads train on the target's argmax only, not soft labels", option="soft_labels")
+        if self.aux_layers is not None and (self.kind != "eagle3" or not isinstance(self.aux_layers, list)
+                                            or not self.aux_layers):
+            raise BadInput("aux-layers is a non-empty list of target layer ids, for eagle3 heads only")
         if self.num_heads > MAX_DRAFT_DEPTH:
             raise BadInput(f"num-heads must be at most {MAX_DRAFT_DEPTH} (the deepest draft tree verification "
                            f"supports), got {self.num_heads}")

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from mtpctl.drafters.heads.config import HeadsConfig
 from mtpctl.drafters.heads.eagle import layer_config_for
+from mtpctl.drafters.heads.eagle3 import eagle3_layer_config
 from mtpctl.drafters.heads.medusa import MedusaHeads
 from mtpctl.errors import BadInput
 from mtpctl.model.decoder import Decoder
@@ -123,12 +124,14 @@ class Trainer:
         if token_map is not None:
             self.vocab_index = torch.full((cfg.vocab_size,), -100, dtype=torch.long)
             self.vocab_index[token_map] = torch.arange(len(token_map))
-        eagle = settings.kind == "eagle"  # one layer that always reads the next token: no blocks per head
+        eagle = settings.kind in ("eagle", "eagle3")  # one layer that always reads the next token: no blocks per head
+        layer = eagle3_layer_config(cfg, settings.aux_layers) if settings.kind == "eagle3" else \
+            layer_config_for(cfg) if eagle else None
         self.hcfg = HeadsConfig(settings.kind, settings.num_heads, 0 if eagle else settings.head_layers,
-                                settings.own_lm_head, cfg.hidden_size, cfg.vocab_size,
+                                settings.own_lm_head or settings.kind == "eagle3", cfg.hidden_size, cfg.vocab_size,
                                 len(token_map) if token_map is not None else 0,
                                 token_conditioned=(settings.condition_on_token or settings.kind == "hydra") and not eagle,
-                                layer=layer_config_for(cfg) if eagle else None)
+                                layer=layer)
         self.heads = self._new_heads(token_map)
         split = torch.randperm(len(feats.loss_from), generator=torch.Generator().manual_seed(settings.seed)).tolist()
         n_eval = max(1, int(round(settings.holdout * len(split)))) if len(split) > 1 else 0

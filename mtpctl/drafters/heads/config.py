@@ -18,13 +18,21 @@ from mtpctl.errors import BadInput, CorruptModel, UnsupportedModel
 FORMAT_VERSION = 1
 CONFIG_FILE = "mtp_config.json"
 WEIGHTS_FILE = "mtp_heads.safetensors"
-KINDS = ("medusa", "hydra", "eagle")
+KINDS = ("medusa", "hydra", "eagle", "eagle3")
+LAYER_KINDS = ("eagle", "eagle3")  # kinds with one draft decoder layer (HeadsConfig.layer)
 
 
 @dataclass
 class EagleLayerConfig:
     """Shapes of the EAGLE layer (recorded in ``mtp_config.json`` as ``layer``); by default those of
-    one of the target's own decoder layers."""
+    one of the target's own decoder layers.
+
+    EAGLE-3 (kind ``eagle3``) also records ``aux_layers``, the target layers whose residual streams
+    it fuses (ids as in :meth:`mtpctl.model.decoder.Decoder.forward`: after that many layers), and
+    ``norm_before_residual`` (the residual of its layer takes the fused feature after ``hidden_norm``
+    rather than before it; speculators' option of that name). ``eagle1`` (kind ``eagle``, imported
+    heads) is the EAGLE-1 authors' layer: ``fc`` with a bias, no norm before the attention nor after
+    the MLP."""
 
     attention_heads: int
     kv_heads: int
@@ -32,15 +40,23 @@ class EagleLayerConfig:
     intermediate_size: int
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
+    aux_layers: Optional[List[int]] = None  # eagle3 only
+    norm_before_residual: bool = False  # eagle3 only
+    eagle1: bool = False  # eagle only: EAGLE-1's layer (imported heads)
 
     def __post_init__(self) -> None:
         sizes = (self.attention_heads, self.kv_heads, self.head_dim, self.intermediate_size)
         numbers = (self.rope_theta, self.rms_norm_eps)
+        aux = self.aux_layers
         if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes) or \
                 self.attention_heads % self.kv_heads or self.head_dim % 2 or \
-                not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in numbers):
+                not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in numbers) or \
+                not isinstance(self.norm_before_residual, bool) or not isinstance(self.eagle1, bool) or (aux is not None and (
+                    not isinstance(aux, list) or not aux or
+                    not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in aux))):
             raise ValueError(f"EAGLE layer shapes are not valid (positive integer sizes, heads divisible by "
-                             f"KV heads, an even head_dim, rope_theta and rms_norm_eps > 0): {self}")
+                             f"KV heads, an even head_dim, rope_theta and rms_norm_eps > 0, aux_layers a "
+                             f"non-empty list of layer ids >= 0): {self}")
 
 
 @dataclass
@@ -52,7 +68,7 @@ class HeadsConfig:
     token, from which trees of any size are built (:func:`tree_from_accuracy`).
     """
 
-    kind: str  # "medusa", "hydra" (sequential heads; always token-conditioned) or "eagle" (one draft layer)
+    kind: str  # "medusa", "hydra" (sequential heads; always token-conditioned), "eagle" or "eagle3" (one draft layer)
     num_heads: int  # K: the deepest draft (for eagle, the draft steps evaluated)
     head_layers: int  # residual blocks per head
     own_lm_head: bool  # a trainable vocabulary projection per head (else the target's lm_head)
@@ -67,7 +83,7 @@ class HeadsConfig:
     training: dict = field(default_factory=dict)  # the settings and figures of the training run
     format_version: int = FORMAT_VERSION
     mtpctl_version: str = ""
-    layer: Optional[EagleLayerConfig] = None  # eagle: the draft layer's shapes (a mapping in the JSON)
+    layer: Optional[EagleLayerConfig] = None  # eagle, eagle3: the draft layer's shapes (a mapping in the JSON)
 
     def __post_init__(self) -> None:
         if self.kind == "hydra" and not self.token_conditioned:
@@ -76,10 +92,17 @@ class HeadsConfig:
             self.layer = EagleLayerConfig(**self.layer)
         elif self.layer is not None and not isinstance(self.layer, EagleLayerConfig):
             raise ValueError(f"layer must be a mapping of the draft layer's shapes, got {self.layer!r}")
-        if (self.kind == "eagle") != (self.layer is not None):
-            raise ValueError("eagle heads, and only they, need the draft layer's shapes (layer)")
+        if (self.kind in LAYER_KINDS) != (self.layer is not None):
+            raise ValueError("eagle and eagle3 heads, and only they, need the draft layer's shapes (layer)")
         if self.kind == "eagle" and self.own_lm_head:
             raise ValueError("eagle heads project through the target's lm_head (own_lm_head must be false)")
+        if self.kind == "eagle3" and not (self.own_lm_head and self.layer.aux_layers):
+            raise ValueError("eagle3 heads have their own lm_head (own_lm_head true) and read the target "
+                             "layers of layer.aux_layers")
+        if self.kind == "eagle" and (self.layer.aux_layers is not None or self.layer.norm_before_residual):
+            raise ValueError("aux_layers and norm_before_residual belong to eagle3 heads")
+        if self.kind == "eagle3" and self.layer.eagle1:
+            raise ValueError("eagle1 is a variant of eagle heads")
 
     def save(self, folder: Path) -> None:
         """Write ``mtp_config.json`` into ``folder``."""

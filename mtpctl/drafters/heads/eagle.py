@@ -36,13 +36,99 @@ from mtpctl.model.decoder import _rms_norm, _rotate, rope_inv_freq
 from mtpctl.model.linears import blocked_copy
 
 
-class EagleHead(nn.Module):
+class DraftLayer(nn.Module):
+    """What the EAGLE and EAGLE-3 draft layers share: one decoder layer's rotary attention over a
+    position-indexed cache and its SiLU-gated MLP, and the training-time test that unrolls draft steps.
+
+    A subclass defines ``attention_inputs`` (a row's inputs -> residual stream and rotated q, k, v),
+    ``finish`` (residual and attention -> the row's output, the feature the next draft step reads)
+    and ``logits`` (that output -> draft logits). Parameters made here: ``qkv [(A + 2G) D, qkv_in]``,
+    ``o_proj [H, A D]``, ``post_attention_norm [H]``, ``gate_up [2I, H]``, ``down [H, I]``.
+    """
+
+    def _init_layer(self, cfg: HeadsConfig, dtype: torch.dtype, qkv_in: int) -> None:
+        lc: EagleLayerConfig = cfg.layer
+        h, d = cfg.hidden_size, lc.head_dim
+        self.q_size, self.kv_size = lc.attention_heads * d, lc.kv_heads * d
+        self.qkv = normal_weight(dtype, self.q_size + 2 * self.kv_size, qkv_in)
+        self.o_proj = normal_weight(dtype, h, self.q_size)
+        self.post_attention_norm = nn.Parameter(torch.ones(h, dtype=dtype))
+        self.gate_up = normal_weight(dtype, 2 * lc.intermediate_size, h)
+        self.down = normal_weight(dtype, h, lc.intermediate_size)
+        self.register_buffer("inv_freq", rope_inv_freq(RopeConfig(theta=lc.rope_theta), d), persistent=False)
+
+    def rotary_qkv(self, inp: torch.Tensor, positions: torch.Tensor) -> tuple:
+        """Attention input ``[..., T, qkv_in]`` at ``positions [..., T]`` -> rotated queries
+        ``[..., A, T, D]`` and keys ``[..., G, T, D]``, values ``[..., G, T, D]``."""
+        lc = self.cfg.layer
+        qkv = F.linear(inp, self.qkv)
+        angles = positions[..., None].float() * self.inv_freq
+        cos = torch.cat((angles.cos(), angles.cos()), dim=-1)[..., None, :].to(inp.dtype)
+        sin = torch.cat((angles.sin(), angles.sin()), dim=-1)[..., None, :].to(inp.dtype)
+        d = lc.head_dim
+        q = _rotate(qkv[..., :self.q_size].unflatten(-1, (lc.attention_heads, d)), cos, sin)
+        k = _rotate(qkv[..., self.q_size:self.q_size + self.kv_size].unflatten(-1, (lc.kv_heads, d)), cos, sin)
+        v = qkv[..., self.q_size + self.kv_size:].unflatten(-1, (lc.kv_heads, d))
+        return q.transpose(-2, -3), k.transpose(-2, -3), v.transpose(-2, -3)
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Attention ``[..., A, T, D]`` of queries ``[..., A, T, D]`` over ``keys``/``values``
+        ``[..., G, S, D]``; ``mask`` ``[T, S]`` or ``[..., 1, T, S]`` (True = may attend)."""
+        out = F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), attn_mask=mask, enable_gqa=True)
+        return out.to(q.dtype)
+
+    def residual_mlp(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual stream ``[..., T, H]`` and attention ``[..., A, T, D]`` -> the stream after the
+        attention's output projection and the MLP, each added to it (before any final norm)."""
+        eps = self.cfg.layer.rms_norm_eps
+        x = x + F.linear(attn.transpose(-2, -3).flatten(-2), self.o_proj)
+        gate, up = F.linear(_rms_norm(x, self.post_attention_norm, eps), self.gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down)
+
+    def forward(self, feats: torch.Tensor, token_embeds: torch.Tensor, valid: torch.Tensor, steps: int) -> List[torch.Tensor]:
+        """Training-time test: ``steps`` draft steps at every row of a batch of sequences, each step
+        reading the previous step's output as its feature, with the attention a decode-time draft
+        has. Returns ``[g_1, ..., g_steps]``, each ``[B, T, H]``: ``g_s`` at row p is the s-th draft
+        step taken after the target's row p - s + 1, i.e. the prediction for token p + 2 when tokens
+        up to p + 1 are right.
+
+        Query (s, p) attends step-1 keys (true features) of rows ``<= p - s + 1`` and the step-s'
+        key of row ``p - s + s'`` for s' = 2..s: the rows of its own draft path.
+
+        Args:
+            feats: ``[B, T, H]`` the target's features of each row (what the first step reads).
+            token_embeds: ``[B, T, H]`` embeddings of each row's next token (teacher forcing).
+            valid: ``[B, T]`` bool, False on padding.
+            steps: draft steps to unroll (>= 1).
+        """
+        b, t, _ = feats.shape
+        positions = torch.arange(t).expand(b, t)
+        keys, values, outs = [], [], []
+        current = feats
+        for s in range(1, steps + 1):
+            x, q, k, v = self.attention_inputs(current, token_embeds, positions)
+            keys.append(k)
+            values.append(v)
+            mask = unrolled_draft_mask(t, s, valid)
+            g = self.finish(x, self.attend(q, torch.cat(keys, 2), torch.cat(values, 2), mask))
+            outs.append(g)
+            current = torch.cat((feats[:, :1], g[:, :-1]), dim=1)  # row p reads row p-1's output
+        return outs
+
+
+def normal_weight(dtype: torch.dtype, *shape: int) -> nn.Parameter:
+    """A parameter drawn from N(0, 0.02) with torch's global generator."""
+    return nn.Parameter(torch.randn(shape, dtype=torch.float32).mul_(0.02).to(dtype))
+
+
+class EagleHead(DraftLayer):
     """The EAGLE layer and its vocabulary projection.
 
     Parameters (``H`` hidden, ``A``/``G`` attention/KV heads of ``D`` dims, ``I`` MLP width):
     ``fc [H, 2H]``, ``input_norm [H]``, ``qkv [(A + 2G) D, H]``, ``o_proj [H, A D]``,
     ``post_attention_norm [H]``, ``gate_up [2I, H]``, ``down [H, I]``, ``out_norm [H]`` (RMSNorms,
-    SiLU-gated MLP, RoPE). With ``cfg.draft_vocab_size`` V_d > 0 the logits cover the ``token_map``
+    SiLU-gated MLP, RoPE). EAGLE-1's layer (``layer.eagle1``, imported heads) has ``fc_bias [H]``
+    and neither ``input_norm`` nor ``out_norm``. With ``cfg.draft_vocab_size`` V_d > 0 the logits cover the ``token_map``
     ``[V_d]`` rows of the target's frozen lm_head (derived, never saved).
 
     Weights start as N(0, 0.02) draws from torch's global generator (``add-heads`` seeds it with
@@ -64,22 +150,12 @@ class EagleHead(nn.Module):
                  token_map: Optional[torch.Tensor] = None, blocked: bool = False):
         super().__init__()
         self.cfg = cfg
-        lc: EagleLayerConfig = cfg.layer
-        h, d = cfg.hidden_size, lc.head_dim
-        self.q_size, self.kv_size = lc.attention_heads * d, lc.kv_heads * d
-
-        def weight(*shape):
-            return nn.Parameter(torch.randn(shape, dtype=torch.float32).mul_(0.02).to(dtype))
-
-        self.fc = weight(h, 2 * h)
-        self.input_norm = nn.Parameter(torch.ones(h, dtype=dtype))
-        self.qkv = weight(self.q_size + 2 * self.kv_size, h)
-        self.o_proj = weight(h, self.q_size)
-        self.post_attention_norm = nn.Parameter(torch.ones(h, dtype=dtype))
-        self.gate_up = weight(2 * lc.intermediate_size, h)
-        self.down = weight(h, lc.intermediate_size)
-        self.out_norm = nn.Parameter(torch.ones(h, dtype=dtype))
-        self.register_buffer("inv_freq", rope_inv_freq(RopeConfig(theta=lc.rope_theta), d), persistent=False)
+        h, eagle1 = cfg.hidden_size, cfg.layer.eagle1
+        self.fc = normal_weight(dtype, h, 2 * h)
+        self.fc_bias = nn.Parameter(torch.zeros(h, dtype=dtype)) if eagle1 else None
+        self.input_norm = None if eagle1 else nn.Parameter(torch.ones(h, dtype=dtype))
+        self._init_layer(cfg, dtype, h)
+        self.out_norm = None if eagle1 else nn.Parameter(torch.ones(h, dtype=dtype))
         if cfg.draft_vocab_size:
             if token_map is None or target_lm_head is None or token_map.shape != (cfg.draft_vocab_size,):
                 raise ValueError(f"a draft vocabulary of {cfg.draft_vocab_size} needs token_map and the target's lm_head")
@@ -101,32 +177,15 @@ class EagleHead(nn.Module):
             token_embeds: ``[..., T, H]`` embeddings of the next tokens x_{p+1}.
             positions: ``[..., T]`` positions p (int64).
         """
-        lc = self.cfg.layer
-        x = F.linear(torch.cat((feats, token_embeds), dim=-1), self.fc)
-        qkv = F.linear(_rms_norm(x, self.input_norm, lc.rms_norm_eps), self.qkv)
-        angles = positions[..., None].float() * self.inv_freq
-        cos = torch.cat((angles.cos(), angles.cos()), dim=-1)[..., None, :].to(x.dtype)
-        sin = torch.cat((angles.sin(), angles.sin()), dim=-1)[..., None, :].to(x.dtype)
-        d = lc.head_dim
-        q = _rotate(qkv[..., :self.q_size].unflatten(-1, (lc.attention_heads, d)), cos, sin)
-        k = _rotate(qkv[..., self.q_size:self.q_size + self.kv_size].unflatten(-1, (lc.kv_heads, d)), cos, sin)
-        v = qkv[..., self.q_size + self.kv_size:].unflatten(-1, (lc.kv_heads, d))
-        return x, q.transpose(-2, -3), k.transpose(-2, -3), v.transpose(-2, -3)
-
-    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Attention ``[..., A, T, D]`` of queries ``[..., A, T, D]`` over ``keys``/``values``
-        ``[..., G, S, D]``; ``mask`` ``[T, S]`` or ``[..., 1, T, S]`` (True = may attend)."""
-        out = F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), attn_mask=mask, enable_gqa=True)
-        return out.to(q.dtype)
+        x = F.linear(torch.cat((feats, token_embeds), dim=-1), self.fc, self.fc_bias)
+        inp = x if self.input_norm is None else _rms_norm(x, self.input_norm, self.cfg.layer.rms_norm_eps)
+        return (x,) + self.rotary_qkv(inp, positions)
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual stream ``[..., T, H]`` and attention ``[..., A, T, D]`` -> predicted features
-        ``g [..., T, H]`` (after the output norm)."""
-        eps = self.cfg.layer.rms_norm_eps
-        x = x + F.linear(attn.transpose(-2, -3).flatten(-2), self.o_proj)
-        gate, up = F.linear(_rms_norm(x, self.post_attention_norm, eps), self.gate_up).chunk(2, dim=-1)
-        x = x + F.linear(F.silu(gate) * up, self.down)
-        return _rms_norm(x, self.out_norm, eps)
+        ``g [..., T, H]`` (after the output norm; EAGLE-1 has none)."""
+        g = self.residual_mlp(x, attn)
+        return g if self.out_norm is None else _rms_norm(g, self.out_norm, self.cfg.layer.rms_norm_eps)
 
     def logits(self, g: torch.Tensor, lm_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
         """Predicted features ``[..., H]`` -> float32 logits over the draft vocabulary ``[..., V_d]``
@@ -142,36 +201,6 @@ class EagleHead(nn.Module):
         if lm_head is None:
             raise ValueError("an EAGLE head without a draft vocabulary needs the target's lm_head")
         return lm_head(g).float()
-
-    def forward(self, feats: torch.Tensor, token_embeds: torch.Tensor, valid: torch.Tensor, steps: int) -> List[torch.Tensor]:
-        """Training-time test: ``steps`` draft steps at every row of a batch of sequences, each step
-        reading the previous step's prediction as its feature, with the attention a decode-time draft
-        has. Returns ``[g_1, ..., g_steps]``, each ``[B, T, H]``: ``g_s`` at row p is the s-th draft
-        step taken after the target's row p - s + 1, i.e. the prediction for token p + 2 when tokens
-        up to p + 1 are right.
-
-        Query (s, p) attends step-1 keys (true features) of rows ``<= p - s + 1`` and the step-s'
-        key of row ``p - s + s'`` for s' = 2..s: the rows of its own draft path.
-
-        Args:
-            feats: ``[B, T, H]`` the target's features of each row.
-            token_embeds: ``[B, T, H]`` embeddings of each row's next token (teacher forcing).
-            valid: ``[B, T]`` bool, False on padding.
-            steps: draft steps to unroll (>= 1).
-        """
-        b, t, _ = feats.shape
-        positions = torch.arange(t).expand(b, t)
-        keys, values, outs = [], [], []
-        current = feats
-        for s in range(1, steps + 1):
-            x, q, k, v = self.attention_inputs(current, token_embeds, positions)
-            keys.append(k)
-            values.append(v)
-            mask = unrolled_draft_mask(t, s, valid)
-            g = self.finish(x, self.attend(q, torch.cat(keys, 2), torch.cat(values, 2), mask))
-            outs.append(g)
-            current = torch.cat((feats[:, :1], g[:, :-1]), dim=1)  # row p reads row p-1's prediction
-        return outs
 
 
 class EagleDrafter:
@@ -218,21 +247,15 @@ class EagleDrafter:
         pending = context[-1]
         if last is None:
             return DraftTree(pending)
-        if last.rows is not None:
-            committed = last.out.hidden_states[list(last.rows)]
-        else:
-            committed = last.out.prompt_hidden_states
-            if committed is None:
-                raise ValueError("EAGLE drafting needs every prompt row's hidden states (the torch backend)")
         n = len(context) - 1  # position of the pending token
-        start = n - committed.shape[0]
-        if start == 0:
-            self.length = 0
-        if start != self.length:
-            raise ValueError(f"the EAGLE drafter holds {self.length} positions but the target's last pass "
-                             f"committed positions from {start}: it must see every target pass")
         with torch.inference_mode():
-            feats = committed.to(self.keys.dtype)
+            feats = self.committed_features(last).to(self.keys.dtype)
+            start = n - feats.shape[0]
+            if start == 0:
+                self.length = 0
+            if start != self.length:
+                raise ValueError(f"the EAGLE drafter holds {self.length} positions but the target's last pass "
+                                 f"committed positions from {start}: it must see every target pass")
             tokens = torch.tensor(list(context[start + 1:n + 1]), dtype=torch.long)
             positions = torch.arange(start, n)
             g = self._rows(feats, tokens, positions, torch.arange(start, n), causal_mask(positions, n))
@@ -240,6 +263,19 @@ class EagleDrafter:
             if max_tokens <= 0:
                 return DraftTree(pending)
             return self._draft(g[-1], pending, n, max_tokens)
+
+    def committed_features(self, last: TargetStep) -> torch.Tensor:
+        """The features ``[m, H]`` of the rows the target's last pass committed (after prefill: every
+        prompt row): its hidden states after the final norm.
+
+        Raises:
+            ValueError: a prefill output without the prompt's hidden states (backends other than torch).
+        """
+        if last.rows is not None:
+            return last.out.hidden_states[list(last.rows)]
+        if last.out.prompt_hidden_states is None:
+            raise ValueError("EAGLE drafting needs every prompt row's hidden states (the torch backend)")
+        return last.out.prompt_hidden_states
 
     def _rows(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
               mask: torch.Tensor) -> torch.Tensor:

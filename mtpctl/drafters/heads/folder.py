@@ -11,18 +11,19 @@ from torch import nn
 
 from mtpctl.drafters.heads.config import CONFIG_FILE, WEIGHTS_FILE, HeadsConfig
 from mtpctl.drafters.heads.eagle import EagleHead
+from mtpctl.drafters.heads.eagle3 import Eagle3Head
 from mtpctl.drafters.heads.medusa import MedusaHeads
 from mtpctl.errors import BadInput, CorruptModel
 from mtpctl.model.weights import load_tensors
 
 #: head kind -> the module that runs it
-MODULES = {"medusa": MedusaHeads, "hydra": MedusaHeads, "eagle": EagleHead}
+MODULES = {"medusa": MedusaHeads, "hydra": MedusaHeads, "eagle": EagleHead, "eagle3": Eagle3Head}
 
 
 def load_heads(folder: Path, dtype: torch.dtype = torch.float32, target_lm_head: Optional[torch.Tensor] = None,
                blocked: bool = False, kinds: Tuple[str, ...] = tuple(MODULES)) -> nn.Module:
     """Load MTP heads of any kind from a head folder: :class:`MedusaHeads` (medusa, hydra) or
-    :class:`EagleHead` (eagle); strictly (missing, unexpected, mis-shaped, NaN tensors are errors).
+    :class:`EagleHead` (eagle) or :class:`Eagle3Head` (eagle3); strictly (missing, unexpected, mis-shaped, NaN tensors are errors).
 
     Args:
         target_lm_head: ``[vocab, hidden]`` the target's lm_head weight, needed by heads with a
