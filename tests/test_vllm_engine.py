@@ -132,3 +132,18 @@ def test_bench_baseline_vllm_puts_vllms_runs_in_the_table(trained, tmp_path, cap
     assert all(rows[n]["same_as_plain"] == rows[n]["runs"] == 1 for n in ("vllm", "vllm-ngram", "vllm-heads"))
     assert rows["vllm-heads"]["tau"] >= 1.0 and len(rows["vllm-heads"]["acceptance_by_position"]) == CHAIN
     assert "| vllm-heads |" in table
+
+
+def test_bench_batch_sizes_put_vllm_beside_mtpctl_at_each_size(tmp_path, capsys):
+    from mtpctl.cli.main import main
+
+    code = main(["bench", "--methods", "plain,ngram", "--categories", "chat,code", "--limit", "2",
+                 "--max-new-tokens", "16", "--threads", "1", "--baseline", "vllm", "--batch-sizes", "1,3",
+                 "--json", str(tmp_path / "b.json")])
+    table = capsys.readouterr().out
+    assert code == 0
+    rows = {(r["method"], r["batch_size"]): r for r in json.loads((tmp_path / "b.json").read_text())["rows"]}
+    assert set(rows) == {(m, b) for m in ("plain", "ngram", "vllm", "vllm-ngram") for b in (1, 3)}
+    # vLLM's greedy tokens are mtpctl's plain decoding's at every batch size (float32, the same checkpoint)
+    assert all(r["same_as_plain"] == r["requests"] == 4 for r in rows.values())
+    assert "| 3 | vllm |" in table

@@ -117,6 +117,27 @@ def vllm_peers(folder: Path, configs: Dict[str, Tuple[Optional[dict], bool]], pr
     return runs, figures
 
 
+def vllm_batched(folder: Path, configs: Dict[str, Tuple[Optional[dict], bool]], prompts: Sequence[List[int]],
+                 sizes: Sequence[int], max_new_tokens: int, dtype: str, threads: int, eos_ids: Sequence[int],
+                 progress=None) -> Dict[tuple, dict]:
+    """Each vLLM peer at each batch size: every prompt in one ``generate`` call with ``max_num_seqs``
+    that size, after a warm-up. Returns (name, size) -> ``{"results": [...], "wall_ms": ...}``, as
+    :func:`mtpctl.bench.batched.run_batch_sizes` gives mtpctl's methods."""
+    runs = {}
+    for name, (spec, track) in configs.items():
+        for size in sizes:
+            request = {"model": str(folder), "prompts": [list(prompts[0])] + [list(p) for p in prompts],
+                       "max_new_tokens": max_new_tokens, "speculative_config": spec, "threads": threads,
+                       "dtype": dtype, "weights_track": track, "max_num_seqs": size}
+            reply = run_worker(request)
+            results = peer_runs(name, {"results": reply["results"][1:]}, prompts, 1, eos_ids).results
+            runs[name, size] = {"results": results, "wall_ms": reply["wall_ms"]}
+            if progress:
+                tokens = sum(r.stats.new_tokens for r in results)
+                progress(f"batch {size} {name}: vLLM {tokens} tokens, {tokens / (reply['wall_ms'] / 1e3):.1f} tokens/s")
+    return runs
+
+
 def apply_figures(report: dict, figures: Dict[str, dict]) -> None:
     """Put vLLM's own tau and acceptance into its peers' rows of a report (their runs have no steps)."""
     for m in report["methods"]:

@@ -10,8 +10,12 @@ Request: ``model`` (a checkpoint folder), ``prompts`` (token id lists), ``max_ne
 ``weights_track`` (false turns off vLLM's check that every checkpoint tensor was loaded: its Medusa
 loader loads ``token_map`` without reporting it).
 
+With ``max_num_seqs`` B the prompts after the first (a warm-up, run alone) run together, vLLM
+scheduling up to B at once (continuous batching): each result's ``total_ms`` is then the whole
+batch's wall time, also given as ``wall_ms``.
+
 Reply: ``load_s`` (engine start), ``results`` (per prompt: ``token_ids`` and ``total_ms``, the
-prompts run one at a time), ``spec`` (vLLM's speculation counters over all prompts: ``drafts``,
+prompts run one at a time unless ``max_num_seqs``), ``wall_ms`` (with ``max_num_seqs``), ``spec`` (vLLM's speculation counters over all prompts: ``drafts``,
 ``draft_tokens``, ``accepted_tokens``, ``accepted_per_pos``; null without speculation), ``version``.
 """
 
@@ -57,6 +61,8 @@ def main() -> int:
     torch.set_num_threads(threads)
     extra = {} if request.get("weights_track", True) else {"model_loader_extra_config": {"enable_weights_track": False}}
     started = time.perf_counter()
+    if request.get("max_num_seqs"):
+        extra["max_num_seqs"] = int(request["max_num_seqs"])
     llm = LLM(model=request["model"], dtype=request.get("dtype") or "float32", enforce_eager=True, seed=0,
               max_model_len=int(request.get("max_model_len") or 2048), disable_log_stats=False,
               speculative_config=request.get("speculative_config"), **extra)
@@ -64,10 +70,17 @@ def main() -> int:
     params = SamplingParams(temperature=0.0, max_tokens=int(request["max_new_tokens"]))
     speculating = request.get("speculative_config") is not None
     before = spec_counters(llm) if speculating else None
-    results = []
-    for ids in request["prompts"]:
+    results, wall_ms = [], None
+    prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in request["prompts"]]
+    if request.get("max_num_seqs"):
+        first = llm.generate(prompts[:1], params, use_tqdm=False)[0]
         start = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=list(ids))], params, use_tqdm=False)[0]
+        outs = llm.generate(prompts[1:], params, use_tqdm=False)
+        wall_ms = (time.perf_counter() - start) * 1e3
+        results = [{"token_ids": list(o.outputs[0].token_ids), "total_ms": wall_ms} for o in [first] + list(outs)]
+    for prompt in (prompts if wall_ms is None else []):
+        start = time.perf_counter()
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
         results.append({"token_ids": list(out.outputs[0].token_ids),
                         "total_ms": (time.perf_counter() - start) * 1e3})
     spec = None
@@ -76,7 +89,7 @@ def main() -> int:
         spec = {k: after[k] - before[k] for k in COUNTERS.values()}
         spec["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"],
                                                           before["accepted_per_pos"] + [0] * len(after["accepted_per_pos"]))]
-    json.dump({"load_s": load_s, "results": results, "spec": spec, "version": __version__}, reply)
+    json.dump({"load_s": load_s, "results": results, "wall_ms": wall_ms, "spec": spec, "version": __version__}, reply)
     reply.write("\n")
     reply.close()
     return 0

@@ -16,7 +16,7 @@ from mtpctl.bench.methods import build_methods, parse_methods
 from mtpctl.bench.peers import llamacpp_runner, transformers_runner
 from mtpctl.bench.batched import format_batched, plot_batched, run_batch_sizes, stops_paying, summarize_batched
 from mtpctl.bench.report import build_report, check_gates, format_profile, format_table, plot, select_prompts, write_json
-from mtpctl.bench.vllm_peer import apply_figures, require_vllm, vllm_peers
+from mtpctl.bench.vllm_peer import apply_figures, require_vllm, vllm_batched, vllm_peers
 from mtpctl.cli.options import (Command, check_backend, debug_option, draft_options_from, drafter_options, model_options,
                                 policy_option, sampling_from, sampling_options, session_mode)
 from mtpctl.decode.policy import make_policy
@@ -81,8 +81,8 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ma
     """
     names = parse_methods(methods)
     sizes = parse_batch_sizes(batch_sizes) if batch_sizes is not None else None
-    if sizes and baseline != "none":
-        raise BadInput("--baseline runs one request at a time: drop it with --batch-sizes")
+    if sizes and baseline not in ("none", "vllm"):
+        raise BadInput(f"--baseline {baseline} runs one request at a time: only vllm batches with --batch-sizes")
     opts = draft_options_from(options)
     used = {p for name in names if name != "plain" for p in name.split("+")}
     check(used, opts)  # before the model loads
@@ -118,8 +118,15 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ma
         click.echo(f"draft {pairing.draft.folder}: {pairing.verdict}, drafting in {pairing.mode}", err=True)
     weights = {name: session.weight_bytes + m.drafter_bytes for name, m in built.items()}
     if sizes:
+        peers = {}
+        if baseline == "vllm":
+            with tempfile.TemporaryDirectory(prefix="mtpctl-vllm-heads-") as tmp:
+                configs = vllm_configs(session, opts, Path(tmp) / "heads")
+                peers = vllm_batched(session.folder, configs, encoded * repeats, sizes, max_new_tokens,
+                                     options["dtype"], torch_threads(), session.codec.eos_ids,
+                                     progress=lambda line: click.echo(f"mtpctl: {line}", err=True))
         _bench_batched(session, built, encoded * repeats, sizes, max_new_tokens, sampling, policy, options["acceptance"],
-                       weights, json_path, plot_path, fail_below_speedup, fail_above_p99_ms)
+                       weights, peers, json_path, plot_path, fail_below_speedup, fail_above_p99_ms)
         return
     runners = {name: m.run for name, m in built.items()}
     if baseline == "transformers":
@@ -177,13 +184,15 @@ def parse_batch_sizes(text: str) -> list:
     return sizes
 
 
-def _bench_batched(session, built, encoded, sizes, max_new_tokens, sampling, policy, acceptance, weights, json_path,
-                   plot_path, fail_below_speedup, fail_above_p99_ms) -> None:
-    """``--batch-sizes``: every method at every batch size (:mod:`mtpctl.bench.batched`)."""
+def _bench_batched(session, built, encoded, sizes, max_new_tokens, sampling, policy, acceptance, weights, peers,
+                   json_path, plot_path, fail_below_speedup, fail_above_p99_ms) -> None:
+    """``--batch-sizes``: every method at every batch size (:mod:`mtpctl.bench.batched`), beside the
+    peers' runs at the same sizes (``peers``: vLLM's)."""
     drafters = {name: m.drafter for name, m in built.items()}
     runs = run_batch_sizes(session, drafters, encoded, sizes,
                            lambda ids: GenerationRequest(ids, max_new_tokens, sampling), policy, acceptance,
                            progress=lambda line: click.echo(line, err=True))
+    runs.update(peers)
     rows = summarize_batched(runs, weights)
     click.echo(format_batched(rows))
     if json_path:
