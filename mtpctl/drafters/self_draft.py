@@ -150,6 +150,12 @@ def stored_or_searched(session, progress: Optional[Callable[[str], None]] = None
     record = search_layers(session)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_file(path, json.dumps(record, indent=1) + "\n")
+    if progress is not None:
+        chosen = next(c for c in record["candidates"] if c["kept"] == len(record["layers"]))
+        verdict = "" if chosen["estimated_speedup"] > 1 else ": layer skipping does not pay on this model by this estimate"
+        progress(f"self-draft: layers {chosen['layers']} of {session.model.cfg.num_hidden_layers} agree with the "
+                 f"target on {chosen['agreement']:.0%} of tokens; estimated {chosen['estimated_speedup']:.2f}x plain "
+                 f"at draft length {chosen['draft_len']}{verdict}")
     return tuple(record["layers"])
 
 
@@ -187,7 +193,8 @@ def calibration_sequences(session) -> List[Tuple[List[int], int]]:
             last[record["category"]] = record
     sequences = []
     for record in last.values():
-        ids = session.codec.encode_messages(record["messages"])[-PROMPT_TOKENS:]
+        messages = record.get("messages") or [{"role": "user", "content": record["prompt"]}]
+        ids = session.codec.encode_messages(messages)[-PROMPT_TOKENS:]
         answer = session.generate(ids, ANSWER_TOKENS, SamplingParams()).token_ids
         sequences.append((ids + answer, len(ids) - 1))
     return sequences
@@ -280,7 +287,7 @@ def search_layers(session) -> dict:
     n_layers = cfg.num_hidden_layers
     agreement = _Agreement(model, calibration_sequences(session))
     importance = [agreement([i for i in range(n_layers) if i != drop]) for drop in range(n_layers)]
-    order = sorted(range(n_layers), key=lambda i: (-importance[i], i))  # most harmless to drop last
+    order = sorted(range(n_layers), key=lambda i: (importance[i], i))  # most needed first: the least agreement without it
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     per_layer = cfg.hidden_size * (2 * q + 2 * kv + 3 * cfg.intermediate_size)  # multiply-adds per token
     head = cfg.vocab_size * cfg.hidden_size
