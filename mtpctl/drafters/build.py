@@ -120,7 +120,8 @@ def check_required(parts: Sequence[str], opts: DraftOptions) -> None:
         raise BadInput(f"the shortest n-gram ({opts.ngram_min}) is longer than the longest ({opts.ngram_max})",
                        option="ngram_min")
     if "draft" in parts and not opts.draft_model:
-        raise BadInput("the draft drafter needs a draft model (check the pair with mtpctl pair TARGET MODEL)",
+        raise BadInput("the draft drafter needs a draft model (one checked with mtpctl pair TARGET MODEL, or self: "
+                       "the target's own layers)",
                        option="draft_model")
     if "ngram" in parts and opts.draft_len is None:
         raise BadInput("the prompt-lookup chain needs a fixed draft length, not an automatic one", option="draft_len")
