@@ -216,3 +216,52 @@ def test_lookahead_settings_parse():
     for text in ("5,4", "a,b,c", "5,4,5,1"):
         with pytest.raises(BadInput, match="W,N,G"):
             LookaheadSettings.parse(text)
+
+
+def cli(capsys, *args):
+    from mtpctl.cli.main import main
+
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_lookahead_is_plain_greedy(capsys, tiny_folder):
+    import json
+
+    args = ["generate", "-m", tiny_folder, "--json", "--max-new-tokens", 24, "--no-chat", "abcabcabc"]
+    _, plain, _ = cli(capsys, *args)
+    code, spec, err = cli(capsys, *args, "--speculate", "lookahead", "--lookahead", "3,3,2")
+    assert code == 0, err
+    spec = json.loads(spec)
+    assert spec["token_ids"] == json.loads(plain)["token_ids"] and spec["speculate"] == "lookahead"
+    assert spec["draft_len"] == LookaheadSettings(3, 3, 2).rows
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--speculate", "lookahead", "--lookahead", "4,3"], "expected W,N,G"),
+    (["--speculate", "lookahead", "--lookahead", "0,3,3"], "W >= 1"),
+    (["--speculate", "lookahead", "--lookahead", "20,5,3"], "verification supports 16 (--lookahead)"),
+    (["--speculate", "lookahead", "--lookahead", "16,2,120"], "does not fit the model's context of 128 tokens with a "
+                                                              "prompt (--lookahead)"),
+    (["--speculate", "ngram", "--lookahead", "4,3,3"], "goes with the lookahead drafter (--lookahead)"),
+])
+def test_cli_bad_lookahead_values_are_one_line_exit_2(capsys, tiny_folder, args, fragment):
+    code, out, err = cli(capsys, "generate", "-m", tiny_folder, *args, "hi")
+    assert code == 2 and out == "" and "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mtpctl: error:") and fragment in lines[0], err
+
+
+def test_bench_runs_lookahead_beside_plain(capsys, tiny_folder, tmp_path):
+    import json
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"category": "copy", "prompt": "abc abc abc abc"}) + "\n")
+    code = cli(capsys, "bench", "-m", tiny_folder, "--prompts", prompts, "--max-new-tokens", 12, "--repeats", 1,
+               "--methods", "plain,ngram+lookahead,lookahead", "--lookahead", "3,3,2", "--json", tmp_path / "b.json")[0]
+    assert code == 0
+    report = json.loads((tmp_path / "b.json").read_text())
+    methods = {m["method"]: m for m in report["methods"]}
+    assert list(methods) == ["plain", "ngram+lookahead", "lookahead"] and report["settings"]["lookahead"] == "3,3,2"
+    assert methods["lookahead"]["new_tokens"] == methods["plain"]["new_tokens"]
