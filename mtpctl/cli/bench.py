@@ -38,7 +38,7 @@ Examples:
   mtpctl bench --methods plain,heads,heads+ngram --heads heads/smollm2-medusa --dtype bfloat16 --draft-len 3 --limit 2
   mtpctl bench --methods plain,heads+ngram,heads+ngram+retrieval --heads heads/smollm2-medusa --dtype bfloat16 --limit 1
   mtpctl bench --methods plain,draft --draft smollm2-135m -m gemma3-270m --limit 1
-  mtpctl bench --dtype bfloat16 --methods plain,ngram,lookahead,ngram+lookahead --lookahead 4,3,3 --limit 1
+  mtpctl bench --dtype bfloat16 --methods plain,ngram,lookahead,ngram+lookahead --limit 1
   mtpctl bench --dtype bfloat16 --methods plain,draft,heads+draft --draft self --heads heads/smollm2-medusa --limit 1
   mtpctl bench --dtype bfloat16 --methods plain,ngram,heads+ngram --heads heads/smollm2-medusa --batch-sizes 1,2,4,8 --limit 3 --max-new-tokens 64 --plot batch.png
 """)

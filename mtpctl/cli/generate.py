@@ -64,7 +64,7 @@ Examples:
   mtpctl generate --dtype bfloat16 --weights int4 --speculate ngram "Repeat: a b c"
   mtpctl generate --speculate draft --draft smollm2-135m --draft-len auto -m gemma3-270m "Hi"
   mtpctl generate --speculate draft --draft self:0-9,20-29 --draft-len auto --stats "Name three colors."
-  mtpctl generate --speculate lookahead --lookahead 4,3,3 --dtype bfloat16 --stats "List three fruits."
+  mtpctl generate --speculate lookahead --lookahead 5,4,5 --dtype bfloat16 --stats "List three fruits."
   mtpctl generate --speculate heads+draft --heads heads/smollm2-medusa --draft self --dtype bfloat16 "Hi"
   mtpctl generate --speculate heads --heads heads/smollm2-medusa --stats "Explain KV caches."
   mtpctl generate --speculate heads --heads heads/smollm2-medusa --tree tree.yaml --dtype bfloat16 "Hi"

@@ -96,6 +96,7 @@ class LookaheadType(click.ParamType):
 
 
 LOOKAHEAD = LookaheadType()
+_LA = LookaheadSettings()  # the defaults, for --help
 
 
 def _apply(options) -> Callable:
@@ -166,8 +167,9 @@ def drafter_options(f):
         click.option("--ngram-min", type=click.IntRange(min=1), default=2, show_default=True,
                      help="Shortest n-gram the prompt-lookup drafter matches."),
         click.option("--lookahead", type=LOOKAHEAD, default=None,
-                     help="Lookahead decoding's window W, n-gram size N and candidates G [default: 4,3,3]: a pass "
-                          "carries W*(N-1)-1 window tokens and up to G*(N-1) candidate tokens."),
+                     help=f"Lookahead decoding's window W, n-gram size N and candidates G [default: "
+                          f"{_LA.window},{_LA.ngram},{_LA.candidates}]: a pass carries W*(N-1)-1 window tokens and up "
+                          "to G*(N-1) candidate tokens."),
         click.option("--acceptance", type=click.Choice(["exact", "typical"]), default="exact", show_default=True,
                      help="exact: lossless; typical: Medusa's typical acceptance when sampling (lossy)."),
     ])(f)
