@@ -228,3 +228,31 @@ def random_heads(model, num_heads=3, seed=0, draft_vocab=0):
     for p in heads.parameters():
         p.data = 0.3 * torch.randn(p.shape, generator=g)
     return heads.requires_grad_(False)
+
+
+def cli(capsys, *args):
+    """``mtpctl ARGS`` in this process: (exit code, stdout, stderr)."""
+    from mtpctl.cli.main import main
+
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def generate_plain_and(capsys, folder, *spec_args):
+    """``generate --json`` on ``folder`` plain and with ``spec_args``: (plain result, speculative
+    result, the speculative run's stderr); fails unless both exit 0."""
+    args = ["generate", "-m", folder, "--json", "--max-new-tokens", 24, "--no-chat", "abcabcabc"]
+    code, plain, err = cli(capsys, *args)
+    assert code == 0, err
+    code, spec, err = cli(capsys, *args, *spec_args)
+    assert code == 0, err
+    return json.loads(plain), json.loads(spec), err
+
+
+def assert_one_line_exit_2(code, out, err, fragment):
+    """A bad input's CLI outcome: exit 2, nothing on stdout, one ``mtpctl: error:`` line holding
+    ``fragment``, no traceback."""
+    assert code == 2 and out == "" and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mtpctl: error:") and fragment in lines[0], err

@@ -3,15 +3,14 @@ grafts the heads' candidates under the draft chain's nodes; heads+draft, draft+n
 heads+draft+ngram are plain greedy alone and batched; a draft model inside a merge drafts greedily
 and the merged tree keeps the target's distribution when sampling; missing settings are one error."""
 
-import json
 from collections import Counter
 
 import pytest
 import torch
 
-from helpers import PROMPT, exact_sequence_probs, greedy_reference, random_decoder, random_heads, run
+from helpers import (PROMPT, assert_one_line_exit_2, cli, exact_sequence_probs, generate_plain_and, greedy_reference,
+                     random_decoder, random_heads, run)
 from mtpctl.backends.torch import TorchEngine, TorchSession, verify_packed
-from mtpctl.cli.main import main
 from mtpctl.decode.drafter import TargetStep
 from mtpctl.decode.loop import Request, run as run_requests
 from mtpctl.decode.sampling import SamplingParams
@@ -124,20 +123,10 @@ def test_a_draft_model_inside_a_merge_drafts_greedily(tiny_session):
         HybridDrafter(heads_drafter(tiny_session.model), alone)
 
 
-def cli(capsys, *args):
-    code = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_cli_draft_and_ngram_merge_losslessly(capsys, tiny_folder, tmp_path, monkeypatch):
     monkeypatch.setenv("MTPCTL_HOME", str(tmp_path / "home"))
-    args = ["generate", "-m", tiny_folder, "--json", "--max-new-tokens", 24, "--no-chat", "abcabcabc"]
-    _, plain, _ = cli(capsys, *args)
-    code, spec, err = cli(capsys, *args, "--speculate", "ngram+draft", "--draft", "self:1")
-    assert code == 0, err
-    spec = json.loads(spec)
-    assert spec["token_ids"] == json.loads(plain)["token_ids"] and spec["speculate"] == "draft+ngram"
+    plain, spec, err = generate_plain_and(capsys, tiny_folder, "--speculate", "ngram+draft", "--draft", "self:1")
+    assert spec["token_ids"] == plain["token_ids"] and spec["speculate"] == "draft+ngram"
     assert spec["draft"]["layers"] == [1] and "drafting in ids (self-draft" in err
 
 
@@ -147,5 +136,4 @@ def test_cli_draft_and_ngram_merge_losslessly(capsys, tiny_folder, tmp_path, mon
     (["--speculate", "draft+ngram", "--draft", "self:0", "--draft-len", "auto"], "not an automatic one (--draft-len)"),
 ])
 def test_cli_merged_draft_settings_missing_are_one_line(capsys, tiny_folder, args, fragment):
-    code, out, err = cli(capsys, "generate", "-m", tiny_folder, *args, "hi")
-    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and fragment in err, err
+    assert_one_line_exit_2(*cli(capsys, "generate", "-m", tiny_folder, *args, "hi"), fragment)

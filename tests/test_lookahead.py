@@ -5,12 +5,14 @@ pool); the pool keeps G continuations per first token, least recently seen dropp
 plain greedy's alone, merged and batched; sampled output follows the target's distribution; settings
 no pass can carry are refused."""
 
+import json
 from collections import Counter
 
 import pytest
 import torch
 
-from helpers import PROMPT, exact_sequence_probs, greedy_reference, plain_decode_logits, random_decoder, random_heads, run
+from helpers import (PROMPT, assert_one_line_exit_2, cli, exact_sequence_probs, generate_plain_and, greedy_reference,
+                     plain_decode_logits, random_decoder, random_heads, run)
 from mtpctl.backends.torch import TorchEngine, verify_packed
 from mtpctl.decode.drafter import TargetStep
 from mtpctl.decode.loop import Request, run as run_requests
@@ -218,23 +220,9 @@ def test_lookahead_settings_parse():
             LookaheadSettings.parse(text)
 
 
-def cli(capsys, *args):
-    from mtpctl.cli.main import main
-
-    code = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_cli_lookahead_is_plain_greedy(capsys, tiny_folder):
-    import json
-
-    args = ["generate", "-m", tiny_folder, "--json", "--max-new-tokens", 24, "--no-chat", "abcabcabc"]
-    _, plain, _ = cli(capsys, *args)
-    code, spec, err = cli(capsys, *args, "--speculate", "lookahead", "--lookahead", "3,3,2")
-    assert code == 0, err
-    spec = json.loads(spec)
-    assert spec["token_ids"] == json.loads(plain)["token_ids"] and spec["speculate"] == "lookahead"
+    plain, spec, _ = generate_plain_and(capsys, tiny_folder, "--speculate", "lookahead", "--lookahead", "3,3,2")
+    assert spec["token_ids"] == plain["token_ids"] and spec["speculate"] == "lookahead"
     assert spec["draft_len"] == LookaheadSettings(3, 3, 2).rows
 
 
@@ -247,15 +235,10 @@ def test_cli_lookahead_is_plain_greedy(capsys, tiny_folder):
     (["--speculate", "ngram", "--lookahead", "4,3,3"], "goes with the lookahead drafter (--lookahead)"),
 ])
 def test_cli_bad_lookahead_values_are_one_line_exit_2(capsys, tiny_folder, args, fragment):
-    code, out, err = cli(capsys, "generate", "-m", tiny_folder, *args, "hi")
-    assert code == 2 and out == "" and "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("mtpctl: error:") and fragment in lines[0], err
+    assert_one_line_exit_2(*cli(capsys, "generate", "-m", tiny_folder, *args, "hi"), fragment)
 
 
 def test_bench_runs_lookahead_beside_plain(capsys, tiny_folder, tmp_path):
-    import json
-
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"category": "copy", "prompt": "abc abc abc abc"}) + "\n")
     code = cli(capsys, "bench", "-m", tiny_folder, "--prompts", prompts, "--max-new-tokens", 12, "--repeats", 1,

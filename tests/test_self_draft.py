@@ -11,9 +11,9 @@ from collections import Counter
 import pytest
 import torch
 
-from helpers import PROMPT, exact_sequence_probs, greedy_reference, random_decoder, run, write_tiny_checkpoint
+from helpers import (PROMPT, assert_one_line_exit_2, cli, exact_sequence_probs, generate_plain_and, greedy_reference,
+                     random_decoder, run, write_tiny_checkpoint)
 from mtpctl.backends.torch import TorchEngine, TorchSession
-from mtpctl.cli.main import main
 from mtpctl.decode.sampling import SamplingParams
 from mtpctl.decode.session import GenerationRequest
 from mtpctl.decode.tree import DraftTree
@@ -137,19 +137,10 @@ def test_the_search_is_deterministic(tiny_session):
     assert self_draft.search_layers(tiny_session) == self_draft.search_layers(tiny_session)
 
 
-def cli(capsys, *args):
-    code = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_cli_self_draft_is_plain_greedy_and_names_itself(capsys, tiny_folder, home):
-    args = ["generate", "-m", tiny_folder, "--json", "--max-new-tokens", 24, "--no-chat", "abcabcabc"]
-    code, plain, _ = cli(capsys, *args)
-    code2, spec, err = cli(capsys, *args, "--speculate", "draft", "--draft", "self:1", "--draft-len", "auto")
-    assert code == code2 == 0
-    assert json.loads(spec)["token_ids"] == json.loads(plain)["token_ids"]
-    assert json.loads(spec)["draft"]["mode"] == "ids (self-draft: layers 1 of 2)"
+    plain, spec, err = generate_plain_and(capsys, tiny_folder, "--speculate", "draft", "--draft", "self:1",
+                                          "--draft-len", "auto")
+    assert spec["token_ids"] == plain["token_ids"] and spec["draft"]["mode"] == "ids (self-draft: layers 1 of 2)"
     assert "self-draft: layers 1 of 2" in err
 
 
@@ -161,7 +152,4 @@ def test_cli_self_draft_is_plain_greedy_and_names_itself(capsys, tiny_folder, ho
     (["--speculate", "ngram", "--draft", "self:1"], "(--draft)"),
 ])
 def test_cli_bad_self_drafts_are_one_line_exit_2(capsys, tiny_folder, home, args, fragment):
-    code, out, err = cli(capsys, "generate", "-m", tiny_folder, *args, "hi")
-    assert code == 2 and out == ""
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("mtpctl: error:") and fragment in lines[0], err
+    assert_one_line_exit_2(*cli(capsys, "generate", "-m", tiny_folder, *args, "hi"), fragment)
