@@ -6,7 +6,6 @@ and the merged tree keeps the target's distribution when sampling; missing setti
 from collections import Counter
 
 import pytest
-import torch
 
 from helpers import (PROMPT, assert_one_line_exit_2, cli, exact_sequence_probs, generate_plain_and, greedy_reference,
                      random_decoder, random_heads, run)

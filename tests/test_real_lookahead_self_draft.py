@@ -3,7 +3,6 @@
 greedy's alone and in a batch, and lookahead accepts drafts on chat prompts."""
 
 import pytest
-import torch
 
 from helpers import random_heads
 from mtpctl.backends.torch import TorchSession
