@@ -153,3 +153,23 @@ def test_cli_self_draft_is_plain_greedy_and_names_itself(capsys, tiny_folder, ho
 ])
 def test_cli_bad_self_drafts_are_one_line_exit_2(capsys, tiny_folder, home, args, fragment):
     assert_one_line_exit_2(*cli(capsys, "generate", "-m", tiny_folder, *args, "hi"), fragment)
+
+
+def test_a_gemma3_self_draft_keeps_its_layers_windows_and_ropes():
+    """Gemma 3's layers carry their own sliding window and rope: a subset keeps each kept layer's, so
+    its draft over a context longer than the window is the subset's own model, and greedy stays
+    plain greedy."""
+    from helpers import random_state_dict
+    from mtpctl.model.config import DecoderConfig
+    from mtpctl.model.decoder import Decoder
+    from test_gemma3 import TINY
+
+    cfg = DecoderConfig.from_dict({"model_type": "gemma3_text", **TINY})
+    model = Decoder(cfg)
+    model.load_hf_tensors(random_state_dict(cfg, seed=2))
+    sub = layer_subset(model, (1, 3))
+    assert sub.cfg.layer_windows == (cfg.layer_windows[1], cfg.layer_windows[3]) == (None, 4)
+    assert sub.local_rope == (False, True)
+    prompt = [5, 17, 42, 9, 3, 50, 7, 5, 17, 60]
+    result = run(model, DraftModelDrafter(sub, cfg.vocab_size, draft_len=3), max_new=30, prompt=prompt)
+    assert result.token_ids == greedy_reference(model, prompt, 30) and result.stats.draft_tokens > 0

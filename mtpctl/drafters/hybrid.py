@@ -55,7 +55,7 @@ class HybridDrafter:
 
     def propose(self, context: Sequence[int], max_tokens: int, last: Optional[TargetStep] = None) -> DraftTree:
         pending = context[-1]
-        chain = self.draft.propose(context, self.draft.budget, last)
+        chain = self.draft.propose(context, min(self.draft.budget, max_tokens), last)
         if last is None or max_tokens <= 0:
             return merge_trees(pending, [chain], max_tokens)
         tree = self.heads.tree
