@@ -6,6 +6,7 @@ and the merged tree keeps the target's distribution when sampling; missing setti
 from collections import Counter
 
 import pytest
+import torch
 
 from helpers import (PROMPT, assert_one_line_exit_2, cli, exact_sequence_probs, generate_plain_and, greedy_reference,
                      random_decoder, random_heads, run)
@@ -136,3 +137,36 @@ def test_cli_draft_and_ngram_merge_losslessly(capsys, tiny_folder, tmp_path, mon
 ])
 def test_cli_merged_draft_settings_missing_are_one_line(capsys, tiny_folder, args, fragment):
     assert_one_line_exit_2(*cli(capsys, "generate", "-m", tiny_folder, *args, "hi"), fragment)
+
+
+def test_bench_runs_heads_with_draft_and_lookahead(capsys, tiny_folder, tmp_path, monkeypatch):
+    """heads+draft (Hydra heads: the heads' tree and the chain merge without grafts) and
+    heads+lookahead from a head folder, in mtpctl bench: plain's tokens, drafts verified, and the
+    self-draft adds no memory to heads+draft beyond the heads."""
+    import json
+
+    from mtpctl.drafters.heads.config import HeadsConfig
+    from mtpctl.drafters.heads.folder import save_heads
+    from mtpctl.drafters.heads.medusa import MedusaHeads
+    from mtpctl.model.weights import weights_hash
+
+    monkeypatch.setenv("MTPCTL_HOME", str(tmp_path / "home"))
+    cfg = json.loads((tiny_folder / "config.json").read_text())
+    heads = MedusaHeads(HeadsConfig("hydra", 2, 1, False, cfg["hidden_size"], cfg["vocab_size"], token_conditioned=True,
+                                    target_hash=weights_hash(tiny_folder), tree=[[0], [1], [0, 0]]))
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    (tmp_path / "heads").mkdir()
+    save_heads(heads, tmp_path / "heads")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"category": "copy", "prompt": "abc abc abc abc"}) + "\n")
+    code, _, err = cli(capsys, "bench", "-m", tiny_folder, "--prompts", prompts, "--max-new-tokens", 12, "--repeats", 1,
+                       "--methods", "plain,heads,draft+heads,lookahead+heads", "--heads", tmp_path / "heads",
+                       "--draft", "self:1", "--json", tmp_path / "b.json")
+    assert code == 0, err
+    methods = {m["method"]: m for m in json.loads((tmp_path / "b.json").read_text())["methods"]}
+    assert list(methods) == ["plain", "heads", "heads+draft", "heads+lookahead"]
+    for name in ("heads+draft", "heads+lookahead"):
+        assert methods[name]["new_tokens"] == methods["plain"]["new_tokens"] and methods[name]["acceptance_rate"] is not None
+    extra = methods["heads+draft"]["peak_memory_bytes"] - methods["heads"]["peak_memory_bytes"]
+    assert 0 <= extra < 16 * 1024  # a few more KV slots for the larger draft; no weights (the model's are ~360 KB)
