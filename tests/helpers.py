@@ -256,3 +256,21 @@ def assert_one_line_exit_2(code, out, err, fragment):
     assert code == 2 and out == "" and "Traceback" not in err, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("mtpctl: error:") and fragment in lines[0], err
+
+
+def tiny_hydra_folder(tiny_folder: Path, out: Path) -> Path:
+    """A head folder of 2 random token-conditioned Hydra heads for the tiny checkpoint ``tiny_folder``
+    (tree [[0], [1], [0, 0]]), written to ``out``."""
+    from mtpctl.drafters.heads.config import HeadsConfig
+    from mtpctl.drafters.heads.folder import save_heads
+    from mtpctl.drafters.heads.medusa import MedusaHeads
+    from mtpctl.model.weights import weights_hash
+
+    cfg = json.loads((tiny_folder / "config.json").read_text())
+    heads = MedusaHeads(HeadsConfig("hydra", 2, 1, False, cfg["hidden_size"], cfg["vocab_size"], token_conditioned=True,
+                                    target_hash=weights_hash(tiny_folder), tree=[[0], [1], [0, 0]]))
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    out.mkdir()
+    save_heads(heads, out)
+    return out

@@ -6,10 +6,9 @@ and the merged tree keeps the target's distribution when sampling; missing setti
 from collections import Counter
 
 import pytest
-import torch
 
 from helpers import (PROMPT, assert_one_line_exit_2, cli, exact_sequence_probs, generate_plain_and, greedy_reference,
-                     random_decoder, random_heads, run)
+                     random_decoder, random_heads, run, tiny_hydra_folder)
 from mtpctl.backends.torch import TorchEngine, TorchSession, verify_packed
 from mtpctl.decode.drafter import TargetStep
 from mtpctl.decode.loop import Request, run as run_requests
@@ -145,19 +144,8 @@ def test_bench_runs_heads_with_draft_and_lookahead(capsys, tiny_folder, tmp_path
     self-draft adds no memory to heads+draft beyond the heads."""
     import json
 
-    from mtpctl.drafters.heads.config import HeadsConfig
-    from mtpctl.drafters.heads.folder import save_heads
-    from mtpctl.drafters.heads.medusa import MedusaHeads
-    from mtpctl.model.weights import weights_hash
-
     monkeypatch.setenv("MTPCTL_HOME", str(tmp_path / "home"))
-    cfg = json.loads((tiny_folder / "config.json").read_text())
-    heads = MedusaHeads(HeadsConfig("hydra", 2, 1, False, cfg["hidden_size"], cfg["vocab_size"], token_conditioned=True,
-                                    target_hash=weights_hash(tiny_folder), tree=[[0], [1], [0, 0]]))
-    for p in heads.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    (tmp_path / "heads").mkdir()
-    save_heads(heads, tmp_path / "heads")
+    tiny_hydra_folder(tiny_folder, tmp_path / "heads")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"category": "copy", "prompt": "abc abc abc abc"}) + "\n")
     code, _, err = cli(capsys, "bench", "-m", tiny_folder, "--prompts", prompts, "--max-new-tokens", 12, "--repeats", 1,
