@@ -3,6 +3,7 @@ grafts the heads' candidates under the draft chain's nodes; heads+draft, draft+n
 heads+draft+ngram are plain greedy alone and batched; a draft model inside a merge drafts greedily
 and the merged tree keeps the target's distribution when sampling; missing settings are one error."""
 
+import json
 from collections import Counter
 
 import pytest
@@ -142,8 +143,6 @@ def test_bench_runs_heads_with_draft_and_lookahead(capsys, tiny_folder, tmp_path
     """heads+draft (Hydra heads: the heads' tree and the chain merge without grafts) and
     heads+lookahead from a head folder, in mtpctl bench: plain's tokens, drafts verified, and the
     self-draft adds no memory to heads+draft beyond the heads."""
-    import json
-
     monkeypatch.setenv("MTPCTL_HOME", str(tmp_path / "home"))
     tiny_hydra_folder(tiny_folder, tmp_path / "heads")
     prompts = tmp_path / "prompts.jsonl"
