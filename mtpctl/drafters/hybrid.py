@@ -1,8 +1,8 @@
 """A draft model and MTP heads in one draft tree: the small model guesses a chain, the target's heads
 add their own tree from the last committed row and, under each node of the chain, their candidates for
-the next position (head d + 1's top-k under the chain's node at depth d: "the small model guesses 4,
-the large model's heads predict 2 each"). One verify pass checks everything; acceptance is the usual
-one over the merged tree, so the hybrid is lossless.
+the next position (head d + 1's top :data:`GRAFT` under the chain's node at depth d: "the small model
+guesses 4, the large model's heads predict 2 each"). One verify pass checks everything; acceptance is
+the usual one over the merged tree, so the hybrid is lossless.
 
 Every candidate is deterministic: the draft model drafts its greedy chain here whatever the sampling
 settings (the merged tree's q is one-hot, as for every merged tree), which keeps tree rejection
@@ -20,8 +20,10 @@ from mtpctl.drafters.draft_model import DraftModelDrafter
 from mtpctl.drafters.heads.medusa import MedusaDrafter
 from mtpctl.drafters.merged import merge_trees
 
-#: the heads' candidates grafted under each node of the draft chain
-GRAFT = 2
+#: the heads' candidates grafted under each node of the draft chain (with the recipe's Medusa heads and
+#: a 24-layer self-draft of SmolLM2, tau 1.99 with no graft, 1.99 with 1, 2.00 with 2 or 3: the heads'
+#: own tree already holds most of what they would graft; docs/findings.md, section 14)
+GRAFT = 1
 
 
 def grafts_heads(heads) -> bool:
