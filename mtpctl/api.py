@@ -62,13 +62,14 @@ def load(model: str = DEFAULT_MODEL, speculate: str = "none", heads: Optional[st
          sampling: SamplingParams = SamplingParams(), **drafter_settings) -> LLM:
     """Load ``model`` (an alias, checkpoint folder, .gguf file or hub id; an ``mtpctl export`` folder
     for the ``onnxruntime`` and ``tensorrt`` backends) and the drafter ``speculate`` names
-    (``none``, ``ngram``, ``heads``, ``retrieval``, ``draft``, or several joined by ``+``).
+    (``none``, ``ngram``, ``heads``, ``retrieval``, ``draft``, ``lookahead``, or several joined by ``+``).
 
     Args:
         heads: an MTP head folder (``mtpctl add-heads``) for the heads and retrieval drafters.
         sampling: the settings a draft model samples with (the target's, when generating sampled).
         drafter_settings: the other drafter settings, by their :class:`~mtpctl.drafters.build.DraftOptions`
-            names (``tree_nodes``, ``draft_len``, ``draft_model``, ``datastore``, ...).
+            names (``tree_nodes``, ``draft_len``, ``draft_model`` (``"self"`` or ``"self:0-11,20-29"``: the
+            target's own layers), ``datastore``, ``lookahead`` (``(W, N, G)``), ...).
 
     Raises:
         BadInput, ModelNotFound, CorruptModel, UnsupportedModel: the model, heads or settings are unusable.

@@ -245,3 +245,48 @@ def generate_json(main, capsys, args: Sequence[str]) -> dict:
     capsys.readouterr()
     assert main(["generate", *args, "--json"]) == 0
     return json.loads(capsys.readouterr().out)
+
+def cli(capsys, *args):
+    """``mtpctl ARGS`` in this process: (exit code, stdout, stderr)."""
+    from mtpctl.cli.main import main
+
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def generate_plain_and(capsys, folder, *spec_args):
+    """``generate --json`` on ``folder`` plain and with ``spec_args``: (plain result, speculative
+    result, the speculative run's stderr); fails unless both exit 0."""
+    args = ["generate", "-m", folder, "--json", "--max-new-tokens", 24, "--no-chat", "abcabcabc"]
+    code, plain, err = cli(capsys, *args)
+    assert code == 0, err
+    code, spec, err = cli(capsys, *args, *spec_args)
+    assert code == 0, err
+    return json.loads(plain), json.loads(spec), err
+
+
+def assert_one_line_exit_2(code, out, err, fragment):
+    """A bad input's CLI outcome: exit 2, nothing on stdout, one ``mtpctl: error:`` line holding
+    ``fragment``, no traceback."""
+    assert code == 2 and out == "" and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mtpctl: error:") and fragment in lines[0], err
+
+
+def tiny_hydra_folder(tiny_folder: Path, out: Path) -> Path:
+    """A head folder of 2 random token-conditioned Hydra heads for the tiny checkpoint ``tiny_folder``
+    (tree [[0], [1], [0, 0]]), written to ``out``."""
+    from mtpctl.drafters.heads.config import HeadsConfig
+    from mtpctl.drafters.heads.folder import save_heads
+    from mtpctl.drafters.heads.medusa import MedusaHeads
+    from mtpctl.model.weights import weights_hash
+
+    cfg = json.loads((tiny_folder / "config.json").read_text())
+    heads = MedusaHeads(HeadsConfig("hydra", 2, 1, False, cfg["hidden_size"], cfg["vocab_size"], token_conditioned=True,
+                                    target_hash=weights_hash(tiny_folder), tree=[[0], [1], [0, 0]]))
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    out.mkdir()
+    save_heads(heads, out)
+    return out

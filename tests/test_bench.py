@@ -123,20 +123,9 @@ def test_unwritable_outputs_fail_before_any_work(capsys, tiny_folder, prompt_fil
 
 
 def test_heads_and_heads_plus_ngram_methods(capsys, tiny_folder, prompt_file, tmp_path):
-    import torch
+    from helpers import tiny_hydra_folder
 
-    from mtpctl.drafters.heads.config import HeadsConfig
-    from mtpctl.drafters.heads.folder import save_heads
-    from mtpctl.drafters.heads.medusa import MedusaHeads
-    from mtpctl.model.weights import weights_hash
-
-    cfg = json.loads((tiny_folder / "config.json").read_text())
-    heads = MedusaHeads(HeadsConfig("hydra", 2, 1, False, cfg["hidden_size"], cfg["vocab_size"], token_conditioned=True,
-                                    target_hash=weights_hash(tiny_folder), tree=[[0], [1], [0, 0]]))
-    for p in heads.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    (tmp_path / "heads").mkdir()
-    save_heads(heads, tmp_path / "heads")
+    tiny_hydra_folder(tiny_folder, tmp_path / "heads")
     code, out, err, report = bench(capsys, tiny_folder, prompt_file, tmp_path, "--methods", "plain,heads,heads+ngram",
                                    "--heads", str(tmp_path / "heads"), "--draft-len", "3")
     assert code == 0, err

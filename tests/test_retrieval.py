@@ -106,7 +106,7 @@ def test_retrieval_merged_with_heads_and_ngram_is_lossless(capsys, tiny_folder, 
     (["--speculate", "retrieval"], "needs a datastore file, or a head folder that carries one (--datastore)"),
     (["--speculate", "heads+bogus"], "unknown drafter"),
     (["--speculate", "ngram+ngram"], "unknown drafter"),
-    (["--speculate", "draft+ngram"], "unknown drafter"),
+    (["--speculate", "draft+ngram"], "needs a draft model"),  # draft merges since issue 21; it needs --draft
     (["--speculate", "ngram", "--datastore", "x.safetensors"], "goes with the retrieval drafter (--datastore)"),
     (["--speculate", "ngram", "--retrieval-nodes", "5"], "goes with the retrieval drafter (--retrieval-nodes)"),
     (["--speculate", "retrieval", "--datastore", "missing.safetensors"], "no retrieval datastore"),

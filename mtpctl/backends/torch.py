@@ -186,8 +186,9 @@ class TorchEngine:
 
 
 def verify_packed(engines: Sequence[TorchEngine], trees: Sequence[DraftTree]) -> List[TorchStepOutput]:
-    """Score each engine's draft tree in one forward pass of the shared model: the trees' nodes packed
-    one sequence after another (not padded), each reading and writing its own engine's KV cache.
+    """Score each engine's draft tree in one forward pass of the shared model: the trees' rows (nodes,
+    then any extra rows) packed one sequence after another (not padded), each reading and writing its
+    own engine's KV cache.
     Every kernel on the path computes a row the same alone or among others, so each engine's output
     is bit for bit what :meth:`TorchEngine.verify` of its tree alone gives. Nothing is committed.
 
@@ -199,12 +200,12 @@ def verify_packed(engines: Sequence[TorchEngine], trees: Sequence[DraftTree]) ->
     if any(e.model is not model or e.native != native or e.aux_layers != aux_layers for e in engines):
         raise ValueError("engines verified together must share one model, one attention path and their aux layers")
     shapes = [(e.length,) + tree_shape(t) for e, t in zip(engines, trees)]
-    slots = PassSlots([e.cache for e in engines], [len(t) for t in trees])
+    slots = PassSlots([e.cache for e in engines], [t.rows for t in trees])
     plans = pass_plans(model.cfg.layer_windows, native, shapes)
     if native:
         for plan in plans.values():
             check_plan(plan, slots.kv)
-    ids = torch.tensor([[token for t in trees for token in t.tokens]], dtype=torch.long)
+    ids = torch.tensor([[token for t in trees for token in t.pass_tokens]], dtype=torch.long)
     positions = torch.cat([length + depth for length, depth, _ in shapes])[None]
     aux = dict.fromkeys(aux_layers) if aux_layers else None
     with torch.inference_mode():

@@ -11,7 +11,7 @@ from mtpctl.decode.loop import GenerationResult
 from mtpctl.decode.policy import Policy
 from mtpctl.decode.sampling import SamplingParams
 from mtpctl.decode.session import Session
-from mtpctl.drafters.build import DraftOptions, build, check, load_parts, parse
+from mtpctl.drafters.build import DraftOptions, build, check, draft_member, load_parts, parse
 from mtpctl.errors import BadInput
 
 
@@ -36,7 +36,7 @@ def parse_methods(text: str) -> List[str]:
 class Method:
     """One way to decode: ``run(prompt ids)`` generates with ``drafter`` (None: plain decoding);
     ``drafter_bytes`` is the memory of the drafter's own weights and data (heads, datastore, draft
-    model), bytes."""
+    model; a self-draft's weights are the target's), bytes."""
 
     name: str
     run: Callable[[List[int]], GenerationResult]
@@ -46,10 +46,12 @@ class Method:
 
 def build_methods(session: Session, names: Sequence[str], opts: DraftOptions, sampling: SamplingParams,
                   max_new_tokens: int, acceptance: str = "exact",
-                  make_policy: Callable[[], Optional[Policy]] = lambda: None) -> Dict[str, Method]:
+                  make_policy: Callable[[], Optional[Policy]] = lambda: None,
+                  progress: Optional[Callable[[str], None]] = None) -> Dict[str, Method]:
     """Every method of ``names`` (see :func:`parse_methods`) for ``session``, the heads and datastore
     loaded once and shared; each generation speculates under a fresh ``make_policy()`` (None: every
-    step drafts the whole budget).
+    step drafts the whole budget); ``progress`` receives a line before a long preparation (a
+    self-draft's layer search).
 
     Raises:
         BadInput, CorruptModel, UnsupportedModel: see :func:`mtpctl.drafters.build.build`.
@@ -63,11 +65,9 @@ def build_methods(session: Session, names: Sequence[str], opts: DraftOptions, sa
     store_bytes = shared.store.tokens.nbytes + shared.store.keys.nbytes if shared.store is not None else 0
     methods = {}
     for name, parts in specs.items():
-        drafter = build(session, parts, opts, sampling, shared)
-        if parts == ("draft",):
-            size = drafter.model.weight_bytes
-        else:
-            size = head_bytes * ("heads" in parts) + store_bytes * ("retrieval" in parts)
+        drafter = build(session, parts, opts, sampling, shared, progress)
+        draft = draft_member(drafter)
+        size = head_bytes * ("heads" in parts) + store_bytes * ("retrieval" in parts) + (draft.weight_bytes if draft else 0)
 
         def run(ids, drafter=drafter):
             return session.generate(ids, max_new_tokens, sampling, drafter, acceptance=acceptance, policy=make_policy())

@@ -17,11 +17,12 @@ from mtpctl.bench.peers import llamacpp_runner, transformers_runner
 from mtpctl.bench.batched import format_batched, plot_batched, run_batch_sizes, stops_paying, summarize_batched
 from mtpctl.bench.report import build_report, check_gates, format_profile, format_table, plot, select_prompts, write_json
 from mtpctl.bench.vllm_peer import apply_figures, require_vllm, vllm_batched, vllm_peers
-from mtpctl.cli.options import (Command, check_backend, debug_option, draft_options_from, drafter_options, model_options,
-                                policy_option, sampling_from, sampling_options, session_mode)
+from mtpctl.cli.options import (Command, check_backend, debug_option, draft_line, draft_options_from, drafter_options,
+                                model_options, policy_option, sampling_from, sampling_options, session_mode)
 from mtpctl.decode.policy import make_policy
 from mtpctl.decode.session import GenerationRequest
-from mtpctl.drafters.build import RETRIEVAL_NODES, check, datastore_path
+from mtpctl.drafters.build import RETRIEVAL_NODES, check, datastore_path, draft_member
+from mtpctl.drafters.lookahead import LookaheadSettings
 from mtpctl.errors import BadInput
 from mtpctl.files import check_writable, write_file
 from mtpctl.model.sources import gguf_source
@@ -40,12 +41,14 @@ Examples:
   mtpctl bench --methods plain,heads,heads+ngram --heads heads/smollm2-medusa --dtype bfloat16 --draft-len 3 --limit 2
   mtpctl bench --methods plain,heads+ngram,heads+ngram+retrieval --heads heads/smollm2-medusa --dtype bfloat16 --limit 1
   mtpctl bench --methods plain,draft --draft smollm2-135m -m gemma3-270m --limit 1
+  mtpctl bench --dtype bfloat16 --methods plain,ngram,lookahead,ngram+lookahead --limit 1
+  mtpctl bench --dtype bfloat16 --methods plain,draft,heads+draft --draft self --heads heads/smollm2-medusa --limit 1
   mtpctl bench --dtype bfloat16 --methods plain,ngram,heads+ngram --heads heads/smollm2-medusa --batch-sizes 1,2,4,8 --limit 3 --max-new-tokens 64 --plot batch.png
 """)
 @click.option("--methods", default="plain,ngram", show_default=True,
-              help="Comma-separated: plain, draft (--draft), or drafters as in generate --speculate: ngram, heads "
-                   "(--heads), retrieval (--datastore or the heads' datastore) or several joined by '+' "
-                   "(heads+ngram merges the heads' tree with a --draft-len prompt-lookup chain).")
+              help="Comma-separated: plain, or drafters as in generate --speculate: ngram, heads (--heads), draft "
+                   "(--draft), retrieval (--datastore or the heads' datastore), lookahead (--lookahead) or several "
+                   "joined by '+' (heads+ngram merges the heads' tree with a --draft-len prompt-lookup chain).")
 @click.option("--batch-sizes", default=None,
               help="Comma-separated batch sizes (e.g. 1,2,4,8,16): every method runs the whole prompt set through "
                    "continuous batching at each size; the table gives throughput, speedup over plain at the same "
@@ -112,10 +115,11 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ma
         return make_policy(options["speculate_policy"], mode)
 
     policy()  # a missing cost table is one error line before any run
-    built = build_methods(session, names, opts, sampling, max_new_tokens, options["acceptance"], policy)
-    if "draft" in built:
-        pairing = built["draft"].drafter.pairing
-        click.echo(f"draft {pairing.draft.folder}: {pairing.verdict}, drafting in {pairing.mode}", err=True)
+    built = build_methods(session, names, opts, sampling, max_new_tokens, options["acceptance"], policy,
+                          progress=lambda line: click.echo(f"mtpctl: {line}", err=True))
+    draft = next((d for d in map(draft_member, (m.drafter for m in built.values())) if d is not None), None)
+    if draft is not None:
+        click.echo(draft_line(draft.describe()), err=True)
     weights = {name: session.weight_bytes + m.drafter_bytes for name, m in built.items()}
     if sizes:
         peers = {}
@@ -151,6 +155,7 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ma
         "weights": options["weights"], "max_new_tokens": max_new_tokens, "temperature": sampling.temperature,
         "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed, "acceptance": options["acceptance"],
         "draft_len": opts.draft_len or "auto", "draft": opts.draft_model, "repeats": repeats, "prompts": len(prompts),
+        "lookahead": _lookahead_field(opts.lookahead) if "lookahead" in used else None,
         "heads": opts.heads_dir, "tree": opts.tree_file, "tree_nodes": opts.tree_nodes,
         "ngram_max": opts.ngram_max, "ngram_min": opts.ngram_min,
         "datastore": str(datastore_path(opts)) if "retrieval" in used else None,
@@ -233,3 +238,9 @@ def vllm_configs(session, opts, heads_out: Path) -> dict:
         configs["vllm-heads"] = ({"method": method, "model": str(heads_out), "num_speculative_tokens": cfg.num_heads},
                                  method != "medusa")
     return configs
+
+
+def _lookahead_field(settings) -> str:
+    """The report's ``lookahead`` setting, W,N,G (the defaults where none was given)."""
+    s = settings or LookaheadSettings()
+    return f"{s.window},{s.ngram},{s.candidates}"

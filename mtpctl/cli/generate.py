@@ -13,11 +13,11 @@ import click
 from mtpctl.backends import open_session
 from mtpctl.backends.torch import set_threads
 from mtpctl.cli.batch import BadRecord, read_records, result_json
-from mtpctl.cli.options import (Command, debug_option, draft_options_from, drafter_options, model_options,
+from mtpctl.cli.options import (Command, debug_option, draft_line, draft_options_from, drafter_options, model_options,
                                 policy_option, sampling_from, sampling_options, session_mode)
 from mtpctl.decode.policy import make_policy
 from mtpctl.decode.session import GenerationRequest
-from mtpctl.drafters.build import build, check, parse
+from mtpctl.drafters.build import build, check, draft_member, parse
 from mtpctl.errors import BadInput, MtpctlError, OutputClosed
 from mtpctl.files import check_writable, write_file
 
@@ -63,6 +63,9 @@ Examples:
   mtpctl generate --temperature 0.8 --top-p 0.95 --seed 1 --stop $'\\n\\n' "Once upon a time"
   mtpctl generate --dtype bfloat16 --weights int4 --speculate ngram "Repeat: a b c"
   mtpctl generate --speculate draft --draft smollm2-135m --draft-len auto -m gemma3-270m "Hi"
+  mtpctl generate --speculate draft --draft self:0-9,20-29 --draft-len auto --stats "Name three colors."
+  mtpctl generate --speculate lookahead --lookahead 5,4,5 --dtype bfloat16 --stats "List three fruits."
+  mtpctl generate --speculate heads+draft --heads heads/smollm2-medusa --draft self --dtype bfloat16 "Hi"
   mtpctl generate --speculate heads --heads heads/smollm2-medusa --stats "Explain KV caches."
   mtpctl generate --speculate heads --heads heads/smollm2-medusa --tree tree.yaml --dtype bfloat16 "Hi"
   mtpctl generate --speculate heads+ngram --heads heads/smollm2-medusa --dtype bfloat16 --stats "Summarize: ..."
@@ -82,10 +85,11 @@ Examples:
 @click.option("--out", "out_path", type=click.Path(dir_okay=False),
               help="With --batch-file: write the results to this file (atomically) instead of stdout.")
 @click.option("--speculate", default="none", show_default=True,
-              help="Drafter: none (plain decoding), draft (a draft model, --draft), or one or more of heads (MTP "
-                   "heads, --heads), ngram (prompt lookup, a chain of --draft-len tokens) and retrieval (a tree of "
-                   "--retrieval-nodes continuations from a datastore of the target's own text) joined by '+', "
-                   "merged into one draft tree: e.g. heads+ngram+retrieval.")
+              help="Drafter: none (plain decoding), or one or more of heads (MTP heads, --heads), draft (a draft "
+                   "model or the target's own layers, --draft), ngram (prompt lookup, a chain of --draft-len tokens), "
+                   "retrieval (a tree of --retrieval-nodes continuations from a datastore of the target's own text) "
+                   "and lookahead (lookahead decoding, --lookahead) joined by '+', merged into one draft tree: e.g. "
+                   "heads+ngram+retrieval, heads+draft, ngram+lookahead.")
 @policy_option
 @drafter_options
 @sampling_options
@@ -122,12 +126,11 @@ def generate_cmd(prompt, prompt_file, batch_file, max_batch, out_path, speculate
     set_threads(options["threads"])
     session = open_session(options["model"], options["backend"], options["dtype"], options["weights"], options["threads"])
     sampling = sampling_from(options)
-    drafter = build(session, parts, opts, sampling)
+    drafter = build(session, parts, opts, sampling, progress=lambda line: click.echo(f"mtpctl: {line}", err=True))
     policy = make_policy(options["speculate_policy"], session_mode(session))
     fields = _settings(session, parts, drafter, opts, options)
-    if parts == ("draft",):
-        click.echo(f"draft {fields['draft']['folder']}: {fields['draft']['verdict']}, drafting in "
-                   f"{fields['draft']['mode']}", err=True)
+    if fields["draft"] is not None:
+        click.echo(draft_line(fields["draft"]), err=True)
     if batch_file is not None:
         data = sys.stdin.buffer.read() if batch_file == "-" else _read_bytes(batch_file)
         records = read_records(data, max_new_tokens, sampling, tuple(stop_strings))
@@ -206,11 +209,8 @@ def _run_batch(session, records, drafter, policy, max_batch, no_chat, parse_spec
 def _settings(session, parts, drafter, opts, options) -> dict:
     """The fields every JSON result carries about how it was generated."""
     torch_backend = options["backend"] == "torch"
-    draft_info = None
-    if parts == ("draft",):
-        pairing = drafter.pairing
-        draft_info = {"folder": str(pairing.draft.folder), "verdict": pairing.verdict, "mode": pairing.mode,
-                      "draft_len": opts.draft_len or "auto"}
+    draft = draft_member(drafter)
+    draft_info = None if draft is None else {**draft.describe(), "draft_len": opts.draft_len or "auto"}
     return {"model": str(session.folder), "speculate": "+".join(parts) or "none", "draft": draft_info,
             "draft_len": drafter.budget if drafter else 0, "speculate_policy": options["speculate_policy"],
             "backend": options["backend"], "dtype": options["dtype"], "weights": options["weights"],

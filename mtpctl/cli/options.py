@@ -8,7 +8,7 @@ library's settings):
 - :func:`sampling_options`: ``--temperature``, ``--top-k``, ``--top-p``, ``--seed`` -> :func:`sampling_from`;
 - :func:`drafter_options`: the drafters' settings (``--heads``, ``--tree``, ``--tree-nodes``,
   ``--draft-len``, ``--draft``, ``--draft-map``, ``--datastore``, ``--retrieval-nodes``,
-  ``--ngram-max``, ``--ngram-min``, ``--acceptance``) -> :func:`draft_options_from`.
+  ``--ngram-max``, ``--ngram-min``, ``--lookahead``, ``--acceptance``) -> :func:`draft_options_from`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from mtpctl.backends import BACKENDS
 from mtpctl.decode.policy import POLICIES
 from mtpctl.decode.sampling import SamplingParams
 from mtpctl.drafters.build import DraftOptions
+from mtpctl.drafters.lookahead import LookaheadSettings
 from mtpctl.errors import BadInput, MtpctlError
 from mtpctl.model.sources import DEFAULT_MODEL
 
@@ -79,6 +80,25 @@ class DraftLenType(click.ParamType):
 DRAFT_LEN = DraftLenType()
 
 
+class LookaheadType(click.ParamType):
+    """``--lookahead W,N,G``: three whole numbers -> :class:`LookaheadSettings` (what a pass can carry
+    is checked against the model once it is loaded)."""
+
+    name = "W,N,G"
+
+    def convert(self, value, param, ctx):
+        if value is None or isinstance(value, LookaheadSettings):
+            return value
+        try:
+            return LookaheadSettings.parse(str(value))
+        except BadInput as err:
+            self.fail(str(err), param, ctx)
+
+
+LOOKAHEAD = LookaheadType()
+_LA = LookaheadSettings()  # the defaults, for --help
+
+
 def _apply(options) -> Callable:
     def decorate(f):
         for option in reversed(options):
@@ -133,7 +153,9 @@ def drafter_options(f):
                      help="Most draft tokens of the prompt-lookup chain or the draft model per step; auto (draft "
                           "model): longer after a fully accepted draft, shorter after a rejection."),
         click.option("--draft", "draft_model", default=None,
-                     help="Draft model for the draft drafter (alias, folder, .gguf); check it with mtpctl pair."),
+                     help="Draft model for the draft drafter (alias, folder, .gguf; check it with mtpctl pair), or "
+                          "self[:LAYERS]: the target through some of its own layers (self:0-11,20-29; plain self "
+                          "chooses them by a short search on calibration prompts, once per model and dtype)."),
         click.option("--draft-map", type=click.Path(dir_okay=False), default=None,
                      help="Id map from mtpctl pair --out (else computed from the tokenizers)."),
         click.option("--datastore", type=click.Path(dir_okay=False), default=None,
@@ -144,6 +166,10 @@ def drafter_options(f):
                      help="Longest n-gram the prompt-lookup drafter matches."),
         click.option("--ngram-min", type=click.IntRange(min=1), default=2, show_default=True,
                      help="Shortest n-gram the prompt-lookup drafter matches."),
+        click.option("--lookahead", type=LOOKAHEAD, default=None,
+                     help=f"Lookahead decoding's window W, n-gram size N and candidates G [default: "
+                          f"{_LA.window},{_LA.ngram},{_LA.candidates}]: a pass carries W*(N-1)-1 window tokens and up "
+                          "to G*(N-1) candidate tokens."),
         click.option("--acceptance", type=click.Choice(["exact", "typical"]), default="exact", show_default=True,
                      help="exact: lossless; typical: Medusa's typical acceptance when sampling (lossy)."),
     ])(f)
@@ -167,6 +193,11 @@ def session_mode(session) -> Optional[str]:
 def draft_options_from(options: dict) -> DraftOptions:
     """The drafters' settings of :func:`drafter_options`' values."""
     return DraftOptions(**{name: options[name] for name in DraftOptions.__dataclass_fields__})
+
+
+def draft_line(draft: dict) -> str:
+    """The stderr line naming the draft model a run drafts with (:meth:`DraftModelDrafter.describe`)."""
+    return f"draft {draft['folder']}: {draft['verdict']}, drafting in {draft['mode']}"
 
 
 def debug_option(f):

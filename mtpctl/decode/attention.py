@@ -24,17 +24,33 @@ from mtpctl.model.native import SlotPlan
 
 
 def tree_shape(tree: DraftTree) -> tuple:
-    """``(depth [N] long, tree_mask [N, N] bool or None)`` of a verify pass: None for a chain (every
-    slot at its position, causal), else the tree's ancestor mask."""
-    if tree.is_chain:
-        return torch.arange(len(tree)), None
-    return tree.depth_tensor(), tree.ancestor_mask()
+    """``(depth [R] long, tree_mask [R, R] bool or None)`` of a verify pass of ``tree.rows`` rows:
+    None for a chain (every slot at its position, causal), else the tree's ancestor mask; with extra
+    rows (:class:`~mtpctl.decode.tree.ExtraRows`) their offsets follow the nodes' depths and the mask
+    grows by their rows (each sees the root, the extra rows it lists and itself)."""
+    if tree.extra is None:
+        if tree.is_chain:
+            return torch.arange(len(tree)), None
+        return tree.depth_tensor(), tree.ancestor_mask()
+    n, extra = len(tree), tree.extra
+    depth = torch.cat((tree.depth_tensor(), torch.tensor(extra.offsets, dtype=torch.long)))
+    mask = torch.zeros(tree.rows, tree.rows, dtype=torch.bool)
+    mask[:n, :n] = tree.ancestor_mask()
+    for r, seen in enumerate(extra.sees):
+        mask[n + r, [0] + [n + j for j in seen] + [n + r]] = True
+    return depth, mask
 
 
 def graph_step_inputs(past: int, tree: DraftTree) -> tuple:
     """Position ids ``[1, N]`` and the bool attention mask ``[1, N, past + N]`` (True = may attend)
     of a pass of the N nodes of ``tree`` after ``past`` committed tokens, as an exported graph takes
-    them (:mod:`mtpctl.backends.graph`)."""
+    them (:mod:`mtpctl.backends.graph`).
+
+    Raises:
+        ValueError: a tree with extra rows (exported graphs verify draft tree nodes only).
+    """
+    if tree.extra is not None:
+        raise ValueError("exported graphs verify draft tree nodes only, not extra rows")
     n = len(tree)
     depth, tree_mask = tree_shape(tree)
     new = torch.ones(n, n, dtype=torch.bool).tril() if tree_mask is None else tree_mask

@@ -22,12 +22,14 @@ class TargetStep:
     """The target's last forward pass as a drafter sees it: ``out`` and ``row``, the row whose
     prediction is the pending token. MTP drafters read ``out.hidden_states[row]`` (or an exported
     graph's ``out.head_logits[row]``). After a verify pass ``rows`` lists the rows it committed (the
-    accepted path, ``row`` last); after prefill it is None, and the torch engine's output carries
-    every prompt row as ``out.prompt_hidden_states`` (EAGLE reads every committed position)."""
+    accepted path, ``row`` last) and ``tree`` the draft tree it verified; after prefill both are None,
+    and the torch engine's output carries every prompt row as ``out.prompt_hidden_states`` (EAGLE reads
+    every committed position)."""
 
     out: StepOutput
     row: int
     rows: Optional[List[int]] = None  # [m] rows of ``out`` committed, in position order; None after prefill
+    tree: Optional[DraftTree] = None  # the tree that pass verified (its extra rows follow its nodes); None after prefill
 
 
 #: one row's proposal request: (context, max_tokens, last), the arguments of ``Drafter.propose``

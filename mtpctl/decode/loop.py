@@ -190,7 +190,7 @@ class _Row:
         """Commit this step's accepted path of ``tree`` (``result``), check the stops."""
         self.steps += 1
         self.engine.commit(result.path)
-        self.last = TargetStep(out, result.path[-1], list(result.path))
+        self.last = TargetStep(out, result.path[-1], list(result.path), tree)
         before = len(self.stop.tokens)
         self.done = self._commit(result.tokens)
         committed = len(self.stop.tokens) - before
@@ -312,7 +312,7 @@ def _step(rows: List[_Row], verify_many: VerifyMany, policy: Policy, acceptance:
             continue
         tree = trees[row.index]
         row.settle(tree, out, result)
-        policy.observe(row.index, tree.drafted, row.stats.accepted_per_step[-1] - 1)
+        policy.observe(row.index, tree.rows - 1, row.stats.accepted_per_step[-1] - 1)
     phases["commit"] = lap()
     step_ms = (clock[-1] - clock[0]) * 1e3
     for row in rows:

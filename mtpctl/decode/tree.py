@@ -11,14 +11,47 @@ Glossary:
 - chain: a tree where node i follows node i - 1 (prompt lookup, draft models).
 
 Row i of a verify pass is node i, so the engine, acceptance and commit use the same indices: no
-shifting anywhere.
+shifting anywhere. A tree may carry extra rows after its nodes (:class:`ExtraRows`: lookahead
+decoding's Jacobi window), which the pass computes but acceptance never reads and commit never keeps.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+
+@dataclass(frozen=True)
+class ExtraRows:
+    """Rows of a verify pass that are not draft tokens, carried after a tree's N nodes (rows N..N+M-1):
+    lookahead decoding's Jacobi window, whose predictions feed its n-gram pool. Row r holds
+    ``tokens[r]`` at position ``committed length + offsets[r]`` (the root at offset 0) and attends to
+    the committed tokens, the root, the earlier extra rows ``sees[r]`` (in position order) and itself,
+    never to the tree's other nodes; no node attends to it. Acceptance never reads these rows and
+    commit never keeps their KV; the drafter that attached them reads their logits in its next call
+    (:attr:`mtpctl.decode.drafter.TargetStep.tree` is the tree the pass verified).
+
+    Raises:
+        ValueError: lengths that differ, an offset below 1, or a row that sees a row not before it.
+    """
+
+    tokens: Tuple[int, ...]
+    offsets: Tuple[int, ...]
+    sees: Tuple[Tuple[int, ...], ...]
+
+    def __post_init__(self):
+        if not len(self.tokens) == len(self.offsets) == len(self.sees):
+            raise ValueError(f"extra rows: {len(self.tokens)} tokens, {len(self.offsets)} offsets, {len(self.sees)} "
+                             "attention lists")
+        for r, (offset, seen) in enumerate(zip(self.offsets, self.sees)):
+            if offset < 1 or any(not 0 <= j < r for j in seen):
+                raise ValueError(f"extra row {r} at offset {offset} sees rows {list(seen)}: offsets start at 1 and a "
+                                 "row sees only rows before it")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
 
 
 class DraftTree:
@@ -33,6 +66,7 @@ class DraftTree:
         depths: ``[N]`` each node's depth (root 0).
         q: ``[N, vocab]`` float32, row i the drafter's distribution that node i's token was drawn from
             (row 0 unused); None for deterministic drafts (q one-hot at each draft token).
+        extra: rows the pass carries after the nodes (:class:`ExtraRows`), or None.
     """
 
     def __init__(self, root: int):
@@ -40,6 +74,7 @@ class DraftTree:
         self.parents: List[int] = [-1]
         self.depths: List[int] = [0]
         self.q: Optional[torch.Tensor] = None
+        self.extra: Optional[ExtraRows] = None
         self._children: List[List[int]] = [[]]
         self._by_edge: Dict[Tuple[int, int], int] = {}
         self._chain = True
@@ -114,6 +149,16 @@ class DraftTree:
         return len(self.tokens) - 1
 
     @property
+    def rows(self) -> int:
+        """Rows of the verify pass: the nodes, then the extra rows."""
+        return len(self.tokens) + (len(self.extra) if self.extra is not None else 0)
+
+    @property
+    def pass_tokens(self) -> List[int]:
+        """The tokens of the verify pass's rows: the nodes', then the extra rows'."""
+        return self.tokens + (list(self.extra.tokens) if self.extra is not None else [])
+
+    @property
     def depth(self) -> int:
         """The deepest node's depth: the most draft tokens one step can accept."""
         return max(self.depths)
@@ -143,4 +188,5 @@ class DraftTree:
         return torch.tensor(self.depths, dtype=torch.long)
 
     def __repr__(self) -> str:
-        return f"DraftTree(tokens={self.tokens}, parents={self.parents})"
+        extra = f", extra={len(self.extra)} rows" if self.extra is not None else ""
+        return f"DraftTree(tokens={self.tokens}, parents={self.parents}{extra})"

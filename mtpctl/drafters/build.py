@@ -1,8 +1,9 @@
 """Drafters named by a spec, for the CLI, the library and the benchmarks alike.
 
-A spec is ``none``, ``draft`` (a draft model), or one or more of ``heads``, ``ngram`` and
-``retrieval`` joined by ``+``: several are merged into one draft tree in that order (the heads'
-tree, then the prompt-lookup chain, then the retrieval tree). :class:`DraftOptions` holds the
+A spec is ``none``, or one or more of ``heads``, ``draft`` (a draft model, or the target's own
+layers: ``self``), ``ngram``, ``retrieval`` and ``lookahead`` joined by ``+``: several are merged into
+one draft tree in that order (the heads' tree, the draft chain with the heads' candidates grafted
+under it, the prompt-lookup chain, the retrieval tree, the lookahead candidates and window). :class:`DraftOptions` holds the
 settings; :func:`check` refuses missing settings and settings no drafter of a spec uses, before any
 model loads;
 :func:`load_parts` loads what the spec needs once (heads, datastore), so that several drafters of
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence, Tuple, Union
+from typing import Callable, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -28,30 +29,34 @@ from mtpctl.drafters.heads.eagle3 import Eagle3Drafter, check_aux_layers
 from mtpctl.drafters.heads.folder import load_heads
 from mtpctl.drafters.heads.medusa import HydraDrafter, MedusaDrafter
 from mtpctl.drafters.heads.tree import DEFAULT_TREE_NODES, StaticTree, tree_from_accuracy
+from mtpctl.drafters.draft_model import DraftModelDrafter
+from mtpctl.drafters.hybrid import HybridDrafter, grafts_heads
+from mtpctl.drafters.lookahead import LookaheadDrafter, LookaheadSettings
 from mtpctl.drafters.merged import MergedDrafter
 from mtpctl.drafters.ngram import NgramDrafter
 from mtpctl.drafters.retrieval import DATASTORE_FILE, Datastore, RetrievalDrafter
+from mtpctl.drafters.self_draft import is_self, self_drafter
 from mtpctl.errors import BadInput, UnsupportedModel
 from mtpctl.files import sha256_file
 
-MERGEABLE = ("heads", "ngram", "retrieval")
-SPECS = ("none", "draft") + MERGEABLE
+MERGEABLE = ("heads", "draft", "ngram", "retrieval", "lookahead")  # in merge order
+SPECS = ("none",) + MERGEABLE
 RETRIEVAL_NODES = 4  # default size of the retrieval tree
 
 
 def parse(spec: str) -> Tuple[str, ...]:
-    """``heads+ngram`` -> ``("heads", "ngram")`` in merge order; ``none`` -> ``()``; ``draft`` -> ``("draft",)``.
+    """``heads+ngram`` -> ``("heads", "ngram")`` in merge order; ``none`` -> ``()``.
 
     Raises:
-        BadInput: an unknown name, a name twice, or ``draft``/``none`` joined with others.
+        BadInput: an unknown name, a name twice, or ``none`` joined with others.
     """
     parts = tuple(p.strip() for p in spec.split("+"))
-    if parts in (("none",), ("draft",)):
-        return () if parts == ("none",) else parts
+    if parts == ("none",):
+        return ()
     unknown = [p for p in parts if p not in MERGEABLE]
     if unknown or len(set(parts)) != len(parts):
-        raise BadInput(f"unknown drafter {spec!r}: use none, draft, or one or more of "
-                       f"{', '.join(MERGEABLE)} joined by '+' (e.g. heads+ngram+retrieval)", option="speculate")
+        raise BadInput(f"unknown drafter {spec!r}: use none, or one or more of {', '.join(MERGEABLE)} joined by '+' "
+                       "(e.g. heads+ngram+retrieval, heads+draft, ngram+lookahead)", option="speculate")
     return tuple(p for p in MERGEABLE if p in parts)
 
 
@@ -67,8 +72,9 @@ class DraftOptions:
     ngram_min: int = 2  # shortest n-gram matched [ngram]
     datastore: Optional[str] = None  # retrieval datastore file (default: the head folder's) [retrieval]
     retrieval_nodes: Optional[int] = None  # nodes of the retrieval tree (None: RETRIEVAL_NODES) [retrieval]
-    draft_model: Optional[str] = None  # the draft model: alias, folder, .gguf file [draft]
+    draft_model: Optional[str] = None  # the draft model: alias, folder, .gguf file, or self[:LAYERS] [draft]
     draft_map: Optional[str] = None  # an id map from mtpctl pair --out [draft]
+    lookahead: Optional[LookaheadSettings] = None  # window, n-gram size, candidates (None: defaults) [lookahead]
 
 
 def check(parts: Sequence[str], opts: DraftOptions) -> None:
@@ -88,6 +94,10 @@ def check(parts: Sequence[str], opts: DraftOptions) -> None:
                 raise BadInput("this setting goes with the draft drafter only", option=name)
         if opts.draft_len is None:
             raise BadInput("an automatic draft length goes with the draft drafter only", option="draft_len")
+    if opts.draft_map and is_self(opts.draft_model):
+        raise BadInput("a self-draft shares the target's vocabulary: it takes no id map", option="draft_map")
+    if opts.lookahead is not None and "lookahead" not in parts:
+        raise BadInput("this setting goes with the lookahead drafter", option="lookahead")
     if opts.heads_dir and not parts & {"heads", "retrieval"}:
         raise BadInput("a head folder goes with the heads or retrieval drafters", option="heads_dir")
     for name in ("tree_file", "tree_nodes"):
@@ -111,7 +121,8 @@ def check_required(parts: Sequence[str], opts: DraftOptions) -> None:
         raise BadInput(f"the shortest n-gram ({opts.ngram_min}) is longer than the longest ({opts.ngram_max})",
                        option="ngram_min")
     if "draft" in parts and not opts.draft_model:
-        raise BadInput("the draft drafter needs a draft model (check the pair with mtpctl pair TARGET MODEL)",
+        raise BadInput("the draft drafter needs a draft model (one checked with mtpctl pair TARGET MODEL, or self: "
+                       "the target's own layers)",
                        option="draft_model")
     if "ngram" in parts and opts.draft_len is None:
         raise BadInput("the prompt-lookup chain needs a fixed draft length, not an automatic one", option="draft_len")
@@ -276,40 +287,91 @@ def read_tree(path: str, num_heads: int) -> StaticTree:
 
 
 def build(session: Session, spec: Union[str, Sequence[str]], opts: Optional[DraftOptions] = None,
-          sampling: SamplingParams = SamplingParams(), parts: Optional[Parts] = None) -> Optional[Drafter]:
-    """The drafter a spec names (None for ``none``): one drafter alone, their merged tree, or a draft
-    model paired with the session's target (:func:`mtpctl.drafters.pairing.session_drafter`).
+          sampling: SamplingParams = SamplingParams(), parts: Optional[Parts] = None,
+          progress: Optional[Callable[[str], None]] = None) -> Optional[Drafter]:
+    """The drafter a spec names (None for ``none``): one drafter alone, or their merged tree (a draft
+    model and Medusa heads as one :class:`~mtpctl.drafters.hybrid.HybridDrafter` member).
 
     Args:
         session: the target's session.
         spec: ``heads+ngram`` or its parsed parts (:func:`parse`).
         opts: the drafters' settings (defaults: :class:`DraftOptions`).
-        sampling: the target's sampling settings (a draft model samples with them).
+        sampling: the target's sampling settings (a draft model alone samples with them; inside a
+            merge it drafts greedily).
         parts: heads and datastore loaded before (:func:`load_parts`), shared by several drafters;
             loaded here when None.
+        progress: receives a line before a long preparation (the self-draft's layer search).
 
     Raises:
         BadInput, CorruptModel, UnsupportedModel: see :func:`check_required`, :func:`load_parts`,
-            :func:`heads_drafter` and the pairing.
+            :func:`heads_drafter`, :func:`draft_drafter` and :func:`lookahead_drafter`.
     """
     names = parse(spec) if isinstance(spec, str) else tuple(spec)
     opts = opts or DraftOptions()
     check_required(names, opts)
     if not names:
         return None
-    if names == ("draft",):
-        from mtpctl.drafters.pairing import session_drafter
-
-        return session_drafter(session, opts.draft_model, sampling, opts.draft_len,
-                               Path(opts.draft_map) if opts.draft_map else None)
     parts = parts if parts is not None else load_parts(session, names, opts)
     members = []
     for name in names:
         if name == "heads":
             tree = read_tree(opts.tree_file, parts.heads.cfg.num_heads) if opts.tree_file else None
             members.append(heads_drafter(session, parts.heads, tree, opts.tree_nodes))
+        elif name == "draft":
+            members.append(draft_drafter(session, opts, sampling if len(names) == 1 else SamplingParams(), progress))
         elif name == "ngram":
             members.append(NgramDrafter(opts.ngram_max, opts.ngram_min, opts.draft_len))
+        elif name == "lookahead":
+            members.append(lookahead_drafter(session, opts.lookahead))
         else:
             members.append(RetrievalDrafter(parts.store, budget=opts.retrieval_nodes or RETRIEVAL_NODES))
+    if "heads" in names and "draft" in names and grafts_heads(members[0]):
+        members[:2] = [HybridDrafter(members[0], members[1])]
     return members[0] if len(members) == 1 else MergedDrafter(members)
+
+
+def draft_drafter(session: Session, opts: DraftOptions, sampling: SamplingParams,
+                  progress: Optional[Callable[[str], None]] = None) -> DraftModelDrafter:
+    """The draft model ``opts.draft_model`` names for the session's target: ``self[:LAYERS]``, the
+    target's own layers (:func:`mtpctl.drafters.self_draft.self_drafter`), else a model paired with
+    the target (:func:`mtpctl.drafters.pairing.session_drafter`).
+
+    Raises:
+        BadInput, ModelNotFound, CorruptModel, UnsupportedModel: see those two.
+    """
+    if is_self(opts.draft_model):
+        return self_drafter(session, opts.draft_model, sampling, opts.draft_len, progress)
+    from mtpctl.drafters.pairing import session_drafter
+
+    return session_drafter(session, opts.draft_model, sampling, opts.draft_len,
+                           Path(opts.draft_map) if opts.draft_map else None)
+
+
+def lookahead_drafter(session: Session, settings=None) -> LookaheadDrafter:
+    """Lookahead decoding with ``settings`` (:class:`LookaheadSettings`, ``(W, N, G)`` or ``"W,N,G"``;
+    None: the defaults) for the session's target.
+
+    Raises:
+        BadInput: an exported backend (their graphs verify draft tree nodes only), or settings whose
+            pass does not fit (:meth:`LookaheadSettings.check`).
+    """
+    if isinstance(session, GraphSession):
+        raise BadInput(f"lookahead decoding runs on the torch backend, not {session.backend}", option="backend")
+    if isinstance(settings, str):
+        settings = LookaheadSettings.parse(settings)
+    elif isinstance(settings, (tuple, list)):
+        settings = LookaheadSettings(*settings)
+    settings = settings or LookaheadSettings()
+    settings.check(session.context_length)
+    return LookaheadDrafter(settings)
+
+
+def draft_member(drafter: Optional[Drafter]) -> Optional[DraftModelDrafter]:
+    """The draft model's drafter inside ``drafter`` (alone, merged or in a hybrid), or None."""
+    if isinstance(drafter, DraftModelDrafter):
+        return drafter
+    for member in getattr(drafter, "drafters", ()):
+        found = draft_member(member)
+        if found is not None:
+            return found
+    return draft_member(getattr(drafter, "draft", None)) if isinstance(drafter, HybridDrafter) else None

@@ -124,6 +124,9 @@ class DraftModelDrafter:
         seed: seed of the drafter's own generator (sampled drafts); None draws one from the OS.
         pairing: the vocabulary verdict the drafter was built from (:class:`mtpctl.drafters.pairing.Pairing`),
             kept for reports.
+        source: what :meth:`describe` reports where there is no pairing (a self-draft: folder,
+            verdict, mode, layers).
+        shared_weights: the draft's weights are the target's own (a self-draft): they add no memory.
 
     Raises:
         ValueError: ``id_map`` and ``text`` both given, an ``id_map`` of the wrong length or with
@@ -133,13 +136,14 @@ class DraftModelDrafter:
     def __init__(self, model: Decoder, target_vocab: int, sampling: Optional[SamplingParams] = None,
                  draft_len: Optional[int] = None, max_draft_len: int = AUTO_MAX,
                  id_map: Optional[Sequence[int]] = None, text: Optional[TextBridge] = None,
-                 allowed: Optional[torch.Tensor] = None, seed: Optional[int] = None, pairing=None):
+                 allowed: Optional[torch.Tensor] = None, seed: Optional[int] = None, pairing=None,
+                 source: Optional[dict] = None, shared_weights: bool = False):
         if id_map is not None and text is not None:
             raise ValueError("an id map and cross-tokenizer text mode exclude each other")
         if (draft_len is not None and draft_len < 1) or max_draft_len < 1:
             raise ValueError(f"draft length must be at least 1, got {draft_len} (max {max_draft_len})")
         self.model = model
-        self.pairing = pairing
+        self.pairing, self.source, self.shared_weights = pairing, source, shared_weights
         self.vocab = model.cfg.vocab_size  # the draft's logits width
         self.target_vocab = int(target_vocab)
         self.max_positions = model.cfg.max_position_embeddings
@@ -193,6 +197,20 @@ class DraftModelDrafter:
         through the draft's chat template), used while the context starts with that prompt. Without
         it the prompt is decoded and re-encoded like the output."""
         self._prompt_key, self._prompt_draft = tuple(target_prompt), list(draft_prompt)
+
+    def describe(self) -> dict:
+        """The draft as reports show it: ``folder``, ``verdict`` and ``mode`` (ids, mapped ids, text, or
+        a self-draft's layers)."""
+        if self.source is not None:
+            return dict(self.source)
+        if self.pairing is None:
+            return {"folder": None, "verdict": None, "mode": "text" if self.text is not None else "ids"}
+        return {"folder": str(self.pairing.draft.folder), "verdict": self.pairing.verdict, "mode": self.pairing.mode}
+
+    @property
+    def weight_bytes(self) -> int:
+        """Memory of the draft's own weights, bytes (0 for a self-draft: they are the target's)."""
+        return 0 if self.shared_weights else self.model.weight_bytes
 
     # -- the Drafter protocol ------------------------------------------------------------------
     def fork(self) -> "DraftModelDrafter":

@@ -17,9 +17,10 @@ class MergedDrafter:
     Each drafter proposes up to its own budget of tokens; their new nodes are taken in order until
     ``max_tokens`` nodes are reached, and nodes deeper than ``max_depth`` are left out (a merged
     draft is a tree, and the torch engine verifies trees up to
-    :data:`mtpctl.decode.attention.MAX_DRAFT_DEPTH` deep). The merged budget is the sum of theirs.
-    Candidates stay deterministic (their draft distributions one-hot), so greedy and tree rejection
-    sampling over the merged tree stay lossless.
+    :data:`mtpctl.decode.attention.MAX_DRAFT_DEPTH` deep). A lookahead window (extra rows) comes
+    first where it fits (:func:`merge_trees`). The merged budget is the sum of theirs. Candidates stay
+    deterministic (their draft distributions one-hot; a draft model inside a merge drafts greedily),
+    so greedy and tree rejection sampling over the merged tree stay lossless.
 
     Args:
         drafters: the drafters, in merge order.
@@ -56,20 +57,35 @@ class MergedDrafter:
                                                  for d in self.drafters])
 
     def _merge(self, context: Sequence[int], max_tokens: int, trees: Sequence[DraftTree]) -> DraftTree:
-        """The members' trees (in merge order) as one trie of at most ``max_tokens`` nodes."""
-        merged = DraftTree(context[-1])
-        for tree in trees:
-            if merged.drafted >= max_tokens:
-                break
-            if tree.q is not None:
-                raise ValueError("MergedDrafter merges deterministic drafters only (this one samples)")
-            where = {0: 0}  # the member's node -> the merged tree's node (None: left out)
-            for node in range(1, len(tree)):
-                parent = where[tree.parents[node]]
-                token = tree.tokens[node]
-                found = None if parent is None else merged.child(parent, token)
-                if found is None and parent is not None and merged.drafted < max_tokens \
-                        and merged.depths[parent] < self.max_depth:
-                    found = merged.add(parent, token)
-                where[node] = found
-        return merged
+        return merge_trees(context[-1], trees, max_tokens, self.max_depth)
+
+
+def merge_trees(pending: int, trees: Sequence[DraftTree], max_tokens: int, max_depth: int = MAX_DRAFT_DEPTH) -> DraftTree:
+    """Deterministic drafters' trees (in merge order) as one trie of at most ``max_tokens`` rows under
+    ``pending``: a path two trees share is one path; nodes deeper than ``max_depth`` are left out. A
+    tree's extra rows (a lookahead window, at most one tree's) come along when they fit: they are
+    counted first, and the nodes fill the rest.
+
+    Raises:
+        ValueError: a tree that carries draft distributions (a sampled draft), which a merged tree
+            cannot carry.
+    """
+    merged = DraftTree(pending)
+    extra = next((t.extra for t in trees if t.extra is not None), None)
+    if extra is not None and len(extra) <= max_tokens:
+        merged.extra, max_tokens = extra, max_tokens - len(extra)
+    for tree in trees:
+        if merged.drafted >= max_tokens:
+            break
+        if tree.q is not None:
+            raise ValueError("MergedDrafter merges deterministic drafters only (this one samples)")
+        where = {0: 0}  # the member's node -> the merged tree's node (None: left out)
+        for node in range(1, len(tree)):
+            parent = where[tree.parents[node]]
+            token = tree.tokens[node]
+            found = None if parent is None else merged.child(parent, token)
+            if found is None and parent is not None and merged.drafted < max_tokens \
+                    and merged.depths[parent] < max_depth:
+                found = merged.add(parent, token)
+            where[node] = found
+    return merged
