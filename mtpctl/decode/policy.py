@@ -79,7 +79,7 @@ class CostModelPolicy:
         probe_every: steps after which a row left out drafts once.
     """
 
-    def __init__(self, costs: PassCosts, decay: float = 0.7, probe_every: int = 8):
+    def __init__(self, costs: PassCosts, decay: float = 0.9, probe_every: int = 4):
         self.costs, self.decay, self.probe_every = costs, decay, probe_every
         self._accepted: Dict[int, float] = {}
         self._drafted: Dict[int, float] = {}
