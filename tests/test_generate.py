@@ -115,8 +115,8 @@ class RandomDrafter:
     def __init__(self, q: torch.Tensor, seed: int, budget: int = 3):
         self.q, self.g, self.budget = q, torch.Generator().manual_seed(seed), budget
 
-    def propose(self, context, max_tokens, last=None):
-        tokens = torch.multinomial(self.q, max_tokens, replacement=True, generator=self.g).tolist()
+    def propose(self, context, max_tokens, last=None):  # max_tokens may be 0: the loop asks every step
+        tokens = torch.multinomial(self.q, max_tokens, replacement=True, generator=self.g).tolist() if max_tokens else []
         return DraftTree.chain([context[-1]] + tokens, self.q.repeat(max_tokens, 1))
 
 

@@ -21,18 +21,16 @@ from mtpctl.model.tokenizer import TextCodec
 from mtpctl.model.weights import weights_hash
 
 WEIGHTS = ("dense", "int4")
-#: a dense lm_head computes every row of a pass of at most this many rows at the first read
-ALL_ROWS = 16
 
 
 class PassLogits:
     """The logits of a pass's rows, computed on demand and shared by the sequences whose rows the
-    pass carries, in as few lm_head calls as the reads allow: rows asked for ahead
-    (:meth:`want`, e.g. every sequence's next row in a round of greedy acceptance) are computed
-    together with the next row read. A dense lm_head computes every row of a small pass (at most
-    :data:`ALL_ROWS`) at the first read: it reads its weights once per call, and a few extra rows cost
-    less than a second call. An int4 lm_head computes only the rows read (its cost grows with the
-    rows of a call).
+    pass carries, in as few lm_head calls as the reads allow: rows asked for ahead (:meth:`want`:
+    greedy acceptance asks for every node of every tree) are computed together with the next row
+    read, in one call that reads the lm_head's weights once. A row read without being asked for
+    (sampled acceptance reads row by row) is computed with every other row of the pass where the
+    lm_head is dense (its weights are read once a call, a row costs little beside that), alone where
+    it is int4 (whose cost grows with the rows of a call).
     """
 
     def __init__(self, model: Decoder, hidden_states: torch.Tensor):
@@ -56,7 +54,7 @@ class PassLogits:
 
     def row(self, i: int) -> torch.Tensor:
         """Row i's logits ``[vocab]`` float32."""
-        if self._all is None and not self.model.logits_by_row and len(self.hidden_states) <= ALL_ROWS:
+        if self._all is None and i not in self._rows and i not in self._wanted and not self.model.logits_by_row:
             self.all()
         if self._all is not None:
             return self._all[i]

@@ -26,6 +26,9 @@ class Policy(Protocol):
     def observe(self, row: int, drafted: int, accepted: int) -> None:
         """A row's step: ``drafted`` nodes verified, ``accepted`` draft tokens accepted."""
 
+    def observe_step(self, rows: int, nodes: int, step_ms: float) -> None:
+        """A whole step: ``rows`` rows in its pass, ``nodes`` of them draft nodes, ``step_ms`` long."""
+
 
 class AlwaysDraft:
     """Every row drafts as much as its room allows, every step (``--speculate-policy always``)."""
@@ -34,6 +37,9 @@ class AlwaysDraft:
         return list(rooms)
 
     def observe(self, row: int, drafted: int, accepted: int) -> None:
+        pass
+
+    def observe_step(self, rows: int, nodes: int, step_ms: float) -> None:
         pass
 
 
@@ -66,17 +72,20 @@ class CostModelPolicy:
     """``--speculate-policy auto``: drafts only where they are expected to pay for the rows they add.
 
     Each row keeps running means (exponential, weight ``decay`` on the past) of the draft tokens it
-    got accepted and of the nodes it drafted, over the steps it was allowed to draft. Each step starts
-    from every row's pending token alone (one row each, one token each) and admits the rows' drafts in
-    order of accepted tokens per node while the expected tokens per ms, ``tokens / costs(rows)``,
-    rises. So a lone request drafts whenever its drafts are worth their rows, a full batch drafts
-    less or not at all, and a row whose drafts keep failing stops drafting; a row left out
-    ``probe_every`` steps in a row drafts once to measure itself again.
+    got accepted and of the nodes it drafted, over the steps it drafted. A step's cost is the measured
+    cost of a pass of its rows (:class:`PassCosts`) plus what the steps show a draft node costs
+    beyond its row in the pass (drafting, acceptance's extra lm_head rows, merging; learnt from the
+    steps' own times, :meth:`observe_step`). Each step starts from every row's pending token alone
+    (one row each, one token each) and admits the rows' drafts in order of accepted tokens per node
+    while the expected tokens per ms rises. So a lone request drafts whenever its drafts are worth
+    their rows, a full batch drafts less or not at all, and a row whose drafts keep failing stops
+    drafting; one row a step, the one left out longest (at least ``probe_every`` steps), drafts anyway
+    to measure itself again.
 
     Args:
         costs: the pass costs of the mode the session runs (:class:`PassCosts`).
         decay: weight of the past in the running means.
-        probe_every: steps after which a row left out drafts once.
+        probe_every: steps a row is left out before it may probe.
     """
 
     def __init__(self, costs: PassCosts, decay: float = 0.9, probe_every: int = 4):
@@ -84,22 +93,31 @@ class CostModelPolicy:
         self._accepted: Dict[int, float] = {}
         self._drafted: Dict[int, float] = {}
         self._left_out: Dict[int, int] = {}
+        self.base_ms = 0.0  # steps without drafts: measured time - costs(rows), running mean
+        self.node_ms = 0.0  # steps with drafts: (measured - costs(rows) - base_ms) per node, running mean
+        self._seen_base = self._seen_node = False
+
+    def cost(self, rows: float, nodes: float) -> float:
+        """Expected ms of a step of ``rows`` rows, ``nodes`` of them draft nodes."""
+        return self.costs(rows) + self.base_ms + self.node_ms * nodes
 
     def draft_sizes(self, rooms: Sequence[int], rows: Sequence[int]) -> list:
         sizes = [0] * len(rows)
-        tokens, width = float(len(rows)), float(len(rows))
+        tokens, width, nodes_in = float(len(rows)), float(len(rows)), 0.0
         order = sorted((i for i, room in enumerate(rooms) if room > 0), key=lambda i: -self._value(rows[i], rooms[i]))
         for i in order:
             row = rows[i]
             gain = self._accepted.get(row, 1.0)
             nodes = min(self._drafted.get(row, float(rooms[i])), float(rooms[i]))
-            probe = self._left_out.get(row, 0) >= self.probe_every
-            if probe or (tokens + gain) / self.costs(width + nodes) > tokens / self.costs(width):
+            if (tokens + gain) / self.cost(width + nodes, nodes_in + nodes) > tokens / self.cost(width, nodes_in):
                 sizes[i] = rooms[i]
-                tokens, width = tokens + gain, width + nodes
-                self._left_out[row] = 0
-            else:
-                self._left_out[row] = self._left_out.get(row, 0) + 1
+                tokens, width, nodes_in = tokens + gain, width + nodes, nodes_in + nodes
+        left_out = [i for i in order if sizes[i] == 0]
+        probe = max(left_out, key=lambda i: self._left_out.get(rows[i], 0), default=None)
+        if probe is not None and self._left_out.get(rows[probe], 0) >= self.probe_every:
+            sizes[probe] = rooms[probe]
+        for i in order:
+            self._left_out[rows[i]] = 0 if sizes[i] else self._left_out.get(rows[i], 0) + 1
         return sizes
 
     def _value(self, row: int, room: int) -> float:
@@ -113,6 +131,20 @@ class CostModelPolicy:
         d = self.decay
         self._accepted[row] = d * self._accepted.get(row, 1.0) + (1 - d) * accepted
         self._drafted[row] = d * self._drafted.get(row, float(drafted)) + (1 - d) * drafted
+
+    def observe_step(self, rows: int, nodes: int, step_ms: float) -> None:
+        """A whole step: ``rows`` rows in its pass, ``nodes`` of them draft nodes, ``step_ms`` from
+        drafting to commit. Learns what the pass-cost table misses: the step's own overhead, and per
+        draft node."""
+        residual = step_ms - self.costs(rows)
+        d = self.decay
+        if nodes == 0:
+            self.base_ms = d * self.base_ms + (1 - d) * residual if self._seen_base else residual
+            self._seen_base = True
+        else:
+            per_node = max(0.0, (residual - self.base_ms) / nodes)
+            self.node_ms = d * self.node_ms + (1 - d) * per_node if self._seen_node else per_node
+            self._seen_node = True
 
 
 POLICIES = ("auto", "always")
