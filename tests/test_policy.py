@@ -50,6 +50,29 @@ def test_a_row_whose_drafts_keep_failing_stops_then_probes():
     assert decisions[:8] == [0] * 8 and decisions[8] == 4  # left out 8 steps, then drafts once to re-measure
 
 
+def test_an_unmeasured_row_drafts_once_to_measure_itself():
+    policy = CostModelPolicy(STEEP)
+    assert policy.draft_sizes([8], [0]) == [8]  # the prior (1 token for 8 rows) would not pay: a probe
+    policy.observe(0, drafted=8, accepted=6)  # the first outcome is the estimate, not a tenth of it
+    assert policy.draft_sizes([8], [0]) == [8]
+
+
+def test_probes_in_a_full_batch_stay_within_their_share_of_the_time():
+    policy = CostModelPolicy(STEEP, probe_share=0.03)
+    rows = list(range(8))
+    for row in rows:
+        policy.observe(row, drafted=4, accepted=0)
+    plain_ms, probe_ms = 0.0, 0.0
+    for _ in range(400):
+        sizes = policy.draft_sizes([4] * 8, rows)
+        nodes = sum(sizes)
+        plain_ms += policy.cost(8, 0)
+        probe_ms += policy.cost(8 + nodes, nodes) - policy.cost(8, 0)
+        for row, size in zip(rows, sizes):
+            policy.observe(row, drafted=size, accepted=0)
+    assert 0 < probe_ms <= 0.03 * plain_ms + policy.cost(8, 0)  # probes happen, at most 3% of the time
+
+
 def test_always_drafts_the_room():
     assert AlwaysDraft().draft_sizes([3, 0, 5], [0, 1, 2]) == [3, 0, 5]
 

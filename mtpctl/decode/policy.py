@@ -71,35 +71,41 @@ class PassCosts:
 class CostModelPolicy:
     """``--speculate-policy auto``: drafts only where they are expected to pay for the rows they add.
 
-    Each row keeps running means (exponential, weight ``decay`` on the past) of the draft tokens it
-    got accepted and of the nodes it drafted, over the steps it drafted. A step's cost is the measured
+    Each row keeps means of the draft tokens it got accepted and of the nodes it drafted, over the
+    steps it drafted: plain means of its first outcomes, then running means (weight ``decay`` on the
+    past). A step's cost is the measured
     cost of a pass of its rows (:class:`PassCosts`) plus what the steps show a draft node costs
     beyond its row in the pass (drafting, acceptance's extra lm_head rows, merging; learnt from the
     steps' own times, :meth:`observe_step`). Each step starts from every row's pending token alone
     (one row each, one token each) and admits the rows' drafts in order of accepted tokens per node
     while the expected tokens per ms rises. So a lone request drafts whenever its drafts are worth
     their rows, a full batch drafts less or not at all, and a row whose drafts keep failing stops
-    drafting; one row a step, the one left out longest (at least ``probe_every`` steps), drafts anyway
-    to measure itself again.
+    drafting. A row left out drafts anyway now and then to measure itself again (a probe): the one
+    left out longest (at least ``probe_every`` steps), when the probes' time so far stays within
+    ``probe_share`` of the session's (a probe that adds 4 rows to a pass of 16 costs a fifth of that
+    step: one every step would cost more than any draft gains).
 
     Args:
         costs: the pass costs of the mode the session runs (:class:`PassCosts`).
         decay: weight of the past in the running means.
         probe_every: steps a row is left out before it may probe.
+        probe_share: the most of the expected step time that probes may add.
     """
 
-    def __init__(self, costs: PassCosts, decay: float = 0.9, probe_every: int = 4):
-        self.costs, self.decay, self.probe_every = costs, decay, probe_every
+    def __init__(self, costs: PassCosts, decay: float = 0.9, probe_every: int = 4, probe_share: float = 0.03):
+        self.costs, self.decay, self.probe_every, self.probe_share = costs, decay, probe_every, probe_share
         self._accepted: Dict[int, float] = {}
         self._drafted: Dict[int, float] = {}
         self._left_out: Dict[int, int] = {}
+        self._outcomes: Dict[int, int] = {}  # drafting steps observed per row
+        self._probe_credit = float("inf")  # ms probes may still add (see _probe); the first probe is free
         self.base_ms = 0.0  # steps without drafts: measured time - costs(rows), running mean
         self.node_ms = 0.0  # steps with drafts: (measured - costs(rows) - base_ms) per node, running mean
-        self._seen_base = self._seen_node = False
+        self._seen_base = False
 
     def cost(self, rows: float, nodes: float) -> float:
         """Expected ms of a step of ``rows`` rows, ``nodes`` of them draft nodes."""
-        return self.costs(rows) + self.base_ms + self.node_ms * nodes
+        return self.costs(rows) + self.base_ms + max(self.node_ms, 0.0) * nodes
 
     def draft_sizes(self, rooms: Sequence[int], rows: Sequence[int]) -> list:
         sizes = [0] * len(rows)
@@ -112,13 +118,26 @@ class CostModelPolicy:
             if (tokens + gain) / self.cost(width + nodes, nodes_in + nodes) > tokens / self.cost(width, nodes_in):
                 sizes[i] = rooms[i]
                 tokens, width, nodes_in = tokens + gain, width + nodes, nodes_in + nodes
-        left_out = [i for i in order if sizes[i] == 0]
-        probe = max(left_out, key=lambda i: self._left_out.get(rows[i], 0), default=None)
-        if probe is not None and self._left_out.get(rows[probe], 0) >= self.probe_every:
-            sizes[probe] = rooms[probe]
+        self._probe(sizes, rooms, rows, order, self.cost(width, nodes_in), width, nodes_in)
         for i in order:
             self._left_out[rows[i]] = 0 if sizes[i] else self._left_out.get(rows[i], 0) + 1
         return sizes
+
+    def _probe(self, sizes: list, rooms: Sequence[int], rows: Sequence[int], order: Sequence[int], step_ms: float,
+               width: float, nodes_in: float) -> None:
+        """Lets one row left out draft anyway (sets its size): one never measured first, else the one left
+        out longest (at least ``probe_every`` steps), when the probes' credit covers what it adds to the step.
+        The credit grows by ``probe_share`` of each step's expected cost, up to one step's or one probe's."""
+        waiting = [i for i in order if sizes[i] == 0
+                   and (rows[i] not in self._accepted or self._left_out.get(rows[i], 0) >= self.probe_every)]
+        probe = max(waiting, key=lambda i: (rows[i] not in self._accepted, self._left_out.get(rows[i], 0)), default=None)
+        extra = 0.0
+        if probe is not None:
+            nodes = min(self._drafted.get(rows[probe], float(rooms[probe])), float(rooms[probe]))
+            extra = self.cost(width + nodes, nodes_in + nodes) - step_ms
+        self._probe_credit = min(self._probe_credit + self.probe_share * step_ms, max(step_ms, extra))
+        if probe is not None and extra <= self._probe_credit:
+            sizes[probe], self._probe_credit = rooms[probe], self._probe_credit - extra
 
     def _value(self, row: int, room: int) -> float:
         """Expected accepted tokens per drafted node."""
@@ -128,9 +147,10 @@ class CostModelPolicy:
     def observe(self, row: int, drafted: int, accepted: int) -> None:
         if drafted == 0 and self._left_out.get(row, 0):
             return  # a plain step the policy chose: nothing learnt about the drafter
-        d = self.decay
-        self._accepted[row] = d * self._accepted.get(row, 1.0) + (1 - d) * accepted
-        self._drafted[row] = d * self._drafted.get(row, float(drafted)) + (1 - d) * drafted
+        self._outcomes[row] = n = self._outcomes.get(row, 0) + 1
+        w = max(1.0 - self.decay, 1.0 / n)  # a plain mean of the first outcomes, then the running one
+        self._accepted[row] = (1 - w) * self._accepted.get(row, 0.0) + w * accepted
+        self._drafted[row] = (1 - w) * self._drafted.get(row, 0.0) + w * drafted
 
     def observe_step(self, rows: int, nodes: int, step_ms: float) -> None:
         """A whole step: ``rows`` rows in its pass, ``nodes`` of them draft nodes, ``step_ms`` from
@@ -142,9 +162,7 @@ class CostModelPolicy:
             self.base_ms = d * self.base_ms + (1 - d) * residual if self._seen_base else residual
             self._seen_base = True
         else:
-            per_node = max(0.0, (residual - self.base_ms) / nodes)
-            self.node_ms = d * self.node_ms + (1 - d) * per_node if self._seen_node else per_node
-            self._seen_node = True
+            self.node_ms = d * self.node_ms + (1 - d) * (residual - self.base_ms) / nodes  # from 0: the table's own
 
 
 POLICIES = ("auto", "always")
