@@ -91,7 +91,9 @@ SECTIONS = [
             lambda a: [_bench(*dt, "--methods", "plain,ngram,heads,heads+ngram", "--heads", a.heads, "--batch-sizes",
                               "1,2,4,8,16", "--limit", "5", "--max-new-tokens", "64", "--speculate-policy", policy)
                        for dt in (("--dtype", "bfloat16"), ("--dtype", "bfloat16", "--weights", "int4"))
-                       for policy in ("auto", "always")], tables_only=False),
+                       for policy in ("auto", "always")], tables_only=False,
+            notes=["Runs on this shared host can move by far more than 10% within this section (compare plain at one batch size across the four runs); methods at one batch size run one after another, so read a ratio together with tau: where `auto` keeps tau near 1.0 it verifies almost nothing beyond plain's rows, and a ratio below 1 there is the host (docs/findings.md, section 15).",
+                   'Where speculation stops paying here, and why (what a verify row costs against a plain row, from the pass costs below): docs/findings.md, section 15.']),
     Section("passcosts", "What a pass of N rows costs (the auto policy's table)",
             "One packed verify pass over N one-row requests after 200 committed tokens each, every row's logits read "
             "(what N plain requests cost per step, and about what N draft nodes add to a pass); the command also "
