@@ -66,11 +66,11 @@ def test_probes_in_a_full_batch_stay_within_their_share_of_the_time():
     for _ in range(400):
         sizes = policy.draft_sizes([4] * 8, rows)
         nodes = sum(sizes)
-        plain_ms += policy.cost(8, 0)
-        probe_ms += policy.cost(8 + nodes, nodes) - policy.cost(8, 0)
+        plain_ms += STEEP(8)
+        probe_ms += STEEP(8 + nodes) - STEEP(8)
         for row, size in zip(rows, sizes):
             policy.observe(row, drafted=size, accepted=0)
-    assert 0 < probe_ms <= 0.03 * plain_ms + policy.cost(8, 0)  # probes happen, at most 3% of the time
+    assert 0 < probe_ms <= 0.03 * plain_ms + STEEP(8)  # probes happen, at most 3% of the time
 
 
 def test_always_drafts_the_room():

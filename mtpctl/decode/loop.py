@@ -315,8 +315,6 @@ def _step(rows: List[_Row], verify_many: VerifyMany, policy: Policy, acceptance:
         policy.observe(row.index, tree.rows - 1, row.stats.accepted_per_step[-1] - 1)
     phases["commit"] = lap()
     step_ms = (clock[-1] - clock[0]) * 1e3
-    rows_in_pass = sum(trees[r.index].rows for r in rows)
-    policy.observe_step(rows_in_pass, rows_in_pass - len(rows), step_ms)
     for row in rows:
         if outcomes[row.index] is None:
             row.stats.step_ms.append(step_ms + (admit_ms if row.index in waited else 0.0))

@@ -26,9 +26,6 @@ class Policy(Protocol):
     def observe(self, row: int, drafted: int, accepted: int) -> None:
         """A row's step: ``drafted`` nodes verified, ``accepted`` draft tokens accepted."""
 
-    def observe_step(self, rows: int, nodes: int, step_ms: float) -> None:
-        """A whole step: ``rows`` rows in its pass, ``nodes`` of them draft nodes, ``step_ms`` long."""
-
 
 class AlwaysDraft:
     """Every row drafts as much as its room allows, every step (``--speculate-policy always``)."""
@@ -37,9 +34,6 @@ class AlwaysDraft:
         return list(rooms)
 
     def observe(self, row: int, drafted: int, accepted: int) -> None:
-        pass
-
-    def observe_step(self, rows: int, nodes: int, step_ms: float) -> None:
         pass
 
 
@@ -73,17 +67,16 @@ class CostModelPolicy:
 
     Each row keeps means of the draft tokens it got accepted and of the nodes it drafted, over the
     steps it drafted: plain means of its first outcomes, then running means (weight ``decay`` on the
-    past). A step's cost is the measured
-    cost of a pass of its rows (:class:`PassCosts`) plus what the steps show a draft node costs
-    beyond its row in the pass (drafting, acceptance's extra lm_head rows, merging; learnt from the
-    steps' own times, :meth:`observe_step`). Each step starts from every row's pending token alone
-    (one row each, one token each) and admits the rows' drafts in order of accepted tokens per node
-    while the expected tokens per ms rises. So a lone request drafts whenever its drafts are worth
-    their rows, a full batch drafts less or not at all, and a row whose drafts keep failing stops
-    drafting. A row left out drafts anyway now and then to measure itself again (a probe): the one
-    left out longest (at least ``probe_every`` steps), when the probes' time so far stays within
-    ``probe_share`` of the session's (a probe that adds 4 rows to a pass of 16 costs a fifth of that
-    step: one every step would cost more than any draft gains).
+    past). A step's cost is the measured cost of a pass of its rows (:class:`PassCosts`). Each step
+    starts from every row's pending token alone (one row each, one token each) and admits the rows'
+    drafts in order of accepted tokens per node while the expected tokens per ms rises. So a lone
+    request drafts whenever its drafts are worth their rows, a full batch drafts less or not at all,
+    and a row whose drafts keep failing stops drafting. A row left out drafts anyway now and then to
+    measure itself again (a probe): a row never measured first, else the one left out longest (at
+    least ``probe_every`` steps), while the probes add at most ``probe_share`` of the expected step
+    time (a probe that adds 4 rows to a pass of 16 costs a fifth of that step: one every step would
+    cost more than any draft gains). Decisions depend on the outcomes and the table only, never on
+    the clock, so a seeded sampled request gives the same tokens on every run.
 
     Args:
         costs: the pass costs of the mode the session runs (:class:`PassCosts`).
@@ -99,42 +92,36 @@ class CostModelPolicy:
         self._left_out: Dict[int, int] = {}
         self._outcomes: Dict[int, int] = {}  # drafting steps observed per row
         self._probe_credit = float("inf")  # ms probes may still add (see _probe); the first probe is free
-        self.base_ms = 0.0  # steps without drafts: measured time - costs(rows), running mean
-        self.node_ms = 0.0  # steps with drafts: (measured - costs(rows) - base_ms) per node, running mean
-        self._seen_base = False
-
-    def cost(self, rows: float, nodes: float) -> float:
-        """Expected ms of a step of ``rows`` rows, ``nodes`` of them draft nodes."""
-        return self.costs(rows) + self.base_ms + max(self.node_ms, 0.0) * nodes
 
     def draft_sizes(self, rooms: Sequence[int], rows: Sequence[int]) -> list:
         sizes = [0] * len(rows)
-        tokens, width, nodes_in = float(len(rows)), float(len(rows)), 0.0
+        tokens, width = float(len(rows)), float(len(rows))
         order = sorted((i for i, room in enumerate(rooms) if room > 0), key=lambda i: -self._value(rows[i], rooms[i]))
         for i in order:
             row = rows[i]
             gain = self._accepted.get(row, 1.0)
             nodes = min(self._drafted.get(row, float(rooms[i])), float(rooms[i]))
-            if (tokens + gain) / self.cost(width + nodes, nodes_in + nodes) > tokens / self.cost(width, nodes_in):
+            if (tokens + gain) / self.costs(width + nodes) > tokens / self.costs(width):
                 sizes[i] = rooms[i]
-                tokens, width, nodes_in = tokens + gain, width + nodes, nodes_in + nodes
-        self._probe(sizes, rooms, rows, order, self.cost(width, nodes_in), width, nodes_in)
+                tokens, width = tokens + gain, width + nodes
+        self._probe(sizes, rooms, rows, order, width)
         for i in order:
             self._left_out[rows[i]] = 0 if sizes[i] else self._left_out.get(rows[i], 0) + 1
         return sizes
 
-    def _probe(self, sizes: list, rooms: Sequence[int], rows: Sequence[int], order: Sequence[int], step_ms: float,
-               width: float, nodes_in: float) -> None:
+    def _probe(self, sizes: list, rooms: Sequence[int], rows: Sequence[int], order: Sequence[int], width: float) -> None:
         """Lets one row left out draft anyway (sets its size): one never measured first, else the one left
-        out longest (at least ``probe_every`` steps), when the probes' credit covers what it adds to the step.
-        The credit grows by ``probe_share`` of each step's expected cost, up to one step's or one probe's."""
+        out longest (at least ``probe_every`` steps), when the probes' credit covers what it adds to the
+        step's pass of ``width`` rows. The credit grows by ``probe_share`` of each step's expected cost,
+        up to one step's or one probe's."""
+        step_ms = self.costs(width)
         waiting = [i for i in order if sizes[i] == 0
                    and (rows[i] not in self._accepted or self._left_out.get(rows[i], 0) >= self.probe_every)]
         probe = max(waiting, key=lambda i: (rows[i] not in self._accepted, self._left_out.get(rows[i], 0)), default=None)
         extra = 0.0
         if probe is not None:
             nodes = min(self._drafted.get(rows[probe], float(rooms[probe])), float(rooms[probe]))
-            extra = self.cost(width + nodes, nodes_in + nodes) - step_ms
+            extra = self.costs(width + nodes) - step_ms
         self._probe_credit = min(self._probe_credit + self.probe_share * step_ms, max(step_ms, extra))
         if probe is not None and extra <= self._probe_credit:
             sizes[probe], self._probe_credit = rooms[probe], self._probe_credit - extra
@@ -151,18 +138,6 @@ class CostModelPolicy:
         w = max(1.0 - self.decay, 1.0 / n)  # a plain mean of the first outcomes, then the running one
         self._accepted[row] = (1 - w) * self._accepted.get(row, 0.0) + w * accepted
         self._drafted[row] = (1 - w) * self._drafted.get(row, 0.0) + w * drafted
-
-    def observe_step(self, rows: int, nodes: int, step_ms: float) -> None:
-        """A whole step: ``rows`` rows in its pass, ``nodes`` of them draft nodes, ``step_ms`` from
-        drafting to commit. Learns what the pass-cost table misses: the step's own overhead, and per
-        draft node."""
-        residual = step_ms - self.costs(rows)
-        d = self.decay
-        if nodes == 0:
-            self.base_ms = d * self.base_ms + (1 - d) * residual if self._seen_base else residual
-            self._seen_base = True
-        else:
-            self.node_ms = d * self.node_ms + (1 - d) * (residual - self.base_ms) / nodes  # from 0: the table's own
 
 
 POLICIES = ("auto", "always")
