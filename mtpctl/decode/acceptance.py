@@ -70,32 +70,15 @@ def accept_greedy(tree: DraftTree, logits) -> Acceptance:
 
 
 def accept_greedy_together(trees: Sequence[DraftTree], outs: Sequence) -> List[Acceptance]:
-    """:func:`accept_greedy` of several sequences' trees, walked in lockstep. Every node of every
-    tree is asked for first (``prefetch``, where the output has it), so a backend computes all the
-    rows the walks may read in one call (one read of the lm_head's weights a step, whatever the
-    depth accepted; a draft node's row costs little beside that), then each round reads the next
-    row of every sequence still walking. The same result as :func:`accept_greedy` on each, row for
-    row."""
+    """:func:`accept_greedy` of several sequences' trees. Every node of every tree is asked for first
+    (``prefetch``, where the output has it), so a backend computes all the rows the walks may read in
+    one call (one read of the lm_head's weights a step, whatever the depth accepted; a draft node's
+    row costs little beside that); then each tree is walked as alone."""
     for tree, out in zip(trees, outs):
         prefetch = getattr(out, "prefetch", None)
         if prefetch is not None:
             prefetch(range(len(tree)))
-    nodes, paths = [0] * len(trees), [[0] for _ in trees]
-    results: List[Optional[Acceptance]] = [None] * len(trees)
-    walking = list(range(len(trees)))
-    while walking:
-        still = []
-        for i in walking:
-            target = int(outs[i][nodes[i]].argmax())
-            match = trees[i].child(nodes[i], target)
-            if match is None:
-                results[i] = _outcome(trees[i], paths[i], target)
-            else:
-                nodes[i] = match
-                paths[i].append(match)
-                still.append(i)
-        walking = still
-    return results
+    return [accept_greedy(tree, out) for tree, out in zip(trees, outs)]
 
 
 def accept_rejection_sampling(tree: DraftTree, logits, params: SamplingParams,
