@@ -363,8 +363,9 @@ def _propose(rows: List[_Row], sizes: Sequence[int], outcomes: list) -> dict:
 
 def _accept_all(rows: List[_Row], trees: dict, outs: List[StepOutput], acceptance: str,
                 outcomes: list) -> List[Optional[Acceptance]]:
-    """Every row's acceptance of its tree: greedy rows' rows asked for together
-    (:func:`accept_greedy_together`: one lm_head call where the backend can), sampled rows one by one. A row whose logits hold NaN or inf ends with that error (None)."""
+    """Every row's acceptance of its tree: the greedy rows' logits asked for together
+    (:func:`accept_greedy_together`: one lm_head call where the backend can), sampled rows one by
+    one. A row whose logits hold NaN or inf ends with that error (None)."""
     results: List[Optional[Acceptance]] = [None] * len(rows)
     greedy = [i for i, row in enumerate(rows) if row.request.sampling.greedy]
     try:
