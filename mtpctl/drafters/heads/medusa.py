@@ -265,11 +265,7 @@ class MedusaDrafter:
             return [self.propose(*call) for call in calls]
         hidden = torch.stack([calls[i][2].out.hidden_states[calls[i][2].row] for i in live])
         pending = torch.tensor([calls[i][0][-1] for i in live])
-        embeds = self.target.embed[pending].to(hidden.dtype) if self.heads.cfg.token_conditioned else None
-        with torch.inference_mode():
-            logits = check_finite(self.heads(hidden, self.target.logits, token_embeds=embeds, count=self.tree.depth),
-                                  "the MTP heads")
-        top = logits.topk(self.tree.max_rank, dim=-1).indices  # [rows, depth, ranks]
+        top = self._run_heads(hidden, pending).topk(self.tree.max_rank, dim=-1).indices  # [rows, depth, ranks]
         trees = [DraftTree(call[0][-1]) for call in calls]
         for j, i in enumerate(live):
             trees[i] = self.tree.draft(int(pending[j]), top[j], calls[i][1])
@@ -282,15 +278,19 @@ class MedusaDrafter:
 
     def logits(self, last: TargetStep, pending: int) -> torch.Tensor:
         """The first ``tree.depth`` heads' logits ``[depth, vocab]`` (float32) at ``last.row``."""
-        depth = self.tree.depth
         if self.heads is None:
             if last.out.head_logits is None:
                 raise ValueError("this backend's passes carry no MTP head logits: load the heads for the drafter")
-            return check_finite(last.out.head_logits[last.row][:depth], "the MTP heads")
-        hidden = last.out.hidden_states[last.row]
+            return check_finite(last.out.head_logits[last.row][:self.tree.depth], "the MTP heads")
+        return self._run_heads(last.out.hidden_states[last.row], pending)
+
+    def _run_heads(self, hidden: torch.Tensor, pending) -> torch.Tensor:
+        """The first ``tree.depth`` heads' logits ``[..., depth, vocab]`` for ``hidden`` ``[..., hidden]``
+        (one row, or several stacked), ``pending`` the token(s) each row drafts after."""
         embeds = self.target.embed[pending].to(hidden.dtype) if self.heads.cfg.token_conditioned else None
         with torch.inference_mode():
-            return check_finite(self.heads(hidden, self.target.logits, token_embeds=embeds, count=depth), "the MTP heads")
+            return check_finite(self.heads(hidden, self.target.logits, token_embeds=embeds, count=self.tree.depth),
+                                "the MTP heads")
 
 
 class HydraDrafter(MedusaDrafter):
