@@ -1,12 +1,19 @@
 """What a verify pass costs against the rows it carries: the table ``--speculate-policy auto`` reads.
 
-For each numeric mode, times one packed pass (``TorchSession.verify_together``) over M sequences of
-one row each, after ``--context`` committed tokens per sequence, with every row's logits read (what
-acceptance reads of a plain step), for M in ``--rows``; the median of ``--reps`` passes, the rows
-counts interleaved pass by pass so a drifting machine hits them alike. A draft node costs a pass
-about what another request's row costs (the linear layers dominate), so one table serves both.
+For each numeric mode, times two kinds of packed pass (``TorchSession.verify_together``), with every
+row's logits read (as greedy acceptance reads them), after ``--context`` committed tokens per
+sequence, for each count M in ``--rows``:
 
-Prints a Markdown table (ms and ratio to one row) and, with ``--write FILE``, stores the table as
+- requests: M sequences of one row each (what M plain requests cost a step);
+- tree: one sequence with a draft tree of M nodes (a root, a spine of depth 2, the rest the root's
+  children: what a request's draft nodes cost).
+
+A pass's cost splits into a part per sequence (its cache, its attention plan) and a part per row (the
+linear layers, its logits); the policy combines the two tables (:class:`mtpctl.decode.policy.PassCosts`).
+The median of ``--reps`` passes is kept, every shape and count interleaved pass by pass so a drifting
+machine hits them alike.
+
+Prints a Markdown table (ms and ratio to one row) and, with ``--write FILE``, stores the tables as
 JSON (``mtpctl/data/pass_costs.json`` is the one the CLI and library read):
 
     python benchmarks/bench_pass_costs.py --modes float32,bfloat16,int4 --threads 2 --write mtpctl/data/pass_costs.json
@@ -33,33 +40,45 @@ from mtpctl.model.sources import resolve_model
 MODES = {"float32": ("float32", "dense"), "bfloat16": ("bfloat16", "dense"), "int4": ("bfloat16", "int4")}
 
 
-def time_pass(session: TorchSession, engines: list, reps: int = 1) -> float:
-    """ms of one packed pass over ``engines`` (one pending token each) with every row's logits read."""
-    trees = [DraftTree(5) for _ in engines]
+def tree_parents(n: int) -> list:
+    """A root, a spine of depth 2 under its first child, and the rest as the root's children."""
+    return [-1, 0, 1][:n] + [0] * max(0, n - 3)
+
+
+def time_pass(session: TorchSession, engines: list, trees: list) -> float:
+    """ms of one packed pass of ``trees`` over ``engines`` with every row's logits read."""
     start = time.perf_counter()
-    for _ in range(reps):
-        outs = session.verify_together(engines, trees)
-        for out in outs:  # as greedy acceptance reads a round: every row asked for, then read
-            out.prefetch([0])
-        for out in outs:
-            out[0]
-    return (time.perf_counter() - start) * 1e3 / reps
+    outs = session.verify_together(engines, trees)
+    for out, tree in zip(outs, trees):  # as greedy acceptance reads a round: every row asked for, then read
+        out.prefetch(range(len(tree)))
+    for out, tree in zip(outs, trees):
+        for i in range(len(tree)):
+            out[i]
+    return (time.perf_counter() - start) * 1e3
+
+
+def passes(engines: list, m: int) -> dict:
+    """shape -> (engines, trees) of a pass of ``m`` rows: m one-row requests, or one tree of m nodes."""
+    return {"requests": (engines[:m], [DraftTree(5) for _ in range(m)]),
+            "tree": (engines[:1], [DraftTree.from_parents([5] * m, tree_parents(m))])}
 
 
 def measure(session: TorchSession, rows: list, context: int, reps: int) -> dict:
-    """rows -> median ms of a pass of that many one-row sequences."""
+    """(shape, rows) -> median ms of that pass (:func:`passes`)."""
     engines = []
     for i in range(max(rows)):
-        engine = session.new_engine(context + 2)
+        engine = session.new_engine(context + max(rows) + 1)
         engine.prefill([(100 + 7 * i + j) % 1000 + 10 for j in range(context)])
         engines.append(engine)
     for m in rows:
-        time_pass(session, engines[:m])  # warm-up
-    times = {m: [] for m in rows}
+        for pair in passes(engines, m).values():
+            time_pass(session, *pair)  # warm-up
+    times = {}
     for _ in range(reps):
         for m in rows:
-            times[m].append(time_pass(session, engines[:m]))
-    return {m: statistics.median(t) for m, t in times.items()}
+            for shape, pair in passes(engines, m).items():
+                times.setdefault((shape, m), []).append(time_pass(session, *pair))
+    return {key: statistics.median(t) for key, t in times.items()}
 
 
 def main(argv=None) -> None:
@@ -80,16 +99,21 @@ def main(argv=None) -> None:
     table = {}
     print(f"Context {args.context} tokens per sequence, {torch.get_num_threads()} threads, median of {args.reps} "
           "passes (ms; ratio to one row)\n")
-    print("| mode | " + " | ".join(f"{m} rows" for m in rows) + " |")
-    print("|---|" + "---:|" * len(rows))
+    print("| mode | pass | " + " | ".join(f"{m} rows" for m in rows) + " |")
+    print("|---|---|" + "---:|" * len(rows))
     for mode in args.modes.split(","):
         session = TorchSession(folder, *MODES[mode])
         ms = measure(session, rows, args.context, args.reps)
-        table[mode] = {"rows": rows, "ms": [round(ms[m], 3) for m in rows]}
-        print(f"| {mode} | " + " | ".join(f"{ms[m]:.1f} ({ms[m] / ms[rows[0]]:.2f}x)" for m in rows) + " |")
+        table[mode] = {"rows": rows, "ms": [round(ms["requests", m], 3) for m in rows],
+                       "tree_ms": [round(ms["tree", m], 3) for m in rows]}
+        for shape, label in (("requests", "M requests"), ("tree", "a tree of M")):
+            base = ms[shape, rows[0]]
+            print(f"| {mode} | {label} | " + " | ".join(f"{ms[shape, m]:.1f} ({ms[shape, m] / base:.2f}x)"
+                                                      for m in rows) + " |")
     if args.write:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        doc = {"version": 1, "what": "ms of one verify pass of N one-row sequences (logits read), per numeric mode",
+        doc = {"version": 2, "what": "ms of one verify pass (logits of every row read), per numeric mode: ms of M "
+                                     "one-row sequences, tree_ms of one sequence with a draft tree of M nodes",
                "command": "python benchmarks/bench_pass_costs.py " + " ".join(argv or __import__("sys").argv[1:]),
                "machine": f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
                           f"Python {platform.python_version()}",

@@ -19,6 +19,24 @@ def test_pass_costs_interpolate_and_extrapolate_linearly():
     assert STEEP(16) == pytest.approx(22.0)  # past the last point along the last segment
 
 
+def test_pass_costs_split_into_sequences_and_rows():
+    costs = PassCosts((1, 2, 4, 8), (7.0, 9.0, 13.0, 21.0), (7.0, 7.5, 8.5, 12.0))  # a sequence ~1 ms more than a node
+    assert costs(1, 8) == 12.0  # one request's tree of 8 nodes
+    assert costs(8) == costs(8, 8) == 21.0  # 8 one-row requests
+    assert costs(2, 8) == pytest.approx(9.0 + 12.0 - 7.5)  # two requests, 6 draft nodes between them
+    assert PassCosts((1, 8), (7.0, 21.0))(2, 8) == 21.0  # no tree table: a node costs a request's row
+
+
+def test_a_lone_request_drafts_when_tree_nodes_are_cheaper_than_requests():
+    rows_only = PassCosts((1, 2, 4, 8), (7.0, 9.0, 13.0, 21.0))
+    with_tree = PassCosts((1, 2, 4, 8), (7.0, 9.0, 13.0, 21.0), (7.0, 7.5, 8.5, 12.0))
+    for costs, drafts in ((rows_only, False), (with_tree, True)):
+        policy = CostModelPolicy(costs)
+        for _ in range(4):
+            policy.observe(0, drafted=4, accepted=1)  # 2 tokens for 5 rows
+        assert (policy.draft_sizes([4], [0]) == [4]) is drafts
+
+
 def test_a_lone_request_drafts_when_its_drafts_are_worth_their_rows():
     policy = CostModelPolicy(FLAT)
     assert policy.draft_sizes([6], [0]) == [6]
@@ -86,5 +104,10 @@ def test_policies_by_name(tmp_path):
     table = tmp_path / "costs.json"
     table.write_text(json.dumps({"version": 1, "modes": {"int4": {"rows": [1, 2], "ms": [7, 8]}}}))
     assert load_costs("int4", table)(2) == 8.0
+    table.write_text(json.dumps({"version": 2, "modes": {"int4": {"rows": [1, 2], "ms": [7, 8], "tree_ms": [7, 7.5]}}}))
+    assert load_costs("int4", table)(1, 2) == 7.5
+    table.write_text(json.dumps({"version": 2, "modes": {"int4": {"rows": [1, 2], "ms": [7, 8], "tree_ms": [7]}}}))
+    with pytest.raises(BadInput, match="2 row counts, 2 times and 1 tree times"):
+        load_costs("int4", table)
     with pytest.raises(BadInput, match="no pass costs for mode float32"):
         load_costs("float32", table)

@@ -10,9 +10,10 @@ outcome of each step (nodes drafted, draft tokens accepted) and returns each row
 from __future__ import annotations
 
 import json
+from functools import partial
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional, Protocol, Sequence, Tuple
+from typing import Callable, Dict, Optional, Protocol, Sequence, Tuple
 
 from mtpctl.errors import BadInput
 
@@ -37,29 +38,48 @@ class AlwaysDraft:
         pass
 
 
+def _interpolate(points: Tuple[int, ...], ms: Tuple[float, ...], x: float) -> float:
+    """``ms`` at ``x``: linear between measured ``points`` (increasing), and past the last one along the
+    last segment; ``ms[0]`` below the first."""
+    if x <= points[0]:
+        return ms[0]
+    for i in range(1, len(points)):
+        if x <= points[i] or i == len(points) - 1:
+            return ms[i - 1] + (ms[i] - ms[i - 1]) * (x - points[i - 1]) / (points[i] - points[i - 1])
+    return ms[-1]
+
+
 @dataclass(frozen=True)
 class PassCosts:
-    """What a verify pass costs against the rows it carries, for one numeric mode on one machine
-    (measured by ``benchmarks/bench_pass_costs.py --write``, stored in ``mtpctl/data/pass_costs.json``).
+    """What a verify pass costs against the sequences and rows it carries, for one numeric mode on one
+    machine (measured by ``benchmarks/bench_pass_costs.py --write``, stored in
+    ``mtpctl/data/pass_costs.json``).
+
+    A pass's cost is taken as a part per sequence plus a part per row: ``rows``/``ms`` measure M
+    sequences of one row each, ``tree_ms`` one sequence with a draft tree of M nodes, so a pass of S
+    sequences and W rows costs ``ms(S) + tree_ms(W) - tree_ms(S)`` (exact for a cost that is such a
+    sum; S one-row requests give ``ms(S)``, one request's tree ``tree_ms(W)``). Without ``tree_ms`` a
+    draft node costs what another request's row does.
 
     Attributes:
         rows: ``[K]`` increasing row counts measured.
-        ms: ``[K]`` the median time of a pass of that many rows, ms.
+        ms: ``[K]`` the median time of a pass of that many one-row sequences, ms.
+        tree_ms: ``[K]`` the median time of a pass of one sequence with a tree of that many nodes, ms;
+            empty when not measured.
     """
 
     rows: Tuple[int, ...]
     ms: Tuple[float, ...]
+    tree_ms: Tuple[float, ...] = ()
 
-    def __call__(self, rows: float) -> float:
-        """The cost of a pass of ``rows`` rows, ms: linear between measured points, and past the last
-        one along the last segment."""
-        r, ms = self.rows, self.ms
-        if rows <= r[0]:
-            return ms[0]
-        for i in range(1, len(r)):
-            if rows <= r[i] or i == len(r) - 1:
-                return ms[i - 1] + (ms[i] - ms[i - 1]) * (rows - r[i - 1]) / (r[i] - r[i - 1])
-        return ms[-1]
+    def __call__(self, sequences: float, rows: Optional[float] = None) -> float:
+        """The cost of a pass of ``sequences`` sequences carrying ``rows`` rows in all (default: one row
+        each), ms."""
+        rows = sequences if rows is None else rows
+        if not self.tree_ms:
+            return _interpolate(self.rows, self.ms, rows)
+        return (_interpolate(self.rows, self.ms, sequences) + _interpolate(self.rows, self.tree_ms, rows)
+                - _interpolate(self.rows, self.tree_ms, sequences))
 
 
 class CostModelPolicy:
@@ -67,7 +87,7 @@ class CostModelPolicy:
 
     Each row keeps means of the draft tokens it got accepted and of the nodes it drafted, over the
     steps it drafted: plain means of its first outcomes, then running means (weight ``decay`` on the
-    past). A step's cost is the measured cost of a pass of its rows (:class:`PassCosts`). Each step
+    past). A step's cost is the measured cost of a pass of its sequences and rows (:class:`PassCosts`). Each step
     starts from every row's pending token alone (one row each, one token each) and admits the rows'
     drafts in order of accepted tokens per node while the expected tokens per ms rises. So a lone
     request drafts whenever its drafts are worth their rows, a full batch drafts less or not at all,
@@ -96,32 +116,34 @@ class CostModelPolicy:
     def draft_sizes(self, rooms: Sequence[int], rows: Sequence[int]) -> list:
         sizes = [0] * len(rows)
         tokens, width = float(len(rows)), float(len(rows))
+        cost = partial(self.costs, len(rows))  # ms of a pass of these rows' sequences by its rows
         order = sorted((i for i, room in enumerate(rooms) if room > 0), key=lambda i: -self._value(rows[i], rooms[i]))
         for i in order:
             row = rows[i]
             gain = self._accepted.get(row, 1.0)
             nodes = min(self._drafted.get(row, float(rooms[i])), float(rooms[i]))
-            if (tokens + gain) / self.costs(width + nodes) > tokens / self.costs(width):
+            if (tokens + gain) / cost(width + nodes) > tokens / cost(width):
                 sizes[i] = rooms[i]
                 tokens, width = tokens + gain, width + nodes
-        self._probe(sizes, rooms, rows, order, width)
+        self._probe(sizes, rooms, rows, order, width, cost)
         for i in order:
             self._left_out[rows[i]] = 0 if sizes[i] else self._left_out.get(rows[i], 0) + 1
         return sizes
 
-    def _probe(self, sizes: list, rooms: Sequence[int], rows: Sequence[int], order: Sequence[int], width: float) -> None:
+    def _probe(self, sizes: list, rooms: Sequence[int], rows: Sequence[int], order: Sequence[int], width: float,
+               cost: Callable[[float], float]) -> None:
         """Lets one row left out draft anyway (sets its size): one never measured first, else the one left
         out longest (at least ``probe_every`` steps), when the probes' credit covers what it adds to the
-        step's pass of ``width`` rows. The credit grows by ``probe_share`` of each step's expected cost,
-        up to one step's or one probe's."""
-        step_ms = self.costs(width)
+        step's pass of ``width`` rows (``cost``: ms of the pass by its rows). The credit grows by
+        ``probe_share`` of each step's expected cost, up to one step's or one probe's."""
+        step_ms = cost(width)
         waiting = [i for i in order if sizes[i] == 0
                    and (rows[i] not in self._accepted or self._left_out.get(rows[i], 0) >= self.probe_every)]
         probe = max(waiting, key=lambda i: (rows[i] not in self._accepted, self._left_out.get(rows[i], 0)), default=None)
         extra = 0.0
         if probe is not None:
             nodes = min(self._drafted.get(rows[probe], float(rooms[probe])), float(rooms[probe]))
-            extra = self.costs(width + nodes) - step_ms
+            extra = cost(width + nodes) - step_ms
         self._probe_credit = min(self._probe_credit + self.probe_share * step_ms, max(step_ms, extra))
         if probe is not None and extra <= self._probe_credit:
             sizes[probe], self._probe_credit = rooms[probe], self._probe_credit - extra
@@ -153,7 +175,11 @@ def load_costs(mode: str, path: Path = COSTS_FILE) -> PassCosts:
     try:
         table = json.loads(Path(path).read_text(encoding="utf-8"))
         entry = table["modes"][mode]
-        return PassCosts(tuple(int(r) for r in entry["rows"]), tuple(float(m) for m in entry["ms"]))
+        costs = PassCosts(tuple(int(r) for r in entry["rows"]), tuple(float(m) for m in entry["ms"]),
+                          tuple(float(m) for m in entry.get("tree_ms", ())))
+        if len(costs.ms) != len(costs.rows) or costs.tree_ms and len(costs.tree_ms) != len(costs.rows):
+            raise ValueError(f"{len(costs.rows)} row counts, {len(costs.ms)} times and {len(costs.tree_ms)} tree times")
+        return costs
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise BadInput(f"no pass costs for mode {mode} in {path} ({err}): measure them with "
                        "benchmarks/bench_pass_costs.py (docs/batching.md)", option="speculate_policy") from err
