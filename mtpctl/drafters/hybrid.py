@@ -61,7 +61,7 @@ class HybridDrafter:
         if last is None or max_tokens <= 0:
             return merge_trees(pending, [chain], max_tokens)
         tree = self.heads.tree
-        top = self.heads.logits(last, pending).topk(max(tree.max_rank, self.graft), dim=-1).indices  # [depth, k]
+        top = self.heads.candidates(last, pending, max(tree.max_rank, self.graft))  # [depth, k]
         grown = tree.draft(pending, top[:, :tree.max_rank], self.heads.budget)
         grafted = DraftTree.chain(chain.tokens)
         for node in range(1, len(chain)):

@@ -33,7 +33,7 @@ from mtpctl.decode.tree import DraftTree
 from mtpctl.drafters.heads.config import HeadsConfig
 from mtpctl.drafters.heads.tree import StaticTree
 from mtpctl.model.decoder import Decoder
-from mtpctl.model.linears import blocked_copy
+from mtpctl.model.linears import BlockedLinear, blocked_copy, blocked_layout_available
 
 
 class ResBlock(nn.Module):
@@ -47,6 +47,40 @@ class ResBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + F.silu(self.linear(x))
+
+
+class DecodingKernels:
+    """Medusa heads' features (:meth:`MedusaHeads.features`) for decoding, in as few calls as the
+    shape allows: every head's token projection in one call, each block's linear layer in oneDNN's
+    blocked layout (:class:`~mtpctl.model.linears.BlockedLinear`; torch's default kernel takes several
+    times longer for the one or few rows of a drafting step). Copies of the weights, taken by
+    :meth:`MedusaHeads.hold_decoding_kernels`: the values are the heads', the rounding may differ
+    from training's kernels in the last bits (a draft needs no exactness: the target verifies it).
+
+    Args:
+        heads: Medusa heads (not Hydra), float32 or bfloat16 weights.
+    """
+
+    def __init__(self, heads: "MedusaHeads"):
+        self.token = None
+        if heads.token_proj is not None:  # [K * hidden, hidden]: head k's projection at rows k * hidden on
+            self.token = BlockedLinear(torch.cat([w.detach() for w in heads.token_proj]))
+        self.blocks = [[(BlockedLinear(b.linear.weight.detach()), b.linear.bias.detach()) for b in head]
+                       for head in heads.blocks]
+
+    def features(self, hidden_states: torch.Tensor, token_embeds: Optional[torch.Tensor], count: int) -> torch.Tensor:
+        """``[..., hidden]`` (and the pending tokens' embeddings ``[..., hidden]`` for token-conditioned
+        heads) -> the first ``count`` heads' features ``[..., count, hidden]``."""
+        x = hidden_states.unsqueeze(-2).expand(*hidden_states.shape[:-1], count, hidden_states.shape[-1])
+        if self.token is not None:
+            x = x + self.token(token_embeds).unflatten(-1, (-1, hidden_states.shape[-1]))[..., :count, :]
+        feats = []
+        for k in range(count):
+            z = x[..., k, :]
+            for kernel, bias in self.blocks[k]:
+                z = z + F.silu(kernel(z) + bias)
+            feats.append(z)
+        return torch.stack(feats, dim=-2)
 
 
 class MedusaHeads(nn.Module):
@@ -106,6 +140,18 @@ class MedusaHeads(nn.Module):
         self.register_buffer("projection", projection, persistent=False)
         # decoding: the same projection in oneDNN's blocked layout (no state_dict entry)
         self.projection_kernel = blocked_copy(projection, blocked)
+        self.decoding_kernels: Optional[DecodingKernels] = None  # see hold_decoding_kernels
+
+    def hold_decoding_kernels(self) -> bool:
+        """Copy the heads' weights into :class:`DecodingKernels`, which :meth:`features` then uses
+        outside autograd (drafting); True when it did. A copy: call again after changing the
+        weights. Hydra heads (one head per tree level) and layouts oneDNN lacks keep torch's kernels."""
+        if self.sequential or not blocked_layout_available() \
+                or self.blocks[0][0].linear.weight.dtype not in (torch.float32, torch.bfloat16):
+            self.decoding_kernels = None
+        else:
+            self.decoding_kernels = DecodingKernels(self)
+        return self.decoding_kernels is not None
 
     @property
     def sequential(self) -> bool:
@@ -124,11 +170,13 @@ class MedusaHeads(nn.Module):
         Raises:
             ValueError: token-conditioned heads without ``token_embeds``.
         """
+        if self.token_proj is not None and token_embeds is None:
+            raise ValueError("token-conditioned heads need the pending token's embedding (token_embeds)")
+        if self.decoding_kernels is not None and not torch.is_grad_enabled():
+            return self.decoding_kernels.features(hidden_states, token_embeds, count or self.cfg.num_heads)
         blocks = self.blocks[:count] if count is not None and not self.sequential else self.blocks
         if self.token_proj is None:
             return torch.stack([b(hidden_states) for b in blocks], dim=-2)
-        if token_embeds is None:
-            raise ValueError("token-conditioned heads need the pending token's embedding (token_embeds)")
         if not self.sequential:
             return torch.stack([b(hidden_states + F.linear(token_embeds, w))
                                 for b, w in zip(blocks, self.token_proj)], dim=-2)
@@ -265,7 +313,7 @@ class MedusaDrafter:
             return [self.propose(*call) for call in calls]
         hidden = torch.stack([calls[i][2].out.hidden_states[calls[i][2].row] for i in live])
         pending = torch.tensor([calls[i][0][-1] for i in live])
-        top = self._run_heads(hidden, pending).topk(self.tree.max_rank, dim=-1).indices  # [rows, depth, ranks]
+        top = self._top(hidden, pending, self.tree.max_rank)  # [rows, depth, ranks]
         trees = [DraftTree(call[0][-1]) for call in calls]
         for j, i in enumerate(live):
             trees[i] = self.tree.draft(int(pending[j]), top[j], calls[i][1])
@@ -273,8 +321,13 @@ class MedusaDrafter:
 
     def draft(self, last: TargetStep, pending: int, max_tokens: int) -> DraftTree:
         """The tree's first ``max_tokens`` paths under ``pending``, filled with each head's top-k."""
-        logits = self.logits(last, pending)  # [depth, vocab], -inf outside a draft vocabulary
-        return self.tree.draft(pending, logits.topk(self.tree.max_rank, dim=-1).indices, max_tokens)
+        return self.tree.draft(pending, self.candidates(last, pending, self.tree.max_rank), max_tokens)
+
+    def candidates(self, last: TargetStep, pending: int, k: int) -> torch.Tensor:
+        """The first ``tree.depth`` heads' top ``k`` token ids ``[depth, k]`` at ``last.row``, best first."""
+        if self.heads is None:
+            return self.logits(last, pending).topk(k, dim=-1).indices
+        return self._top(last.out.hidden_states[last.row], pending, k)
 
     def logits(self, last: TargetStep, pending: int) -> torch.Tensor:
         """The first ``tree.depth`` heads' logits ``[depth, vocab]`` (float32) at ``last.row``."""
@@ -284,13 +337,20 @@ class MedusaDrafter:
             return check_finite(last.out.head_logits[last.row][:self.tree.depth], "the MTP heads")
         return self._run_heads(last.out.hidden_states[last.row], pending)
 
-    def _run_heads(self, hidden: torch.Tensor, pending) -> torch.Tensor:
-        """The first ``tree.depth`` heads' logits ``[..., depth, vocab]`` for ``hidden`` ``[..., hidden]``
-        (one row, or several stacked), ``pending`` the token(s) each row drafts after."""
+    def _run_heads(self, hidden: torch.Tensor, pending, full_vocab: bool = True) -> torch.Tensor:
+        """The first ``tree.depth`` heads' logits ``[..., depth, vocab]`` (``[..., depth, V_d]`` over a
+        draft vocabulary when not ``full_vocab``) for ``hidden`` ``[..., hidden]`` (one row, or several
+        stacked), ``pending`` the token(s) each row drafts after."""
         embeds = self.target.embed[pending].to(hidden.dtype) if self.heads.cfg.token_conditioned else None
         with torch.inference_mode():
-            return check_finite(self.heads(hidden, self.target.logits, token_embeds=embeds, count=self.tree.depth),
-                                "the MTP heads")
+            return check_finite(self.heads(hidden, self.target.logits, full_vocab, token_embeds=embeds,
+                                           count=self.tree.depth), "the MTP heads")
+
+    def _top(self, hidden: torch.Tensor, pending, k: int) -> torch.Tensor:
+        """The first ``tree.depth`` heads' top ``k`` token ids ``[..., depth, k]``: ranked within the
+        draft vocabulary, then mapped to target ids (no scatter into the full vocabulary)."""
+        top = self._run_heads(hidden, pending, full_vocab=False).topk(k, dim=-1).indices
+        return top if self.heads.token_map is None else self.heads.token_map[top]
 
 
 class HydraDrafter(MedusaDrafter):
