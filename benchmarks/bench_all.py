@@ -29,6 +29,7 @@ from typing import Callable, List
 import torch
 
 from mtpctl.bench.harness import cpu_model
+from mtpctl.bench.vllm_peer import vllm_python
 
 ROOT = Path(__file__).resolve().parents[1]
 MTPCTL = ".venv/bin/mtpctl"
@@ -84,20 +85,35 @@ SECTIONS = [
             lambda a: [f"{PYTHON} benchmarks/bench_backends.py --heads {a.heads} --limit 1 --threads {THREADS}"],
             tables_only=False),
     Section("batching", "Many requests at once: throughput by batch size",
-            "35 requests of the built-in set (5 per category), 64 new tokens each, decoded by continuous batching "
-            "at each batch size, every method on the same requests; speedup is throughput over plain's at the same "
-            "batch size. `auto` is the default speculation policy (a request drafts only while its drafts pay for "
-            "the rows they add, by the pass costs below); `always` drafts every step, for comparison.",
+            "14 requests of the built-in set (2 per category), 64 new tokens each, decoded by continuous batching "
+            "at each batch size, every method on the same requests, over 3 rounds (each round every size and "
+            "method in turn); speedup is the median over rounds of the throughput over plain's at the same batch "
+            "size in the same round, with the lowest and highest round in brackets. `auto` is the default "
+            "speculation policy (a request drafts only while its drafts pay for the rows they add, by the pass "
+            "costs below); `always` drafts every step, for comparison. Where vLLM's environment exists "
+            "(`make vllm-env`), a float32 run puts vLLM's CPU build beside mtpctl at each size (vLLM: one run over "
+            "every round's requests).",
             lambda a: [_bench(*dt, "--methods", "plain,ngram,heads,heads+ngram", "--heads", a.heads, "--batch-sizes",
-                              "1,2,4,8,16", "--limit", "5", "--max-new-tokens", "64", "--speculate-policy", policy)
+                              "1,2,4,8,16", "--limit", "2", "--repeats", "3", "--max-new-tokens", "64",
+                              "--speculate-policy", policy)
                        for dt in (("--dtype", "bfloat16"), ("--dtype", "bfloat16", "--weights", "int4"))
-                       for policy in ("auto", "always")], tables_only=False,
-            notes=["Runs on this shared host can move by far more than 10% within this section (compare plain at one batch size across the four runs); methods at one batch size run one after another, so read a ratio together with tau: where `auto` keeps tau near 1.0 it verifies almost nothing beyond plain's rows, and a ratio below 1 there is the host (docs/findings.md, section 15).",
+                       for policy in ("auto", "always")]
+            + ([_bench("--methods", "plain,ngram,heads+ngram", "--heads", a.heads, "--batch-sizes", "1,2,4,8,16",
+                       "--limit", "2", "--repeats", "3", "--max-new-tokens", "64", "--baseline", "vllm")]
+               if vllm_python() is not None else []), tables_only=False,
+            notes=["Runs on this shared host can move by far more than 10% within minutes; the rounds pair each "
+                   "method with plain run just before or after it, so read the speedup's range: where it straddles "
+                   "1.0 the difference is within the host's drift. Where `auto` keeps tau near 1.0 it verifies "
+                   "almost nothing beyond plain's rows (docs/findings.md, section 15).",
+                   "vLLM runs eagerly (`enforce_eager=True`: it starts in seconds; compiled, it was measured on this "
+                   "machine kind at 43.5 tokens/s at batch 1 against 31.4 eager, and 188 against 215 at batch 8), in its "
+                   "own process with the same thread count; one `generate` call per batch size (`max_num_seqs`).",
                    'Where speculation stops paying here, and why (what a verify row costs against a plain row, from the pass costs below): docs/findings.md, section 15.']),
     Section("passcosts", "What a pass of N rows costs (the auto policy's table)",
-            "One packed verify pass over N one-row requests after 200 committed tokens each, every row's logits read "
-            "(what N plain requests cost per step, and about what N draft nodes add to a pass); the command also "
-            "stores the table the auto policy reads (`mtpctl/data/pass_costs.json`).",
+            "One packed verify pass, every row's logits read, after 200 committed tokens per sequence: over N one-row "
+            "requests (what N plain requests cost a step), and over one request's draft tree of N nodes (what its "
+            "draft nodes cost); the command also stores the tables the auto policy reads "
+            "(`mtpctl/data/pass_costs.json`).",
             lambda a: [f"{PYTHON} benchmarks/bench_pass_costs.py --modes float32,bfloat16,int4 --threads {THREADS} "
                        "--write mtpctl/data/pass_costs.json"], tables_only=False),
     Section("profile", "Where a decode step's time goes",

@@ -189,10 +189,12 @@ def test_batch_sizes_run_every_method_at_every_size(capsys, tiny_folder, prompt_
     rows = report["rows"]
     assert [(r["batch_size"], r["method"]) for r in rows] == [(1, "plain"), (1, "ngram"), (2, "plain"), (2, "ngram")]
     for r in rows:
-        assert r["requests"] == 2 * 3  # repeats x prompts, every one run at every size
+        assert r["requests"] == 2 * 3 and r["rounds"] == 2  # repeats x prompts, every one run at every size
         assert r["same_as_plain"] == r["requests"]  # greedy: every request as plain decoding alone
         assert f"| {r['batch_size']} | {r['method']} | {r['tokens_per_s']:.1f} |" in out
     assert rows[0]["speedup"] == 1.0 and set(report["stops_paying"]) == {"ngram"}
+    low, high = rows[1]["speedup_range"]  # ngram: the median of two rounds' paired ratios, within their range
+    assert low <= rows[1]["speedup"] <= high and f"{rows[1]['speedup']:.2f} ({low:.2f}-{high:.2f})" in out
     assert (tmp_path / "batch.png").stat().st_size > 0
 
 

@@ -1,11 +1,14 @@
 """``mtpctl bench --batch-sizes``: every method at every batch size, on the same requests.
 
 At each batch size B the whole request set (the selected prompts) runs through
-:meth:`~mtpctl.decode.session.Session.generate_batch` with ``max_batch`` B, once per method, the
-methods' order rotated from one batch size to the next. Figures per (method, B):
+:meth:`~mtpctl.decode.session.Session.generate_batch` with ``max_batch`` B, once per method and
+round: ``rounds`` rounds, each over every batch size and method in turn, the methods' order rotated
+from one run to the next, so a method and plain at the same size run minutes apart at most and
+a machine whose speed drifts hits them alike. Figures per (method, B):
 
-- tokens/s: all new tokens over the wall time of the whole batch run (throughput);
-- speedup: that over plain's at the same batch size;
+- tokens/s: all new tokens over the wall time of every round's run (throughput);
+- speedup: the median over rounds of that round's tokens/s over plain's at the same batch size
+  (paired: the ratio of two runs close in time), with the lowest and highest round;
 - TTFT p50: from the run's start (every request arrives at once, so it includes waiting for a row);
 - ITL p50 / p99: each step's time divided among the tokens a request committed in it;
 - tau and acceptance over every request's steps;
@@ -15,6 +18,7 @@ methods' order rotated from one batch size to the next. Figures per (method, B):
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -23,62 +27,85 @@ from mtpctl.decode.loop import GenerationResult
 from mtpctl.decode.session import GenerationRequest, Session
 from mtpctl.errors import MtpctlError
 
+#: one run of the request set: ``{"results": [GenerationResult per request], "wall_ms": float}``
+Run = dict
+
 
 def run_batch_sizes(session: Session, drafters: Dict[str, object], prompts: Sequence[List[int]],
                     batch_sizes: Sequence[int], make_request: Callable[[List[int]], GenerationRequest],
                     make_policy: Callable[[], object], acceptance: str = "exact",
-                    progress: Optional[Callable[[str], None]] = None) -> Dict[tuple, dict]:
-    """(method, batch size) -> ``{"results": [...], "wall_ms": ...}`` for every method (name ->
-    drafter, None for plain) at every batch size.
+                    progress: Optional[Callable[[str], None]] = None, rounds: int = 1) -> Dict[tuple, List[Run]]:
+    """(method, batch size) -> its runs, one per round, for every method (name -> drafter, None for
+    plain) at every batch size.
 
     Raises:
         MtpctlError: a request that failed (the benchmark's requests must all run).
     """
     names = list(drafters)
-    runs = {}
-    for turn, size in enumerate(batch_sizes):
-        shift = turn % len(names)
-        for name in names[shift:] + names[:shift]:
-            requests = [make_request(ids) for ids in prompts]
-            start = time.perf_counter()
-            outcomes = session.generate_batch(requests, drafters[name], size, make_policy(), acceptance)
-            wall_ms = (time.perf_counter() - start) * 1e3
-            failed = next((o for o in outcomes if isinstance(o, MtpctlError)), None)
-            if failed is not None:
-                raise failed
-            runs[name, size] = {"results": outcomes, "wall_ms": wall_ms}
-            if progress:
-                tokens = sum(r.stats.new_tokens for r in outcomes)
-                progress(f"batch {size} {name}: {len(outcomes)} requests, {tokens} tokens, "
-                         f"{tokens / (wall_ms / 1e3):.1f} tokens/s")
+    runs: Dict[tuple, List[Run]] = {}
+    turn = 0
+    for round_ in range(rounds):
+        for size in batch_sizes:
+            shift = turn % len(names)
+            turn += 1
+            for name in names[shift:] + names[:shift]:
+                requests = [make_request(ids) for ids in prompts]
+                start = time.perf_counter()
+                outcomes = session.generate_batch(requests, drafters[name], size, make_policy(), acceptance)
+                wall_ms = (time.perf_counter() - start) * 1e3
+                failed = next((o for o in outcomes if isinstance(o, MtpctlError)), None)
+                if failed is not None:
+                    raise failed
+                runs.setdefault((name, size), []).append({"results": outcomes, "wall_ms": wall_ms})
+                if progress:
+                    tokens = sum(r.stats.new_tokens for r in outcomes)
+                    progress(f"round {round_ + 1}/{rounds} batch {size} {name}: {len(outcomes)} requests, {tokens} "
+                             f"tokens, {tokens / (wall_ms / 1e3):.1f} tokens/s")
     return runs
 
 
-def summarize_batched(runs: Dict[tuple, dict], weight_bytes: Dict[str, int]) -> List[dict]:
+def _rate(run: Run) -> float:
+    """tokens/s of one run."""
+    return sum(r.stats.new_tokens for r in run["results"]) / (run["wall_ms"] / 1e3) if run["wall_ms"] else 0.0
+
+
+def _speedups(runs: List[Run], plain: Optional[List[Run]]) -> List[float]:
+    """Each round's tokens/s over plain's in the same round (a peer's single run: over plain's total)."""
+    if not plain:
+        return []
+    if len(runs) == len(plain):
+        return [_rate(run) / _rate(base) for run, base in zip(runs, plain)]
+    total = sum(sum(r.stats.new_tokens for r in base["results"]) for base in plain) / \
+        (sum(base["wall_ms"] for base in plain) / 1e3)
+    return [_rate(run) / total for run in runs]
+
+
+def summarize_batched(runs: Dict[tuple, List[Run]], weight_bytes: Dict[str, int]) -> List[dict]:
     """One figure set per (method, batch size), in batch-size then method order (see the module
     docstring); ``weight_bytes``: method -> bytes of its weights (target + drafter)."""
-    reference = {size: run["results"] for (name, size), run in runs.items() if name == "plain"}
+    reference = {size: rounds[0]["results"] for (name, size), rounds in runs.items() if name == "plain"}
     first = reference[min(reference)] if reference else None
     rows = []
-    for (name, size), run in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0] != "plain")):
-        results: List[GenerationResult] = run["results"]
+    for (name, size), rounds in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0] != "plain")):
+        results: List[GenerationResult] = [r for run in rounds for r in run["results"]]
         tokens = sum(r.stats.new_tokens for r in results)
-        rate = tokens / (run["wall_ms"] / 1e3) if run["wall_ms"] else 0.0
-        plain = runs.get(("plain", size))
-        plain_rate = (sum(r.stats.new_tokens for r in plain["results"]) / (plain["wall_ms"] / 1e3)
-                      if plain else None)
+        wall_ms = sum(run["wall_ms"] for run in rounds)
+        ratios = _speedups(rounds, runs.get(("plain", size)))
         steps = sum(r.stats.decode_steps for r in results)
         drafted = sum(r.stats.draft_tokens for r in results)
         itl = [x for r in results for x in itl_samples(r)]
         ttft = [r.stats.ttft_ms for r in results if r.stats.ttft_ms is not None]
-        kv = sorted((r.stats.kv_cache_bytes for r in results), reverse=True)[:size]
+        kv = sorted((r.stats.kv_cache_bytes for r in rounds[0]["results"]), reverse=True)[:size]
         rows.append({
-            "method": name, "batch_size": size, "requests": len(results), "new_tokens": tokens,
-            "tokens_per_s": rate, "speedup": rate / plain_rate if plain_rate else None,
+            "method": name, "batch_size": size, "requests": len(results), "rounds": len(rounds), "new_tokens": tokens,
+            "tokens_per_s": tokens / (wall_ms / 1e3) if wall_ms else 0.0,
+            "speedup": statistics.median(ratios) if ratios else None,
+            "speedup_range": [min(ratios), max(ratios)] if len(ratios) > 1 and name != "plain" else None,
             "ttft_ms_p50": percentile(ttft, 50), "itl_ms_p50": percentile(itl, 50), "itl_ms_p99": percentile(itl, 99),
             "tau": sum(sum(r.stats.accepted_per_step) for r in results) / steps if steps else None,
             "acceptance_rate": sum(r.stats.accepted_tokens for r in results) / drafted if drafted else None,
-            "same_as_plain": (sum(a.token_ids == b.token_ids for a, b in zip(results, first)) if first else None),
+            "same_as_plain": (sum(a.token_ids == b.token_ids for run in rounds for a, b in zip(run["results"], first))
+                              if first else None),
             "peak_memory_bytes": (weight_bytes[name] + sum(kv)) if name in weight_bytes else None,
         })
     return rows
@@ -101,11 +128,15 @@ def format_batched(rows: List[dict]) -> str:
     def f(value, spec):
         return "-" if value is None else format(value, spec)
 
+    def speedup(r):
+        spread = r.get("speedup_range")
+        return f(r["speedup"], ".2f") + (f" ({spread[0]:.2f}-{spread[1]:.2f})" if spread else "")
+
     lines = ["| batch | method | tokens/s | speedup vs plain | TTFT p50 ms | ITL p50 / p99 ms | tau | acceptance "
              "| same as plain | peak memory MiB |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['batch_size']} | {r['method']} | {r['tokens_per_s']:.1f} | {f(r['speedup'], '.2f')} "
+        lines.append(f"| {r['batch_size']} | {r['method']} | {r['tokens_per_s']:.1f} | {speedup(r)} "
                      f"| {f(r['ttft_ms_p50'], '.0f')} | {f(r['itl_ms_p50'], '.1f')} / {f(r['itl_ms_p99'], '.1f')} "
                      f"| {f(r['tau'], '.2f')} | {f(r['acceptance_rate'], '.2f')} "
                      f"| {r['same_as_plain']}/{r['requests']} "

@@ -60,7 +60,9 @@ Examples:
 @click.option("--prompts", "prompts_path", type=click.Path(dir_okay=False), help="JSONL prompt set (default: built-in).")
 @click.option("--categories", default=None, help="Only these categories (comma-separated).")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="At most N prompts per category.")
-@click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True, help="Rounds over the prompts.")
+@click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Rounds over the prompts (with --batch-sizes: rounds over every size and method, the speedup "
+                   "the median of each round's paired ratio, with its range).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--baseline", type=click.Choice(["none", "transformers", "llama.cpp", "vllm"]), default="none",
               show_default=True,
@@ -129,8 +131,9 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ma
                 peers = vllm_batched(session.folder, configs, encoded * repeats, sizes, max_new_tokens,
                                      options["dtype"], torch_threads(), session.codec.eos_ids,
                                      progress=lambda line: click.echo(f"mtpctl: {line}", err=True))
-        _bench_batched(session, built, encoded * repeats, sizes, max_new_tokens, sampling, policy, options["acceptance"],
-                       weights, peers, json_path, plot_path, fail_below_speedup, fail_above_p99_ms)
+        _bench_batched(session, built, encoded, repeats, sizes, max_new_tokens, sampling, policy,
+                       options["acceptance"], weights, peers, json_path, plot_path, fail_below_speedup,
+                       fail_above_p99_ms)
         return
     runners = {name: m.run for name, m in built.items()}
     if baseline == "transformers":
@@ -189,15 +192,16 @@ def parse_batch_sizes(text: str) -> list:
     return sizes
 
 
-def _bench_batched(session, built, encoded, sizes, max_new_tokens, sampling, policy, acceptance, weights, peers,
-                   json_path, plot_path, fail_below_speedup, fail_above_p99_ms) -> None:
-    """``--batch-sizes``: every method at every batch size (:mod:`mtpctl.bench.batched`), beside the
-    peers' runs at the same sizes (``peers``: vLLM's)."""
+def _bench_batched(session, built, encoded, rounds, sizes, max_new_tokens, sampling, policy, acceptance, weights,
+                   peers, json_path, plot_path, fail_below_speedup, fail_above_p99_ms) -> None:
+    """``--batch-sizes``: every method at every batch size over ``rounds`` rounds
+    (:mod:`mtpctl.bench.batched`), beside the peers' runs at the same sizes (``peers``: vLLM's, one
+    run each over every round's requests)."""
     drafters = {name: m.drafter for name, m in built.items()}
     runs = run_batch_sizes(session, drafters, encoded, sizes,
                            lambda ids: GenerationRequest(ids, max_new_tokens, sampling), policy, acceptance,
-                           progress=lambda line: click.echo(line, err=True))
-    runs.update(peers)
+                           progress=lambda line: click.echo(line, err=True), rounds=rounds)
+    runs.update({key: [run] for key, run in peers.items()})
     rows = summarize_batched(runs, weights)
     click.echo(format_batched(rows))
     if json_path:
