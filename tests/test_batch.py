@@ -17,10 +17,13 @@ from mtpctl.decode.sampling import SamplingParams
 from mtpctl.decode.session import GenerationRequest
 from mtpctl.decode.stopping import StopChecker
 from mtpctl.decode.tree import DraftTree
+from mtpctl.decode.drafter import propose_all
+from mtpctl.drafters.draft_model import DraftModelDrafter
 from mtpctl.drafters.heads.medusa import MedusaDrafter
 from mtpctl.drafters.heads.tree import StaticTree
 from mtpctl.drafters.merged import MergedDrafter
 from mtpctl.drafters.ngram import NgramDrafter
+from mtpctl.drafters.self_draft import layer_subset
 from mtpctl.errors import BadInput, NonFinite
 from mtpctl.model.native import load_kernel
 from stats_util import chi_square_rejects
@@ -83,12 +86,15 @@ def references(model):
 
 @pytest.mark.parametrize("native", ATTENTION)
 @pytest.mark.parametrize("max_batch", [1, 2, 5, 8])
-@pytest.mark.parametrize("kind", ["none", "ngram", "oracle", "heads+ngram"])
+@pytest.mark.parametrize("kind", ["none", "ngram", "oracle", "heads+ngram", "draft", "ngram+draft"])
 def test_every_row_equals_its_request_decoded_alone(model, references, native, max_batch, kind):
     refs = references[native]
     if kind == "heads+ngram":  # random heads: their trees are proposed for every row in one heads call
         drafter = MergedDrafter([MedusaDrafter(StaticTree.from_paths([[0], [1], [0, 0], [0, 1]], 2),
                                                random_heads(model, num_heads=2), model), NgramDrafter(3, 1, 3)])
+    elif kind in ("draft", "ngram+draft"):  # a draft model (the target's first layer): one fork per row, packed
+        draft = DraftModelDrafter(layer_subset(model, [0]), model.cfg.vocab_size, draft_len=3)
+        drafter = draft if kind == "draft" else MergedDrafter([NgramDrafter(3, 1, 2), draft])
     else:
         drafter = {"none": None, "ngram": NgramDrafter(3, 1, 4),
                    "oracle": OracleTree({tuple(p): r for p, r in zip(PROMPTS, refs)}, model.cfg.vocab_size)}[kind]
@@ -97,6 +103,25 @@ def test_every_row_equals_its_request_decoded_alone(model, references, native, m
     if kind == "oracle":  # ragged acceptance happened: steps that accepted nothing and steps that accepted 4+
         accepted = [n for o in outcomes for n in o.stats.accepted_per_step]
         assert min(accepted) == 1 and max(accepted) >= 5
+
+
+def test_a_draft_models_forks_draft_together_in_one_pass_per_step(model):
+    """Forks of one draft model propose together (propose_forks): each row's chain is the one it
+    drafts alone, and every draft step of every row runs in one packed pass of the draft model."""
+    draft = layer_subset(model, [0])
+    contexts = [p + [p[-1]] for p in PROMPTS[:4]]
+    solo = [DraftModelDrafter(draft, model.cfg.vocab_size, draft_len=3).propose(c, 3) for c in contexts]
+    forks = [DraftModelDrafter(draft, model.cfg.vocab_size, draft_len=3) for _ in contexts]
+    passes = []
+    original = draft.forward
+    draft.forward = lambda *args, **kwargs: passes.append(args[0].shape) or original(*args, **kwargs)
+    try:
+        together = propose_all(forks, [(c, 3, None) for c in contexts])
+    finally:
+        del draft.forward
+    assert [t.tokens for t in together] == [t.tokens for t in solo]
+    assert len(passes) == 4 + 2  # a prefill per new row, then one pass per later draft step for all rows
+    assert all(shape == (1, 4) for shape in passes[4:])  # each of those carries the four rows
 
 
 @pytest.mark.parametrize("native", ATTENTION)

@@ -42,14 +42,27 @@ def aux_layers_of(*drafters: Optional["Drafter"]) -> Tuple[int, ...]:
     return tuple(sorted({layer for d in drafters if d is not None for layer in getattr(d, "aux_layers", ())}))
 
 
-def propose_all(drafter: "Drafter", calls: Sequence[Call]) -> List[DraftTree]:
-    """``drafter.propose`` for several requests that share it (forks of a drafter without per-request
-    state are the drafter itself): in one ``propose_together`` call where the drafter has one (MTP
-    heads run once on every row's hidden state), else one call each."""
-    together = getattr(drafter, "propose_together", None)
-    if together is not None and len(calls) > 1:
-        return together(calls)
-    return [drafter.propose(*call) for call in calls]
+def family(drafter: "Drafter"):
+    """What lets several requests' drafters propose together (a drafter's optional ``family``): the
+    drafter itself (requests share one drafter without per-request state), or what its forks share (a
+    draft model's forks: the draft model). Hashable."""
+    return getattr(drafter, "family", drafter)
+
+
+def propose_all(drafters: Sequence["Drafter"], calls: Sequence[Call]) -> List[DraftTree]:
+    """``drafters[i].propose(*calls[i])`` for drafters of one :func:`family`, in one call where they
+    can: ``propose_together`` on a drafter the requests share (MTP heads run once on every row's
+    hidden state), ``propose_forks`` on forks (a draft model's passes packed across the requests);
+    else one call each."""
+    first = drafters[0]
+    if len(calls) > 1:
+        together = getattr(first, "propose_together", None)
+        if together is not None and all(d is first for d in drafters):
+            return together(calls)
+        forks = getattr(first, "propose_forks", None)
+        if forks is not None:
+            return forks(drafters, calls)
+    return [d.propose(*call) for d, call in zip(drafters, calls)]
 
 
 def check_finite(logits: torch.Tensor, who: str) -> torch.Tensor:

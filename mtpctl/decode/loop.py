@@ -24,7 +24,7 @@ import torch
 
 from mtpctl.decode.acceptance import (Acceptance, accept_greedy, accept_greedy_together, accept_rejection_sampling,
                                       accept_typical)
-from mtpctl.decode.drafter import Call, Drafter, TargetStep, propose_all
+from mtpctl.decode.drafter import Call, Drafter, TargetStep, family, propose_all
 from mtpctl.decode.engine import Engine, StepOutput
 from mtpctl.decode.policy import AlwaysDraft, Policy
 from mtpctl.decode.sampling import SamplingParams, next_token
@@ -339,7 +339,7 @@ def _admit(index: int, request: Request, new_engine: Callable[[Request], Engine]
 
 def _propose(rows: List[_Row], sizes: Sequence[int], outcomes: list) -> dict:
     """Each row's tree for this step (request index -> tree): its drafter's proposal of up to its size,
-    rows that share a drafter proposing together (:func:`propose_all`); the pending token alone for a
+    rows whose drafters share a family proposing together (:func:`propose_all`); the pending token alone for a
     row without a drafter. A drafter sees every step, a size of 0 included (an EAGLE layer keeps its
     cache in step with the target's). A row whose drafter failed ends with its error."""
     trees, groups = {}, {}
@@ -347,10 +347,10 @@ def _propose(rows: List[_Row], sizes: Sequence[int], outcomes: list) -> dict:
         if row.drafter is None:
             trees[row.index] = DraftTree(row.context[-1])
         else:
-            groups.setdefault(id(row.drafter), []).append((row, max(size, 0)))
+            groups.setdefault(family(row.drafter), []).append((row, max(size, 0)))
     for group in groups.values():
         try:
-            proposed = propose_all(group[0][0].drafter, [row.call(size) for row, size in group])
+            proposed = propose_all([row.drafter for row, _ in group], [row.call(size) for row, size in group])
         except NonFinite:  # one row's values: find it, the others draft again alone
             proposed = [None] * len(group)
         for (row, size), tree in zip(group, proposed):

@@ -33,8 +33,8 @@ from typing import Callable, List, Optional, Sequence, Set
 
 import torch
 
-from mtpctl.backends.torch import TorchEngine
-from mtpctl.decode.drafter import TargetStep, check_finite
+from mtpctl.backends.torch import TorchEngine, verify_packed
+from mtpctl.decode.drafter import Call, TargetStep, check_finite
 from mtpctl.decode.sampling import SamplingParams, probs_from_logits, sample
 from mtpctl.decode.tree import DraftTree
 from mtpctl.model.decoder import Decoder
@@ -226,45 +226,71 @@ class DraftModelDrafter:
         twin.generator.manual_seed(int(torch.randint(2 ** 62, (), generator=self.generator)))
         return twin
 
+    @property
+    def family(self):
+        """What forks share (see :func:`mtpctl.decode.drafter.family`): the draft model, whose passes
+        :meth:`propose_forks` packs across requests."""
+        return self.model
+
     def propose(self, context: Sequence[int], max_tokens: int, last: Optional[TargetStep] = None) -> DraftTree:
         """A chain of up to ``min(max_tokens, draft length)`` draft tokens (target ids) following
         ``context`` (prompt + committed output, the pending token last); its ``q`` ``[k,
         target_vocab]`` when sampling with ids, else None. The root alone when the context does not
         fit the draft's context window or holds a token the draft cannot represent."""
-        context = list(context)
-        pending = context[-1]
+        return self.propose_forks([self], [(context, max_tokens, last)])[0]
+
+    @staticmethod
+    def propose_forks(drafters: Sequence["DraftModelDrafter"], calls: Sequence[Call]) -> List[DraftTree]:
+        """:meth:`propose` of each request's fork (``drafters[i]`` for ``calls[i]``) of one draft model,
+        the forks' passes packed: each row's catch-up (the tokens its cache lacks) in one pass, then
+        each draft step of every row still drafting in one pass (:func:`~mtpctl.backends.torch.verify_packed`)
+        and one lm_head call. A row's tokens are those it drafts alone (the draft's kernels compute a row
+        the same alone or in a pass)."""
+        trees: List[Optional[DraftTree]] = [None] * len(calls)
+        rows = []  # (index, drafter, ctx, tail, k)
+        for i, (d, (context, max_tokens, _)) in enumerate(zip(drafters, calls)):
+            context = list(context)
+            start = d._start(context, max_tokens)
+            if start is None:
+                trees[i] = DraftTree(context[-1])
+            else:
+                rows.append((i, d) + start)
+        if rows:
+            logits = _catch_up([(d, ctx, k) for _, d, ctx, _, k in rows])
+            drafted = _draft_steps([(d, k) for _, d, _, _, k in rows], logits)
+            for (i, d, _, tail, _), (tokens, q_rows) in zip(rows, drafted):
+                proposal, probs = d._to_target(tokens, q_rows, tail, calls[i][1])
+                d._last = proposal
+                trees[i] = DraftTree.chain([calls[i][0][-1]] + proposal, probs)
+        return trees
+
+    def _start(self, context: List[int], max_tokens: int):
+        """The draft's ids ``ctx`` for ``context``, the output part ``tail`` (text mode) and the tokens
+        ``k`` to draft; None when it drafts nothing (no room, a context it cannot represent or that
+        does not fit its window)."""
         self._observe(context)
         self._last_len, self._last = len(context), []
         k = min(max_tokens, self.k)
         if k <= 0:
-            return DraftTree(pending)
+            return None
         ctx, tail = self._draft_context(context)
         if ctx is None or not ctx:
-            return DraftTree(pending)
+            return None
         k = min(k, self.max_positions - len(ctx))  # positions left in the draft's context
-        if k <= 0:
-            return DraftTree(pending)
-        logits = self._feed(ctx, k)
-        greedy = self.sampling.greedy or self.text is not None
-        tokens: List[int] = []
-        rows: List[torch.Tensor] = []
-        for i in range(k):
-            if self._blocked is not None:
-                logits = logits.masked_fill(self._blocked, float("-inf"))
-            if greedy:
-                token = int(logits.argmax())
-            else:
-                q = probs_from_logits(logits, self.sampling)  # [draft_vocab]
-                token = sample(q, self.generator)
-                rows.append(q)
-            if self.text is not None and token in self.text.draft_stop_ids:
-                break
-            tokens.append(token)
-            if i + 1 < k:  # the last draft token's KV is not needed unless it is accepted
-                logits = self._step(token)
-        proposal, probs = self._to_target(tokens, rows, tail, max_tokens)
-        self._last = proposal
-        return DraftTree.chain([pending] + proposal, probs)
+        return (ctx, tail, k) if k > 0 else None
+
+    def _choose(self, logits: torch.Tensor, q_rows: List[torch.Tensor]) -> Optional[int]:
+        """The next draft id from ``logits`` ``[draft_vocab]`` (argmax, or a sample whose distribution
+        is appended to ``q_rows``); None when it ends the draft (text mode: the draft's EOS)."""
+        if self._blocked is not None:
+            logits = logits.masked_fill(self._blocked, float("-inf"))
+        if self.sampling.greedy or self.text is not None:
+            token = int(logits.argmax())
+        else:
+            q = probs_from_logits(logits, self.sampling)  # [draft_vocab]
+            token = sample(q, self.generator)
+            q_rows.append(q)
+        return None if self.text is not None and token in self.text.draft_stop_ids else token
 
     # -- draft length ----------------------------------------------------------------------------
     def _observe(self, context: List[int]) -> None:
@@ -296,9 +322,10 @@ class DraftModelDrafter:
         return self._prompt_draft + output, output
 
     # -- the draft's KV cache ----------------------------------------------------------------------
-    def _feed(self, ctx: List[int], k: int) -> torch.Tensor:
-        """Bring the draft cache to ``ctx`` (reusing the longest common prefix) and return the
-        logits ``[draft_vocab]`` after its last token."""
+    def _resume(self, ctx: List[int], k: int) -> Optional[DraftTree]:
+        """Make the cache ready to take ``ctx`` (a new engine when it is too small) and return the chain
+        of the tokens it lacks, after the longest common prefix of the cache and ``ctx`` (the last
+        token is always fed again, for its logits); None when the whole of ``ctx`` needs a prefill."""
         need = len(ctx) + k
         if self.engine is None or need > self.engine.capacity:
             capacity = min(self.max_positions, max(2 * need, 256))
@@ -308,26 +335,12 @@ class DraftModelDrafter:
             if a != b:
                 break
             common += 1
-        common = min(common, len(ctx) - 1)  # the last token is fed again for its logits
+        common = min(common, len(ctx) - 1)
         self.forward_passes += 1
         if common == 0:
-            out = self.engine.prefill(ctx)
-        else:
-            self.engine.rollback(common)  # the cache is position-indexed: slots past it are overwritten
-            out = self.engine.verify(DraftTree.chain(ctx[common:]))
-            self.engine.commit(range(len(ctx) - common))
-        self.cached = list(ctx)
-        with torch.inference_mode():
-            return check_finite(self.model.logits(out.hidden_states[-1:])[0], "the draft model")
-
-    def _step(self, token: int) -> torch.Tensor:
-        """Feed one draft token; its logits ``[draft_vocab]``."""
-        self.forward_passes += 1
-        out = self.engine.verify(DraftTree(token))
-        self.engine.commit([0])
-        self.cached.append(token)
-        with torch.inference_mode():
-            return check_finite(self.model.logits(out.hidden_states)[0], "the draft model")
+            return None
+        self.engine.rollback(common)  # the cache is position-indexed: slots past it are overwritten
+        return DraftTree.chain(ctx[common:])
 
     # -- back to the target's ids ----------------------------------------------------------------
     def _to_target(self, tokens: List[int], rows: List[torch.Tensor], tail, max_tokens: int):
@@ -357,3 +370,62 @@ class DraftModelDrafter:
             return []
         new = full[len(before):].rstrip("\ufffd")  # an incomplete UTF-8 character at the end
         return self.text.target_encode(new)[:max_tokens] if new else []
+
+
+def _catch_up(rows: Sequence[tuple]) -> List[torch.Tensor]:
+    """Bring each ``(drafter, ctx, k)`` row's cache to its ``ctx``: prefills alone, the other rows'
+    missing tokens in one packed pass; each row's logits ``[draft_vocab]`` after its last token."""
+    hidden: List[Optional[torch.Tensor]] = [None] * len(rows)
+    chains = []
+    for j, (d, ctx, k) in enumerate(rows):
+        chain = d._resume(ctx, k)
+        if chain is None:
+            hidden[j] = d.engine.prefill(ctx).hidden_states[-1]
+            d.cached = list(ctx)
+        else:
+            chains.append((j, d, chain))
+    if chains:
+        outs = verify_packed([d.engine for _, d, _ in chains], [chain for _, _, chain in chains])
+        for (j, d, chain), out in zip(chains, outs):
+            d.engine.commit(range(len(chain)))
+            d.cached = list(rows[j][1])
+            hidden[j] = out.hidden_states[-1]
+    return _logits(rows[0][0].model, hidden)
+
+
+def _draft_steps(rows: Sequence[tuple], logits: List[torch.Tensor]) -> List[tuple]:
+    """Draft up to ``k`` tokens for each ``(drafter, k)`` row from its ``logits`` after its context:
+    each step's new tokens fed to every row that drafts on, in one packed pass (the last token's KV
+    is not needed unless it is accepted). Returns each row's ``(draft ids, q rows)``."""
+    drafted = [([], []) for _ in rows]
+    live = list(range(len(rows)))
+    while live:
+        going = []
+        for j in live:
+            d, k = rows[j]
+            tokens, q_rows = drafted[j]
+            token = d._choose(logits[j], q_rows)
+            if token is not None:
+                tokens.append(token)
+                if len(tokens) < k:
+                    going.append(j)
+        live = going
+        if not live:
+            break
+        engines = [rows[j][0].engine for j in live]
+        outs = verify_packed(engines, [DraftTree(drafted[j][0][-1]) for j in live])
+        for j, out in zip(live, outs):
+            d = rows[j][0]
+            d.engine.commit([0])
+            d.cached.append(drafted[j][0][-1])
+            d.forward_passes += 1
+        step = _logits(rows[0][0].model, [out.hidden_states[-1] for out in outs])
+        for j, row_logits in zip(live, step):
+            logits[j] = row_logits
+    return drafted
+
+
+def _logits(model: Decoder, hidden: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """The draft's logits ``[draft_vocab]`` of each hidden state ``[hidden]``, in one lm_head call."""
+    with torch.inference_mode():
+        return list(check_finite(model.logits(torch.stack(list(hidden))), "the draft model"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import List, Optional, Sequence
 
 from mtpctl.decode.attention import MAX_DRAFT_DEPTH
-from mtpctl.decode.drafter import Call, TargetStep, aux_layers_of, propose_all
+from mtpctl.decode.drafter import Call, TargetStep, aux_layers_of, family, propose_all
 from mtpctl.decode.tree import DraftTree
 
 
@@ -43,13 +43,28 @@ class MergedDrafter:
         forks = [d.fork() for d in self.drafters]
         return self if all(f is d for f, d in zip(forks, self.drafters)) else MergedDrafter(forks, self.max_depth)
 
+    @property
+    def family(self) -> tuple:
+        """Its members' families (see :func:`mtpctl.decode.drafter.family`): merges of forks of the
+        same members propose together."""
+        return tuple(family(d) for d in self.drafters)
+
     def propose_together(self, calls: Sequence[Call]) -> List[DraftTree]:
-        """:meth:`propose` for several requests at once, each member proposing for all of them together
-        where it can (:func:`mtpctl.decode.drafter.propose_all`)."""
-        proposals = [propose_all(d, [(context, d.budget if max_tokens > 0 else 0, last)
-                                     for context, max_tokens, last in calls]) for d in self.drafters]
-        return [self._merge(context, max_tokens, [p[i] for p in proposals])
-                for i, (context, max_tokens, _) in enumerate(calls)]
+        """:meth:`propose` for several requests at once (see :meth:`propose_forks`)."""
+        return self.propose_forks([self] * len(calls), calls)
+
+    @staticmethod
+    def propose_forks(merges: Sequence["MergedDrafter"], calls: Sequence[Call]) -> List[DraftTree]:
+        """:meth:`propose` of each request's merge (``merges[i]`` for ``calls[i]``, merges of one
+        family), each member proposing for all the requests together where it can
+        (:func:`mtpctl.decode.drafter.propose_all`)."""
+        proposals = []
+        for m in range(len(merges[0].drafters)):
+            members = [merge.drafters[m] for merge in merges]
+            proposals.append(propose_all(members, [(context, member.budget if max_tokens > 0 else 0, last)
+                                                   for member, (context, max_tokens, last) in zip(members, calls)]))
+        return [merge._merge(context, max_tokens, [p[i] for p in proposals])
+                for i, (merge, (context, max_tokens, _)) in enumerate(zip(merges, calls))]
 
     def propose(self, context: Sequence[int], max_tokens: int, last: Optional[TargetStep] = None) -> DraftTree:
         # with max_tokens 0 the members only see the step (an EAGLE layer keeps its cache in step)
