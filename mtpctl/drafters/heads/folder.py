@@ -28,8 +28,7 @@ def load_heads(folder: Path, dtype: torch.dtype = torch.float32, target_lm_head:
     Args:
         target_lm_head: ``[vocab, hidden]`` the target's lm_head weight, needed by heads with a
             truncated draft vocabulary or their own lm_heads (see :class:`MedusaHeads`).
-        blocked: for decoding, hold the draft-vocabulary projection (and Medusa heads' blocks,
-            :meth:`MedusaHeads.hold_decoding_kernels`) in oneDNN's blocked layout too.
+        blocked: for decoding, hold the draft-vocabulary projection in oneDNN's blocked layout too.
         kinds: the head kinds the caller can run (another kind is BadInput).
 
     Raises:
@@ -64,8 +63,6 @@ def load_heads(folder: Path, dtype: torch.dtype = torch.float32, target_lm_head:
     heads = cls(cfg, dtype, target_lm_head, token_map, blocked)
     heads.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()})
     heads.requires_grad_(False)
-    if blocked and isinstance(heads, MedusaHeads):
-        heads.hold_decoding_kernels()
     return heads
 
 

@@ -33,7 +33,7 @@ from mtpctl.decode.tree import DraftTree
 from mtpctl.drafters.heads.config import HeadsConfig
 from mtpctl.drafters.heads.tree import StaticTree
 from mtpctl.model.decoder import Decoder
-from mtpctl.model.linears import BlockedLinear, blocked_copy, blocked_layout_available
+from mtpctl.model.linears import blocked_copy
 
 
 class ResBlock(nn.Module):
@@ -47,40 +47,6 @@ class ResBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + F.silu(self.linear(x))
-
-
-class DecodingKernels:
-    """Medusa heads' features (:meth:`MedusaHeads.features`) for decoding, in as few calls as the
-    shape allows: every head's token projection in one call, each block's linear layer in oneDNN's
-    blocked layout (:class:`~mtpctl.model.linears.BlockedLinear`; torch's default kernel takes several
-    times longer for the one or few rows of a drafting step). Copies of the weights, taken by
-    :meth:`MedusaHeads.hold_decoding_kernels`: the values are the heads', the rounding may differ
-    from training's kernels in the last bits (a draft needs no exactness: the target verifies it).
-
-    Args:
-        heads: Medusa heads (not Hydra), float32 or bfloat16 weights.
-    """
-
-    def __init__(self, heads: "MedusaHeads"):
-        self.token = None
-        if heads.token_proj is not None:  # [K * hidden, hidden]: head k's projection at rows k * hidden on
-            self.token = BlockedLinear(torch.cat([w.detach() for w in heads.token_proj]))
-        self.blocks = [[(BlockedLinear(b.linear.weight.detach()), b.linear.bias.detach()) for b in head]
-                       for head in heads.blocks]
-
-    def features(self, hidden_states: torch.Tensor, token_embeds: Optional[torch.Tensor], count: int) -> torch.Tensor:
-        """``[..., hidden]`` (and the pending tokens' embeddings ``[..., hidden]`` for token-conditioned
-        heads) -> the first ``count`` heads' features ``[..., count, hidden]``."""
-        x = hidden_states.unsqueeze(-2).expand(*hidden_states.shape[:-1], count, hidden_states.shape[-1])
-        if self.token is not None:
-            x = x + self.token(token_embeds).unflatten(-1, (-1, hidden_states.shape[-1]))[..., :count, :]
-        feats = []
-        for k in range(count):
-            z = x[..., k, :]
-            for kernel, bias in self.blocks[k]:
-                z = z + F.silu(kernel(z) + bias)
-            feats.append(z)
-        return torch.stack(feats, dim=-2)
 
 
 class MedusaHeads(nn.Module):
@@ -140,18 +106,6 @@ class MedusaHeads(nn.Module):
         self.register_buffer("projection", projection, persistent=False)
         # decoding: the same projection in oneDNN's blocked layout (no state_dict entry)
         self.projection_kernel = blocked_copy(projection, blocked)
-        self.decoding_kernels: Optional[DecodingKernels] = None  # see hold_decoding_kernels
-
-    def hold_decoding_kernels(self) -> bool:
-        """Copy the heads' weights into :class:`DecodingKernels`, which :meth:`features` then uses
-        outside autograd (drafting); True when it did. A copy: call again after changing the
-        weights. Hydra heads (one head per tree level) and layouts oneDNN lacks keep torch's kernels."""
-        if self.sequential or not blocked_layout_available() \
-                or self.blocks[0][0].linear.weight.dtype not in (torch.float32, torch.bfloat16):
-            self.decoding_kernels = None
-        else:
-            self.decoding_kernels = DecodingKernels(self)
-        return self.decoding_kernels is not None
 
     @property
     def sequential(self) -> bool:
@@ -170,13 +124,11 @@ class MedusaHeads(nn.Module):
         Raises:
             ValueError: token-conditioned heads without ``token_embeds``.
         """
-        if self.token_proj is not None and token_embeds is None:
-            raise ValueError("token-conditioned heads need the pending token's embedding (token_embeds)")
-        if self.decoding_kernels is not None and not torch.is_grad_enabled():
-            return self.decoding_kernels.features(hidden_states, token_embeds, count or self.cfg.num_heads)
         blocks = self.blocks[:count] if count is not None and not self.sequential else self.blocks
         if self.token_proj is None:
             return torch.stack([b(hidden_states) for b in blocks], dim=-2)
+        if token_embeds is None:
+            raise ValueError("token-conditioned heads need the pending token's embedding (token_embeds)")
         if not self.sequential:
             return torch.stack([b(hidden_states + F.linear(token_embeds, w))
                                 for b, w in zip(blocks, self.token_proj)], dim=-2)
