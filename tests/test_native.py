@@ -48,6 +48,39 @@ def test_kernel_matches_a_float64_reference(window):
     assert (got.double() - reference(q, keys, values, 0.3, plan)).abs().max() < 1e-5
 
 
+def test_a_bfloat16_cache_gives_what_a_float32_cache_of_the_same_values_gives():
+    """A bfloat16 model's keys and values are bfloat16 values: the kernel reads a bfloat16 cache of them
+    widened, so attention gives the same bits as over a float32 cache holding them, at half the bytes."""
+    parents = [-1, 0, 0, 1, 2, 2, 4]
+    depth, tree_mask = tree_positions(parents)
+    q, keys, values = random_inputs(len(parents), slots=77)  # head_dim 32: two 16-lane loads per row
+    keys, values = keys.bfloat16(), values.bfloat16()
+    for window in (None, 20):
+        plan = slot_plan([window], 50, depth, tree_mask)[window]
+        assert torch.equal(tree_attention(q, keys, values, 0.3, plan),
+                           tree_attention(q, keys.float(), values.float(), 0.3, plan))
+
+
+def test_a_bfloat16_engine_keeps_a_bfloat16_cache_and_the_same_bits():
+    """A bfloat16 model's engine on the native kernels holds its KV cache in bfloat16 (half the memory
+    and the bytes each pass reads) and computes every pass exactly as with a float32 cache."""
+    from mtpctl.decode.attention import TAIL
+    from mtpctl.decode.tree import DraftTree
+
+    model = random_decoder(seed=2, dtype=torch.bfloat16, blocked=True)
+    compact, wide = TorchEngine(model, 64), TorchEngine(model, 64)
+    wide.cache = model.new_cache(64, spare=TAIL)  # the float32 cache every engine held before
+    assert compact.cache.k.dtype == torch.bfloat16 and wide.cache.k.dtype == torch.float32
+    assert compact.kv_cache_bytes * 2 == wide.kv_cache_bytes
+    outs = []
+    for engine in (compact, wide):
+        engine.prefill([5, 17, 42, 99, 3, 250, 7])
+        first = engine.verify(DraftTree.from_parents([7, 8, 9, 10], [-1, 0, 0, 1]))
+        engine.commit([0, 1, 3])
+        outs.append((first.hidden_states, engine.verify(DraftTree(11)).hidden_states))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
 def test_slot_plan_lists_committed_slots_then_the_path():
     depth, tree_mask = tree_positions([-1, 0, 0, 1])  # node 3's path: 0 -> 1 -> 3
     plans = slot_plan([None, 4], 10, depth, tree_mask)
@@ -172,8 +205,9 @@ def test_rms_norm_refuses_what_it_does_not_take():
     assert native.norm_takes(576) and native.norm_takes(16384) and not native.norm_takes(16400)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_rope_write_equals_rotate_then_cache_write_bit_for_bit(dtype):
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
+                                               (torch.bfloat16, torch.bfloat16)])
+def test_rope_write_equals_rotate_then_cache_write_bit_for_bit(dtype, cache_dtype):
     from mtpctl.model.kv_cache import KVCache
     from mtpctl.model.decoder import _rotate
 
@@ -182,7 +216,7 @@ def test_rope_write_equals_rotate_then_cache_write_bit_for_bit(dtype):
     qkv = torch.randn(1, n, (heads + 2 * kv_heads) * d + 8, generator=g).to(dtype)  # a longer row is fine
     angles = torch.rand(n, d, generator=g) * 40
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-    want_cache, got_cache = (KVCache(1, 1, kv_heads, d, 16, spare=3) for _ in range(2))
+    want_cache, got_cache = (KVCache(1, 1, kv_heads, d, 16, cache_dtype, spare=3) for _ in range(2))
     for cache in (want_cache, got_cache):
         cache.length = 7
     qk = qkv[..., :(heads + kv_heads) * d].unflatten(-1, (heads + kv_heads, d))

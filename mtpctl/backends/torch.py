@@ -131,12 +131,13 @@ class TorchEngine:
     def __init__(self, model: Decoder, capacity: int, native: Optional[bool] = None, aux_layers: Sequence[int] = ()):
         self.model = model
         self.aux_layers = tuple(aux_layers)
-        self.cache = model.new_cache(capacity, spare=TAIL)  # a lone token reads its tail in place
         cfg = model.cfg
         self.native = native is not False and kernel_runs(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         if native and not self.native:
             raise ValueError("native attention was asked for, but the kernel could not be built or does not take "
                              f"head_dim {cfg.head_dim} with {cfg.num_attention_heads} heads over {cfg.num_key_value_heads} KV heads")
+        # a lone token reads its tail in place (TAIL spare slots); the native kernels take a bfloat16 cache
+        self.cache = model.new_cache(capacity, spare=TAIL, compact=self.native)
 
     @property
     def length(self) -> int:

@@ -312,8 +312,8 @@ class DecoderLayer(nn.Module):
         qkv = _linear(norm(x, self.input_norm, cfg.rms_norm_eps), self.qkv, self.qkv_bias)
         if native and self.q_norm is None:  # rotate, write the caches and attend in C
             q = rotate_write(qkv[0], cos[0, :, 0], sin[0, :, 0], cache.kv, self.index, cache.dest, heads,
-                             cfg.num_key_value_heads)
-            attn = attend(q, cache.kv, self.index, cfg.num_key_value_heads, cfg.scale, plan)
+                             cfg.num_key_value_heads, kv_bf16=cache.kv_bf16)
+            attn = attend(q, cache.kv, self.index, cfg.num_key_value_heads, cfg.scale, plan, kv_bf16=cache.kv_bf16)
             return self._attention_out_and_mlp(x, attn.transpose(0, 1)[None].to(x.dtype), b, n, norm)
         qk = qkv[..., :self.q_size + self.kv_size].unflatten(-1, (heads + cfg.num_key_value_heads, hd))
         if self.q_norm is not None:
@@ -325,7 +325,7 @@ class DecoderLayer(nn.Module):
         if native:
             cache.write(self.index, k, v)
             attn = attend(q[0].transpose(0, 1).float().contiguous(), cache.kv, self.index, cfg.num_key_value_heads,
-                          cfg.scale, plan).transpose(0, 1)[None].to(q.dtype)
+                          cfg.scale, plan, kv_bf16=cache.kv_bf16).transpose(0, 1)[None].to(q.dtype)
         elif plan is not None:  # one plan per sequence of the pass, each over its own cache
             cache.write(self.index, k, v)
             attn = torch.cat([_attention(q[:, :, start:start + count], seq.k[self.index], seq.v[self.index], cfg.scale,
@@ -335,7 +335,7 @@ class DecoderLayer(nn.Module):
         else:
             keys, values = cache.write(self.index, k, v)
             used = cache.length + n
-            attn = F.scaled_dot_product_attention(q.float(), keys[:, :, :used], values[:, :, :used],
+            attn = F.scaled_dot_product_attention(q.float(), keys[:, :, :used].float(), values[:, :, :used].float(),
                                                   attn_mask=mask[..., :used], enable_gqa=True,
                                                   scale=cfg.attention_scale).to(x.dtype)
         return self._attention_out_and_mlp(x, attn, b, n, norm)
@@ -479,13 +479,15 @@ class Decoder(nn.Module):
                 put_norm(layer, "q_norm", p + "self_attn.q_norm.weight")
                 put_norm(layer, "k_norm", p + "self_attn.k_norm.weight")
 
-    def new_cache(self, capacity: int, batch: int = 1, spare: int = 0) -> KVCache:
-        """An empty float32 KV cache for ``capacity`` tokens and ``spare`` never-written slots
-        (attention runs in float32 in every dtype, so keys and values are stored in it rather than
-        converted at every step)."""
+    def new_cache(self, capacity: int, batch: int = 1, spare: int = 0, compact: bool = False) -> KVCache:
+        """An empty KV cache for ``capacity`` tokens and ``spare`` never-written slots. Attention runs in
+        float32 in every dtype, so the cache is float32 (torch's ops read it without converting), or
+        with ``compact`` in a bfloat16 model's dtype: its keys and values are bfloat16 values, so
+        nothing is rounded, and the native kernels, which widen what they read, read half the bytes
+        (a pass's attention reads every committed slot of its sequences)."""
         c = self.cfg
-        return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, c.head_dim, capacity, torch.float32,
-                       spare=spare)
+        dtype = torch.bfloat16 if compact and self.dtype == torch.bfloat16 else torch.float32
+        return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, c.head_dim, capacity, dtype, spare=spare)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: Union[KVCache, PassSlots],
                 masks: Optional[Dict[Optional[int], torch.Tensor]], plans: Optional[dict] = None,

@@ -114,10 +114,11 @@ class PassSlots:
             elements between two layers and the slots per KV head: the native kernels' table
             (:func:`mtpctl.model.native.rotate_write`, :func:`mtpctl.model.native.attend`).
         dest: ``[N]`` long, the slot of its own cache each token's key and value go to.
+        kv_bf16: the caches hold bfloat16 keys and values (else float32).
 
     Raises:
-        ValueError: caches and counts of different lengths, or a sequence whose tokens do not fit its
-            cache's capacity.
+        ValueError: caches and counts of different lengths, caches of different dtypes, or a sequence
+            whose tokens do not fit its cache's capacity.
     """
 
     def __init__(self, caches: Sequence[KVCache], counts: Sequence[int]):
@@ -126,7 +127,10 @@ class PassSlots:
         for cache, n in zip(caches, counts):
             if cache.length + n > cache.capacity:
                 raise ValueError(f"KV cache overflow: {cache.length + n} slots needed, {cache.capacity} allocated")
+        if len({c.k.dtype for c in caches}) != 1:
+            raise ValueError("the caches of one pass must share a dtype")
         self.caches = list(caches)
+        self.kv_bf16 = caches[0].k.dtype == torch.bfloat16
         self.counts = [int(n) for n in counts]
         self.starts = [sum(self.counts[:s]) for s in range(len(self.counts))]
         rows = torch.tensor([[c.k.data_ptr(), c.v.data_ptr(), c.k[0].numel(), c.k.shape[3]] for c in self.caches],

@@ -46,6 +46,10 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 120.0
 
 
+#: the dtypes a KV cache the native kernels read and write may have
+KV_DTYPES = (torch.float32, torch.bfloat16)
+
+
 @dataclass(frozen=True)
 class SlotPlan:
     """Which cache slots each token of a decode or verify pass attends to, in order, for one
@@ -207,10 +211,10 @@ def load_kernel(portable: bool = False) -> Optional[ctypes.CDLL]:
     lib.rope_write.restype = ctypes.c_int
     lib.rope_write.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                                                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                                                          ctypes.c_void_p])
+                                                                          ctypes.c_void_p, ctypes.c_int])
     lib.tree_attention.restype = ctypes.c_int
     lib.tree_attention.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
-                                   + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int])
+                                   + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_int])
     return lib
 
 
@@ -225,16 +229,17 @@ def _loaded(lib: Optional[ctypes.CDLL]) -> ctypes.CDLL:
 def cache_rows(keys: torch.Tensor, values: torch.Tensor, n: int) -> torch.Tensor:
     """The kernels' table ``[n, 4]`` long for n tokens that all keep their KV in one cache: the
     addresses of ``keys``/``values`` ``[layers, 1, kv_heads, slots, head_dim]`` (or one layer,
-    ``[1, kv_heads, slots, head_dim]``) float32 contiguous, the elements between two layers and the
-    slots per KV head (see :class:`mtpctl.model.kv_cache.PassSlots`, which builds it for several
-    caches).
+    ``[1, kv_heads, slots, head_dim]``) float32 or bfloat16, contiguous, the elements between two
+    layers and the slots per KV head (see :class:`mtpctl.model.kv_cache.PassSlots`, which builds it
+    for several caches).
 
     Raises:
-        ValueError: a cache that is not contiguous float32, or keys and values of other shapes.
+        ValueError: a cache that is not contiguous float32 or bfloat16, or keys and values of other
+            shapes or dtypes.
     """
-    if keys.dtype != torch.float32 or values.dtype != torch.float32 or keys.shape != values.shape \
+    if keys.dtype not in KV_DTYPES or values.dtype != keys.dtype or keys.shape != values.shape \
             or not (keys.is_contiguous() and values.is_contiguous()):
-        raise ValueError("the native kernels take a contiguous float32 KV cache, keys and values alike")
+        raise ValueError("the native kernels take a contiguous float32 or bfloat16 KV cache, keys and values alike")
     per_layer = keys[0].numel() if keys.dim() == 5 else 0
     row = torch.tensor([keys.data_ptr(), values.data_ptr(), per_layer, keys.shape[-2]], dtype=torch.long)
     return row.expand(n, 4).contiguous()
@@ -278,18 +283,20 @@ def tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sc
         raise ValueError("the native attention kernel takes batch 1 and one layer of a KV cache")
     table = cache_rows(keys, values, q.shape[2])
     check_plan(plan, table)
-    out = attend(q[0].transpose(0, 1).float().contiguous(), table, 0, keys.shape[1], scale, plan, lib)
+    out = attend(q[0].transpose(0, 1).float().contiguous(), table, 0, keys.shape[1], scale, plan, lib,
+                 kv_bf16=keys.dtype == torch.bfloat16)
     return out.transpose(0, 1)[None].to(q.dtype)
 
 
 def attend(q: torch.Tensor, kv: torch.Tensor, layer: int, kv_heads: int, scale: float, plan: SlotPlan,
-           lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+           lib: Optional[ctypes.CDLL] = None, kv_bf16: bool = False) -> torch.Tensor:
     """Grouped-query attention of N tokens over their slot lists (:class:`SlotPlan`, checked by
     :func:`check_plan`) in ``layer`` of each token's own KV cache, in float32.
 
     q ``[N, heads, head_dim]`` float32 contiguous; ``kv`` ``[N, 4]`` long, where each token's cache
-    lies (:func:`cache_rows`, :class:`mtpctl.model.kv_cache.PassSlots`); ``scale`` multiplies q.k.
-    Returns ``[N, heads, head_dim]`` float32.
+    lies (:func:`cache_rows`, :class:`mtpctl.model.kv_cache.PassSlots`), float32 caches, or bfloat16
+    ones with ``kv_bf16`` (read as float32: the same result for the same values); ``scale``
+    multiplies q.k. Returns ``[N, heads, head_dim]`` float32.
 
     Raises:
         OSError: the kernel could not be built (see :func:`load_kernel`).
@@ -304,7 +311,7 @@ def attend(q: torch.Tensor, kv: torch.Tensor, layer: int, kv_heads: int, scale: 
     out = torch.empty(n, heads, d, dtype=torch.float32)
     rc = lib.tree_attention(q.data_ptr(), kv.data_ptr(), layer, plan.starts.data_ptr(), plan.ends.data_ptr(),
                             plan.paths.data_ptr(), plan.paths.shape[1], n, heads, kv_heads, d, scale, out.data_ptr(),
-                            torch.get_num_threads())
+                            torch.get_num_threads(), int(kv_bf16))
     if rc == -2:
         raise MemoryError(f"the native attention kernel could not allocate scratch memory for {n} tokens")
     if rc:
@@ -357,7 +364,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib: Optional[ct
 def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                first: int, heads: int, kv_heads: int, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
     """:func:`rotate_write` for N tokens of one sequence into one layer of its cache, checked:
-    keys/values ``[1, kv_heads, slots, head_dim]`` float32, token i's key and value going to slot
+    keys/values ``[1, kv_heads, slots, head_dim]`` float32 or bfloat16, token i's key and value going to slot
     ``first + i``. Returns the rotated queries ``[N, heads, head_dim]`` in float32.
 
     Raises:
@@ -371,11 +378,13 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: to
         raise ValueError(f"rope_write does not take a cache layer {tuple(keys.shape)} from slot {first} for {n} "
                          f"tokens of {kv_heads} KV heads of {d} values")
     dest = torch.arange(first, first + n)
-    return rotate_write(qkv, cos, sin, cache_rows(keys, values, n), 0, dest, heads, kv_heads, lib)
+    return rotate_write(qkv, cos, sin, cache_rows(keys, values, n), 0, dest, heads, kv_heads, lib,
+                        kv_bf16=keys.dtype == torch.bfloat16)
 
 
 def rotate_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, layer: int,
-                 dest: torch.Tensor, heads: int, kv_heads: int, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+                 dest: torch.Tensor, heads: int, kv_heads: int, lib: Optional[ctypes.CDLL] = None,
+                 kv_bf16: bool = False) -> torch.Tensor:
     """Rotary embedding (RoPE, Su et al. 2021) of a pass's queries and keys, fused with the KV cache
     write: the computation of :func:`mtpctl.model.decoder._rotate` (each product and the sum rounded
     to the model's dtype), bit for bit, followed by what ``KVCache.write`` and :func:`attend` do with
@@ -384,8 +393,9 @@ def rotate_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: to
     qkv ``[N, stride]`` (bfloat16 or float32; each row holds ``heads`` query, ``kv_heads`` key and
     ``kv_heads`` value heads of head_dim values first); cos/sin ``[N, head_dim]`` in qkv's dtype (each
     token's rotation); ``kv`` ``[N, 4]`` long, where each token's cache lies (:func:`cache_rows`,
-    :class:`mtpctl.model.kv_cache.PassSlots`), token i's key and value going to slot ``dest[i]`` of
-    ``layer``. Returns the rotated queries ``[N, heads, head_dim]`` in float32.
+    :class:`mtpctl.model.kv_cache.PassSlots`; float32 caches, or bfloat16 ones with ``kv_bf16``: exact
+    for a bfloat16 qkv), token i's key and value going to slot ``dest[i]`` of ``layer``. Returns the
+    rotated queries ``[N, heads, head_dim]`` in float32.
 
     Raises:
         OSError: the kernel could not be built (see :func:`load_kernel`).
@@ -396,7 +406,7 @@ def rotate_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: to
     n, d = qkv.shape[0], cos.shape[-1]
     if qkv.dim() != 2 or qkv.dtype not in (torch.bfloat16, torch.float32) or qkv.stride(-1) != 1 \
             or cos.shape != (n, d) or sin.shape != (n, d) or cos.dtype != qkv.dtype or sin.dtype != qkv.dtype \
-            or qkv.shape[1] < (heads + 2 * kv_heads) * d or d % 2 or kv.shape != (n, 4) or dest.shape != (n,) \
+            or qkv.shape[1] < (heads + 2 * kv_heads) * d or d % 2 or d > 512 or kv.shape != (n, 4) or dest.shape != (n,) \
             or kv.dtype != torch.long or dest.dtype != torch.long or not (kv.is_contiguous() and dest.is_contiguous()):
         raise ValueError(f"rotate_write does not take qkv {tuple(qkv.shape)} {qkv.dtype}, cos/sin {tuple(cos.shape)}, "
                          f"a cache table {tuple(kv.shape)} and slots {tuple(dest.shape)}, {heads} heads over "
@@ -404,7 +414,8 @@ def rotate_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: to
     cos, sin = cos.contiguous(), sin.contiguous()
     q = torch.empty(n, heads, d, dtype=torch.float32)
     rc = lib.rope_write(qkv.data_ptr(), n, qkv.stride(0), heads, kv_heads, d, cos.data_ptr(), sin.data_ptr(),
-                        int(qkv.dtype == torch.bfloat16), q.data_ptr(), kv.data_ptr(), layer, dest.data_ptr())
+                        int(qkv.dtype == torch.bfloat16), q.data_ptr(), kv.data_ptr(), layer, dest.data_ptr(),
+                        int(kv_bf16))
     if rc:
         raise ValueError(f"rotate_write refused head_dim {d} or a slot outside its cache")
     return q

@@ -8,11 +8,16 @@
  * a verify pass gets bit for bit what plain decoding of its path gets, because plain decoding lists
  * the same slots (the path committed by then) in the same order. No result depends on the other
  * tokens of the pass, on the thread count or on the list's split between committed range and path.
+ * Keys and values are float32 or bfloat16 in the cache; either way they are read as float32 (a
+ * bfloat16 value widened exactly), so a bfloat16 cache of values that are bfloat16 already (those of
+ * a bfloat16 model) gives bit for bit what a float32 cache of them gives, reading half the bytes.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "bf16.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -22,11 +27,20 @@
 #define MAX_GROUP 16
 
 #ifdef __AVX512F__
-/* q.k over d values (d a multiple of 16): 16 lanes of partial sums, then a fixed reduction */
-static inline float dot(const float *a, const float *b, int64_t d) {
-    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
+/* 16 cache values from element i of x (float32, or bfloat16 widened exactly) */
+static inline __m512 load16(const void *x, int64_t i, int bf16) {
+    if (!bf16)
+        return _mm512_loadu_ps((const float *)x + i);
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* q.k over d values (d a multiple of 16), k at element i of the cache: 16 lanes of partial sums,
+ * then a fixed reduction */
+static inline float dot(const float *a, const void *k, int64_t i, int64_t d, int bf16) {
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), load16(k, i, bf16));
     for (int64_t c = LANES; c < d; c += LANES)
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + c), _mm512_loadu_ps(b + c), acc);
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + c), load16(k, i + c, bf16), acc);
     return _mm512_reduce_add_ps(acc);
 }
 
@@ -55,16 +69,16 @@ static void exp_shifted(float *s, int64_t count, float top) {
 
 /* o[x] = sum_j p[j] * v[slots[j]][x] / total for x < d, summed in list order (64 columns at a time,
  * held in registers) */
-static void weighted_sum(float *o, const float *p, const float *v, const int64_t *slots, int64_t count,
-                         int64_t d, float total) {
+static void weighted_sum(float *o, const float *p, const void *v, const int64_t *slots, int64_t count,
+                         int64_t d, float total, int bf16) {
     for (int64_t x = 0; x < d; x += 4 * LANES) {
         int64_t width = d - x < 4 * LANES ? (d - x) / LANES : 4;
         __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
         for (int64_t j = 0; j < count; j++) {
-            const float *row = v + slots[j] * d + x;
+            int64_t row = slots[j] * d + x;
             __m512 w = _mm512_set1_ps(p[j]);
             for (int64_t c = 0; c < width; c++)
-                acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(row + c * LANES), acc[c]);
+                acc[c] = _mm512_fmadd_ps(w, load16(v, row + c * LANES, bf16), acc[c]);
         }
         for (int64_t c = 0; c < width; c++)
             _mm512_storeu_ps(o + x + c * LANES, _mm512_div_ps(acc[c], _mm512_set1_ps(total)));
@@ -72,11 +86,15 @@ static void weighted_sum(float *o, const float *p, const float *v, const int64_t
 }
 #else
 /* The same three steps in portable C (vectorized by the compiler where it can do so exactly). */
-static inline float dot(const float *a, const float *b, int64_t d) {
+static inline float cached(const void *x, int64_t i, int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+static inline float dot(const float *a, const void *k, int64_t i, int64_t d, int bf16) {
     float acc[LANES] = {0};
     for (int64_t c = 0; c < d; c += LANES)
         for (int l = 0; l < LANES; l++)
-            acc[l] += a[c + l] * b[c + l];
+            acc[l] += a[c + l] * cached(k, i + c + l, bf16);
     for (int w = LANES / 2; w > 0; w /= 2)
         for (int l = 0; l < w; l++)
             acc[l] += acc[l + w];
@@ -88,12 +106,12 @@ static void exp_shifted(float *s, int64_t count, float top) {
         s[j] = expf(s[j] - top);
 }
 
-static void weighted_sum(float *o, const float *p, const float *v, const int64_t *slots, int64_t count,
-                         int64_t d, float total) {
+static void weighted_sum(float *o, const float *p, const void *v, const int64_t *slots, int64_t count,
+                         int64_t d, float total, int bf16) {
     float acc[MAX_HEAD_DIM] = {0};
     for (int64_t j = 0; j < count; j++)
         for (int64_t x = 0; x < d; x++)
-            acc[x] += p[j] * v[slots[j] * d + x];
+            acc[x] += p[j] * cached(v, slots[j] * d + x, bf16);
     for (int64_t x = 0; x < d; x++)
         o[x] = acc[x] / total;
 }
@@ -102,7 +120,8 @@ static void weighted_sum(float *o, const float *p, const float *v, const int64_t
 /* Returns 0, -1 when d or the GQA group exceed the kernel's limits, or -2 when scratch memory fails.
  *   q      [n, heads, d]          float32, contiguous
  *   kv     [n, 4]                 where token i's sequence keeps its KV cache: the addresses of its
- *                                 keys and values (layer 0, [layers][kv_heads][slots][d] float32), the
+ *                                 keys and values (layer 0, [layers][kv_heads][slots][d], float32, or
+ *                                 bfloat16 when kv_bf16), the
  *                                 elements between two layers, and slots per KV head; the tokens of a
  *                                 pass may come from different sequences, each with its own cache
  *   layer  the layer whose keys and values are read
@@ -113,7 +132,7 @@ static void weighted_sum(float *o, const float *p, const float *v, const int64_t
  */
 int tree_attention(const float *q, const int64_t *kv, int64_t layer, const int64_t *starts, const int64_t *ends,
                    const int64_t *paths, int64_t path_len, int64_t n, int64_t heads, int64_t kv_heads, int64_t d,
-                   float scale, float *out, int threads) {
+                   float scale, float *out, int threads, int kv_bf16) {
     if (kv_heads <= 0 || heads % kv_heads || d % LANES || d > MAX_HEAD_DIM || heads / kv_heads > MAX_GROUP)
         return -1;
     int64_t group = heads / kv_heads;
@@ -123,8 +142,9 @@ int tree_attention(const float *q, const int64_t *kv, int64_t layer, const int64
         int64_t i = unit / kv_heads, g = unit % kv_heads;
         const int64_t *path = paths + i * path_len;
         const int64_t *where = kv + i * 4;
-        const float *k = (const float *)(intptr_t)where[0] + layer * where[2];
-        const float *v = (const float *)(intptr_t)where[1] + layer * where[2];
+        int64_t size = kv_bf16 ? 2 : 4; /* bytes per cached value */
+        const char *k = (const char *)(intptr_t)where[0] + layer * where[2] * size;
+        const char *v = (const char *)(intptr_t)where[1] + layer * where[2] * size;
         int64_t cap = where[3];
         int64_t committed = ends[i] - starts[i], extra = 0;
         while (extra < path_len && path[extra] >= 0)
@@ -141,10 +161,11 @@ int tree_attention(const float *q, const int64_t *kv, int64_t layer, const int64
         }
         for (int64_t j = 0; j < count; j++)
             slots[j] = j < committed ? starts[i] + j : path[j - committed];
-        const float *kh = k + g * cap * d, *vh = v + g * cap * d, *qh = q + (i * heads + g * group) * d;
+        const char *kh = k + g * cap * d * size, *vh = v + g * cap * d * size;
+        const float *qh = q + (i * heads + g * group) * d;
         for (int64_t j = 0; j < count; j++)
             for (int64_t h = 0; h < group; h++)
-                scores[h * stride + j] = dot(qh + h * d, kh + slots[j] * d, d) * scale;
+                scores[h * stride + j] = dot(qh + h * d, kh, slots[j] * d, d, kv_bf16) * scale;
         for (int64_t h = 0; h < group; h++) {
             float *s = scores + h * stride, top = -INFINITY, part[LANES] = {0}, total = 0.0f;
             for (int64_t j = 0; j < count; j++)
@@ -156,7 +177,7 @@ int tree_attention(const float *q, const int64_t *kv, int64_t layer, const int64
                 part[j % LANES] += s[j];
             for (int l = 0; l < LANES; l++)
                 total += part[l];
-            weighted_sum(out + (i * heads + g * group + h) * d, s, vh, slots, count, d, total);
+            weighted_sum(out + (i * heads + g * group + h) * d, s, vh, slots, count, d, total, kv_bf16);
         }
         free(slots);
         free(scores);
