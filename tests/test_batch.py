@@ -124,6 +124,42 @@ def test_a_draft_models_forks_draft_together_in_one_pass_per_step(model):
     assert all(shape == (1, 4) for shape in passes[4:])  # each of those carries the four rows
 
 
+def test_a_draft_fork_whose_logits_turn_nan_fails_alone_and_the_others_draw_as_alone():
+    """Forks of one draft model proposing together: the row whose draft logits hold NaN gets that error,
+    the others' chains, generators and caches are those of drafting alone (sampled drafts too)."""
+    target = random_decoder(seed=3)
+    draft = random_decoder(seed=4, blocked=True, tie_word_embeddings=False)  # blocked: batch-invariant, as sessions load
+    contexts = [p + [p[-1]] for p in PROMPTS[:4]]
+    token = min(set(contexts[0]) - {t for c in contexts[1:] for t in c})  # seen by the first row only
+    draft.embed.data[token] = float("nan")
+    sampling = SamplingParams(temperature=1.0, seed=0)
+
+    def fork(seed):
+        return DraftModelDrafter(draft, target.cfg.vocab_size, sampling, draft_len=3, seed=seed)
+
+    together_forks = [fork(s) for s in range(4)]
+    together = propose_all(together_forks, [(c, 3, None) for c in contexts])
+    assert isinstance(together[0], NonFinite) and "draft model" in str(together[0])
+    for seed, context, tree, twin in zip(range(1, 4), contexts[1:], together[1:], together_forks[1:]):
+        solo = fork(seed)
+        alone_tree = solo.propose(context, 3)
+        assert tree.tokens == alone_tree.tokens and torch.equal(tree.q, alone_tree.q)
+        assert twin.forward_passes == solo.forward_passes and twin.cached == solo.cached
+        assert torch.equal(twin.generator.get_state(), solo.generator.get_state())
+    with pytest.raises(NonFinite):
+        fork(0).propose(contexts[0], 3)  # alone, the same row raises
+
+
+def test_the_same_draft_drafter_twice_proposes_one_call_after_the_other(model):
+    """Not forks: one drafter (one cache) asked for two rows drafts them one after the other, each as
+    alone, instead of packing two rows into one cache."""
+    draft = DraftModelDrafter(layer_subset(model, [0]), model.cfg.vocab_size, draft_len=3)
+    contexts = [p + [p[-1]] for p in PROMPTS[:2]]
+    solo = [DraftModelDrafter(layer_subset(model, [0]), model.cfg.vocab_size, draft_len=3).propose(c, 3)
+            for c in contexts]
+    assert [t.tokens for t in propose_all([draft, draft], [(c, 3, None) for c in contexts])] == [t.tokens for t in solo]
+
+
 @pytest.mark.parametrize("native", ATTENTION)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_batched_pass_gives_each_row_its_bits_alone(native, dtype):
@@ -228,3 +264,24 @@ def test_stops_inside_accepted_blocks_end_each_row_where_it_ends_alone(model, re
     outcomes = batched(model, False, PROMPTS, news, oracle, 10, policy=AlwaysDraft())
     assert [o.token_ids for o in outcomes] == [r[:n] for r, n in zip(refs, news)]
     assert all(o.finish_reason == "length" for o in outcomes)
+
+
+def test_a_drafter_that_is_not_hashable_still_batches(model, references):
+    """Rows are grouped by drafter family; a user's drafter need not be hashable (a dataclass)."""
+    from dataclasses import dataclass
+
+    @dataclass
+    class Repeat:  # proposes the pending token again: mostly wrong, never harmful
+        budget: int = 1
+
+        def fork(self):
+            return self
+
+        def propose(self, context, max_tokens, last=None):
+            tree = DraftTree(context[-1])
+            if max_tokens > 0:
+                tree.add(0, context[-1])
+            return tree
+
+    outcomes = batched(model, False, PROMPTS, NEW_TOKENS, Repeat(), 4)
+    assert [o.token_ids for o in outcomes] == references[False]

@@ -212,3 +212,29 @@ def test_profile_splits_each_step(capsys, tiny_folder, prompt_file, tmp_path):
         assert set(p) == {"draft", "verify", "logits", "accept", "commit", "other", "step", "outside_pass"}
         assert p["verify"] > 0 and abs(p["step"] - p["outside_pass"] - p["verify"] - p["logits"]) < 1e-6
     assert "| method | draft | verify (pass) |" in out
+
+
+def test_batched_summary_pairs_rounds_and_compares_a_peer_over_every_round():
+    """Two rounds of plain and ngram, a peer's single run over both rounds' requests, and a batch size
+    where plain made no tokens: speedups are per-round ratios (none against no tokens), and the peer's
+    requests are each compared with plain's answer to the same prompt."""
+    from types import SimpleNamespace
+
+    from mtpctl.bench.batched import summarize_batched
+
+    def result(ids):
+        stats = SimpleNamespace(new_tokens=len(ids), decode_steps=len(ids), draft_tokens=0, accepted_per_step=[1] * len(ids),
+                                accepted_tokens=0, ttft_ms=1.0, kv_cache_bytes=0, step_ms=[1.0] * len(ids))
+        return SimpleNamespace(token_ids=ids, stats=stats)
+
+    answers = [[1, 2], [3, 4, 5]]
+    run = lambda wall, ids=answers: {"results": [result(i) for i in ids], "wall_ms": wall}  # noqa: E731
+    runs = {("plain", 1): [run(1000.0), run(500.0)], ("ngram", 1): [run(500.0), run(500.0)],
+            ("vllm", 1): [run(1000.0, answers + [[1, 2], [3, 4, 9]])],
+            ("plain", 2): [run(1000.0, [[], []])], ("ngram", 2): [run(1000.0)]}
+    rows = {(r["method"], r["batch_size"]): r for r in summarize_batched(runs, {})}
+    ngram = rows["ngram", 1]
+    assert ngram["speedup"] == pytest.approx(1.5) and ngram["speedup_range"] == pytest.approx([1.0, 2.0])
+    assert rows["vllm", 1]["same_as_plain"] == 3 and rows["vllm", 1]["requests"] == 4  # prompt 2's second answer differs
+    assert rows["vllm", 1]["speedup"] == pytest.approx((10 / 1.0) / (10 / 1.5))  # against plain over both rounds
+    assert rows["ngram", 2]["speedup"] is None  # plain made no tokens at batch 2

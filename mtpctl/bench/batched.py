@@ -70,14 +70,15 @@ def _rate(run: Run) -> float:
 
 
 def _speedups(runs: List[Run], plain: Optional[List[Run]]) -> List[float]:
-    """Each round's tokens/s over plain's in the same round (a peer's single run: over plain's total)."""
+    """Each round's tokens/s over plain's in the same round (a peer's single run: over plain's rate
+    across its rounds); none where plain made no tokens."""
     if not plain:
         return []
     if len(runs) == len(plain):
-        return [_rate(run) / _rate(base) for run, base in zip(runs, plain)]
-    total = sum(sum(r.stats.new_tokens for r in base["results"]) for base in plain) / \
-        (sum(base["wall_ms"] for base in plain) / 1e3)
-    return [_rate(run) / total for run in runs]
+        return [_rate(run) / _rate(base) for run, base in zip(runs, plain) if _rate(base) > 0]
+    total = _rate({"results": [r for base in plain for r in base["results"]],
+                   "wall_ms": sum(base["wall_ms"] for base in plain)})
+    return [_rate(run) / total for run in runs] if total > 0 else []
 
 
 def summarize_batched(runs: Dict[tuple, List[Run]], weight_bytes: Dict[str, int]) -> List[dict]:
@@ -104,8 +105,8 @@ def summarize_batched(runs: Dict[tuple, List[Run]], weight_bytes: Dict[str, int]
             "ttft_ms_p50": percentile(ttft, 50), "itl_ms_p50": percentile(itl, 50), "itl_ms_p99": percentile(itl, 99),
             "tau": sum(sum(r.stats.accepted_per_step) for r in results) / steps if steps else None,
             "acceptance_rate": sum(r.stats.accepted_tokens for r in results) / drafted if drafted else None,
-            "same_as_plain": (sum(a.token_ids == b.token_ids for run in rounds for a, b in zip(run["results"], first))
-                              if first else None),
+            "same_as_plain": (sum(a.token_ids == first[i % len(first)].token_ids  # a peer's run: every round's requests
+                                  for run in rounds for i, a in enumerate(run["results"])) if first else None),
             "peak_memory_bytes": (weight_bytes[name] + sum(kv)) if name in weight_bytes else None,
         })
     return rows

@@ -8,7 +8,7 @@ draft model and its engine, a datastore).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Protocol, Sequence, Tuple
+from typing import List, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 
@@ -43,17 +43,20 @@ def aux_layers_of(*drafters: Optional["Drafter"]) -> Tuple[int, ...]:
 
 
 def family(drafter: "Drafter"):
-    """What lets several requests' drafters propose together (a drafter's optional ``family``): the
-    drafter itself (requests share one drafter without per-request state), or what its forks share (a
-    draft model's forks: the draft model). Hashable."""
-    return getattr(drafter, "family", drafter)
+    """A hashable key saying which drafters propose together: what a drafter's optional ``family``
+    names (a draft model's forks: the draft model; a merge: its members' families), else the drafter
+    itself, by identity (requests that share one drafter without per-request state)."""
+    named = getattr(drafter, "family", None)
+    return ("drafter", id(drafter)) if named is None else named
 
 
-def propose_all(drafters: Sequence["Drafter"], calls: Sequence[Call]) -> List[DraftTree]:
+def propose_all(drafters: Sequence["Drafter"], calls: Sequence[Call]) -> List[Union[DraftTree, NonFinite]]:
     """``drafters[i].propose(*calls[i])`` for drafters of one :func:`family`, in one call where they
     can: ``propose_together`` on a drafter the requests share (MTP heads run once on every row's
     hidden state), ``propose_forks`` on forks (a draft model's passes packed across the requests);
-    else one call each."""
+    else one call each (a single call: ``propose``). ``propose_forks`` gives a row whose drafter's
+    values were not finite its :class:`~mtpctl.errors.NonFinite` in place of a tree (the others' trees
+    are theirs alone); the other ways raise it for the whole call."""
     first = drafters[0]
     if len(calls) > 1:
         together = getattr(first, "propose_together", None)

@@ -355,6 +355,8 @@ def _propose(rows: List[_Row], sizes: Sequence[int], outcomes: list) -> dict:
             proposed = [None] * len(group)
         for (row, size), tree in zip(group, proposed):
             try:
+                if isinstance(tree, NonFinite):  # this row's own values (propose_forks)
+                    raise tree
                 trees[row.index] = row.check(tree if tree is not None else row.drafter.propose(*row.call(size)))
             except MtpctlError as err:
                 outcomes[row.index], row.done = err, True

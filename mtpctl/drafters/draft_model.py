@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Set
+from typing import Callable, List, Optional, Sequence, Set, Union
 
 import torch
 
@@ -37,6 +37,7 @@ from mtpctl.backends.torch import TorchEngine, verify_packed
 from mtpctl.decode.drafter import Call, TargetStep, check_finite
 from mtpctl.decode.sampling import SamplingParams, probs_from_logits, sample
 from mtpctl.decode.tree import DraftTree
+from mtpctl.errors import NonFinite
 from mtpctl.model.decoder import Decoder
 
 #: ``--draft-len auto``: start, shortest and longest draft length.
@@ -236,17 +237,29 @@ class DraftModelDrafter:
         """A chain of up to ``min(max_tokens, draft length)`` draft tokens (target ids) following
         ``context`` (prompt + committed output, the pending token last); its ``q`` ``[k,
         target_vocab]`` when sampling with ids, else None. The root alone when the context does not
-        fit the draft's context window or holds a token the draft cannot represent."""
-        return self.propose_forks([self], [(context, max_tokens, last)])[0]
+        fit the draft's context window or holds a token the draft cannot represent.
+
+        Raises:
+            NonFinite: the draft's logits hold NaN or inf.
+        """
+        tree = self.propose_forks([self], [(context, max_tokens, last)])[0]
+        if isinstance(tree, NonFinite):
+            raise tree
+        return tree
 
     @staticmethod
-    def propose_forks(drafters: Sequence["DraftModelDrafter"], calls: Sequence[Call]) -> List[DraftTree]:
+    def propose_forks(drafters: Sequence["DraftModelDrafter"], calls: Sequence[Call]) -> List[Union[DraftTree, NonFinite]]:
         """:meth:`propose` of each request's fork (``drafters[i]`` for ``calls[i]``) of one draft model,
         the forks' passes packed: each row's catch-up (the tokens its cache lacks) in one pass, then
         each draft step of every row still drafting in one pass (:func:`~mtpctl.backends.torch.verify_packed`)
-        and one lm_head call. A row's tokens are those it drafts alone (the draft's kernels compute a row
-        the same alone or in a pass)."""
-        trees: List[Optional[DraftTree]] = [None] * len(calls)
+        and one lm_head call. A row's tokens are those it drafts alone where the draft's kernels compute
+        a row the same alone or in a pass (a session's models: blocked or int4 weights), and so are its
+        generator's draws: a row whose logits hold NaN or
+        inf gets that error in its place and stops drafting, the others go on. The same drafter twice
+        (not forks) proposes once per call, one after another (its one cache cannot hold two rows)."""
+        if len({id(d) for d in drafters}) < len(drafters):
+            return [d.propose_forks([d], [call])[0] for d, call in zip(drafters, calls)]
+        trees: List[Union[None, DraftTree, NonFinite]] = [None] * len(calls)
         rows = []  # (index, drafter, ctx, tail, k)
         for i, (d, (context, max_tokens, _)) in enumerate(zip(drafters, calls)):
             context = list(context)
@@ -258,7 +271,11 @@ class DraftModelDrafter:
         if rows:
             logits = _catch_up([(d, ctx, k) for _, d, ctx, _, k in rows])
             drafted = _draft_steps([(d, k) for _, d, _, _, k in rows], logits)
-            for (i, d, _, tail, _), (tokens, q_rows) in zip(rows, drafted):
+            for (i, d, _, tail, _), outcome in zip(rows, drafted):
+                if isinstance(outcome, NonFinite):
+                    trees[i] = outcome
+                    continue
+                tokens, q_rows = outcome
                 proposal, probs = d._to_target(tokens, q_rows, tail, calls[i][1])
                 d._last = proposal
                 trees[i] = DraftTree.chain([calls[i][0][-1]] + proposal, probs)
@@ -393,15 +410,19 @@ def _catch_up(rows: Sequence[tuple]) -> List[torch.Tensor]:
     return _logits(rows[0][0].model, hidden)
 
 
-def _draft_steps(rows: Sequence[tuple], logits: List[torch.Tensor]) -> List[tuple]:
+def _draft_steps(rows: Sequence[tuple], logits: List[Union[torch.Tensor, NonFinite]]) -> List[Union[tuple, NonFinite]]:
     """Draft up to ``k`` tokens for each ``(drafter, k)`` row from its ``logits`` after its context:
     each step's new tokens fed to every row that drafts on, in one packed pass (the last token's KV
-    is not needed unless it is accepted). Returns each row's ``(draft ids, q rows)``."""
-    drafted = [([], []) for _ in rows]
+    is not needed unless it is accepted). Returns each row's ``(draft ids, q rows)``, or the error of
+    a row whose logits were not finite (it stops there)."""
+    drafted: List[Union[tuple, NonFinite]] = [([], []) for _ in rows]
     live = list(range(len(rows)))
     while live:
         going = []
         for j in live:
+            if isinstance(logits[j], NonFinite):
+                drafted[j] = logits[j]
+                continue
             d, k = rows[j]
             tokens, q_rows = drafted[j]
             token = d._choose(logits[j], q_rows)
@@ -425,7 +446,15 @@ def _draft_steps(rows: Sequence[tuple], logits: List[torch.Tensor]) -> List[tupl
     return drafted
 
 
-def _logits(model: Decoder, hidden: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    """The draft's logits ``[draft_vocab]`` of each hidden state ``[hidden]``, in one lm_head call."""
+def _logits(model: Decoder, hidden: Sequence[torch.Tensor]) -> List[Union[torch.Tensor, NonFinite]]:
+    """The draft's logits ``[draft_vocab]`` of each hidden state ``[hidden]``, in one lm_head call; a
+    row that holds NaN or +inf gets that error instead (:func:`check_finite`)."""
     with torch.inference_mode():
-        return list(check_finite(model.logits(torch.stack(list(hidden))), "the draft model"))
+        rows = list(model.logits(torch.stack(list(hidden))))
+    out: List[Union[torch.Tensor, NonFinite]] = []
+    for row in rows:
+        try:
+            out.append(check_finite(row, "the draft model"))
+        except NonFinite as err:
+            out.append(err)
+    return out

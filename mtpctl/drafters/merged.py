@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 from mtpctl.decode.attention import MAX_DRAFT_DEPTH
 from mtpctl.decode.drafter import Call, TargetStep, aux_layers_of, family, propose_all
 from mtpctl.decode.tree import DraftTree
+from mtpctl.errors import NonFinite
 
 
 class MergedDrafter:
@@ -49,22 +50,26 @@ class MergedDrafter:
         same members propose together."""
         return tuple(family(d) for d in self.drafters)
 
-    def propose_together(self, calls: Sequence[Call]) -> List[DraftTree]:
+    def propose_together(self, calls: Sequence[Call]) -> List[Union[DraftTree, NonFinite]]:
         """:meth:`propose` for several requests at once (see :meth:`propose_forks`)."""
         return self.propose_forks([self] * len(calls), calls)
 
     @staticmethod
-    def propose_forks(merges: Sequence["MergedDrafter"], calls: Sequence[Call]) -> List[DraftTree]:
+    def propose_forks(merges: Sequence["MergedDrafter"], calls: Sequence[Call]) -> List[Union[DraftTree, NonFinite]]:
         """:meth:`propose` of each request's merge (``merges[i]`` for ``calls[i]``, merges of one
         family), each member proposing for all the requests together where it can
-        (:func:`mtpctl.decode.drafter.propose_all`)."""
+        (:func:`mtpctl.decode.drafter.propose_all`); a row whose member gave an error
+        (:class:`~mtpctl.errors.NonFinite`) gets that error in place of its tree."""
         proposals = []
         for m in range(len(merges[0].drafters)):
             members = [merge.drafters[m] for merge in merges]
             proposals.append(propose_all(members, [(context, member.budget if max_tokens > 0 else 0, last)
                                                    for member, (context, max_tokens, last) in zip(members, calls)]))
-        return [merge._merge(context, max_tokens, [p[i] for p in proposals])
-                for i, (merge, (context, max_tokens, _)) in enumerate(zip(merges, calls))]
+        merged: List[Union[DraftTree, NonFinite]] = []
+        for i, (merge, (context, max_tokens, _)) in enumerate(zip(merges, calls)):
+            failed = next((p[i] for p in proposals if isinstance(p[i], NonFinite)), None)
+            merged.append(failed or merge._merge(context, max_tokens, [p[i] for p in proposals]))
+        return merged
 
     def propose(self, context: Sequence[int], max_tokens: int, last: Optional[TargetStep] = None) -> DraftTree:
         # with max_tokens 0 the members only see the step (an EAGLE layer keeps its cache in step)
