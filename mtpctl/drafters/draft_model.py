@@ -254,9 +254,9 @@ class DraftModelDrafter:
         each draft step of every row still drafting in one pass (:func:`~mtpctl.backends.torch.verify_packed`)
         and one lm_head call. A row's tokens are those it drafts alone where the draft's kernels compute
         a row the same alone or in a pass (a session's models: blocked or int4 weights), and so are its
-        generator's draws: a row whose logits hold NaN or
-        inf gets that error in its place and stops drafting, the others go on. The same drafter twice
-        (not forks) proposes once per call, one after another (its one cache cannot hold two rows)."""
+        generator's draws: a row whose logits hold NaN or inf gets that error in its place and stops
+        drafting, the others go on. The same drafter twice (not forks) proposes once per call, one after
+        another (its one cache cannot hold two rows)."""
         if len({id(d) for d in drafters}) < len(drafters):
             return [d.propose_forks([d], [call])[0] for d, call in zip(drafters, calls)]
         trees: List[Union[None, DraftTree, NonFinite]] = [None] * len(calls)
