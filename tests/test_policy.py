@@ -111,3 +111,15 @@ def test_policies_by_name(tmp_path):
         load_costs("int4", table)
     with pytest.raises(BadInput, match="no pass costs for mode float32"):
         load_costs("float32", table)
+
+
+def test_a_step_whose_drafter_found_nothing_does_not_count_as_a_failed_draft():
+    """Prompt lookup often finds no match early on: such a step spent no rows and says nothing about
+    the drafter's drafts, so the row keeps drafting when its drafts pay."""
+    policy = CostModelPolicy(STEEP)
+    assert policy.draft_sizes([3], [0]) == [3]
+    policy.observe(0, drafted=0, accepted=0)  # allowed 3, proposed none
+    assert policy.draft_sizes([3], [0]) == [3]  # still unmeasured: it may draft
+    policy.observe(0, drafted=3, accepted=3)
+    policy.observe(0, drafted=0, accepted=0)
+    assert policy.draft_sizes([3], [0]) == [3]  # 4 tokens for 4 rows pay; the empty step changed nothing

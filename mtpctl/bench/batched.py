@@ -133,7 +133,7 @@ def format_batched(rows: List[dict]) -> str:
         spread = r.get("speedup_range")
         return f(r["speedup"], ".2f") + (f" ({spread[0]:.2f}-{spread[1]:.2f})" if spread else "")
 
-    lines = ["| batch | method | tokens/s | speedup vs plain | TTFT p50 ms | ITL p50 / p99 ms | tau | acceptance "
+    lines = ["| batch | method | tokens/s | speedup vs plain (lowest-highest round) | TTFT p50 ms from arrival | ITL p50 / p99 ms | tau | acceptance "
              "| same as plain | peak memory MiB |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:

@@ -188,7 +188,7 @@ def parse_batch_sizes(text: str) -> list:
     except ValueError:
         sizes = []
     if not sizes or sizes[0] < 1:
-        raise BadInput(f"batch sizes {text!r}: give integers >= 1 separated by commas, e.g. 1,2,4,8")
+        raise BadInput(f"batch sizes {text!r}: give integers >= 1 separated by commas, e.g. 1,2,4,8", option="batch_sizes")
     return sizes
 
 

@@ -154,8 +154,8 @@ class CostModelPolicy:
         return self._accepted.get(row, 1.0) / max(nodes, 1e-3)
 
     def observe(self, row: int, drafted: int, accepted: int) -> None:
-        if drafted == 0 and self._left_out.get(row, 0):
-            return  # a plain step the policy chose: nothing learnt about the drafter
+        if drafted == 0:
+            return  # a plain step (chosen, or the drafter found nothing): nothing learnt about its drafts, no rows spent
         self._outcomes[row] = n = self._outcomes.get(row, 0) + 1
         w = max(1.0 - self.decay, 1.0 / n)  # a plain mean of the first outcomes, then the running one
         self._accepted[row] = (1 - w) * self._accepted.get(row, 0.0) + w * accepted
