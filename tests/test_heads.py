@@ -223,8 +223,11 @@ def test_head_folder_loads_strictly(tmp_path, tiny_model):
         save_file(tensors, str(weights))
         with pytest.raises(CorruptModel, match=words):
             load_heads(tmp_path)
-    with pytest.raises(BadInput, match="not an MTP head folder"):
+    with pytest.raises(BadInput, match="head folder .*nowhere does not exist"):
         load_heads(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(BadInput, match="not an MTP head folder"):
+        load_heads(tmp_path / "empty")
     save_file(good, str(weights))
     with pytest.raises(BadInput, match="takes eagle heads"):
         load_heads(tmp_path, kinds=("eagle",))

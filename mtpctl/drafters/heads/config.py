@@ -118,6 +118,8 @@ class HeadsConfig:
             UnsupportedModel: a newer format version or an unknown head kind.
         """
         path = Path(folder) / CONFIG_FILE
+        if not Path(folder).exists():
+            raise BadInput(f"head folder {folder} does not exist; make one with mtpctl add-heads", option="heads_dir")
         if not path.is_file():
             raise BadInput(f"{folder} is not an MTP head folder (no {CONFIG_FILE}); make one with mtpctl add-heads",
                            option="heads_dir")
