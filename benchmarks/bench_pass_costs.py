@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from bench_verify import tree_parents  # the tree shape bench_verify times (this folder)
 from mtpctl.backends.torch import TorchSession
 from mtpctl.bench.harness import cpu_model
 from mtpctl.decode.tree import DraftTree
@@ -38,11 +39,6 @@ from mtpctl.files import write_file
 from mtpctl.model.sources import resolve_model
 
 MODES = {"float32": ("float32", "dense"), "bfloat16": ("bfloat16", "dense"), "int4": ("bfloat16", "int4")}
-
-
-def tree_parents(n: int) -> list:
-    """A root, a spine of depth 2 under its first child, and the rest as the root's children."""
-    return [-1, 0, 1][:n] + [0] * max(0, n - 3)
 
 
 def time_pass(session: TorchSession, engines: list, trees: list) -> float:

@@ -58,15 +58,24 @@ def run_batch_sizes(session: Session, drafters: Dict[str, object], prompts: Sequ
                     raise failed
                 runs.setdefault((name, size), []).append({"results": outcomes, "wall_ms": wall_ms})
                 if progress:
-                    tokens = sum(r.stats.new_tokens for r in outcomes)
-                    progress(f"round {round_ + 1}/{rounds} batch {size} {name}: {len(outcomes)} requests, {tokens} "
-                             f"tokens, {tokens / (wall_ms / 1e3):.1f} tokens/s")
+                    progress(f"round {round_ + 1}/{rounds} batch {size} {name}: {len(outcomes)} requests, "
+                             f"{sum(r.stats.new_tokens for r in outcomes)} tokens, {_rate(outcomes, wall_ms):.1f} tokens/s")
     return runs
 
 
-def _rate(run: Run) -> float:
-    """tokens/s of one run."""
-    return sum(r.stats.new_tokens for r in run["results"]) / (run["wall_ms"] / 1e3) if run["wall_ms"] else 0.0
+def _rate(results: Sequence[GenerationResult], wall_ms: float) -> float:
+    """tokens/s of ``results`` generated in ``wall_ms``."""
+    return sum(r.stats.new_tokens for r in results) / (wall_ms / 1e3) if wall_ms else 0.0
+
+
+def _rates(runs: List[Run]) -> List[float]:
+    """tokens/s of each run."""
+    return [_rate(run["results"], run["wall_ms"]) for run in runs]
+
+
+def _total_rate(runs: List[Run]) -> float:
+    """tokens/s over every run together."""
+    return _rate([r for run in runs for r in run["results"]], sum(run["wall_ms"] for run in runs))
 
 
 def _speedups(runs: List[Run], plain: Optional[List[Run]]) -> List[float]:
@@ -75,10 +84,9 @@ def _speedups(runs: List[Run], plain: Optional[List[Run]]) -> List[float]:
     if not plain:
         return []
     if len(runs) == len(plain):
-        return [_rate(run) / _rate(base) for run, base in zip(runs, plain) if _rate(base) > 0]
-    total = _rate({"results": [r for base in plain for r in base["results"]],
-                   "wall_ms": sum(base["wall_ms"] for base in plain)})
-    return [_rate(run) / total for run in runs] if total > 0 else []
+        return [rate / base for rate, base in zip(_rates(runs), _rates(plain)) if base > 0]
+    total = _total_rate(plain)
+    return [rate / total for rate in _rates(runs)] if total > 0 else []
 
 
 def summarize_batched(runs: Dict[tuple, List[Run]], weight_bytes: Dict[str, int]) -> List[dict]:
@@ -90,7 +98,6 @@ def summarize_batched(runs: Dict[tuple, List[Run]], weight_bytes: Dict[str, int]
     for (name, size), rounds in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0] != "plain")):
         results: List[GenerationResult] = [r for run in rounds for r in run["results"]]
         tokens = sum(r.stats.new_tokens for r in results)
-        wall_ms = sum(run["wall_ms"] for run in rounds)
         ratios = _speedups(rounds, runs.get(("plain", size)))
         steps = sum(r.stats.decode_steps for r in results)
         drafted = sum(r.stats.draft_tokens for r in results)
@@ -99,7 +106,7 @@ def summarize_batched(runs: Dict[tuple, List[Run]], weight_bytes: Dict[str, int]
         kv = sorted((r.stats.kv_cache_bytes for r in rounds[0]["results"]), reverse=True)[:size]
         rows.append({
             "method": name, "batch_size": size, "requests": len(results), "rounds": len(rounds), "new_tokens": tokens,
-            "tokens_per_s": tokens / (wall_ms / 1e3) if wall_ms else 0.0,
+            "tokens_per_s": _total_rate(rounds),
             "speedup": statistics.median(ratios) if ratios else None,
             "speedup_range": [min(ratios), max(ratios)] if len(ratios) > 1 and name != "plain" else None,
             "ttft_ms_p50": percentile(ttft, 50), "itl_ms_p50": percentile(itl, 50), "itl_ms_p99": percentile(itl, 99),
