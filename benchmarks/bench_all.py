@@ -110,10 +110,10 @@ SECTIONS = [
                    "own process with the same thread count; one `generate` call per batch size (`max_num_seqs`).",
                    'Where speculation stops paying here, and why (what a verify row costs against a plain row, from the pass costs below): docs/findings.md, section 15.']),
     Section("passcosts", "What a pass of N rows costs (the auto policy's table)",
-            "One packed verify pass, every row's logits read, after 200 committed tokens per sequence: over N one-row "
-            "requests (what N plain requests cost a step), and over one request's draft tree of N nodes (what its "
-            "draft nodes cost); the command also stores the tables the auto policy reads "
-            "(`mtpctl/data/pass_costs.json`).",
+            "One packed verify pass, every row's logits read, after 200 committed tokens per sequence: over S one-row "
+            "requests (what S plain requests cost a step), and what E draft nodes add to that pass (trees of up to 4 "
+            "nodes on the first requests), each the median of differences between passes timed back to back; the "
+            "command also stores the tables the auto policy reads (`mtpctl/data/pass_costs.json`).",
             lambda a: [f"{PYTHON} benchmarks/bench_pass_costs.py --modes float32,bfloat16,int4 --threads {THREADS} "
                        "--write mtpctl/data/pass_costs.json"], tables_only=False),
     Section("profile", "Where a decode step's time goes",

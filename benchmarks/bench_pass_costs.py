@@ -1,20 +1,19 @@
-"""What a verify pass costs against the rows it carries: the table ``--speculate-policy auto`` reads.
+"""What a verify pass costs against the requests and draft nodes it carries: the table
+``--speculate-policy auto`` reads.
 
-For each numeric mode, times two kinds of packed pass (``TorchSession.verify_together``), with every
-row's logits read (as greedy acceptance reads them), after ``--context`` committed tokens per
-sequence, for each count M in ``--rows``:
+For each numeric mode, after ``--context`` committed tokens per sequence, times packed passes
+(``TorchSession.verify_together``, every row's logits read as greedy acceptance reads them):
 
-- requests: M sequences of one row each (what M plain requests cost a step);
-- tree: one sequence with a draft tree of M nodes (a root, a spine of depth 2, the rest the root's
-  children: what a request's draft nodes cost).
+- S requests of one row each, for each S in ``--rows`` (what S plain requests cost a step);
+- the same S requests carrying E draft nodes more, for each E in ``--nodes``, spread over the
+  requests as draft trees of up to 4 nodes (a root, a spine of depth 2, the rest the root's children).
 
-A pass's cost splits into a part per sequence (its cache, its attention plan) and a part per row (the
-linear layers, its logits); the policy combines the two tables (:class:`mtpctl.decode.policy.PassCosts`).
-The median of ``--reps`` passes is kept, every shape and count interleaved pass by pass so a drifting
-machine hits them alike.
+What the nodes add is the median over ``--reps`` of the difference between the pass with them and
+the plain pass timed just before it: paired, so the host's drift (often more than the difference)
+cancels. The policy reads both (:class:`mtpctl.decode.policy.PassCosts`).
 
-Prints a Markdown table (ms and ratio to one row) and, with ``--write FILE``, stores the tables as
-JSON (``mtpctl/data/pass_costs.json`` is the one the CLI and library read):
+Prints a Markdown table (ms) and, with ``--write FILE``, stores the tables as JSON
+(``mtpctl/data/pass_costs.json`` is the one the CLI and library read):
 
     python benchmarks/bench_pass_costs.py --modes float32,bfloat16,int4 --threads 2 --write mtpctl/data/pass_costs.json
 """
@@ -53,28 +52,39 @@ def time_pass(session: TorchSession, engines: list, trees: list) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def passes(engines: list, m: int) -> dict:
-    """shape -> (engines, trees) of a pass of ``m`` rows: m one-row requests, or one tree of m nodes."""
-    return {"requests": (engines[:m], [DraftTree(5) for _ in range(m)]),
-            "tree": (engines[:1], [DraftTree.from_parents([5] * m, tree_parents(m))])}
+TREE_NODES = 4  # draft nodes per request in a measured pass (the default heads' tree)
 
 
-def measure(session: TorchSession, rows: list, context: int, reps: int) -> dict:
-    """(shape, rows) -> median ms of that pass (:func:`passes`)."""
+def with_nodes(requests: int, nodes: int) -> list:
+    """The draft trees of a pass of ``requests`` requests carrying ``nodes`` draft nodes: trees of up to
+    :data:`TREE_NODES` nodes on the first requests (all the nodes on the requests there are when
+    they do not fit), one-row requests after them."""
+    drafting = min(requests, max(1, -(-nodes // TREE_NODES))) if nodes else 0
+    counts = [nodes // drafting + (i < nodes % drafting) for i in range(drafting)] + [0] * (requests - drafting)
+    return [DraftTree.from_parents([5] * (n + 1), tree_parents(n + 1)) for n in counts]
+
+
+def measure(session: TorchSession, rows: list, nodes: list, context: int, reps: int) -> tuple:
+    """(median ms of a pass of S requests for S in ``rows``, and the median ms that E nodes add to it
+    ``[S][E]``, each difference taken against the plain pass timed just before)."""
     engines = []
     for i in range(max(rows)):
-        engine = session.new_engine(context + max(rows) + 1)
+        engine = session.new_engine(context + max(nodes, default=0) + 2)
         engine.prefill([(100 + 7 * i + j) % 1000 + 10 for j in range(context)])
         engines.append(engine)
-    for m in rows:
-        for pair in passes(engines, m).values():
-            time_pass(session, *pair)  # warm-up
-    times = {}
+    for s in rows:
+        for e in [0] + nodes:
+            time_pass(session, engines[:s], with_nodes(s, e))  # warm-up
+    plain = {s: [] for s in rows}
+    added = {(s, e): [] for s in rows for e in nodes}
     for _ in range(reps):
-        for m in rows:
-            for shape, pair in passes(engines, m).items():
-                times.setdefault((shape, m), []).append(time_pass(session, *pair))
-    return {key: statistics.median(t) for key, t in times.items()}
+        for s in rows:
+            for e in nodes:
+                base = time_pass(session, engines[:s], with_nodes(s, 0))
+                added[s, e].append(time_pass(session, engines[:s], with_nodes(s, e)) - base)
+                plain[s].append(base)
+    return ({s: statistics.median(t) for s, t in plain.items()},
+            {key: statistics.median(t) for key, t in added.items()})
 
 
 def main(argv=None) -> None:
@@ -82,34 +92,35 @@ def main(argv=None) -> None:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="model alias or folder")
     p.add_argument("--modes", default="float32,bfloat16,int4", help="numeric modes, comma-separated")
-    p.add_argument("--rows", default="1,2,4,8,12,16,24,32,48,64", help="rows per pass, comma-separated")
+    p.add_argument("--rows", default="1,2,4,8,12,16,24,32,48,64", help="requests per pass, comma-separated")
+    p.add_argument("--nodes", default="1,2,3,4,6,8,12,16,24,32", help="draft nodes added to a pass, comma-separated")
     p.add_argument("--context", type=int, default=200, help="committed tokens per sequence before the pass")
-    p.add_argument("--reps", type=int, default=7, help="passes per row count (the median is kept)")
+    p.add_argument("--reps", type=int, default=15, help="passes per count (the median is kept)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--write", default=None, help="store the table as JSON here (for the auto policy)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = sorted({int(r) for r in args.rows.split(",")})
+    nodes = sorted({int(n) for n in args.nodes.split(",")})
     folder = resolve_model(args.model)
     table = {}
     print(f"Context {args.context} tokens per sequence, {torch.get_num_threads()} threads, median of {args.reps} "
-          "passes (ms; ratio to one row)\n")
-    print("| mode | pass | " + " | ".join(f"{m} rows" for m in rows) + " |")
-    print("|---|---|" + "---:|" * len(rows))
+          "passes: a pass of S one-row requests (ms), and what E draft nodes add to it (ms, paired)\n")
+    print("| mode | requests | pass | " + " | ".join(f"+{e} nodes" for e in nodes) + " |")
+    print("|---|---:|---:|" + "---:|" * len(nodes))
     for mode in args.modes.split(","):
         session = TorchSession(folder, *MODES[mode])
-        ms = measure(session, rows, args.context, args.reps)
-        table[mode] = {"rows": rows, "ms": [round(ms["requests", m], 3) for m in rows],
-                       "tree_ms": [round(ms["tree", m], 3) for m in rows]}
-        for shape, label in (("requests", "M requests"), ("tree", "a tree of M")):
-            base = ms[shape, rows[0]]
-            print(f"| {mode} | {label} | " + " | ".join(f"{ms[shape, m]:.1f} ({ms[shape, m] / base:.2f}x)"
-                                                      for m in rows) + " |")
+        plain, added = measure(session, rows, nodes, args.context, args.reps)
+        table[mode] = {"rows": rows, "ms": [round(plain[s], 3) for s in rows], "nodes": nodes,
+                       "node_ms": [[round(added[s, e], 3) for e in nodes] for s in rows]}
+        for s in rows:
+            print(f"| {mode} | {s} | {plain[s]:.1f} | " + " | ".join(f"{added[s, e]:+.1f}" for e in nodes) + " |")
     if args.write:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        doc = {"version": 2, "what": "ms of one verify pass (logits of every row read), per numeric mode: ms of M "
-                                     "one-row sequences, tree_ms of one sequence with a draft tree of M nodes",
+        doc = {"version": 3, "what": "ms of one verify pass (logits of every row read), per numeric mode: ms of S "
+                                     "one-row requests (S in rows), node_ms[S][E] what E draft nodes (E in nodes) "
+                                     "add to it (median of paired differences)",
                "command": "python benchmarks/bench_pass_costs.py " + " ".join(argv or __import__("sys").argv[1:]),
                "machine": f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
                           f"Python {platform.python_version()}",

@@ -319,6 +319,28 @@ def test_heads_decoding_with_int4_weights_is_bit_exact():
     assert run(model, oracle).token_ids == reference
 
 
+def test_truncated_heads_on_int4_weights_score_with_the_targets_own_codes():
+    """With a packed lm_head (int4 weights) a draft-vocabulary projection runs on the target's own codes
+    of its rows (fewer bytes a step than a bfloat16 copy): the target's logits of those tokens, bit
+    for bit, and decoding with such heads stays exact."""
+    from helpers import gguf_grid_decoder
+    from mtpctl.model.linears import PackedLinear
+
+    model = gguf_grid_decoder()
+    if not (isinstance(model.lm_head, PackedLinear) and model.lm_head.native):
+        pytest.skip("the native int4 kernel does not build here (no C compiler)")
+    vocab, hidden = model.cfg.vocab_size, model.cfg.hidden_size
+    token_map = torch.randperm(vocab, generator=torch.Generator().manual_seed(1))[:64]
+    cfg = HeadsConfig("medusa", 3, 1, False, hidden, vocab, draft_vocab_size=64, token_conditioned=False)
+    heads = MedusaHeads(cfg, torch.bfloat16, model.dense_lm_head(), token_map, blocked=True,
+                        target_kernel=model.lm_head)
+    assert isinstance(heads.projection_kernel, PackedLinear)
+    x = torch.randn(3, 2, hidden, generator=torch.Generator().manual_seed(2)).bfloat16()
+    assert torch.equal(heads.project(x), model.logits(x)[..., token_map])
+    reference = greedy_reference(model, PROMPT, 40)
+    assert run(model, MedusaDrafter(StaticTree.from_paths(TREES["mixed"], 3), heads, model)).token_ids == reference
+
+
 @pytest.mark.real
 def test_real_int4_tree_nodes_equal_plain_decoding_of_their_path(smollm2_folder):
     """On the real SmolLM2 (int4 weights, 300-token context) a node whose ancestors sit at scattered

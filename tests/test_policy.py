@@ -19,18 +19,28 @@ def test_pass_costs_interpolate_and_extrapolate_linearly():
     assert STEEP(16) == pytest.approx(22.0)  # past the last point along the last segment
 
 
-def test_pass_costs_split_into_sequences_and_rows():
-    costs = PassCosts((1, 2, 4, 8), (7.0, 9.0, 13.0, 21.0), (7.0, 7.5, 8.5, 12.0))  # a sequence ~1 ms more than a node
-    assert costs(1, 8) == 12.0  # one request's tree of 8 nodes
-    assert costs(8) == costs(8, 8) == 21.0  # 8 one-row requests
-    assert costs(2, 8) == pytest.approx(9.0 + 12.0 - 7.5)  # two requests, 6 draft nodes between them
-    assert PassCosts((1, 8), (7.0, 21.0))(2, 8) == 21.0  # no tree table: a node costs a request's row
+def test_pass_costs_add_what_draft_nodes_add_to_a_pass_of_requests():
+    costs = PassCosts((1, 8), (7.0, 14.0), (4, 8), ((2.0, 5.0), (6.0, 9.0)))
+    assert costs(1, 5) == 9.0  # one request's tree of 4 nodes
+    assert costs(8) == costs(8, 8) == 14.0  # 8 one-row requests: no nodes
+    assert costs(1, 3) == pytest.approx(7.0 + 1.0)  # 2 nodes: linear from no nodes at no cost
+    assert costs(8, 14) == pytest.approx(14.0 + 7.5)  # 6 nodes, between the measured 4 and 8
+    assert costs(4.5, 12.5) == pytest.approx(10.5 + 7.0)  # between the request counts as well
+    assert costs(1, 17) == pytest.approx(7.0 + 11.0)  # past the last count along the last segment
+    assert costs(2, 8) == pytest.approx(8.0 + 3.5 + 4.0 / 7)  # 6 nodes on 2 requests
+    assert PassCosts((1, 8), (7.0, 21.0))(2, 8) == 21.0  # no node table: a node costs a request's row
+
+
+def test_pass_costs_never_add_less_than_nothing():
+    """A paired difference can come out below zero on a noisy host; nodes never make a pass cheaper."""
+    costs = PassCosts((1, 8), (7.0, 14.0), (2, 4), ((-0.3, 0.5), (1.0, 2.0)))
+    assert costs(1, 2) == 7.0
 
 
 def test_a_lone_request_drafts_when_tree_nodes_are_cheaper_than_requests():
     rows_only = PassCosts((1, 2, 4, 8), (7.0, 9.0, 13.0, 21.0))
-    with_tree = PassCosts((1, 2, 4, 8), (7.0, 9.0, 13.0, 21.0), (7.0, 7.5, 8.5, 12.0))
-    for costs, drafts in ((rows_only, False), (with_tree, True)):
+    with_nodes = PassCosts((1, 2, 4, 8), (7.0, 9.0, 13.0, 21.0), (4,), ((1.5,), (1.6,), (1.8,), (2.0,)))
+    for costs, drafts in ((rows_only, False), (with_nodes, True)):
         policy = CostModelPolicy(costs)
         for _ in range(4):
             policy.observe(0, drafted=4, accepted=1)  # 2 tokens for 5 rows
@@ -104,10 +114,14 @@ def test_policies_by_name(tmp_path):
     table = tmp_path / "costs.json"
     table.write_text(json.dumps({"version": 1, "modes": {"int4": {"rows": [1, 2], "ms": [7, 8]}}}))
     assert load_costs("int4", table)(2) == 8.0
-    table.write_text(json.dumps({"version": 2, "modes": {"int4": {"rows": [1, 2], "ms": [7, 8], "tree_ms": [7, 7.5]}}}))
-    assert load_costs("int4", table)(1, 2) == 7.5
-    table.write_text(json.dumps({"version": 2, "modes": {"int4": {"rows": [1, 2], "ms": [7, 8], "tree_ms": [7]}}}))
-    with pytest.raises(BadInput, match="2 row counts, 2 times and 1 tree times"):
+    entry = {"rows": [1, 2], "ms": [7, 8], "nodes": [4], "node_ms": [[2.0], [3.0]]}
+    table.write_text(json.dumps({"version": 3, "modes": {"int4": entry}}))
+    assert load_costs("int4", table)(1, 5) == 9.0
+    table.write_text(json.dumps({"version": 3, "modes": {"int4": dict(entry, node_ms=[[2.0]])}}))
+    with pytest.raises(BadInput, match="node_ms is not 2 rows of 1 times"):
+        load_costs("int4", table)
+    table.write_text(json.dumps({"version": 3, "modes": {"int4": dict(entry, ms=[7])}}))
+    with pytest.raises(BadInput, match="2 request counts and 1 times"):
         load_costs("int4", table)
     with pytest.raises(BadInput, match="no pass costs for mode float32"):
         load_costs("float32", table)

@@ -51,35 +51,44 @@ def _interpolate(points: Tuple[int, ...], ms: Tuple[float, ...], x: float) -> fl
 
 @dataclass(frozen=True)
 class PassCosts:
-    """What a verify pass costs against the sequences and rows it carries, for one numeric mode on one
-    machine (measured by ``benchmarks/bench_pass_costs.py --write``, stored in
+    """What a verify pass costs against the requests and draft nodes it carries, for one numeric mode
+    on one machine (measured by ``benchmarks/bench_pass_costs.py --write``, stored in
     ``mtpctl/data/pass_costs.json``).
 
-    A pass's cost is taken as a part per sequence plus a part per row: ``rows``/``ms`` measure M
-    sequences of one row each, ``tree_ms`` one sequence with a draft tree of M nodes, so a pass of S
-    sequences and W rows costs ``ms(S) + tree_ms(W) - tree_ms(S)`` (exact for a cost that is such a
-    sum; S one-row requests give ``ms(S)``, one request's tree ``tree_ms(W)``). Without ``tree_ms`` a
-    draft node costs what another request's row does.
+    ``ms`` is a pass of S one-row requests (a plain step of S requests); ``node_ms`` what E draft
+    nodes add to that pass (spread over the requests as draft trees of up to 4 nodes), each measured
+    as the median of differences between passes timed back to back, so that a drifting machine
+    does not blur a difference of a millisecond between two tables timed apart. A pass of S
+    requests carrying W rows costs ``ms(S) + node_ms(S, W - S)``, linear between the measured points
+    (and from no nodes at no cost). Without ``node_ms`` a draft node costs what another request's
+    row does.
 
     Attributes:
-        rows: ``[K]`` increasing row counts measured.
-        ms: ``[K]`` the median time of a pass of that many one-row sequences, ms.
-        tree_ms: ``[K]`` the median time of a pass of one sequence with a tree of that many nodes, ms;
-            empty when not measured.
+        rows: ``[K]`` increasing request counts S measured.
+        ms: ``[K]`` the median time of a pass of that many one-row requests, ms.
+        nodes: ``[E]`` increasing draft-node counts measured; empty when not measured.
+        node_ms: ``[K][E]`` the median time those nodes add to the pass of ``rows[k]`` requests, ms.
     """
 
     rows: Tuple[int, ...]
     ms: Tuple[float, ...]
-    tree_ms: Tuple[float, ...] = ()
+    nodes: Tuple[int, ...] = ()
+    node_ms: Tuple[Tuple[float, ...], ...] = ()
 
     def __call__(self, sequences: float, rows: Optional[float] = None) -> float:
-        """The cost of a pass of ``sequences`` sequences carrying ``rows`` rows in all (default: one row
+        """The cost of a pass of ``sequences`` requests carrying ``rows`` rows in all (default: one row
         each), ms."""
         rows = sequences if rows is None else rows
-        if not self.tree_ms:
+        if not self.nodes:
             return _interpolate(self.rows, self.ms, rows)
-        return (_interpolate(self.rows, self.ms, sequences) + _interpolate(self.rows, self.tree_ms, rows)
-                - _interpolate(self.rows, self.tree_ms, sequences))
+        return _interpolate(self.rows, self.ms, sequences) + self.added(sequences, rows - sequences)
+
+    def added(self, sequences: float, nodes: float) -> float:
+        """What ``nodes`` draft nodes add to a pass of ``sequences`` requests, ms (never below 0)."""
+        if nodes <= 0:
+            return 0.0
+        by_rows = [_interpolate((0,) + self.nodes, (0.0,) + tuple(row), nodes) for row in self.node_ms]
+        return max(0.0, _interpolate(self.rows, tuple(by_rows), sequences))
 
 
 class CostModelPolicy:
@@ -176,9 +185,13 @@ def load_costs(mode: str, path: Path = COSTS_FILE) -> PassCosts:
         table = json.loads(Path(path).read_text(encoding="utf-8"))
         entry = table["modes"][mode]
         costs = PassCosts(tuple(int(r) for r in entry["rows"]), tuple(float(m) for m in entry["ms"]),
-                          tuple(float(m) for m in entry.get("tree_ms", ())))
-        if len(costs.ms) != len(costs.rows) or costs.tree_ms and len(costs.tree_ms) != len(costs.rows):
-            raise ValueError(f"{len(costs.rows)} row counts, {len(costs.ms)} times and {len(costs.tree_ms)} tree times")
+                          tuple(int(n) for n in entry.get("nodes", ())),
+                          tuple(tuple(float(m) for m in row) for row in entry.get("node_ms", ())))
+        if len(costs.ms) != len(costs.rows):
+            raise ValueError(f"{len(costs.rows)} request counts and {len(costs.ms)} times")
+        if costs.nodes and (len(costs.node_ms) != len(costs.rows)
+                            or any(len(row) != len(costs.nodes) for row in costs.node_ms)):
+            raise ValueError(f"node_ms is not {len(costs.rows)} rows of {len(costs.nodes)} times")
         return costs
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise BadInput(f"no pass costs for mode {mode} in {path} ({err}): measure them with "

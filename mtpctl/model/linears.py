@@ -25,7 +25,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
-from mtpctl.model.native import int4_matmul, int4_pack, int8_pack, load_kernel
+from mtpctl.model.native import blob_codes, int4_matmul, int4_pack, int8_pack, load_kernel
 
 GROUP = 32
 REL_TOL = 1e-5  # reconstruction error allowed, relative to the group's largest |weight|
@@ -128,6 +128,17 @@ class PackedLinear(nn.Module):
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
+    def select_rows(self, index: torch.Tensor) -> Optional["PackedLinear"]:
+        """A :class:`PackedLinear` of the output rows ``index`` ``[M]`` of this weight, with the same codes
+        (so row for row the same outputs), or None where the codes are not kept in the native layout
+        (torch's kernel) or M is not a multiple of 4."""
+        if not self.native or len(index) % 4:
+            return None
+        q, scale, zero = blob_codes(self.parts[0][0])
+        return PackedLinear([(q[index], scale[index], zero[index] if zero is not None else None)], len(index),
+                            torch.bfloat16, native=True)
+
+
 def pack_exact(weight: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
                native: Optional[bool] = None) -> Optional[PackedLinear]:
     """A :class:`PackedLinear` with the integer codes of ``weight [N, K]`` (activations in ``dtype``;
@@ -200,3 +211,18 @@ def blocked_copy(weight: Optional[torch.Tensor], blocked: bool) -> Optional[Bloc
             or weight.device.type != "cpu" or not blocked_layout_available():
         return None
     return BlockedLinear(weight)
+
+
+def projection_copy(rows: Optional[torch.Tensor], token_map: Optional[torch.Tensor], blocked: bool,
+                    target_lm_head: Optional[nn.Module] = None) -> Optional[nn.Module]:
+    """For decoding, the kernel of a draft-vocabulary projection: ``rows [V_d, K]``, the rows
+    ``token_map [V_d]`` of the target's lm_head. Where the target's lm_head is a :class:`PackedLinear`
+    on the native kernels (int4 weights), those rows of its own codes: the weights the target itself
+    computes with, about 1.1 bytes a weight for Q8_0 against 2 in bfloat16, which is most of what the
+    heads read a step. Else the blocked copy of ``rows`` (:func:`blocked_copy`); None when ``blocked``
+    is False or there are no rows."""
+    if blocked and rows is not None and token_map is not None and isinstance(target_lm_head, PackedLinear):
+        packed = target_lm_head.select_rows(token_map)
+        if packed is not None:
+            return packed
+    return blocked_copy(rows, blocked)

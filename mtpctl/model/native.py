@@ -465,6 +465,30 @@ def int8_pack(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.cat((codes, scales), dim=-1).contiguous()
 
 
+def blob_codes(blob: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """The codes a blob of :func:`int4_pack` or :func:`int8_pack` holds, as those functions take them:
+    (q ``[N, K]``, scale ``[N, K/32]``, zero ``[N, K/32]`` or None for 8-bit codes); packing them again
+    gives the same blob.
+
+    Raises:
+        ValueError: not a ``[N/4, K/32, 96 or 144]`` uint8 blob.
+    """
+    if blob.dtype != torch.uint8 or blob.dim() != 3 or blob.shape[2] not in (INT4_BLOCK, 144):
+        raise ValueError(f"not an int4/int8 blob: {blob.dtype} {tuple(blob.shape)}")
+    tiles, g, width = blob.shape
+    n, k = 4 * tiles, 32 * g
+    if width == 144:
+        q = blob[..., :128].contiguous().view(torch.int8).reshape(tiles, g, 4, 32).transpose(1, 2).reshape(n, k)
+        scale = blob[..., 128:].contiguous().view(torch.float32).reshape(tiles, g, 4).transpose(1, 2).reshape(n, g)
+        return q.to(torch.int16), scale.contiguous(), None
+    codes = blob[..., :64].reshape(tiles, g, 4, 16).transpose(1, 2)  # [N/4, 4, G, 16]
+    q = torch.cat((codes & 15, codes >> 4), dim=-1).reshape(n, k)
+    sz = blob[..., 64:].contiguous().view(torch.float32).reshape(tiles, g, 8)
+    scale = sz[..., :4].transpose(1, 2).reshape(n, g).contiguous()
+    zero = sz[..., 4:].transpose(1, 2).reshape(n, g).contiguous()
+    return q.to(torch.int16), scale, zero
+
+
 #: bytes per tile of 4 outputs and group of 32 inputs -> the kernel that reads that layout
 _BLOCK_KERNELS = {INT4_BLOCK: "q4_matmul", 144: "q8_matmul"}
 

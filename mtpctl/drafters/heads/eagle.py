@@ -33,7 +33,7 @@ from mtpctl.drafters.heads.config import EagleLayerConfig, HeadsConfig
 from mtpctl.drafters.heads.tree import StaticTree
 from mtpctl.model.config import RopeConfig
 from mtpctl.model.decoder import _rms_norm, _rotate, rope_inv_freq
-from mtpctl.model.linears import blocked_copy
+from mtpctl.model.linears import projection_copy
 
 
 class DraftLayer(nn.Module):
@@ -139,15 +139,17 @@ class EagleHead(DraftLayer):
         dtype: parameter dtype.
         target_lm_head: ``[vocab, hidden]`` the target's lm_head (required with a draft vocabulary).
         token_map: ``[V_d]`` target ids of the draft vocabulary.
-        blocked: also hold the projection in oneDNN's blocked layout (for decoding;
+        blocked: also hold the projection in a decoding layout (oneDNN's blocked one,
             :func:`mtpctl.model.linears.blocked_copy`).
+        target_kernel: the target's lm_head module; with ``blocked``, a packed one (int4 weights) lends
+            the projection its own codes (:func:`mtpctl.model.linears.projection_copy`).
 
     Raises:
         ValueError: a draft vocabulary without ``token_map`` or ``target_lm_head``.
     """
 
     def __init__(self, cfg: HeadsConfig, dtype: torch.dtype = torch.float32, target_lm_head: Optional[torch.Tensor] = None,
-                 token_map: Optional[torch.Tensor] = None, blocked: bool = False):
+                 token_map: Optional[torch.Tensor] = None, blocked: bool = False, target_kernel: Optional[nn.Module] = None):
         super().__init__()
         self.cfg = cfg
         h, eagle1 = cfg.hidden_size, cfg.layer.eagle1
@@ -165,8 +167,8 @@ class EagleHead(DraftLayer):
         else:
             self.token_map = None
             self.projection = None
-        # decoding: the projection in oneDNN's blocked layout too (no state_dict entry)
-        self.projection_kernel = blocked_copy(self.projection, blocked)
+        # decoding: the projection in a decoding layout too (no state_dict entry)
+        self.projection_kernel = projection_copy(self.projection, self.token_map, blocked, target_kernel)
 
     def attention_inputs(self, feats: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor) -> tuple:
         """Rows ``(f_p, e(x_{p+1}))`` -> ``(x, q, k, v)``: the residual stream ``x [..., T, H]``, rotated

@@ -92,7 +92,7 @@ class Eagle3Head(DraftLayer):
     """
 
     def __init__(self, cfg: HeadsConfig, dtype: torch.dtype = torch.float32, target_lm_head: Optional[torch.Tensor] = None,
-                 token_map: Optional[torch.Tensor] = None, blocked: bool = False):
+                 token_map: Optional[torch.Tensor] = None, blocked: bool = False, target_kernel: Optional[nn.Module] = None):
         super().__init__()
         self.cfg = cfg
         h, k = cfg.hidden_size, len(cfg.layer.aux_layers)

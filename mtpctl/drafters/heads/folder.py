@@ -21,14 +21,17 @@ MODULES = {"medusa": MedusaHeads, "hydra": MedusaHeads, "eagle": EagleHead, "eag
 
 
 def load_heads(folder: Path, dtype: torch.dtype = torch.float32, target_lm_head: Optional[torch.Tensor] = None,
-               blocked: bool = False, kinds: Tuple[str, ...] = tuple(MODULES)) -> nn.Module:
+               blocked: bool = False, kinds: Tuple[str, ...] = tuple(MODULES),
+               target_kernel: Optional[nn.Module] = None) -> nn.Module:
     """Load MTP heads of any kind from a head folder: :class:`MedusaHeads` (medusa, hydra) or
     :class:`EagleHead` (eagle) or :class:`Eagle3Head` (eagle3); strictly (missing, unexpected, mis-shaped, NaN tensors are errors).
 
     Args:
         target_lm_head: ``[vocab, hidden]`` the target's lm_head weight, needed by heads with a
             truncated draft vocabulary or their own lm_heads (see :class:`MedusaHeads`).
-        blocked: for decoding, hold the draft-vocabulary projection in oneDNN's blocked layout too.
+        blocked: for decoding, hold the draft-vocabulary projection in a decoding layout too.
+        target_kernel: the target's lm_head module (with ``blocked``: a packed one lends a truncated
+            projection its codes, :func:`mtpctl.model.linears.projection_copy`).
         kinds: the head kinds the caller can run (another kind is BadInput).
 
     Raises:
@@ -60,7 +63,7 @@ def load_heads(folder: Path, dtype: torch.dtype = torch.float32, target_lm_head:
         token_map = tensors["token_map"]
         if int(token_map.min()) < 0 or int(token_map.max()) >= cfg.vocab_size or len(set(token_map.tolist())) != len(token_map):
             raise CorruptModel(f"{path}: token_map holds ids outside the vocabulary or repeats one")
-    heads = cls(cfg, dtype, target_lm_head, token_map, blocked)
+    heads = cls(cfg, dtype, target_lm_head, token_map, blocked, target_kernel)
     heads.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()})
     heads.requires_grad_(False)
     return heads

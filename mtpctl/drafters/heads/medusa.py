@@ -33,7 +33,7 @@ from mtpctl.decode.tree import DraftTree
 from mtpctl.drafters.heads.config import HeadsConfig
 from mtpctl.drafters.heads.tree import StaticTree
 from mtpctl.model.decoder import Decoder
-from mtpctl.model.linears import blocked_copy
+from mtpctl.model.linears import projection_copy
 
 
 class ResBlock(nn.Module):
@@ -71,13 +71,15 @@ class MedusaHeads(nn.Module):
             own lm_head, and the frozen projection of truncated shared heads. Required unless the
             heads share the full lm_head (then the caller passes ``lm_head`` to :meth:`forward`).
         token_map: ``[V_d]`` target ids of the draft vocabulary (required when V_d > 0).
-        blocked: also hold the truncated projection in oneDNN's blocked layout (for decoding; see
+        blocked: also hold the truncated projection in a decoding layout (oneDNN's blocked one, see
             :func:`mtpctl.model.linears.blocked_copy`).
+        target_kernel: the target's lm_head module; with ``blocked``, a packed one (int4 weights) lends
+            the projection its own codes (:func:`mtpctl.model.linears.projection_copy`).
     """
 
     def __init__(self, cfg: HeadsConfig, dtype: torch.dtype = torch.float32,
                  target_lm_head: Optional[torch.Tensor] = None, token_map: Optional[torch.Tensor] = None,
-                 blocked: bool = False):
+                 blocked: bool = False, target_kernel: Optional[nn.Module] = None):
         super().__init__()
         self.cfg = cfg
         self.blocks = nn.ModuleList(
@@ -104,8 +106,8 @@ class MedusaHeads(nn.Module):
         # frozen rows of the target's lm_head for truncated shared heads: derived, never saved
         projection = rows.detach().to(dtype).clone() if truncated and not cfg.own_lm_head else None
         self.register_buffer("projection", projection, persistent=False)
-        # decoding: the same projection in oneDNN's blocked layout (no state_dict entry)
-        self.projection_kernel = blocked_copy(projection, blocked)
+        # decoding: the same projection in a decoding layout (no state_dict entry)
+        self.projection_kernel = projection_copy(projection, self.token_map, blocked, target_kernel)
 
     @property
     def sequential(self) -> bool:
