@@ -266,6 +266,25 @@ def test_stops_inside_accepted_blocks_end_each_row_where_it_ends_alone(model, re
     assert all(o.finish_reason == "length" for o in outcomes)
 
 
+def test_the_loop_tells_the_policy_what_each_cut_of_a_tree_would_have_kept(model, references):
+    """The oracle's trees put the right tokens first (nodes 1..r) and wrong children after, so the tree
+    cut to its first k nodes keeps min(k, accepted) tokens: what the loop reports for every size the
+    row was allowed (the auto policy's estimate of smaller drafts)."""
+    seen = []
+
+    class Recording(AlwaysDraft):
+        def observe(self, row, drafted, accepted, by_size=None):
+            seen.append((drafted, accepted, by_size))
+
+    oracle = OracleTree({tuple(p): r for p, r in zip(PROMPTS, references[False])}, model.cfg.vocab_size, budget=6)
+    outcomes = batched(model, False, PROMPTS, NEW_TOKENS, oracle, 4, policy=Recording())
+    assert [o.token_ids for o in outcomes] == references[False]
+    assert any(0 < accepted < drafted for drafted, accepted, _ in seen)  # ragged: cuts would have mattered
+    for drafted, accepted, by_size in seen:
+        assert drafted <= len(by_size) <= 6
+        assert by_size == [min(k, accepted) for k in range(1, len(by_size) + 1)]
+
+
 def test_a_drafter_that_is_not_hashable_still_batches(model, references):
     """Rows are grouped by drafter family; a user's drafter need not be hashable (a dataclass)."""
     from dataclasses import dataclass

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from mtpctl.decode.policy import AlwaysDraft, CostModelPolicy, PassCosts, load_costs, make_policy
+from mtpctl.decode.policy import AlwaysDraft, CostModelPolicy, PassCosts, accepted_by_size, load_costs, make_policy
 from mtpctl.errors import BadInput
 
 FLAT = PassCosts((1, 8, 64), (10.0, 11.0, 60.0))  # dense-like: 8 rows cost 1.1x one
@@ -137,3 +137,39 @@ def test_a_step_whose_drafter_found_nothing_does_not_count_as_a_failed_draft():
     policy.observe(0, drafted=3, accepted=3)
     policy.observe(0, drafted=0, accepted=0)
     assert policy.draft_sizes([3], [0]) == [3]  # 4 tokens for 4 rows pay; the empty step changed nothing
+
+
+def test_what_each_cut_of_a_tree_would_have_kept():
+    """The target kept nodes 2 and 5 of a tree (root 0): cut to its first k nodes the tree keeps those
+    up to k; a stop that committed one of them caps every cut at one."""
+    assert accepted_by_size([0, 2, 5], 2, 6) == [0, 1, 1, 1, 2, 2]
+    assert accepted_by_size([0, 2, 5], 1, 6) == [0, 1, 1, 1, 1, 1]
+    assert accepted_by_size([0], 0, 3) == [0, 0, 0]
+
+
+# int4-like: a lone request's fifth row (4 draft nodes) costs far more than its fourth
+INT4_LIKE = PassCosts((1, 8), (6.5, 13.2), (1, 2, 3, 4), ((0.3, 0.8, 1.4, 3.2), (1.9, 2.9, 4.5, 5.9)))
+
+
+def test_a_lone_request_cuts_its_tree_where_a_node_costs_more_than_it_brings():
+    policy = CostModelPolicy(INT4_LIKE)
+    for _ in range(3):  # the fourth node adds 0.02 tokens for 1.8 ms
+        policy.observe(0, drafted=4, accepted=1, by_size=[0.3, 0.45, 0.65, 0.67])
+    assert policy.draft_sizes([4], [0]) == [3]  # 1.65 tokens in 7.9 ms beat 1.67 in 9.7 and 1.45 in 7.3
+    plain = CostModelPolicy(INT4_LIKE)
+    for _ in range(3):
+        plain.observe(0, drafted=4, accepted=1)  # no cuts measured: the whole room or nothing, as before
+    assert plain.draft_sizes([4], [0]) == [4]
+
+
+def test_a_row_cut_short_probes_its_whole_room_now_and_then():
+    policy = CostModelPolicy(INT4_LIKE, probe_every=3)
+    for _ in range(3):
+        policy.observe(0, drafted=4, accepted=1, by_size=[0.3, 0.45, 0.65, 0.67])
+    decisions = []
+    for _ in range(5):
+        size = policy.draft_sizes([4], [0])[0]
+        decisions.append(size)
+        kept = [0.3, 0.45, 0.65, 0.67][:size]
+        policy.observe(0, drafted=size, accepted=kept[-1] if kept else 0, by_size=kept)
+    assert decisions[:3] == [3, 3, 3] and decisions[3] == 4  # cut 3 steps, then the whole room once

@@ -26,7 +26,7 @@ from mtpctl.decode.acceptance import (Acceptance, accept_greedy, accept_greedy_t
                                       accept_typical)
 from mtpctl.decode.drafter import Call, Drafter, TargetStep, family, propose_all
 from mtpctl.decode.engine import Engine, StepOutput
-from mtpctl.decode.policy import AlwaysDraft, Policy
+from mtpctl.decode.policy import AlwaysDraft, Policy, accepted_by_size
 from mtpctl.decode.sampling import SamplingParams, next_token
 from mtpctl.decode.stopping import CONTEXT, StopChecker
 from mtpctl.decode.tree import DraftTree
@@ -296,7 +296,8 @@ def _step(rows: List[_Row], verify_many: VerifyMany, policy: Policy, acceptance:
         return (clock[-1] - clock[-2]) * 1e3
 
     sizes = policy.draft_sizes([r.room() for r in rows], [r.index for r in rows])
-    trees = _propose(rows, [min(size, row.room()) for row, size in zip(rows, sizes)], outcomes)
+    allowed = {row.index: min(size, row.room()) for row, size in zip(rows, sizes)}
+    trees = _propose(rows, [allowed[row.index] for row in rows], outcomes)
     rows = [r for r in rows if not r.done]
     if not rows:
         return
@@ -312,7 +313,9 @@ def _step(rows: List[_Row], verify_many: VerifyMany, policy: Policy, acceptance:
             continue
         tree = trees[row.index]
         row.settle(tree, out, result)
-        policy.observe(row.index, tree.rows - 1, row.stats.accepted_per_step[-1] - 1)
+        accepted = row.stats.accepted_per_step[-1] - 1
+        by_size = accepted_by_size(result.path, accepted, allowed[row.index]) if tree.extra is None else None
+        policy.observe(row.index, tree.rows - 1, accepted, by_size)
     phases["commit"] = lap()
     step_ms = (clock[-1] - clock[0]) * 1e3
     for row in rows:

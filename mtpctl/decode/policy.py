@@ -10,10 +10,10 @@ outcome of each step (nodes drafted, draft tokens accepted) and returns each row
 from __future__ import annotations
 
 import json
-from functools import partial
+from functools import lru_cache, partial
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Optional, Protocol, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from mtpctl.errors import BadInput
 
@@ -24,8 +24,21 @@ class Policy(Protocol):
     def draft_sizes(self, rooms: Sequence[int], rows: Sequence[int]) -> list:
         """The most draft tokens each row may propose this step (0: a plain step), at most its room."""
 
-    def observe(self, row: int, drafted: int, accepted: int) -> None:
-        """A row's step: ``drafted`` nodes verified, ``accepted`` draft tokens accepted."""
+    def observe(self, row: int, drafted: int, accepted: int, by_size: Optional[Sequence[int]] = None) -> None:
+        """A row's step: ``drafted`` nodes verified, ``accepted`` draft tokens accepted; ``by_size``
+        ``[s]`` (s the size the row was allowed), when known: the draft tokens that the same tree
+        cut to its first k nodes would have had accepted, k = 1..s (see :func:`accepted_by_size`)."""
+
+
+def accepted_by_size(path: Sequence[int], accepted: int, allowed: int) -> List[int]:
+    """What a draft tree cut to its first k nodes (k = 1..``allowed``) would have had accepted, from
+    the path the target kept (``path``: node indices, root 0 first, each node after its parent)
+    and the draft tokens committed (``accepted``, fewer than the path's where a stop cut them):
+    its nodes up to k. Exact for greedy acceptance of drafters whose smaller drafts are the first
+    nodes of their larger ones (every drafter's static tree or chain, and merges of them); with
+    sampling, an estimate (another cut would have drawn other random numbers)."""
+    nodes = sorted(path[1:])
+    return [min(accepted, sum(1 for n in nodes if n <= k)) for k in range(1, allowed + 1)]
 
 
 class AlwaysDraft:
@@ -34,7 +47,7 @@ class AlwaysDraft:
     def draft_sizes(self, rooms: Sequence[int], rows: Sequence[int]) -> list:
         return list(rooms)
 
-    def observe(self, row: int, drafted: int, accepted: int) -> None:
+    def observe(self, row: int, drafted: int, accepted: int, by_size: Optional[Sequence[int]] = None) -> None:
         pass
 
 
@@ -78,17 +91,25 @@ class PassCosts:
     def __call__(self, sequences: float, rows: Optional[float] = None) -> float:
         """The cost of a pass of ``sequences`` requests carrying ``rows`` rows in all (default: one row
         each), ms."""
-        rows = sequences if rows is None else rows
-        if not self.nodes:
-            return _interpolate(self.rows, self.ms, rows)
-        return _interpolate(self.rows, self.ms, sequences) + self.added(sequences, rows - sequences)
+        return self.at(sequences)(sequences if rows is None else rows)
 
-    def added(self, sequences: float, nodes: float) -> float:
-        """What ``nodes`` draft nodes add to a pass of ``sequences`` requests, ms (never below 0)."""
-        if nodes <= 0:
-            return 0.0
-        by_rows = [_interpolate((0,) + self.nodes, (0.0,) + tuple(row), nodes) for row in self.node_ms]
-        return max(0.0, _interpolate(self.rows, tuple(by_rows), sequences))
+    def at(self, sequences: float) -> Callable[[float], float]:
+        """``rows -> ms`` of a pass of ``sequences`` requests: the table at one request count, its
+        interpolation across request counts done once (the policy prices many row counts a step)."""
+        return _curve(self, sequences)
+
+
+@lru_cache(maxsize=256)
+def _curve(costs: PassCosts, sequences: float) -> Callable[[float], float]:
+    """:meth:`PassCosts.at`: what the nodes add, interpolated across request counts for each node
+    count measured (never below 0), then linear in the nodes from no nodes at no cost."""
+    if not costs.nodes:
+        return partial(_interpolate, costs.rows, costs.ms)
+    base = _interpolate(costs.rows, costs.ms, sequences)
+    points = (0,) + costs.nodes
+    added = (0.0,) + tuple(max(0.0, _interpolate(costs.rows, tuple(row[j] for row in costs.node_ms), sequences))
+                           for j in range(len(costs.nodes)))
+    return lambda rows: base + max(0.0, _interpolate(points, added, rows - sequences))
 
 
 class CostModelPolicy:
@@ -96,21 +117,25 @@ class CostModelPolicy:
 
     Each row keeps means of the draft tokens it got accepted and of the nodes it drafted, over the
     steps it drafted: plain means of its first outcomes, then running means (weight ``decay`` on the
-    past). A step's cost is the measured cost of a pass of its sequences and rows (:class:`PassCosts`). Each step
-    starts from every row's pending token alone (one row each, one token each) and admits the rows'
-    drafts in order of accepted tokens per node while the expected tokens per ms rises. So a lone
-    request drafts whenever its drafts are worth their rows, a full batch drafts less or not at all,
-    and a row whose drafts keep failing stops drafting. A row left out drafts anyway now and then to
-    measure itself again (a probe): a row never measured first, else the one left out longest (at
-    least ``probe_every`` steps), while the probes add at most ``probe_share`` of the expected step
-    time (a probe that adds 4 rows to a pass of 16 costs a fifth of that step: one every step would
-    cost more than any draft gains). Decisions depend on the outcomes and the table only, never on
-    the clock, so a seeded sampled request gives the same tokens on every run.
+    past); and the same for each size k its tree could have been cut to (its first k nodes), from
+    what the target kept of it (``by_size`` in :meth:`observe`). A step's cost is the measured cost of
+    a pass of its requests and rows (:class:`PassCosts`). Each step starts from every row's pending
+    token alone (one row each, one token each) and admits the rows' drafts in order of accepted tokens
+    per node, each at the size that raises the expected tokens per ms most, while it rises. So a lone
+    request drafts whenever its drafts are worth their rows, and cuts them where a node costs more
+    than it brings (in int4 a fifth row costs a pass far more than a fourth); a full batch drafts
+    less or not at all, and a row whose drafts keep failing stops drafting. A row left out or cut
+    short drafts its whole budget now and then to measure itself again (a probe): a row never
+    measured first, else the one held back longest (at least ``probe_every`` steps), while the probes
+    add at most ``probe_share`` of the expected step time (a probe that adds 4 rows to a pass of 16
+    costs a fifth of that step: one every step would cost more than any draft gains). Decisions
+    depend on the outcomes and the table only, never on the clock, so a seeded sampled request gives
+    the same tokens on every run.
 
     Args:
         costs: the pass costs of the mode the session runs (:class:`PassCosts`).
         decay: weight of the past in the running means.
-        probe_every: steps a row is left out before it may probe.
+        probe_every: steps a row is held back before it may probe.
         probe_share: the most of the expected step time that probes may add.
     """
 
@@ -118,41 +143,53 @@ class CostModelPolicy:
         self.costs, self.decay, self.probe_every, self.probe_share = costs, decay, probe_every, probe_share
         self._accepted: Dict[int, float] = {}
         self._drafted: Dict[int, float] = {}
-        self._left_out: Dict[int, int] = {}
+        self._cuts: Dict[int, Dict[int, List[float]]] = {}  # row -> size k -> [steps, accepted, nodes] means
+        self._held_back: Dict[int, int] = {}  # steps since the row last drafted its whole room
         self._outcomes: Dict[int, int] = {}  # drafting steps observed per row
         self._probe_credit = float("inf")  # ms probes may still add (see _probe); the first probe is free
 
     def draft_sizes(self, rooms: Sequence[int], rows: Sequence[int]) -> list:
-        sizes = [0] * len(rows)
+        sizes, nodes = [0] * len(rows), [0.0] * len(rows)
         tokens, width = float(len(rows)), float(len(rows))
-        cost = partial(self.costs, len(rows))  # ms of a pass of these rows' sequences by its rows
+        cost = self.costs.at(len(rows))  # ms of a pass of these rows' requests by its rows
         order = sorted((i for i, room in enumerate(rooms) if room > 0), key=lambda i: -self._value(rows[i], rooms[i]))
         for i in order:
-            row = rows[i]
-            gain = self._accepted.get(row, 1.0)
-            nodes = min(self._drafted.get(row, float(rooms[i])), float(rooms[i]))
-            if (tokens + gain) / cost(width + nodes) > tokens / cost(width):
-                sizes[i] = rooms[i]
-                tokens, width = tokens + gain, width + nodes
-        self._probe(sizes, rooms, rows, order, width, cost)
+            best, rate = None, tokens / cost(width)
+            for size, gain, count in self._options(rows[i], rooms[i]):
+                if (tokens + gain) / cost(width + count) > rate:
+                    best, rate = (size, gain, count), (tokens + gain) / cost(width + count)
+            if best is not None:
+                sizes[i], nodes[i] = best[0], best[2]
+                tokens, width = tokens + best[1], width + best[2]
+        self._probe(sizes, nodes, rooms, rows, order, width, cost)
         for i in order:
-            self._left_out[rows[i]] = 0 if sizes[i] else self._left_out.get(rows[i], 0) + 1
+            self._held_back[rows[i]] = 0 if sizes[i] == rooms[i] else self._held_back.get(rows[i], 0) + 1
         return sizes
 
-    def _probe(self, sizes: list, rooms: Sequence[int], rows: Sequence[int], order: Sequence[int], width: float,
-               cost: Callable[[float], float]) -> None:
-        """Lets one row left out draft anyway (sets its size): one never measured first, else the one left
-        out longest (at least ``probe_every`` steps), when the probes' credit covers what it adds to the
-        step's pass of ``width`` rows (``cost``: ms of the pass by its rows). The credit grows by
-        ``probe_share`` of each step's expected cost, up to one step's or one probe's."""
+    def _options(self, row: int, room: int) -> List[Tuple[int, float, float]]:
+        """(size, expected accepted tokens, expected nodes) of each size the row may draft: its room
+        (the means over every drafting step; 1 token for the whole room before any) and every smaller
+        cut it has measured."""
+        cuts = self._cuts.get(row, {})
+        options = [(k, cuts[k][1], cuts[k][2]) for k in range(1, room + 1) if k in cuts]
+        if room not in cuts:
+            options.append((room, self._accepted.get(row, 1.0), min(self._drafted.get(row, float(room)), float(room))))
+        return options
+
+    def _probe(self, sizes: list, nodes: list, rooms: Sequence[int], rows: Sequence[int], order: Sequence[int],
+               width: float, cost: Callable[[float], float]) -> None:
+        """Lets one row held back draft its whole room anyway (sets its size): one never measured first,
+        else the one held back longest (at least ``probe_every`` steps), when the probes' credit covers
+        what it adds to the step's pass of ``width`` rows (``cost``: ms of the pass by its rows). The
+        credit grows by ``probe_share`` of each step's expected cost, up to one step's or one probe's."""
         step_ms = cost(width)
-        waiting = [i for i in order if sizes[i] == 0
-                   and (rows[i] not in self._accepted or self._left_out.get(rows[i], 0) >= self.probe_every)]
-        probe = max(waiting, key=lambda i: (rows[i] not in self._accepted, self._left_out.get(rows[i], 0)), default=None)
+        waiting = [i for i in order if sizes[i] < rooms[i]
+                   and (rows[i] not in self._accepted or self._held_back.get(rows[i], 0) >= self.probe_every)]
+        probe = max(waiting, key=lambda i: (rows[i] not in self._accepted, self._held_back.get(rows[i], 0)), default=None)
         extra = 0.0
         if probe is not None:
-            nodes = min(self._drafted.get(rows[probe], float(rooms[probe])), float(rooms[probe]))
-            extra = cost(width + nodes) - step_ms
+            full = min(self._drafted.get(rows[probe], float(rooms[probe])), float(rooms[probe]))
+            extra = cost(width + max(0.0, full - nodes[probe])) - step_ms
         self._probe_credit = min(self._probe_credit + self.probe_share * step_ms, max(step_ms, extra))
         if probe is not None and extra <= self._probe_credit:
             sizes[probe], self._probe_credit = rooms[probe], self._probe_credit - extra
@@ -162,13 +199,24 @@ class CostModelPolicy:
         nodes = min(self._drafted.get(row, float(room)), float(room))
         return self._accepted.get(row, 1.0) / max(nodes, 1e-3)
 
-    def observe(self, row: int, drafted: int, accepted: int) -> None:
+    def _weight(self, steps: int) -> float:
+        """A plain mean over the first ``steps`` outcomes, then the running one."""
+        return max(1.0 - self.decay, 1.0 / steps)
+
+    def observe(self, row: int, drafted: int, accepted: int, by_size: Optional[Sequence[int]] = None) -> None:
         if drafted == 0:
             return  # a plain step (chosen, or the drafter found nothing): nothing learnt about its drafts, no rows spent
         self._outcomes[row] = n = self._outcomes.get(row, 0) + 1
-        w = max(1.0 - self.decay, 1.0 / n)  # a plain mean of the first outcomes, then the running one
+        w = self._weight(n)
         self._accepted[row] = (1 - w) * self._accepted.get(row, 0.0) + w * accepted
         self._drafted[row] = (1 - w) * self._drafted.get(row, 0.0) + w * drafted
+        cuts = self._cuts.setdefault(row, {})
+        for k, kept in enumerate(by_size or (), start=1):
+            entry = cuts.setdefault(k, [0, 0.0, 0.0])
+            entry[0] += 1
+            w = self._weight(entry[0])
+            entry[1] += w * (kept - entry[1])
+            entry[2] += w * (min(k, drafted) - entry[2])
 
 
 POLICIES = ("auto", "always")
