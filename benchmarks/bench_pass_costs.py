@@ -9,8 +9,8 @@ For each numeric mode, after ``--context`` committed tokens per sequence, times 
   requests as draft trees of up to 4 nodes (a root, a spine of depth 2, the rest the root's children).
 
 What the nodes add is the median over ``--reps`` of the difference between the pass with them and
-the plain pass timed just before it: paired, so the host's drift (often more than the difference)
-cancels. The policy reads both (:class:`mtpctl.decode.policy.PassCosts`).
+the plain pass timed next to it (before it and after it in turn): paired, so the host's drift (often
+more than the difference) cancels. The policy reads both (:class:`mtpctl.decode.policy.PassCosts`).
 
 Prints a Markdown table (ms) and, with ``--write FILE``, stores the tables as JSON
 (``mtpctl/data/pass_costs.json`` is the one the CLI and library read):
@@ -66,7 +66,7 @@ def with_nodes(requests: int, nodes: int) -> list:
 
 def measure(session: TorchSession, rows: list, nodes: list, context: int, reps: int) -> tuple:
     """(median ms of a pass of S requests for S in ``rows``, and the median ms that E nodes add to it
-    ``[S][E]``, each difference taken against the plain pass timed just before)."""
+    ``[S][E]``, each difference taken against the plain pass timed next to it)."""
     engines = []
     for i in range(max(rows)):
         engine = session.new_engine(context + max(nodes, default=0) + 2)
@@ -77,12 +77,13 @@ def measure(session: TorchSession, rows: list, nodes: list, context: int, reps: 
             time_pass(session, engines[:s], with_nodes(s, e))  # warm-up
     plain = {s: [] for s in rows}
     added = {(s, e): [] for s in rows for e in nodes}
-    for _ in range(reps):
+    for rep in range(reps):
         for s in rows:
-            for e in nodes:
-                base = time_pass(session, engines[:s], with_nodes(s, 0))
-                added[s, e].append(time_pass(session, engines[:s], with_nodes(s, e)) - base)
-                plain[s].append(base)
+            for e in nodes:  # each pair in turn plain first and nodes first, so warm caches favour neither
+                order = (0, e) if rep % 2 == 0 else (e, 0)
+                t = {n: time_pass(session, engines[:s], with_nodes(s, n)) for n in order}
+                added[s, e].append(t[e] - t[0])
+                plain[s].append(t[0])
     return ({s: statistics.median(t) for s, t in plain.items()},
             {key: statistics.median(t) for key, t in added.items()})
 

@@ -173,3 +173,38 @@ def test_a_row_cut_short_probes_its_whole_room_now_and_then():
         kept = [0.3, 0.45, 0.65, 0.67][:size]
         policy.observe(0, drafted=size, accepted=kept[-1] if kept else 0, by_size=kept)
     assert decisions[:3] == [3, 3, 3] and decisions[3] == 4  # cut 3 steps, then the whole room once
+
+
+def test_a_probe_is_charged_the_rows_of_the_whole_room():
+    """A row cut to 3 nodes of 8 probes its whole room: the probe is priced at the 5 nodes it adds
+    (the row's measured cut at 8), so a credit that covers 2.5 nodes does not let it through."""
+    costs = PassCosts((1, 8), (6.0, 12.0), (1, 8), ((1.0, 8.0), (1.0, 8.0)))  # 1 ms a node
+    policy = CostModelPolicy(costs, probe_every=1, probe_share=0.0)
+    policy.observe(0, drafted=8, accepted=2, by_size=[1.0, 1.5, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0])
+    policy.observe(0, drafted=3, accepted=2, by_size=[1.0, 1.5, 2.0])  # a cut step says nothing of the room
+    assert policy.draft_sizes([8], [0]) == [3]  # 3 tokens in 9 ms
+    policy._probe_credit = 2.5  # ms: half a probe of 5 nodes
+    assert policy.draft_sizes([8], [0]) == [3]
+    policy._probe_credit = 5.0
+    assert policy.draft_sizes([8], [0]) == [8]
+
+
+def test_more_draft_nodes_never_cost_less_than_fewer():
+    """A noisy median can dip (4 nodes measured cheaper than 2); the policy reads the running maximum."""
+    costs = PassCosts((1, 8), (6.0, 12.0), (2, 4, 8), ((3.0, 2.0, 5.0), (3.0, 2.0, 5.0)))
+    assert costs(1, 5) == costs(1, 3) == 9.0
+    assert costs(1, 7) == pytest.approx(6.0 + 4.0)
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"rows": [1, 1], "ms": [7, 8]}, "request counts \\[1, 1\\] do not rise"),
+    ({"rows": [0, 2], "ms": [7, 8]}, "do not rise from 1 or more"),
+    ({"rows": [1, 2], "ms": [7, float("nan")]}, "not a finite number"),
+    ({"rows": [1, 2], "ms": [7, 8], "nodes": [4, 2], "node_ms": [[1, 2], [1, 2]]}, "node counts \\[4, 2\\]"),
+    ({"rows": [1, 2], "ms": [7, 8], "nodes": [2], "node_ms": [[1], [float("inf")]]}, "not a finite number"),
+])
+def test_a_table_the_policy_cannot_read_is_refused(tmp_path, entry, message):
+    table = tmp_path / "costs.json"
+    table.write_text(json.dumps({"version": 3, "modes": {"int4": entry}}))
+    with pytest.raises(BadInput, match=message):
+        load_costs("int4", table)

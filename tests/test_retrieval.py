@@ -29,9 +29,11 @@ def test_match_finds_every_occurrence_of_a_suffix():
 def test_tree_holds_the_most_frequent_continuations_of_the_longest_match():
     drafter = RetrievalDrafter(Datastore.from_sequences(SEQS, key_len=6), max_match=3, depth=3)
     # "0 2 3" does not occur, "2 3" does (4 times): continuations 4 6 | 5 | 4 6 | 4 9
-    draft = drafter.propose([0, 2, 3], 4)
-    assert draft.tokens == [3, 4, 5, 6, 9] and draft.parents == [-1, 0, 0, 1, 1]  # rooted at the pending 3
-    assert drafter.propose([0, 2, 3], 2).tokens[1:] == [4, 6]  # 4 (x3) then 4 6 (x2), before 5 (x1)
+    draft = drafter.propose([0, 2, 3], 4)  # most frequent first: 4 (x3), 4 6 (x2), 5 (x1), 4 9 (x1)
+    assert draft.tokens == [3, 4, 6, 5, 9] and draft.parents == [-1, 0, 1, 0, 1]  # rooted at the pending 3
+    for k in range(1, 4):  # a smaller draft is the first k nodes of the larger one (the policy's cuts)
+        cut = drafter.propose([0, 2, 3], k)
+        assert cut.tokens == draft.tokens[:k + 1] and cut.parents == draft.parents[:k + 1]
     # a longer match narrows the continuations: "7 2 3" occurs once
     assert drafter.propose([7, 2, 3], 4).tokens[1:] == [4, 6]
 

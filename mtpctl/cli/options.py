@@ -179,9 +179,9 @@ def policy_option(f):
     """``--speculate-policy``: how many draft tokens each request verifies each step."""
     return click.option("--speculate-policy", type=click.Choice(POLICIES), default="auto", show_default=True,
                         help="auto: a request drafts only while its drafts are expected to pay for the rows they add "
-                             "to the pass (measured pass costs of this mode); alone that is almost always, in a full "
-                             "batch less or not at all. always: every request drafts its whole --draft-len or tree "
-                             "every step.")(f)
+                             "to the pass (measured pass costs of this mode), cut to the size that pays best; alone "
+                             "that is almost always, in a full batch less or not at all. always: every request drafts "
+                             "its whole --draft-len or tree every step.")(f)
 
 
 def session_mode(session) -> Optional[str]:

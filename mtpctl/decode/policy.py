@@ -10,6 +10,7 @@ outcome of each step (nodes drafted, draft tokens accepted) and returns each row
 from __future__ import annotations
 
 import json
+import math
 from functools import lru_cache, partial
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,14 +103,20 @@ class PassCosts:
 @lru_cache(maxsize=256)
 def _curve(costs: PassCosts, sequences: float) -> Callable[[float], float]:
     """:meth:`PassCosts.at`: what the nodes add, interpolated across request counts for each node
-    count measured (never below 0), then linear in the nodes from no nodes at no cost."""
+    count measured (never below 0, never less than fewer nodes add), then linear in the nodes from no
+    nodes at no cost."""
     if not costs.nodes:
         return partial(_interpolate, costs.rows, costs.ms)
     base = _interpolate(costs.rows, costs.ms, sequences)
     points = (0,) + costs.nodes
-    added = (0.0,) + tuple(max(0.0, _interpolate(costs.rows, tuple(row[j] for row in costs.node_ms), sequences))
-                           for j in range(len(costs.nodes)))
-    return lambda rows: base + max(0.0, _interpolate(points, added, rows - sequences))
+    added = [0.0]
+    for j in range(len(costs.nodes)):  # more nodes never cost less (a noisy median can dip)
+        added.append(max(added[-1], _interpolate(costs.rows, tuple(row[j] for row in costs.node_ms), sequences)))
+    return partial(_plus_nodes, base, points, tuple(added), sequences)
+
+
+def _plus_nodes(base: float, points: Tuple[int, ...], added: Tuple[float, ...], sequences: float, rows: float) -> float:
+    return base + _interpolate(points, added, rows - sequences)
 
 
 class CostModelPolicy:
@@ -141,9 +148,10 @@ class CostModelPolicy:
 
     def __init__(self, costs: PassCosts, decay: float = 0.9, probe_every: int = 4, probe_share: float = 0.03):
         self.costs, self.decay, self.probe_every, self.probe_share = costs, decay, probe_every, probe_share
-        self._accepted: Dict[int, float] = {}
-        self._drafted: Dict[int, float] = {}
-        self._cuts: Dict[int, Dict[int, List[float]]] = {}  # row -> size k -> [steps, accepted, nodes] means
+        # running means [steps, accepted tokens, nodes]: of a row's drafts whose cuts are not known, and
+        # of each cut k of the drafts whose cuts are (by_size in observe)
+        self._whole: Dict[int, List[float]] = {}
+        self._cuts: Dict[int, Dict[int, List[float]]] = {}
         self._held_back: Dict[int, int] = {}  # steps since the row last drafted its whole room
         self._outcomes: Dict[int, int] = {}  # drafting steps observed per row
         self._probe_credit = float("inf")  # ms probes may still add (see _probe); the first probe is free
@@ -167,14 +175,21 @@ class CostModelPolicy:
         return sizes
 
     def _options(self, row: int, room: int) -> List[Tuple[int, float, float]]:
-        """(size, expected accepted tokens, expected nodes) of each size the row may draft: its room
-        (the means over every drafting step; 1 token for the whole room before any) and every smaller
-        cut it has measured."""
+        """(size, expected accepted tokens, expected nodes) of each size the row may draft: every cut
+        smaller than its room it has measured, and its room (:meth:`_full`)."""
         cuts = self._cuts.get(row, {})
-        options = [(k, cuts[k][1], cuts[k][2]) for k in range(1, room + 1) if k in cuts]
-        if room not in cuts:
-            options.append((room, self._accepted.get(row, 1.0), min(self._drafted.get(row, float(room)), float(room))))
-        return options
+        return [(k, cuts[k][1], cuts[k][2]) for k in range(1, room) if k in cuts] + [(room,) + self._full(row, room)]
+
+    def _full(self, row: int, room: int) -> Tuple[float, float]:
+        """(expected accepted tokens, expected nodes) of the row's whole room: its cut at the room (at
+        the largest it was allowed, when never allowed so much), else the means of its drafts (1 token
+        for the whole room before any)."""
+        cuts = self._cuts.get(row)
+        if cuts:
+            _, accepted, nodes = cuts[min(room, max(cuts))]
+            return accepted, nodes
+        _, accepted, nodes = self._whole.get(row, (0, 1.0, float(room)))
+        return accepted, min(nodes, float(room))
 
     def _probe(self, sizes: list, nodes: list, rooms: Sequence[int], rows: Sequence[int], order: Sequence[int],
                width: float, cost: Callable[[float], float]) -> None:
@@ -184,11 +199,11 @@ class CostModelPolicy:
         credit grows by ``probe_share`` of each step's expected cost, up to one step's or one probe's."""
         step_ms = cost(width)
         waiting = [i for i in order if sizes[i] < rooms[i]
-                   and (rows[i] not in self._accepted or self._held_back.get(rows[i], 0) >= self.probe_every)]
-        probe = max(waiting, key=lambda i: (rows[i] not in self._accepted, self._held_back.get(rows[i], 0)), default=None)
+                   and (rows[i] not in self._outcomes or self._held_back.get(rows[i], 0) >= self.probe_every)]
+        probe = max(waiting, key=lambda i: (rows[i] not in self._outcomes, self._held_back.get(rows[i], 0)), default=None)
         extra = 0.0
         if probe is not None:
-            full = min(self._drafted.get(rows[probe], float(rooms[probe])), float(rooms[probe]))
+            full = self._full(rows[probe], rooms[probe])[1]
             extra = cost(width + max(0.0, full - nodes[probe])) - step_ms
         self._probe_credit = min(self._probe_credit + self.probe_share * step_ms, max(step_ms, extra))
         if probe is not None and extra <= self._probe_credit:
@@ -196,31 +211,47 @@ class CostModelPolicy:
 
     def _value(self, row: int, room: int) -> float:
         """Expected accepted tokens per drafted node."""
-        nodes = min(self._drafted.get(row, float(room)), float(room))
-        return self._accepted.get(row, 1.0) / max(nodes, 1e-3)
+        accepted, nodes = self._full(row, room)
+        return accepted / max(nodes, 1e-3)
 
-    def _weight(self, steps: int) -> float:
-        """A plain mean over the first ``steps`` outcomes, then the running one."""
-        return max(1.0 - self.decay, 1.0 / steps)
+    def _update(self, entry: List[float], accepted: float, nodes: float) -> None:
+        """One more outcome into running means ``[steps, accepted, nodes]``: a plain mean over the first
+        outcomes, then weight ``decay`` on the past."""
+        entry[0] += 1
+        w = max(1.0 - self.decay, 1.0 / entry[0])
+        entry[1] += w * (accepted - entry[1])
+        entry[2] += w * (nodes - entry[2])
 
     def observe(self, row: int, drafted: int, accepted: int, by_size: Optional[Sequence[int]] = None) -> None:
         if drafted == 0:
             return  # a plain step (chosen, or the drafter found nothing): nothing learnt about its drafts, no rows spent
-        self._outcomes[row] = n = self._outcomes.get(row, 0) + 1
-        w = self._weight(n)
-        self._accepted[row] = (1 - w) * self._accepted.get(row, 0.0) + w * accepted
-        self._drafted[row] = (1 - w) * self._drafted.get(row, 0.0) + w * drafted
+        self._outcomes[row] = self._outcomes.get(row, 0) + 1
+        if not by_size:
+            self._update(self._whole.setdefault(row, [0, 0.0, 0.0]), accepted, drafted)
+            return
         cuts = self._cuts.setdefault(row, {})
-        for k, kept in enumerate(by_size or (), start=1):
-            entry = cuts.setdefault(k, [0, 0.0, 0.0])
-            entry[0] += 1
-            w = self._weight(entry[0])
-            entry[1] += w * (kept - entry[1])
-            entry[2] += w * (min(k, drafted) - entry[2])
+        for k, kept in enumerate(by_size, start=1):
+            self._update(cuts.setdefault(k, [0, 0.0, 0.0]), kept, min(k, drafted))
 
 
 POLICIES = ("auto", "always")
 COSTS_FILE = Path(__file__).resolve().parent.parent / "data" / "pass_costs.json"
+
+
+def _check_table(costs: PassCosts) -> None:
+    """Raises ValueError for a table the policy cannot interpolate: counts that do not rise from 1 or
+    more, times that are not finite (JSON takes NaN), sizes that do not match."""
+    for name, counts in (("request counts", costs.rows), ("node counts", costs.nodes)):
+        if any(c < 1 for c in counts) or any(b <= a for a, b in zip(counts, counts[1:])):
+            raise ValueError(f"{name} {list(counts)} do not rise from 1 or more")
+    if not costs.rows:
+        raise ValueError("no request counts")
+    if len(costs.ms) != len(costs.rows):
+        raise ValueError(f"{len(costs.rows)} request counts and {len(costs.ms)} times")
+    if costs.nodes and (len(costs.node_ms) != len(costs.rows) or any(len(row) != len(costs.nodes) for row in costs.node_ms)):
+        raise ValueError(f"node_ms is not {len(costs.rows)} rows of {len(costs.nodes)} times")
+    if not all(math.isfinite(m) for m in costs.ms + tuple(m for row in costs.node_ms for m in row)):
+        raise ValueError("a time that is not a finite number")
 
 
 def load_costs(mode: str, path: Path = COSTS_FILE) -> PassCosts:
@@ -235,11 +266,7 @@ def load_costs(mode: str, path: Path = COSTS_FILE) -> PassCosts:
         costs = PassCosts(tuple(int(r) for r in entry["rows"]), tuple(float(m) for m in entry["ms"]),
                           tuple(int(n) for n in entry.get("nodes", ())),
                           tuple(tuple(float(m) for m in row) for row in entry.get("node_ms", ())))
-        if len(costs.ms) != len(costs.rows):
-            raise ValueError(f"{len(costs.rows)} request counts and {len(costs.ms)} times")
-        if costs.nodes and (len(costs.node_ms) != len(costs.rows)
-                            or any(len(row) != len(costs.nodes) for row in costs.node_ms)):
-            raise ValueError(f"node_ms is not {len(costs.rows)} rows of {len(costs.nodes)} times")
+        _check_table(costs)
         return costs
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise BadInput(f"no pass costs for mode {mode} in {path} ({err}): measure them with "

@@ -190,10 +190,12 @@ class RetrievalDrafter:
                 break
             top = np.argsort(-counts, kind="stable")[:max_tokens]
             candidates += [(int(counts[i]), d + 1, int(starts[i])) for i in top]
+        # most frequent first, a parent (as frequent as its children at least) before its children: the
+        # first k nodes of a larger draft are the draft of k nodes (what the auto policy's cuts assume)
         candidates.sort(key=lambda c: (-c[0], c[1]))
         tree = DraftTree(pending)
         node = {(): 0}  # token path -> its node
-        for _, d, row in sorted(candidates[:max_tokens], key=lambda c: c[1]):
+        for _, d, row in candidates[:max_tokens]:
             path = tuple(int(t) for t in block[row, :d])
             if path[:-1] in node:
                 node[path] = tree.add(node[path[:-1]], path[-1])

@@ -134,8 +134,10 @@ class PackedLinear(nn.Module):
         (torch's kernel) or M is not a multiple of 4."""
         if not self.native or len(index) % 4:
             return None
-        q, scale, zero = blob_codes(self.parts[0][0])
-        return PackedLinear([(q[index], scale[index], zero[index] if zero is not None else None)], len(index),
+        tiles, where = torch.unique(index // 4, return_inverse=True)  # decode only the tiles of 4 rows it needs
+        q, scale, zero = blob_codes(self.parts[0][0][tiles])
+        rows = where * 4 + index % 4
+        return PackedLinear([(q[rows], scale[rows], zero[rows] if zero is not None else None)], len(index),
                             torch.bfloat16, native=True)
 
 
