@@ -71,7 +71,7 @@ class PassCosts:
 
     ``ms`` is a pass of S one-row requests (a plain step of S requests); ``node_ms`` what E draft
     nodes add to that pass (spread over the requests as draft trees of up to 4 nodes), each measured
-    as the median of differences between passes timed back to back, so that a drifting machine
+    as the median of differences between passes timed next to each other, so that a drifting machine
     does not blur a difference of a millisecond between two tables timed apart. A pass of S
     requests carrying W rows costs ``ms(S) + node_ms(S, W - S)``, linear between the measured points
     (and from no nodes at no cost). Without ``node_ms`` a draft node costs what another request's
