@@ -26,7 +26,8 @@ from torch import nn
 from mtpctl.errors import UnsupportedModel
 from mtpctl.model.config import DecoderConfig, RopeConfig
 from mtpctl.model.kv_cache import KVCache, PassSlots
-from mtpctl.model.native import SlotPlan, attend, norm_takes, rms_norm, rotate_write
+from mtpctl.model.native import (SlotPlan, StackWeights, attend, kernel_takes, layer_stack,
+                                 norm_takes, rms_norm, rotate_write)
 from mtpctl.model.linears import BlockedLinear, PackedLinear, blocked_layout_available, pack_exact
 from mtpctl.model.weights import load_tensors, safetensors_files
 
@@ -388,6 +389,10 @@ class Decoder(nn.Module):
             self.register_buffer(prefix + "_sin", angles.sin().to(dtype), persistent=False)
         # per layer: rotate with the local rope (a sliding-window layer of a config that has one)
         self.local_rope = tuple(w is not None and cfg.rope_local is not None for w in cfg.layer_windows)
+        #: decode and verify passes run every layer in one native call where it covers the blocks
+        #: (:meth:`native_stack`); False runs them layer by layer (comparisons, profiles)
+        self.layer_stack = True
+        self._stack: Optional[Tuple[int, Optional[StackWeights]]] = None  # (id of the model it describes, stack)
 
     @classmethod
     def from_folder(cls, folder: Path, dtype: torch.dtype = torch.float32, packed: bool = False,
@@ -478,6 +483,46 @@ class Decoder(nn.Module):
             if layer.q_norm is not None:
                 put_norm(layer, "q_norm", p + "self_attn.q_norm.weight")
                 put_norm(layer, "k_norm", p + "self_attn.k_norm.weight")
+        self._stack = None
+
+    @property
+    def stack(self) -> Optional[StackWeights]:
+        """What decode and verify passes hand the native layer stack (:meth:`native_stack`), or None
+        where they run layer by layer. Built on first use for this very object: a copy of the model
+        (``copy.copy`` of a layer subset, ``copy.deepcopy``) builds its own from its own layers."""
+        if not self.layer_stack:
+            return None
+        if self._stack is None or self._stack[0] != id(self):
+            self._stack = (id(self), self.native_stack())
+        return self._stack[1]
+
+    def native_stack(self) -> Optional[StackWeights]:
+        """What the native layer stack (:func:`mtpctl.model.native.layer_stack`) reads of this model's
+        layers, or None where it does not cover them: it covers bfloat16 Llama-family blocks whose four
+        linear weights all run on the native int4 kernels, without biases, q/k norms, sandwich norms,
+        scaled embeddings, sliding windows or a second rope, with SiLU and shapes the native attention
+        and norms take."""
+        cfg, layers = self.cfg, list(self.layers)
+        linears = ("qkv", "o_proj", "gate_up", "down")
+        covered = self.dtype == torch.bfloat16 and cfg.hidden_act == "silu" and not cfg.norm_offset \
+            and self.embed_scale is None and all(w is None for w in cfg.layer_windows) \
+            and norm_takes(cfg.hidden_size) and kernel_takes(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) \
+            and all(isinstance(getattr(layer, name), PackedLinear) and getattr(layer, name).native
+                    for layer in layers for name in linears) \
+            and all(layer.qkv_bias is None and layer.gate_up_bias is None and layer.q_norm is None
+                    and layer.attn_out_norm is None and layer.native_norms for layer in layers)
+        if not covered or not layers:
+            return None
+        rows, keep = [], []
+        for layer in layers:
+            blobs = [getattr(layer, name).parts[0][0] for name in linears]
+            norms = [layer.input_norm.detach(), layer.post_attention_norm.detach()]
+            keep += norms + blobs
+            rows.append([t.data_ptr() for t in norms + blobs] + [blob.shape[2] for blob in blobs])
+        shape = [len(layers), cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
+                 cfg.num_key_value_heads, cfg.head_dim]
+        return StackWeights(torch.tensor(rows, dtype=torch.long), torch.tensor(shape, dtype=torch.long), tuple(keep),
+                            cfg.rms_norm_eps, cfg.scale)
 
     def new_cache(self, capacity: int, batch: int = 1, spare: int = 0, compact: bool = False) -> KVCache:
         """An empty KV cache for ``capacity`` tokens and ``spare`` never-written slots. Attention runs in
@@ -517,6 +562,9 @@ class Decoder(nn.Module):
         Returns:
             hidden_states after the final norm, ``[batch, N, hidden]``.
         """
+        plan = None if plans is None or len(plans) != 1 else next(iter(plans.values()))
+        if aux is None and isinstance(plan, SlotPlan) and isinstance(cache, PassSlots) and self.stack is not None:
+            return self._stacked(input_ids, position_ids, cache, plan)
         x = F.embedding(input_ids, self.embed)
         if self.embed_scale is not None:
             x = x * self.embed_scale
@@ -536,6 +584,13 @@ class Decoder(nn.Module):
         native = plans is not None and any(isinstance(p, SlotPlan) for p in plans.values()) \
             and norm_takes(self.cfg.hidden_size)
         return (rms_norm if native else self.final_norm)(x, self.norm, self.cfg.rms_norm_eps)
+
+    def _stacked(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: PassSlots,
+                 plan: SlotPlan) -> torch.Tensor:
+        """:meth:`forward` of a decode or verify pass through the native layer stack (``self.stack``)."""
+        x = F.embedding(input_ids[0], self.embed)
+        cos, sin = self.rope_cos[position_ids[0]], self.rope_sin[position_ids[0]]
+        return layer_stack(x, self.stack, self.norm.detach(), cos, sin, cache.kv, cache.dest, cache.kv_bf16, plan)[None]
 
     @property
     def weight_bytes(self) -> int:

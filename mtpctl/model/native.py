@@ -1,4 +1,5 @@
-"""The native kernels (``csrc/tree_attention.c``, ``rms_norm.c``, ``rope.c``, ``int4_matmul.c``), built on first use.
+"""The native kernels (``csrc/tree_attention.c``, ``rms_norm.c``, ``rope.c``, ``int4_matmul.c``,
+``layer_stack.c``), built on first use.
 
 Decode and verify passes attend over a few hundred cached slots per token; torch runs that as
 about twenty small ops per layer (gathers, padded matmuls, softmax), which cost more than the
@@ -7,7 +8,9 @@ fixed order, so it is batch-invariant by construction (see the source's header).
 those passes (61 a SmolLM2 step) is one C call per norm instead of six to eight torch ops, again
 with each row's sum in a fixed order; and one call per layer rotates the queries and keys (RoPE),
 writes keys and values to the cache and lays the queries out for the attention kernel. int4 models'
-weights run on a 4-bit matmul whose cost grows far less with the rows of a pass than torch's.
+weights run on a 4-bit matmul whose cost grows far less with the rows of a pass than torch's, and
+a pass of such a model runs all its layers in one call (:func:`layer_stack`), without a Python
+dispatch per op.
 
 Both are compiled into one library with the system C compiler (``$CC``, else ``cc``) into
 ``$MTPCTL_HOME/kernels/`` the first time it is needed (about a second) and loaded with ctypes; it
@@ -39,8 +42,8 @@ import torch
 from mtpctl.files import mtpctl_home
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("tree_attention.c", "rms_norm.c", "rope.c", "int4_matmul.c"))
-HEADERS = (Path(__file__).with_name("csrc") / "bf16.h",)  # included by the sources: part of the build's key
+                for name in ("tree_attention.c", "rms_norm.c", "rope.c", "int4_matmul.c", "layer_stack.c"))
+HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("bf16.h", "kernels.h"))  # included by the sources: part of the build's key
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 #: seconds a build may take (it takes about one): a compiler that hangs costs this, then torch's ops
 BUILD_TIMEOUT_S = 120.0
@@ -195,7 +198,7 @@ def load_kernel(portable: bool = False) -> Optional[ctypes.CDLL]:
             if not _intact(path):
                 _build(path, flags, command)
         lib = ctypes.CDLL(str(path))
-        lib.tree_attention, lib.rms_norm, lib.rope_write, lib.q4_matmul, lib.q8_matmul  # noqa: B018 (one missing)
+        lib.tree_attention, lib.rms_norm, lib.rope_write, lib.q4_matmul, lib.q8_matmul, lib.layer_stack  # noqa: B018 (one missing)
     except (OSError, AttributeError) as e:
         print(f"mtpctl: warning: native kernels (attention, RMSNorm, RoPE, int4) unavailable ({e}); using torch's "
               "ops (slower; install a C compiler or set $CC, or MTPCTL_NATIVE_ATTENTION=0 to silence this)",
@@ -215,6 +218,10 @@ def load_kernel(portable: bool = False) -> Optional[ctypes.CDLL]:
     lib.tree_attention.restype = ctypes.c_int
     lib.tree_attention.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
                                    + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_int])
+    lib.layer_stack.restype = ctypes.c_int
+    lib.layer_stack.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float,
+                                 ctypes.c_float] + [ctypes.c_void_p] * 5 + [ctypes.c_int] + [ctypes.c_void_p] * 3
+                                + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int])
     return lib
 
 
@@ -524,3 +531,67 @@ def int4_matmul(x: torch.Tensor, blob: torch.Tensor, out_features: int, lib: Opt
     if rc:
         raise ValueError(f"the int4 kernel does not take K = {k}, N = {out_features}")
     return y
+
+
+@dataclass(frozen=True)
+class StackWeights:
+    """What :func:`layer_stack` reads of an int4 Llama-family model's layers (built by
+    :meth:`mtpctl.model.decoder.Decoder.native_stack`).
+
+    Attributes:
+        table: ``[layers, 10]`` long, per layer the addresses of its two norm weights (bfloat16
+            ``[hidden]``) and four weight blobs (:func:`int4_pack` / :func:`int8_pack`), then each
+            blob's bytes per tile (96: 4-bit, 144: 8-bit): input norm, post-attention norm, qkv,
+            o_proj, gate_up, down, then their four tile sizes (``struct layer_weights``).
+        shape: ``[6]`` long: layers, hidden, intermediate, heads, KV heads, head_dim.
+        keep: the tensors the addresses point into (held so they stay alive).
+        eps: the norms' epsilon; scale: what multiplies q.k.
+    """
+
+    table: torch.Tensor
+    shape: torch.Tensor
+    keep: tuple
+    eps: float
+    scale: float
+
+
+def layer_stack(x: torch.Tensor, stack: StackWeights, final_norm: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, kv: torch.Tensor, dest: torch.Tensor, kv_bf16: bool, plan: SlotPlan,
+                lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """Every layer of an int4 model's decode or verify pass, then its final norm, in one native call
+    (csrc/layer_stack.c): the computation of :class:`mtpctl.model.decoder.DecoderLayer` on the
+    native kernels, with SiLU's exponential of its own (results agree to rounding, not bit for bit),
+    each token's row computed alike alone or in any pass.
+
+    x ``[N, hidden]`` bfloat16, the embeddings (overwritten with the last layer's residual stream);
+    ``final_norm`` ``[hidden]`` bfloat16; cos/sin ``[N, head_dim]`` bfloat16; kv, dest, kv_bf16 as in
+    :func:`rotate_write`; ``plan`` as in :func:`attend` (checked by :func:`check_plan`). Returns the
+    hidden states ``[N, hidden]`` bfloat16.
+
+    Raises:
+        OSError: the kernel could not be built (see :func:`load_kernel`).
+        ValueError: tensors that do not fit the stack's shape, or a shape a kernel refuses.
+        MemoryError: no memory for the pass's buffers.
+    """
+    lib = _loaded(lib)
+    layers, hidden, _, heads, kv_heads, d = (int(v) for v in stack.shape)
+    n = x.shape[0]
+    halves = [x, final_norm, cos, sin]
+    if any(t.dtype != torch.bfloat16 or not t.is_contiguous() for t in halves) or x.shape != (n, hidden) \
+            or final_norm.shape != (hidden,) or cos.shape != (n, d) or sin.shape != (n, d) \
+            or kv.shape != (n, 4) or dest.shape != (n,) or plan.starts.shape != (n,) \
+            or not (kv.is_contiguous() and dest.is_contiguous()):
+        raise ValueError(f"layer_stack takes contiguous bfloat16 x [N, {hidden}], cos/sin [N, {d}] and a "
+                         f"[{hidden}] final norm with N-row cache tables; got x {tuple(x.shape)} {x.dtype}, "
+                         f"cos {tuple(cos.shape)}, tables {tuple(kv.shape)} and {tuple(dest.shape)}")
+    out = torch.empty_like(x)
+    rc = lib.layer_stack(x.data_ptr(), n, stack.table.data_ptr(), stack.shape.data_ptr(), stack.eps, stack.scale,
+                         final_norm.data_ptr(), cos.data_ptr(), sin.data_ptr(), kv.data_ptr(), dest.data_ptr(),
+                         int(kv_bf16), plan.starts.data_ptr(), plan.ends.data_ptr(), plan.paths.data_ptr(),
+                         plan.paths.shape[1], out.data_ptr(), torch.get_num_threads())
+    if rc == -2:
+        raise MemoryError(f"the native layer stack could not allocate its buffers for {n} tokens")
+    if rc:
+        raise ValueError(f"the native layer stack refused {layers} layers of {heads} heads over {kv_heads} KV heads "
+                         f"of {d} values (or a slot outside its cache)")
+    return out
