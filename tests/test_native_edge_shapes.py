@@ -1,7 +1,7 @@
 """Adversarial checks of the native RMSNorm, fused RoPE + cache write and int4 kernels
 (csrc/rms_norm.c, rope.c, int4_matmul.c) on the shapes and values their own tests leave out: int4
-outputs that are a multiple of 4 but not of 16, K = 32, passes of 1 to 40 rows (the direct path for
-up to 4 rows, the buffered one above), NaN/inf activations, the widest norm rows, odd head_dims and
+outputs that are a multiple of 4 but not of 16, K = 32, passes of 1 to 40 rows (the direct paths for
+up to 4 rows and for 5 to 8, the buffered one above), NaN/inf activations, the widest norm rows, odd head_dims and
 the last slots of a cache, and the C fallback built for a CPU with AVX-512 but no AVX512-BF16
 (``-march=native -mno-avx512bf16``: fused multiply-adds in the plain-C path, which the portable
 build, compiled without ``-march``, does not exercise)."""
@@ -71,9 +71,9 @@ def test_int4_propagates_nan_and_inf_like_a_float_product():
     q, scale, zero = codes(n, k, seed=3)
     zero.abs_()  # positive weights: an infinite activation gives an infinite output of its sign
     blob = int4_pack(q, scale, zero)
-    x = torch.randn(6, k, generator=torch.Generator().manual_seed(2)).bfloat16()
+    x = torch.randn(10, k, generator=torch.Generator().manual_seed(2)).bfloat16()
     x[0, 3], x[1, 5], x[2, 7] = float("nan"), float("inf"), -float("inf")
-    for rows in (x[:3], x):  # the direct path (3 rows) and the buffered one (6)
+    for rows in (x[:3], x[:6], x):  # the direct paths (3 rows, 6 rows) and the buffered one (10)
         got = int4_matmul(rows.contiguous(), blob, n)
         assert got[0].isnan().all()
         assert (got[1] == float("inf")).all() and (got[2] == -float("inf")).all()

@@ -13,8 +13,9 @@
  * accumulated in float32 (AVX512-BF16's VDPBF16PS on 16 lanes, then the lanes added in a fixed
  * order). A row's result therefore does not depend on the other rows of the pass or on the thread
  * count: what lets speculative verification reproduce plain decoding bit for bit. The dequantization
- * is shared by up to 4 rows in registers and, for passes of more than 4 rows, done once per tile
- * into a buffer that every row reads, so extra rows cost less than in torch's int4 kernel (prefill
+ * is shared by up to 8 rows in registers (4 outputs x 4 rows, or 2 outputs x 8 rows) and, for passes
+ * of more than 8 rows, done once per tile into a buffer that every row reads (storing and reloading
+ * it costs about two rows' worth of dot products, so it pays only for larger passes), so extra rows cost less than in torch's int4 kernel (prefill
  * of 128 rows about half, BENCHMARKS.md). Without AVX512-BF16 the same steps run in portable C
  * (another rounding of the sums, still the same for every row).
  */
@@ -39,6 +40,7 @@ static inline int thread_index(void) { return 0; }
 #define BLOCK_q4 96    /* bytes per (tile, group): 4 x 16 bytes of 4-bit codes, 4 scales, 4 zeros */
 #define BLOCK_q8 144   /* 4 x 32 int8 codes, 4 scales */
 #define CHUNK 4        /* activation rows sharing registers */
+#define DIRECT 8       /* passes of up to this many rows dequantize in registers (TILE, TILE_PAIRS) */
 
 
 #ifdef INT4_SIMD
@@ -129,6 +131,35 @@ static inline float acc_sum(accum a) { float s = 0.f; for (int l = 0; l < 16; l+
             }                                                                                              \
     }
 
+/* rows m0..m0+R of one tile for R = 5..8, weights dequantized in registers: two outputs at a time (2 x R
+ * accumulators fit the registers where 4 x R do not), each (group, output) dequantized once as in TILE;
+ * every sum is taken exactly as there (per output and row, over groups in order), so the same bits */
+#define TILE_PAIRS(KIND, R)                                                                                \
+    static void tile_##KIND##_p##R(const uint16_t *x, int64_t K, const uint8_t *tile, int64_t N, int64_t n0, \
+                                   int64_t m0, void *y, int bf16_out, IOTA_T iota) {                        \
+        int64_t G = K / 32;                                                                                \
+        for (int jp = 0; jp < NT; jp += 2) {                                                               \
+            accum acc[2][R];                                                                               \
+            for (int j = 0; j < 2; j++)                                                                    \
+                for (int r = 0; r < R; r++)                                                                \
+                    acc[j][r] = acc_zero();                                                                \
+            for (int64_t g = 0; g < G; g++)                                                                \
+                for (int j = 0; j < 2; j++) {                                                              \
+                    wvec w = dequant_##KIND(tile + g * BLOCK_##KIND, jp + j, iota);                        \
+                    for (int r = 0; r < R; r++)                                                            \
+                        acc[j][r] = acc_dot(acc[j][r], x + (m0 + r) * K + g * 32, w);                     \
+                }                                                                                          \
+            for (int j = 0; j < 2; j++)                                                                    \
+                for (int r = 0; r < R; r++) {                                                              \
+                    float sum = acc_sum(acc[j][r]);                                                        \
+                    if (bf16_out)                                                                          \
+                        ((uint16_t *)y)[(m0 + r) * N + n0 + jp + j] = float_to_bf16(sum);                  \
+                    else                                                                                   \
+                        ((float *)y)[(m0 + r) * N + n0 + jp + j] = sum;                                    \
+                }                                                                                          \
+        }                                                                                                  \
+    }
+
 /* Returns 0, -1 when K is not a multiple of 32 or N not of 4, -2 when a buffer cannot be allocated.
  *   x    [M, K]                 bfloat16, contiguous
  *   blob [N/4, K/32, BLOCK]     the weights (int4_pack / int8_pack)
@@ -138,8 +169,18 @@ static inline float acc_sum(accum a) { float s = 0.f; for (int l = 0; l < 16; l+
     TILE(KIND, 2)                                                                                          \
     TILE(KIND, 3)                                                                                          \
     TILE(KIND, 4)                                                                                          \
+    TILE_PAIRS(KIND, 5)                                                                                    \
+    TILE_PAIRS(KIND, 6)                                                                                    \
+    TILE_PAIRS(KIND, 7)                                                                                    \
+    TILE_PAIRS(KIND, 8)                                                                                    \
     static void rows_##KIND(const uint16_t *x, int64_t M, int64_t K, const uint8_t *tile, const wvec *wbuf, \
                             int64_t N, int64_t n0, void *y, int bf16_out, IOTA_T iota) {                   \
+        switch (wbuf ? 0 : M) {                                                                            \
+        case 5: tile_##KIND##_p5(x, K, tile, N, n0, 0, y, bf16_out, iota); return;                         \
+        case 6: tile_##KIND##_p6(x, K, tile, N, n0, 0, y, bf16_out, iota); return;                         \
+        case 7: tile_##KIND##_p7(x, K, tile, N, n0, 0, y, bf16_out, iota); return;                         \
+        case 8: tile_##KIND##_p8(x, K, tile, N, n0, 0, y, bf16_out, iota); return;                         \
+        }                                                                                                  \
         int64_t m0 = 0;                                                                                    \
         for (; m0 + CHUNK <= M; m0 += CHUNK)                                                               \
             tile_##KIND##_4(x, K, tile, wbuf, N, n0, m0, y, bf16_out, iota);                               \
@@ -155,9 +196,9 @@ static inline float acc_sum(accum a) { float s = 0.f; for (int l = 0; l < 16; l+
             return -1;                                                                                     \
         int64_t G = K / 32;                                                                                \
         IOTA_T iota = make_iota();                                                                         \
-        /* passes of more than CHUNK rows: one dequantized tile per thread (G * NT * 64 bytes) */         \
+        /* passes of more than DIRECT rows: one dequantized tile per thread (G * NT * 64 bytes) */        \
         wvec *buffers = NULL;                                                                              \
-        if (M > CHUNK) {                                                                                   \
+        if (M > DIRECT) {                                                                                  \
             buffers = aligned_alloc(64, sizeof(wvec) * (size_t)(G * NT * threads));                        \
             if (buffers == NULL)                                                                           \
                 return -2;                                                                                 \
