@@ -11,6 +11,9 @@
  * Keys and values are float32 or bfloat16 in the cache; either way they are read as float32 (a
  * bfloat16 value widened exactly), so a bfloat16 cache of values that are bfloat16 already (those of
  * a bfloat16 model) gives bit for bit what a float32 cache of them gives, reading half the bytes.
+ * With AVX-512, slots go 16 at a time (keys widened once for the group's heads, 16 dot products
+ * reduced together by the same lane tree) and values are widened once for up to 4 heads: the same
+ * sums in the same order as one slot and one head at a time.
  */
 #include <math.h>
 #include <stdint.h>
@@ -35,13 +38,53 @@ static inline __m512 load16(const void *x, int64_t i, int bf16) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* q.k over d values (d a multiple of 16), k at element i of the cache: 16 lanes of partial sums,
- * then a fixed reduction */
-static inline float dot(const float *a, const void *k, int64_t i, int64_t d, int bf16) {
-    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), load16(k, i, bf16));
-    for (int64_t c = LANES; c < d; c += LANES)
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + c), load16(k, i + c, bf16), acc);
-    return _mm512_reduce_add_ps(acc);
+/* out[t] = the sum of a[t]'s 16 lanes for t < 16, each added in _mm512_reduce_add_ps's order (lanes l
+ * and l + 8, then l and l + 4, l and l + 2, l and l + 1), two accumulators to a register per level */
+static inline void sum16(const __m512 *a, float *out) {
+    __m512 v1[8], v2[4], v3[2];
+    for (int p = 0; p < 8; p++) /* a[2p] in elements 0-7, a[2p + 1] in 8-15 */
+        v1[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0x44),
+                              _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0xEE));
+    for (int r = 0; r < 4; r++) /* a[4r + c] in 128-bit lane c */
+        v2[r] = _mm512_add_ps(_mm512_shuffle_f32x4(v1[2 * r], v1[2 * r + 1], 0x88),
+                              _mm512_shuffle_f32x4(v1[2 * r], v1[2 * r + 1], 0xDD));
+    for (int h = 0; h < 2; h++) /* lane c: two partial sums of a[8h + c], then two of a[8h + 4 + c] */
+        v3[h] = _mm512_add_ps(_mm512_shuffle_ps(v2[2 * h], v2[2 * h + 1], 0x44),
+                              _mm512_shuffle_ps(v2[2 * h], v2[2 * h + 1], 0xEE));
+    /* element 4c + e: the sum of a[4e + c] */
+    __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(v3[0], v3[1], 0x88), _mm512_shuffle_ps(v3[0], v3[1], 0xDD));
+    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, sums));
+}
+
+/* scores[h * stride + j] = (q_h . k[slots[j]]) * scale for the group's heads h (q [group, d]): per
+ * head and slot, 16 lanes of products over the d values (a multiply, then fused multiply-adds in
+ * order) added up in a fixed order. Sixteen slots at a time: their keys widened to float32 once for
+ * every head, and their 16 sums taken together (sum16). */
+static void head_scores(const float *q, int64_t group, const void *k, const int64_t *slots, int64_t count,
+                        int64_t d, float scale, float *scores, int64_t stride, int bf16) {
+    float keys[LANES * MAX_HEAD_DIM];
+    for (int64_t j0 = 0; j0 < count; j0 += LANES) {
+        int64_t m = count - j0 < LANES ? count - j0 : LANES;
+        for (int64_t t = 0; t < LANES; t++)
+            for (int64_t c = 0; c < d; c += LANES)
+                _mm512_storeu_ps(keys + t * d + c, t < m ? load16(k, slots[j0 + t] * d + c, bf16) : _mm512_setzero_ps());
+        for (int64_t h = 0; h < group; h++) {
+            const float *qh = q + h * d;
+            __m512 acc[LANES], qc = _mm512_loadu_ps(qh);
+            float sums[LANES];
+            for (int t = 0; t < LANES; t++)
+                acc[t] = _mm512_mul_ps(qc, _mm512_loadu_ps(keys + t * d));
+            for (int64_t c = LANES; c < d; c += LANES) {
+                qc = _mm512_loadu_ps(qh + c);
+                for (int t = 0; t < LANES; t++)
+                    acc[t] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(keys + t * d + c), acc[t]);
+            }
+            sum16(acc, sums);
+            for (int64_t t = 0; t < m; t++)
+                scores[h * stride + j0 + t] = sums[t] * scale;
+        }
+    }
 }
 
 /* s[j] = exp(s[j] - top) for j < count (s holds room for count rounded up to 16), within 2 ulp:
@@ -67,21 +110,37 @@ static void exp_shifted(float *s, int64_t count, float top) {
     }
 }
 
-/* o[x] = sum_j p[j] * v[slots[j]][x] / total for x < d, summed in list order (64 columns at a time,
- * held in registers) */
-static void weighted_sum(float *o, const float *p, const void *v, const int64_t *slots, int64_t count,
-                         int64_t d, float total, int bf16) {
-    for (int64_t x = 0; x < d; x += 4 * LANES) {
-        int64_t width = d - x < 4 * LANES ? (d - x) / LANES : 4;
-        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-        for (int64_t j = 0; j < count; j++) {
-            int64_t row = slots[j] * d + x;
-            __m512 w = _mm512_set1_ps(p[j]);
-            for (int64_t c = 0; c < width; c++)
-                acc[c] = _mm512_fmadd_ps(w, load16(v, row + c * LANES, bf16), acc[c]);
+/* o_h[x] = sum_j p_h[j] * v[slots[j]][x] / totals[h] for the group's heads h (p_h at scores + h * stride,
+ * o_h at o + h * d), summed in list order; each slot's values widened once for up to four heads, 64
+ * columns at a time held in registers */
+static void head_sums(float *o, const float *scores, int64_t stride, const float *totals, int64_t group,
+                      const void *v, const int64_t *slots, int64_t count, int64_t d, int bf16) {
+    for (int64_t h0 = 0; h0 < group; h0 += 4) {
+        int64_t heads = group - h0 < 4 ? group - h0 : 4;
+        for (int64_t x = 0; x < d; x += 4 * LANES) {
+            int64_t width = d - x < 4 * LANES ? (d - x) / LANES : 4;
+            __m512 acc[4][4];
+            for (int h = 0; h < 4; h++)
+                for (int c = 0; c < 4; c++)
+                    acc[h][c] = _mm512_setzero_ps();
+            for (int64_t j = 0; j < count; j++) {
+                int64_t row = slots[j] * d + x;
+                __m512 vals[4];
+                for (int c = 0; c < 4; c++)
+                    vals[c] = c < width ? load16(v, row + c * LANES, bf16) : _mm512_setzero_ps();
+                for (int h = 0; h < 4; h++) {
+                    if (h >= heads)
+                        break;
+                    __m512 w = _mm512_set1_ps(scores[(h0 + h) * stride + j]);
+                    for (int c = 0; c < 4; c++)
+                        acc[h][c] = _mm512_fmadd_ps(w, vals[c], acc[h][c]);
+                }
+            }
+            for (int64_t h = 0; h < heads; h++)
+                for (int64_t c = 0; c < width; c++)
+                    _mm512_storeu_ps(o + (h0 + h) * d + x + c * LANES,
+                                     _mm512_div_ps(acc[h][c], _mm512_set1_ps(totals[h0 + h])));
         }
-        for (int64_t c = 0; c < width; c++)
-            _mm512_storeu_ps(o + x + c * LANES, _mm512_div_ps(acc[c], _mm512_set1_ps(total)));
     }
 }
 #else
@@ -114,6 +173,19 @@ static void weighted_sum(float *o, const float *p, const void *v, const int64_t 
             acc[x] += p[j] * cached(v, slots[j] * d + x, bf16);
     for (int64_t x = 0; x < d; x++)
         o[x] = acc[x] / total;
+}
+
+static void head_scores(const float *q, int64_t group, const void *k, const int64_t *slots, int64_t count,
+                        int64_t d, float scale, float *scores, int64_t stride, int bf16) {
+    for (int64_t j = 0; j < count; j++)
+        for (int64_t h = 0; h < group; h++)
+            scores[h * stride + j] = dot(q + h * d, k, slots[j] * d, d, bf16) * scale;
+}
+
+static void head_sums(float *o, const float *scores, int64_t stride, const float *totals, int64_t group,
+                      const void *v, const int64_t *slots, int64_t count, int64_t d, int bf16) {
+    for (int64_t h = 0; h < group; h++)
+        weighted_sum(o + h * d, scores + h * stride, v, slots, count, d, totals[h], bf16);
 }
 #endif
 
@@ -163,9 +235,8 @@ int tree_attention(const float *q, const int64_t *kv, int64_t layer, const int64
             slots[j] = j < committed ? starts[i] + j : path[j - committed];
         const char *kh = k + g * cap * d * size, *vh = v + g * cap * d * size;
         const float *qh = q + (i * heads + g * group) * d;
-        for (int64_t j = 0; j < count; j++)
-            for (int64_t h = 0; h < group; h++)
-                scores[h * stride + j] = dot(qh + h * d, kh, slots[j] * d, d, kv_bf16) * scale;
+        float totals[MAX_GROUP];
+        head_scores(qh, group, kh, slots, count, d, scale, scores, stride, kv_bf16);
         for (int64_t h = 0; h < group; h++) {
             float *s = scores + h * stride, top = -INFINITY, part[LANES] = {0}, total = 0.0f;
             for (int64_t j = 0; j < count; j++)
@@ -177,8 +248,9 @@ int tree_attention(const float *q, const int64_t *kv, int64_t layer, const int64
                 part[j % LANES] += s[j];
             for (int l = 0; l < LANES; l++)
                 total += part[l];
-            weighted_sum(out + (i * heads + g * group + h) * d, s, vh, slots, count, d, total, kv_bf16);
+            totals[h] = total;
         }
+        head_sums(out + (i * heads + g * group) * d, scores, stride, totals, group, vh, slots, count, d, kv_bf16);
         free(slots);
         free(scores);
     }
