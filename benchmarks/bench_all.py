@@ -196,8 +196,9 @@ def assemble(old: str, fresh: dict, order: List[str]) -> str:
             "[docs/findings.md](docs/findings.md); the columns are explained in [docs/glossary.md](docs/glossary.md).",
             "",
             f"Machine: {machine()}. Model: SmolLM2-135M-Instruct (the default, its Q4_1 GGUF) unless a section says "
-            "otherwise; greedy decoding, one request at a time unless a section batches them. Runs on this shared 2-core machine move by 10% or more: compare "
-            "methods within one table.", ""]
+            "otherwise; greedy decoding, one request at a time unless a section batches them. Runs on this shared 2-core machine move by 10% or more, and its speed drifts "
+            "by up to 2x over hours (docs/findings.md, section 17): compare methods within one table, not tables measured at "
+            "different times.", ""]
     body = [fresh.get(key) or kept.get(key, f"<!-- section:{key} -->\n## {key}\n\n(not measured yet)\n") for key in order]
     return "\n".join(head) + "\n" + "\n".join(body)
 
