@@ -78,6 +78,33 @@ def test_a_row_whose_drafts_keep_failing_stops_then_probes():
     assert decisions[:8] == [0] * 8 and decisions[8] == 4  # left out 8 steps, then drafts once to re-measure
 
 
+CHEAP_NODES = PassCosts((1, 8), (7.0, 14.0), (4,), ((1.0,), (4.0,)))  # 4 nodes add 1 ms to a lone pass
+
+
+def test_one_failed_first_draft_does_not_stop_a_row_whose_drafts_pay():
+    """Acceptance of one step is a coin toss: a row's means start from two outcomes' worth of a prior,
+    so a first draft that fails leaves a lone request drafting where drafts are cheap."""
+    policy = CostModelPolicy(CHEAP_NODES)
+    policy.observe(0, drafted=4, accepted=0, by_size=[0, 0, 0, 0])  # prior: 1 token for the room
+    assert policy.draft_sizes([4], [0]) == [4]  # (1 + 2/3) tokens in 8 ms beat 1 in 7
+    assert policy._cuts[0][4] == [3, pytest.approx(2 / 3), 4.0]  # two outcomes of 1 token, one of 0
+
+
+def test_a_new_row_starts_from_what_the_other_rows_drafts_got():
+    policy = CostModelPolicy(CHEAP_NODES)
+    for _ in range(6):
+        policy.observe(0, drafted=4, accepted=2)  # pooled: 2 tokens for 4 nodes
+        policy.observe(1, drafted=4, accepted=0)  # pooled: 0 tokens
+    policy.observe(2, drafted=4, accepted=0)
+    assert policy._whole[2] == [3, pytest.approx(2 / 3), 4.0]  # two outcomes of the pooled mean (1.0), then 0
+    assert policy.draft_sizes([4], [2]) == [4]
+    for row in (3, 4):
+        for _ in range(3):
+            policy.observe(row, drafted=4, accepted=0)
+    assert policy._pooled_whole[1] == pytest.approx(12 / 19)  # a plain mean of every outcome
+    assert policy.draft_sizes([4, 4], [0, 1]) == [4, 0]  # each row still judged by its own outcomes
+
+
 def test_an_unmeasured_row_drafts_once_to_measure_itself():
     policy = CostModelPolicy(STEEP)
     assert policy.draft_sizes([8], [0]) == [8]  # the prior (1 token for 8 rows) would not pay: a probe

@@ -123,9 +123,11 @@ class CostModelPolicy:
     """``--speculate-policy auto``: drafts only where they are expected to pay for the rows they add.
 
     Each row keeps means of the draft tokens it got accepted and of the nodes it drafted, over the
-    steps it drafted: plain means of its first outcomes, then running means (weight ``decay`` on the
-    past); and the same for each size k its tree could have been cut to (its first k nodes), from
-    what the target kept of it (``by_size`` in :meth:`observe`). A step's cost is the measured cost of
+    steps it drafted: running means (weight ``decay`` on the past) that start from ``prior_steps``
+    outcomes' worth of the pooled means of every row observed so far (before any, one accepted token
+    for the whole room), so one failed first draft does not stop a row whose drafts pay on average
+    (acceptance of a single step is a coin toss); and the same for each size k its tree could have
+    been cut to (its first k nodes), from what the target kept of it (``by_size`` in :meth:`observe`). A step's cost is the measured cost of
     a pass of its requests and rows (:class:`PassCosts`). Each step starts from every row's pending
     token alone (one row each, one token each) and admits the rows' drafts in order of accepted tokens
     per node, each at the size that raises the expected tokens per ms most, while it rises. So a lone
@@ -144,14 +146,20 @@ class CostModelPolicy:
         decay: weight of the past in the running means.
         probe_every: steps a row is held back before it may probe.
         probe_share: the most of the expected step time that probes may add.
+        prior_steps: the weight, in outcomes, of the pooled means a row's own means start from.
     """
 
-    def __init__(self, costs: PassCosts, decay: float = 0.9, probe_every: int = 4, probe_share: float = 0.03):
+    def __init__(self, costs: PassCosts, decay: float = 0.9, probe_every: int = 4, probe_share: float = 0.03,
+                 prior_steps: float = 2.0):
         self.costs, self.decay, self.probe_every, self.probe_share = costs, decay, probe_every, probe_share
+        self.prior_steps = prior_steps
         # running means [steps, accepted tokens, nodes]: of a row's drafts whose cuts are not known, and
         # of each cut k of the drafts whose cuts are (by_size in observe)
         self._whole: Dict[int, List[float]] = {}
         self._cuts: Dict[int, Dict[int, List[float]]] = {}
+        # the same means pooled over every row (plain means of every outcome): a new row's prior
+        self._pooled_whole: List[float] = [0, 0.0, 0.0]
+        self._pooled_cuts: Dict[int, List[float]] = {}
         self._held_back: Dict[int, int] = {}  # steps since the row last drafted its whole room
         self._outcomes: Dict[int, int] = {}  # drafting steps observed per row
         self._probe_credit = float("inf")  # ms probes may still add (see _probe); the first probe is free
@@ -214,24 +222,36 @@ class CostModelPolicy:
         accepted, nodes = self._full(row, room)
         return accepted / max(nodes, 1e-3)
 
-    def _update(self, entry: List[float], accepted: float, nodes: float) -> None:
+    @staticmethod
+    def _update(entry: List[float], accepted: float, nodes: float, decay: float = 1.0) -> None:
         """One more outcome into running means ``[steps, accepted, nodes]``: a plain mean over the first
-        outcomes, then weight ``decay`` on the past."""
+        outcomes (the prior's counted as steps), then weight ``decay`` on the past."""
         entry[0] += 1
-        w = max(1.0 - self.decay, 1.0 / entry[0])
+        w = max(1.0 - decay, 1.0 / entry[0])
         entry[1] += w * (accepted - entry[1])
         entry[2] += w * (nodes - entry[2])
+
+    def _learn(self, means: Dict[int, List[float]], key: int, pooled: List[float], accepted: float,
+               nodes: float, share: float = 1.0) -> None:
+        """One outcome into a row's means and into the pooled ones. A row's new means start from
+        ``prior_steps`` outcomes of the pooled means, or before any outcome of the prior of an
+        unmeasured row: one accepted token for the whole room (``share`` of it for a cut of the tree)."""
+        if key not in means:
+            means[key] = [self.prior_steps] + ([pooled[1], pooled[2]] if pooled[0] else [share, nodes])
+        self._update(means[key], accepted, nodes, self.decay)
+        self._update(pooled, accepted, nodes)
 
     def observe(self, row: int, drafted: int, accepted: int, by_size: Optional[Sequence[int]] = None) -> None:
         if drafted == 0:
             return  # a plain step (chosen, or the drafter found nothing): nothing learnt about its drafts, no rows spent
         self._outcomes[row] = self._outcomes.get(row, 0) + 1
         if not by_size:
-            self._update(self._whole.setdefault(row, [0, 0.0, 0.0]), accepted, drafted)
+            self._learn(self._whole, row, self._pooled_whole, accepted, drafted)
             return
         cuts = self._cuts.setdefault(row, {})
         for k, kept in enumerate(by_size, start=1):
-            self._update(cuts.setdefault(k, [0, 0.0, 0.0]), kept, min(k, drafted))
+            self._learn(cuts, k, self._pooled_cuts.setdefault(k, [0, 0.0, 0.0]), kept, min(k, drafted),
+                        k / len(by_size))
 
 
 POLICIES = ("auto", "always")
