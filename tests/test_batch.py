@@ -224,6 +224,21 @@ def test_a_row_whose_logits_turn_nan_mid_run_names_the_step():
     assert isinstance(outcome, NonFinite) and "step" in str(outcome) and "row 0" in str(outcome)
 
 
+def test_a_row_of_logits_is_refused_for_any_nan_or_infinity_and_only_for_those():
+    """The finite check reads one sum first: NaN, +inf and -inf anywhere in a row are refused, and a row
+    of huge finite values whose sum overflows is not."""
+    from mtpctl.decode.loop import _all_finite
+
+    row = torch.randn(49152)
+    assert _all_finite(row)
+    for value in (float("nan"), float("inf"), float("-inf")):
+        for where in (0, 31337, 49151):
+            broken = row.clone()
+            broken[where] = value
+            assert not _all_finite(broken)
+    assert _all_finite(torch.full((49152,), 3e38))  # the sum overflows to inf; every value is finite
+
+
 @pytest.fixture(scope="module")
 def tiny_session(tiny_folder):
     return TorchSession(tiny_folder)

@@ -17,11 +17,11 @@ from mtpctl.decode.sampling import SamplingParams
 from mtpctl.decode.tree import DraftTree
 from mtpctl.drafters.heads.config import HeadsConfig, check_heads_match
 from mtpctl.drafters.heads.folder import load_heads, save_heads
-from mtpctl.drafters.heads.medusa import HydraDrafter, MedusaDrafter, MedusaHeads
+from mtpctl.drafters.heads.medusa import HydraDrafter, MedusaDrafter, MedusaHeads, StackedHeads
 from mtpctl.drafters.heads.tree import StaticTree, tree_from_accuracy
 from mtpctl.drafters.merged import MergedDrafter
 from mtpctl.drafters.ngram import NgramDrafter
-from mtpctl.errors import BadInput, CorruptModel
+from mtpctl.errors import BadInput, CorruptModel, NonFinite
 from mtpctl.model.decoder import Decoder
 from mtpctl.model.linears import blocked_layout_available
 
@@ -203,6 +203,43 @@ def test_heads_loaded_for_decoding_project_through_the_blocked_layout(tmp_path, 
     x = torch.randn(3, tiny_model.cfg.hidden_size).to(dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # the same weights; kernels round differently
     torch.testing.assert_close(fast(x, tiny_model.logits), plain(x, tiny_model.logits), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("conditioned, layers", [(True, 1), (False, 2)])
+def test_stacked_heads_give_each_head_its_own_features_bit_for_bit(tiny_model, dtype, conditioned, layers):
+    """The drafter runs its heads stacked (one token projection, one batched matmul per block layer);
+    every head's features are what the heads compute one by one, for one row and for several: bit for
+    bit in bfloat16, to rounding in float32 (torch's one-row float32 matmul sums in another order)."""
+    hidden = tiny_model.cfg.hidden_size
+    cfg = HeadsConfig("medusa", 3, layers, False, hidden, tiny_model.cfg.vocab_size, 0, token_conditioned=conditioned)
+    heads = MedusaHeads(cfg, dtype)
+    torch.manual_seed(0)
+    for p in heads.parameters():
+        p.data.normal_(std=0.2)
+    stacked = StackedHeads(heads, 2)
+    for rows in (1, 5):
+        x, e = torch.randn(rows, hidden).to(dtype), torch.randn(rows, hidden).to(dtype)
+        with torch.inference_mode():
+            got, want = stacked(x, e if conditioned else None), heads.features(x, e if conditioned else None, 2)
+            if dtype == torch.bfloat16:
+                assert torch.equal(got, want)
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+
+
+def test_heads_whose_logits_turn_nan_or_inf_never_become_draft_tokens(tiny_model):
+    heads = random_heads(tiny_model, num_heads=2)
+    for value, pattern in ((float("nan"), "NaN"), (float("inf"), "inf")):
+        broken = random_heads(tiny_model, num_heads=2)
+        broken.blocks[1][0].linear.bias.data[3] = value  # head 2's features: non-finite logits
+        drafter = MedusaDrafter(StaticTree.from_paths([[0], [1], [0, 0]], 2), broken, tiny_model)
+        out = TorchEngine(tiny_model, 64).prefill(PROMPT)
+        with pytest.raises(NonFinite, match=f"MTP heads.*{pattern}"):
+            drafter.propose(PROMPT, 3, TargetStep(out, len(out) - 1))
+    good = MedusaDrafter(StaticTree.from_paths([[0], [1], [0, 0]], 2), heads, tiny_model)
+    out = TorchEngine(tiny_model, 64).prefill(PROMPT)
+    assert len(good.propose(PROMPT, 3, TargetStep(out, len(out) - 1))) == 4
 
 
 def test_head_folder_loads_strictly(tmp_path, tiny_model):

@@ -16,6 +16,7 @@ Glossary (also in docs/glossary.md):
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Union
@@ -114,6 +115,13 @@ class Request:
 VerifyMany = Callable[[Sequence[Engine], Sequence[DraftTree]], List[StepOutput]]
 
 
+def _all_finite(row: torch.Tensor) -> bool:
+    """True when no value of ``row`` is NaN or infinite. A finite sum says so (a NaN or an infinity makes
+    the sum NaN or infinite) in one reduction, about a tenth of what ``isfinite(row).all()`` costs on a
+    row of 49k logits; only a sum that is not finite (or that overflowed) needs the full check."""
+    return math.isfinite(float(row.sum())) or bool(torch.isfinite(row).all())
+
+
 class _CheckedRows:
     """A pass's output as acceptance reads it: each row's logits checked for NaN and inf on the way."""
 
@@ -130,7 +138,7 @@ class _CheckedRows:
 
     def __getitem__(self, i: int) -> torch.Tensor:
         row = self.out[i]
-        if not bool(torch.isfinite(row).all()):
+        if not _all_finite(row):
             raise NonFinite(f"the target's logits hold NaN or inf ({self.where}, row {i % len(self.out)} of its draft "
                             "tree): its weights or this input overflow; no token was taken from them")
         return row

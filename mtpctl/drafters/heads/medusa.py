@@ -227,6 +227,44 @@ class MedusaHeads(nn.Module):
         return full.index_copy_(-1, self.token_map, logits)
 
 
+class StackedHeads:
+    """The feature layers of a Medusa drafter's first ``count`` heads, stacked for drafting: the
+    token projections of every head in one matrix (they read the same embedding) and each residual
+    block layer of every head in one batched matmul, so a draft step runs a few ops instead of a few
+    per head. Each head's numbers are those of :meth:`MedusaHeads.features`: bit for bit in bfloat16,
+    to rounding in float32 (torch's one-row float32 matmul sums in another order; drafts only, so
+    verification stays exact either way). In bfloat16, two heads' features for one row take 0.12 ms
+    instead of 0.27 on this project's CPU. Holds copies of those weights, made when built (the heads are frozen when drafting).
+
+    Args:
+        heads: Medusa heads (not Hydra: those run head by head on the tree's own paths).
+        count: the heads to run, from the first.
+    """
+
+    def __init__(self, heads: MedusaHeads, count: int):
+        with torch.no_grad():
+            self.token_proj = (torch.cat([heads.token_proj[k].detach() for k in range(count)])  # [count * H, H]
+                               if heads.token_proj is not None else None)
+            self.layers = [(torch.stack([heads.blocks[k][i].linear.bias.detach() for k in range(count)])[:, None, :],  # [count, 1, H]
+                            torch.stack([heads.blocks[k][i].linear.weight.detach().T for k in range(count)]))  # [count, H, H]: W.T
+                           for i in range(heads.cfg.head_layers)]
+        self.count = count
+
+    def __call__(self, hidden: torch.Tensor, token_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``hidden`` ``[R, H]`` (and the pending tokens' embeddings ``[R, H]`` for token-conditioned heads)
+        -> each head's features ``[R, count, H]``."""
+        rows = hidden.shape[0]
+        x = hidden[:, None, :].expand(rows, self.count, hidden.shape[-1])
+        if self.token_proj is not None:
+            if token_embeds is None:
+                raise ValueError("token-conditioned heads need the pending token's embedding (token_embeds)")
+            x = x + F.linear(token_embeds, self.token_proj).view(rows, self.count, -1)
+        x = x.transpose(0, 1)  # [count, R, H]: head k's rows together
+        for bias, weight_t in self.layers:
+            x = x + F.silu(torch.baddbmm(bias, x, weight_t))
+        return x.transpose(0, 1)
+
+
 class MedusaDrafter:
     """Drafts a static tree from Medusa heads at the target's last committed row.
 
@@ -248,6 +286,7 @@ class MedusaDrafter:
             raise ValueError("Medusa heads draft with the target's embedding and lm_head: pass the target")
         self.tree, self.heads, self.target = tree, heads, target
         self.budget = len(tree.paths)
+        self._stacked = StackedHeads(heads, tree.depth) if heads is not None and not heads.sequential else None
 
     def fork(self) -> "MedusaDrafter":
         """Itself: it keeps no per-request state (see :meth:`mtpctl.decode.drafter.Drafter.fork`)."""
@@ -291,19 +330,27 @@ class MedusaDrafter:
             return check_finite(last.out.head_logits[last.row][:self.tree.depth], "the MTP heads")
         return self._run_heads(last.out.hidden_states[last.row], pending)
 
-    def _run_heads(self, hidden: torch.Tensor, pending, full_vocab: bool = True) -> torch.Tensor:
+    def _run_heads(self, hidden: torch.Tensor, pending, full_vocab: bool = True, check: bool = True) -> torch.Tensor:
         """The first ``tree.depth`` heads' logits ``[..., depth, vocab]`` (``[..., depth, V_d]`` over a
         draft vocabulary when not ``full_vocab``) for ``hidden`` ``[..., hidden]`` (one row, or several
-        stacked), ``pending`` the token(s) each row drafts after."""
+        stacked), ``pending`` the token(s) each row drafts after; NaN and +inf refused unless not ``check``."""
         embeds = self.target.embed[pending].to(hidden.dtype) if self.heads.cfg.token_conditioned else None
+        rows = hidden.reshape(-1, hidden.shape[-1])
         with torch.inference_mode():
-            return check_finite(self.heads(hidden, self.target.logits, full_vocab, token_embeds=embeds,
-                                           count=self.tree.depth), "the MTP heads")
+            feats = self._stacked(rows, embeds.reshape(rows.shape) if embeds is not None else None)
+            logits = self.heads.project(feats, self.target.logits).reshape(*hidden.shape[:-1], self.tree.depth, -1)
+            if full_vocab and self.heads.token_map is not None:
+                full = logits.new_full(logits.shape[:-1] + (self.heads.cfg.vocab_size,), float("-inf"))
+                logits = full.index_copy_(-1, self.heads.token_map, logits)
+        return check_finite(logits, "the MTP heads") if check else logits
 
     def _top(self, hidden: torch.Tensor, pending, k: int) -> torch.Tensor:
         """The first ``tree.depth`` heads' top ``k`` token ids ``[..., depth, k]``: ranked within the
-        draft vocabulary, then mapped to target ids (no scatter into the full vocabulary)."""
-        top = self._run_heads(hidden, pending, full_vocab=False).topk(k, dim=-1).indices
+        draft vocabulary, then mapped to target ids (no scatter into the full vocabulary). Only the
+        top values are checked for NaN and +inf: topk ranks a NaN above every number, so any NaN or
+        +inf in a row's logits is among its top values."""
+        values, top = self._run_heads(hidden, pending, full_vocab=False, check=False).topk(k, dim=-1)
+        check_finite(values, "the MTP heads")
         return top if self.heads.token_map is None else self.heads.token_map[top]
 
 
