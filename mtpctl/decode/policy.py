@@ -127,8 +127,9 @@ class CostModelPolicy:
     outcomes' worth of the pooled means of every row observed so far (before any, one accepted token
     for the whole room), so one failed first draft does not stop a row whose drafts pay on average
     (acceptance of a single step is a coin toss); and the same for each size k its tree could have
-    been cut to (its first k nodes), from what the target kept of it (``by_size`` in :meth:`observe`). A step's cost is the measured cost of
-    a pass of its requests and rows (:class:`PassCosts`). Each step starts from every row's pending
+    been cut to (its first k nodes), from what the target kept of it (``by_size`` in
+    :meth:`observe`). A step's cost is the measured cost of a pass of its requests and rows
+    (:class:`PassCosts`). Each step starts from every row's pending
     token alone (one row each, one token each) and admits the rows' drafts in order of accepted tokens
     per node, each at the size that raises the expected tokens per ms most, while it rises. So a lone
     request drafts whenever its drafts are worth their rows, and cuts them where a node costs more

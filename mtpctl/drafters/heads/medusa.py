@@ -221,7 +221,12 @@ class MedusaHeads(nn.Module):
             predicts the token k+1 places after the pending one.
         """
         logits = self.draft_vocab_logits(hidden_states, lm_head, token_embeds, count)
-        if self.token_map is None or not full_vocab:
+        return self.full_vocab(logits) if full_vocab else logits
+
+    def full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary ``[..., V_d]`` -> over the full vocabulary ``[..., vocab]``,
+        -inf outside the draft vocabulary (unchanged without one)."""
+        if self.token_map is None:
             return logits
         full = logits.new_full(logits.shape[:-1] + (self.cfg.vocab_size,), float("-inf"))
         return full.index_copy_(-1, self.token_map, logits)
@@ -234,7 +239,8 @@ class StackedHeads:
     per head. Each head's numbers are those of :meth:`MedusaHeads.features`: bit for bit in bfloat16,
     to rounding in float32 (torch's one-row float32 matmul sums in another order; drafts only, so
     verification stays exact either way). In bfloat16, two heads' features for one row take 0.12 ms
-    instead of 0.27 on this project's CPU. Holds copies of those weights, made when built (the heads are frozen when drafting).
+    instead of 0.27 on this project's CPU. Holds copies of those weights, made when built (the heads
+    are frozen when drafting).
 
     Args:
         heads: Medusa heads (not Hydra: those run head by head on the tree's own paths).
@@ -242,13 +248,14 @@ class StackedHeads:
     """
 
     def __init__(self, heads: MedusaHeads, count: int):
-        with torch.no_grad():
-            self.token_proj = (torch.cat([heads.token_proj[k].detach() for k in range(count)])  # [count * H, H]
-                               if heads.token_proj is not None else None)
-            self.layers = [(torch.stack([heads.blocks[k][i].linear.bias.detach() for k in range(count)])[:, None, :],  # [count, 1, H]
-                            torch.stack([heads.blocks[k][i].linear.weight.detach().T for k in range(count)]))  # [count, H, H]: W.T
-                           for i in range(heads.cfg.head_layers)]
         self.count = count
+        # [count * H, H]: every head's token projection, one after another
+        self.token_proj = None if heads.token_proj is None else torch.cat([w.detach() for w in heads.token_proj[:count]])
+        self.layers = []  # per block layer: bias [count, 1, H] and W.T [count, H, H] of every head
+        for i in range(heads.cfg.head_layers):
+            linears = [blocks[i].linear for blocks in heads.blocks[:count]]
+            self.layers.append((torch.stack([lin.bias.detach() for lin in linears])[:, None, :],
+                                torch.stack([lin.weight.detach().T for lin in linears])))
 
     def __call__(self, hidden: torch.Tensor, token_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``hidden`` ``[R, H]`` (and the pending tokens' embeddings ``[R, H]`` for token-conditioned heads)
@@ -339,9 +346,8 @@ class MedusaDrafter:
         with torch.inference_mode():
             feats = self._stacked(rows, embeds.reshape(rows.shape) if embeds is not None else None)
             logits = self.heads.project(feats, self.target.logits).reshape(*hidden.shape[:-1], self.tree.depth, -1)
-            if full_vocab and self.heads.token_map is not None:
-                full = logits.new_full(logits.shape[:-1] + (self.heads.cfg.vocab_size,), float("-inf"))
-                logits = full.index_copy_(-1, self.heads.token_map, logits)
+            if full_vocab:
+                logits = self.heads.full_vocab(logits)
         return check_finite(logits, "the MTP heads") if check else logits
 
     def _top(self, hidden: torch.Tensor, pending, k: int) -> torch.Tensor:
