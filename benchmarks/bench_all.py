@@ -113,8 +113,12 @@ SECTIONS = [
             "One packed verify pass, every row's logits read, after 200 committed tokens per sequence: over S one-row "
             "requests (what S plain requests cost a step), and what E draft nodes add to that pass (trees of up to 4 "
             "nodes on the first requests), each the median of differences between passes timed back to back; the "
-            "command also stores the tables the auto policy reads (`mtpctl/data/pass_costs.json`).",
+            "command also stores the tables the auto policy reads (`mtpctl/data/pass_costs.json`). The second adds "
+            "what each drafter's own work costs a step outside the pass (its call once, and each drafting row), "
+            "each proposal timed right after a pass, as in the decoding loop.",
             lambda a: [f"{PYTHON} benchmarks/bench_pass_costs.py --modes float32,bfloat16,int4 --threads {THREADS} "
+                       "--write mtpctl/data/pass_costs.json",
+                       f"{PYTHON} benchmarks/bench_draft_costs.py --heads {a.heads} --threads {THREADS} "
                        "--write mtpctl/data/pass_costs.json"], tables_only=False),
     Section("profile", "Where a decode step's time goes",
             "Each method's decode steps split into drafting, the target's pass, its lm_head rows, acceptance and "

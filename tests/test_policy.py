@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from mtpctl.decode.policy import AlwaysDraft, CostModelPolicy, PassCosts, accepted_by_size, load_costs, make_policy
+from mtpctl.decode.policy import (AlwaysDraft, CostModelPolicy, DraftCost, PassCosts, accepted_by_size, load_costs,
+                                  load_draft_cost, make_policy)
 from mtpctl.errors import BadInput
 
 FLAT = PassCosts((1, 8, 64), (10.0, 11.0, 60.0))  # dense-like: 8 rows cost 1.1x one
@@ -103,6 +104,47 @@ def test_a_new_row_starts_from_what_the_other_rows_drafts_got():
             policy.observe(row, drafted=4, accepted=0)
     assert policy._pooled_whole[1] == pytest.approx(12 / 19)  # a plain mean of every outcome
     assert policy.draft_sizes([4, 4], [0, 1]) == [4, 0]  # each row still judged by its own outcomes
+
+
+def test_a_draft_must_also_pay_for_the_drafters_own_work():
+    """4 nodes add 1 ms to a lone 7 ms pass: about 0.35 accepted tokens pay for that (1.35 / 8 beats
+    1 / 7), not for 2 ms more of the drafter's own work (1.35 / 10 does not)."""
+    for draft, drafts in ((DraftCost(), True), (DraftCost(call_ms=1.5, row_ms=0.5), False)):
+        policy = CostModelPolicy(CHEAP_NODES, draft)
+        for _ in range(20):
+            policy.observe(0, drafted=4, accepted=0.3)
+        assert (policy.draft_sizes([4], [0]) == [4]) is drafts
+
+
+def test_the_drafters_call_is_charged_once_a_step_and_its_rows_each():
+    assert DraftCost(1.5, 0.25)(0) == 0.0 and DraftCost(1.5, 0.25)(1) == 1.75 and DraftCost(1.5, 0.25)(4) == 2.5
+    costs = PassCosts((1, 2), (7.0, 8.0), (4, 8), ((1.0, 2.0), (1.0, 2.0)))  # 2 requests: 4 nodes add 1 ms
+    policy = CostModelPolicy(costs, DraftCost(call_ms=3.0, row_ms=0.1))
+    for row in (0, 1):
+        for _ in range(20):
+            policy.observe(row, drafted=4, accepted=0.6)
+    # the first row's draft: (2 + 0.63) / (8 + 1 + 3.1) = 0.217 < 2 / 8 = 0.25, so none drafts
+    assert policy.draft_sizes([4, 4], [0, 1]) == [0, 0]
+    cheap_call = CostModelPolicy(costs, DraftCost(call_ms=0.2, row_ms=0.1))
+    for row in (0, 1):
+        for _ in range(20):
+            cheap_call.observe(row, drafted=4, accepted=0.6)
+    # the first: 2.63 / 9.3 = 0.283 > 0.25; the second adds 1 ms of nodes and a row's 0.1 (the call is
+    # paid): 3.26 / 10.4 = 0.313
+    assert cheap_call.draft_sizes([4, 4], [0, 1]) == [4, 4]
+
+
+def test_draft_costs_by_method_from_the_table(tmp_path):
+    table = tmp_path / "costs.json"
+    entry = {"rows": [1, 2], "ms": [7, 8], "draft_ms": {"heads": [1.5, 0.25]}}
+    table.write_text(json.dumps({"version": 3, "modes": {"int4": entry}}))
+    assert load_draft_cost("int4", "heads", table) == DraftCost(1.5, 0.25)
+    assert load_draft_cost("int4", "ngram", table) == DraftCost()  # not measured: the pass alone is priced
+    table.write_text(json.dumps({"version": 3, "modes": {"int4": dict(entry, draft_ms={"heads": [1.5, -1]})}}))
+    with pytest.raises(BadInput, match="no draft costs of heads for mode int4"):
+        load_draft_cost("int4", "heads", table)
+    shipped = make_policy("auto", "bfloat16", "heads+ngram")
+    assert isinstance(shipped, CostModelPolicy) and shipped.draft.call_ms > 0  # the shipped table has them
 
 
 def test_an_unmeasured_row_drafts_once_to_measure_itself():

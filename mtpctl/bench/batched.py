@@ -33,10 +33,10 @@ Run = dict
 
 def run_batch_sizes(session: Session, drafters: Dict[str, object], prompts: Sequence[List[int]],
                     batch_sizes: Sequence[int], make_request: Callable[[List[int]], GenerationRequest],
-                    make_policy: Callable[[], object], acceptance: str = "exact",
+                    make_policy: Callable[[str], object], acceptance: str = "exact",
                     progress: Optional[Callable[[str], None]] = None, rounds: int = 1) -> Dict[tuple, List[Run]]:
     """(method, batch size) -> its runs, one per round, for every method (name -> drafter, None for
-    plain) at every batch size.
+    plain) at every batch size, each run under a fresh ``make_policy(name)``.
 
     Raises:
         MtpctlError: a request that failed (the benchmark's requests must all run).
@@ -51,7 +51,7 @@ def run_batch_sizes(session: Session, drafters: Dict[str, object], prompts: Sequ
             for name in names[shift:] + names[:shift]:
                 requests = [make_request(ids) for ids in prompts]
                 start = time.perf_counter()
-                outcomes = session.generate_batch(requests, drafters[name], size, make_policy(), acceptance)
+                outcomes = session.generate_batch(requests, drafters[name], size, make_policy(name), acceptance)
                 wall_ms = (time.perf_counter() - start) * 1e3
                 failed = next((o for o in outcomes if isinstance(o, MtpctlError)), None)
                 if failed is not None:

@@ -46,10 +46,10 @@ class Method:
 
 def build_methods(session: Session, names: Sequence[str], opts: DraftOptions, sampling: SamplingParams,
                   max_new_tokens: int, acceptance: str = "exact",
-                  make_policy: Callable[[], Optional[Policy]] = lambda: None,
+                  make_policy: Callable[[str], Optional[Policy]] = lambda name: None,
                   progress: Optional[Callable[[str], None]] = None) -> Dict[str, Method]:
     """Every method of ``names`` (see :func:`parse_methods`) for ``session``, the heads and datastore
-    loaded once and shared; each generation speculates under a fresh ``make_policy()`` (None: every
+    loaded once and shared; each generation speculates under a fresh ``make_policy(name)`` (None: every
     step drafts the whole budget); ``progress`` receives a line before a long preparation (a
     self-draft's layer search).
 
@@ -69,8 +69,9 @@ def build_methods(session: Session, names: Sequence[str], opts: DraftOptions, sa
         draft = draft_member(drafter)
         size = head_bytes * ("heads" in parts) + store_bytes * ("retrieval" in parts) + (draft.weight_bytes if draft else 0)
 
-        def run(ids, drafter=drafter):
-            return session.generate(ids, max_new_tokens, sampling, drafter, acceptance=acceptance, policy=make_policy())
+        def run(ids, drafter=drafter, name=name):
+            return session.generate(ids, max_new_tokens, sampling, drafter, acceptance=acceptance,
+                                    policy=make_policy(name))
 
         methods[name] = Method(name, run, drafter, size)
     return methods

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 import click
 
@@ -113,8 +114,8 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ma
     encoded = [session.codec.encode_messages(list(p.messages)) for p in prompts]
     mode = session_mode(session)
 
-    def policy():
-        return make_policy(options["speculate_policy"], mode)
+    def policy(method: Optional[str] = None):  # each method (canonical names) priced at its drafter's cost
+        return make_policy(options["speculate_policy"], mode, method)
 
     policy()  # a missing cost table is one error line before any run
     built = build_methods(session, names, opts, sampling, max_new_tokens, options["acceptance"], policy,

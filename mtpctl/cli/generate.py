@@ -127,7 +127,7 @@ def generate_cmd(prompt, prompt_file, batch_file, max_batch, out_path, speculate
     session = open_session(options["model"], options["backend"], options["dtype"], options["weights"], options["threads"])
     sampling = sampling_from(options)
     drafter = build(session, parts, opts, sampling, progress=lambda line: click.echo(f"mtpctl: {line}", err=True))
-    policy = make_policy(options["speculate_policy"], session_mode(session))
+    policy = make_policy(options["speculate_policy"], session_mode(session), "+".join(parts) or None)
     fields = _settings(session, parts, drafter, opts, options)
     if fields["draft"] is not None:
         click.echo(draft_line(fields["draft"]), err=True)

@@ -119,6 +119,21 @@ def _plus_nodes(base: float, points: Tuple[int, ...], added: Tuple[float, ...], 
     return base + _interpolate(points, added, rows - sequences)
 
 
+@dataclass(frozen=True)
+class DraftCost:
+    """What drafting adds to a step outside the pass, for one drafter in one numeric mode (measured by
+    ``benchmarks/bench_draft_costs.py``, stored beside the pass costs): ``call_ms`` once a step where
+    any row drafts (MTP heads run once over every drafting row) and ``row_ms`` per drafting row.
+    Zero where not measured: the pass alone is priced."""
+
+    call_ms: float = 0.0
+    row_ms: float = 0.0
+
+    def __call__(self, drafting: int) -> float:
+        """ms a step spends drafting for ``drafting`` rows."""
+        return self.call_ms + self.row_ms * drafting if drafting > 0 else 0.0
+
+
 class CostModelPolicy:
     """``--speculate-policy auto``: drafts only where they are expected to pay for the rows they add.
 
@@ -140,20 +155,23 @@ class CostModelPolicy:
     add at most ``probe_share`` of the expected step time (a probe that adds 4 rows to a pass of 16
     costs a fifth of that step: one every step would cost more than any draft gains). Decisions
     depend on the outcomes and the table only, never on the clock, so a seeded sampled request gives
-    the same tokens on every run.
+    the same tokens on every run. A step's cost also counts what drafting itself takes outside the
+    pass (``draft``: the drafter's call and its rows), so near the break-even a batch does not draft
+    where the drafter's own work eats the gain.
 
     Args:
         costs: the pass costs of the mode the session runs (:class:`PassCosts`).
+        draft: what the session's drafter adds to a step where rows draft (:class:`DraftCost`).
         decay: weight of the past in the running means.
         probe_every: steps a row is held back before it may probe.
         probe_share: the most of the expected step time that probes may add.
         prior_steps: the weight, in outcomes, of the pooled means a row's own means start from.
     """
 
-    def __init__(self, costs: PassCosts, decay: float = 0.9, probe_every: int = 4, probe_share: float = 0.03,
-                 prior_steps: float = 2.0):
+    def __init__(self, costs: PassCosts, draft: DraftCost = DraftCost(), decay: float = 0.9, probe_every: int = 4,
+                 probe_share: float = 0.03, prior_steps: float = 2.0):
         self.costs, self.decay, self.probe_every, self.probe_share = costs, decay, probe_every, probe_share
-        self.prior_steps = prior_steps
+        self.draft, self.prior_steps = draft, prior_steps
         # running means [steps, accepted tokens, nodes]: of a row's drafts whose cuts are not known, and
         # of each cut k of the drafts whose cuts are (by_size in observe)
         self._whole: Dict[int, List[float]] = {}
@@ -167,18 +185,22 @@ class CostModelPolicy:
 
     def draft_sizes(self, rooms: Sequence[int], rows: Sequence[int]) -> list:
         sizes, nodes = [0] * len(rows), [0.0] * len(rows)
-        tokens, width = float(len(rows)), float(len(rows))
+        tokens, width, drafting = float(len(rows)), float(len(rows)), 0
         cost = self.costs.at(len(rows))  # ms of a pass of these rows' requests by its rows
+
+        def step(width: float, drafting: int) -> float:  # ms of the step: its pass and its drafting
+            return cost(width) + self.draft(drafting)
+
         order = sorted((i for i, room in enumerate(rooms) if room > 0), key=lambda i: -self._value(rows[i], rooms[i]))
         for i in order:
-            best, rate = None, tokens / cost(width)
+            best, rate = None, tokens / step(width, drafting)
             for size, gain, count in self._options(rows[i], rooms[i]):
-                if (tokens + gain) / cost(width + count) > rate:
-                    best, rate = (size, gain, count), (tokens + gain) / cost(width + count)
+                if (tokens + gain) / step(width + count, drafting + 1) > rate:
+                    best, rate = (size, gain, count), (tokens + gain) / step(width + count, drafting + 1)
             if best is not None:
                 sizes[i], nodes[i] = best[0], best[2]
-                tokens, width = tokens + best[1], width + best[2]
-        self._probe(sizes, nodes, rooms, rows, order, width, cost)
+                tokens, width, drafting = tokens + best[1], width + best[2], drafting + 1
+        self._probe(sizes, nodes, rooms, rows, order, width, drafting, step)
         for i in order:
             self._held_back[rows[i]] = 0 if sizes[i] == rooms[i] else self._held_back.get(rows[i], 0) + 1
         return sizes
@@ -201,19 +223,20 @@ class CostModelPolicy:
         return accepted, min(nodes, float(room))
 
     def _probe(self, sizes: list, nodes: list, rooms: Sequence[int], rows: Sequence[int], order: Sequence[int],
-               width: float, cost: Callable[[float], float]) -> None:
+               width: float, drafting: int, step: Callable[[float, int], float]) -> None:
         """Lets one row held back draft its whole room anyway (sets its size): one never measured first,
         else the one held back longest (at least ``probe_every`` steps), when the probes' credit covers
-        what it adds to the step's pass of ``width`` rows (``cost``: ms of the pass by its rows). The
-        credit grows by ``probe_share`` of each step's expected cost, up to one step's or one probe's."""
-        step_ms = cost(width)
+        what it adds to the step of ``width`` rows, ``drafting`` of them drafting (``step``: ms of the
+        step by its rows and drafting rows). The credit grows by ``probe_share`` of each step's expected
+        cost, up to one step's or one probe's."""
+        step_ms = step(width, drafting)
         waiting = [i for i in order if sizes[i] < rooms[i]
                    and (rows[i] not in self._outcomes or self._held_back.get(rows[i], 0) >= self.probe_every)]
         probe = max(waiting, key=lambda i: (rows[i] not in self._outcomes, self._held_back.get(rows[i], 0)), default=None)
         extra = 0.0
         if probe is not None:
             full = self._full(rows[probe], rooms[probe])[1]
-            extra = cost(width + max(0.0, full - nodes[probe])) - step_ms
+            extra = step(width + max(0.0, full - nodes[probe]), drafting + (sizes[probe] == 0)) - step_ms
         self._probe_credit = min(self._probe_credit + self.probe_share * step_ms, max(step_ms, extra))
         if probe is not None and extra <= self._probe_credit:
             sizes[probe], self._probe_credit = rooms[probe], self._probe_credit - extra
@@ -294,15 +317,37 @@ def load_costs(mode: str, path: Path = COSTS_FILE) -> PassCosts:
                        "benchmarks/bench_pass_costs.py (docs/batching.md)", option="speculate_policy") from err
 
 
-def make_policy(name: str, mode: Optional[str]) -> Policy:
-    """The policy ``name`` (:data:`POLICIES`) for a session running in ``mode`` (None: a backend
-    that verifies one request per pass, where every row drafts as alone).
+def load_draft_cost(mode: str, method: Optional[str], path: Path = COSTS_FILE) -> DraftCost:
+    """What the drafter of ``method`` (``heads+ngram``, ...) adds to a step in ``mode``, from the
+    ``draft_ms`` entry of that mode in ``path`` (``{method: [call_ms, row_ms]}``); zero for a method
+    not measured.
 
     Raises:
-        BadInput: an unknown name, or see :func:`load_costs`.
+        BadInput: an unreadable file, or an entry that is not two finite times of 0 or more.
+    """
+    try:
+        entry = json.loads(Path(path).read_text(encoding="utf-8"))["modes"][mode].get("draft_ms", {}).get(method)
+        if entry is None:
+            return DraftCost()
+        call_ms, row_ms = (float(m) for m in entry)
+        if not (math.isfinite(call_ms) and math.isfinite(row_ms) and call_ms >= 0 and row_ms >= 0):
+            raise ValueError(f"{entry} are not two finite times of 0 or more")
+        return DraftCost(call_ms, row_ms)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise BadInput(f"no draft costs of {method} for mode {mode} in {path} ({err}): measure them with "
+                       "benchmarks/bench_draft_costs.py (docs/batching.md)", option="speculate_policy") from err
+
+
+def make_policy(name: str, mode: Optional[str], method: Optional[str] = None) -> Policy:
+    """The policy ``name`` (:data:`POLICIES`) for a session running in ``mode`` (None: a backend
+    that verifies one request per pass, where every row drafts as alone), its requests drafting with
+    ``method`` (the ``--speculate`` value, which names the drafter's measured cost).
+
+    Raises:
+        BadInput: an unknown name, or see :func:`load_costs` and :func:`load_draft_cost`.
     """
     if name not in POLICIES:
         raise BadInput(f"speculation policy {name!r}: choose {' or '.join(POLICIES)}", option="speculate_policy")
     if name == "always" or mode is None:
         return AlwaysDraft()
-    return CostModelPolicy(load_costs(mode))
+    return CostModelPolicy(load_costs(mode), load_draft_cost(mode, method))
