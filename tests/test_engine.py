@@ -187,3 +187,71 @@ def test_attention_heads_depend_on_position_only_and_stay_committed():
     deep = torch.ones(MAX_DRAFT_DEPTH + 2, MAX_DRAFT_DEPTH + 2, dtype=torch.bool).tril()
     with pytest.raises(ValueError, match="deeper"):
         attention_plan([None], 70, torch.arange(MAX_DRAFT_DEPTH + 2), deep)
+
+
+def _prefilled(model, prompt, aux_layers=()):
+    engine = TorchEngine(model, 32, aux_layers=aux_layers)
+    out = engine.prefill(prompt)
+    return engine, out
+
+
+def _cache(engine):
+    n = engine.length
+    return engine.cache.k[..., :n, :], engine.cache.v[..., :n, :]
+
+
+@pytest.mark.parametrize("kind", ["int4-stack", "bfloat16-blocked", "float32-blocked", "float32-sliding-window"])
+def test_a_native_prefill_gives_each_prompt_token_what_decoding_it_alone_gives(kind):
+    """With the native kernels the prompt runs as passes whose token i reads the slots before it, then
+    itself: the slots, in the order, that decoding the prompt one token at a time reads, so its last
+    logits and every key and value in the cache are those of token-by-token decoding, bit for bit."""
+    if load_kernel() is None:
+        pytest.skip("no C compiler here to build the native kernels")
+    if "blocked" in kind and not blocked_layout_available():
+        pytest.skip("this torch build has no oneDNN linear ops")
+    from helpers import gguf_grid_decoder
+    model = {"int4-stack": gguf_grid_decoder,
+             "bfloat16-blocked": lambda: random_decoder(dtype=torch.bfloat16, blocked=True),
+             "float32-blocked": lambda: random_decoder(blocked=True),
+             "float32-sliding-window": lambda: random_decoder(blocked=True, sliding_window=3, model_type="mistral")}[kind]()
+    engine, out = _prefilled(model, PROMPT)
+    assert engine.native and engine.length == len(PROMPT)
+    stepwise = TorchEngine(model, 32)
+    for token in PROMPT:
+        last = stepwise.verify(DraftTree(token))
+        stepwise.commit([0])
+    assert torch.equal(out[0], last[0])
+    for mine, theirs in zip(_cache(engine), _cache(stepwise)):
+        assert torch.equal(mine, theirs)
+
+
+def test_a_prompt_longer_than_one_prefill_pass_runs_in_passes_that_give_the_same(monkeypatch):
+    """A long prompt is prefilled PREFILL_CHUNK tokens at a time; the int4 kernels compute a row alike in
+    any pass, so the passes give what one pass gives: hidden states of every prompt row, the aux
+    layers' rows (EAGLE-3 reads them) and the cache."""
+    if load_kernel() is None:
+        pytest.skip("no C compiler here to build the native kernels")
+    import mtpctl.backends.torch as torch_backend
+    from helpers import gguf_grid_decoder
+    model = gguf_grid_decoder()
+    whole, whole_out = _prefilled(model, PROMPT, aux_layers=(0, 1))
+    monkeypatch.setattr(torch_backend, "PREFILL_CHUNK", 3)
+    parts, parts_out = _prefilled(model, PROMPT, aux_layers=(0, 1))
+    assert parts.length == whole.length == len(PROMPT)
+    assert parts_out.prompt_hidden_states.shape[0] == len(PROMPT)
+    assert torch.equal(parts_out.prompt_hidden_states, whole_out.prompt_hidden_states)
+    for layer in (0, 1):
+        assert parts_out.aux_hidden_states[layer].shape[0] == len(PROMPT)
+        assert torch.equal(parts_out.aux_hidden_states[layer], whole_out.aux_hidden_states[layer])
+    for mine, theirs in zip(_cache(parts), _cache(whole)):
+        assert torch.equal(mine, theirs)
+
+
+def test_a_native_prefill_agrees_with_torchs_fused_attention_to_rounding():
+    if load_kernel() is None:
+        pytest.skip("no C compiler here to build the native kernels")
+    model = random_decoder(sliding_window=3, model_type="mistral")
+    native, masked = TorchEngine(model, 32), TorchEngine(model, 32, native=False)
+    assert native.native and not masked.native
+    torch.testing.assert_close(native.prefill(PROMPT).prompt_hidden_states, masked.prefill(PROMPT).prompt_hidden_states,
+                               atol=1e-4, rtol=0)

@@ -9,7 +9,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from mtpctl.decode.attention import TAIL, attention_masks, pass_plans, tree_shape
+from mtpctl.decode.attention import TAIL, attention_masks, pass_plans, prefill_plan, tree_shape
 from mtpctl.decode.session import Session
 from mtpctl.decode.tree import DraftTree
 from mtpctl.errors import UnsupportedModel
@@ -21,6 +21,9 @@ from mtpctl.model.tokenizer import TextCodec
 from mtpctl.model.weights import weights_hash
 
 WEIGHTS = ("dense", "int4")
+#: prompt tokens a native prefill pass carries at most: bounds the pass's buffers (the int4 kernel's
+#: rows stop getting cheaper long before this)
+PREFILL_CHUNK = 256
 
 
 class PassLogits:
@@ -156,19 +159,49 @@ class TorchEngine:
 
     def prefill(self, prompt_ids: Sequence[int]) -> TorchStepOutput:
         """Reset the cache, run and commit the prompt; returns the last position's output (one row).
-        Prefill feeds plain and speculative decoding alike, so it may use the fast fused kernel."""
+        Prefill feeds plain and speculative decoding alike, so it may use kernels that decode and
+        verify passes do not (torch's fused attention where the native kernels do not run)."""
         self.cache.reset()
         if len(prompt_ids) > self.capacity:
             raise ValueError(f"KV cache overflow: {len(prompt_ids)} slots needed, {self.capacity} allocated")
-        depth = torch.arange(len(prompt_ids))
-        masks = attention_masks(self.model.cfg.layer_windows, 0, depth, None, self.capacity)
         aux = dict.fromkeys(self.aux_layers) if self.aux_layers else None
         with torch.inference_mode():
-            hidden = self.model(torch.tensor([list(prompt_ids)], dtype=torch.long), depth[None], self.cache, masks,
-                                aux=aux)[0]
-        self.cache.advance(len(prompt_ids))
+            hidden = self._prefill_native(prompt_ids, aux) if self.native else self._prefill_masked(prompt_ids, aux)
         return TorchStepOutput(PassLogits(self.model, hidden[-1:]), 0, 1, prompt_hidden_states=hidden,
                                aux_hidden_states=_rows_of(aux, 0, len(prompt_ids)))
+
+    def _prefill_masked(self, prompt_ids: Sequence[int], aux: Optional[Dict[int, Optional[torch.Tensor]]]) -> torch.Tensor:
+        """The prompt in one pass through torch's fused attention (masks); its hidden states ``[T, hidden]``."""
+        depth = torch.arange(len(prompt_ids))
+        masks = attention_masks(self.model.cfg.layer_windows, 0, depth, None, self.capacity)
+        hidden = self.model(torch.tensor([list(prompt_ids)], dtype=torch.long), depth[None], self.cache, masks,
+                            aux=aux)[0]
+        self.cache.advance(len(prompt_ids))
+        return hidden
+
+    def _prefill_native(self, prompt_ids: Sequence[int], aux: Optional[Dict[int, Optional[torch.Tensor]]]) -> torch.Tensor:
+        """The prompt in passes of up to :data:`PREFILL_CHUNK` tokens on the native kernels (an int4
+        model's whole layer stack in one call where it covers the model), each token attending to the
+        slots before it and to itself (:func:`prefill_plan`); its hidden states ``[T, hidden]``, and
+        ``aux`` filled with every prompt row."""
+        hidden, parts = [], {layer: [] for layer in aux} if aux else {}
+        for start in range(0, len(prompt_ids), PREFILL_CHUNK):
+            chunk = list(prompt_ids[start:start + PREFILL_CHUNK])
+            length, n = self.cache.length, len(chunk)
+            slots = PassSlots([self.cache], [n])
+            plans = prefill_plan(self.model.cfg.layer_windows, length, n)
+            for plan in plans.values():
+                check_plan(plan, slots.kv)
+            chunk_aux = dict.fromkeys(parts) if parts else None
+            positions = torch.arange(length, length + n)[None]
+            hidden.append(self.model(torch.tensor([chunk], dtype=torch.long), positions, slots, None, plans,
+                                     aux=chunk_aux)[0])
+            self.cache.advance(n)
+            for layer in parts:
+                parts[layer].append(chunk_aux[layer])
+        for layer, pieces in parts.items():
+            aux[layer] = torch.cat(pieces, dim=1)
+        return torch.cat(hidden)
 
     def verify(self, tree: DraftTree) -> TorchStepOutput:
         """Score the tree's N nodes after the committed tokens; row i is the target's prediction for

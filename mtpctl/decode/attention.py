@@ -160,6 +160,21 @@ def slot_plan(windows, length: int, depth: torch.Tensor, tree_mask: Optional[tor
     return plans
 
 
+def prefill_plan(windows, length: int, n: int) -> dict:
+    """Attention window -> :class:`~mtpctl.model.native.SlotPlan` of a prefill pass of ``n`` prompt
+    tokens at positions ``[length, length + n)`` after ``length`` committed slots, each written to the
+    slot of its position before any token attends (the layer writes every token's key and value
+    first). Token i lists the slots before its own, from its window's start, then itself: the slots,
+    in the order, that decoding it alone after the tokens before it lists, without a path of
+    ``n`` slots per token."""
+    pos = length + torch.arange(n)
+    plans = {}
+    for window in set(windows):
+        starts = torch.zeros(n, dtype=torch.long) if window is None else (pos - window + 1).clamp(min=0)
+        plans[window] = SlotPlan(starts, pos.clone(), pos[:, None].clone())
+    return plans
+
+
 def pass_plans(windows, native: bool, sequences: Sequence[tuple]) -> dict:
     """Attention window -> the plan of a decode or verify pass whose rows are several sequences'
     tokens packed one sequence after another: a :class:`~mtpctl.model.native.SlotPlan` of every row
