@@ -544,13 +544,15 @@ class Decoder(nn.Module):
             input_ids: ``[batch, N]`` token ids.
             position_ids: ``[batch, N]`` positions (a token's depth in a draft tree adds to its
                 sequence's committed length).
-            cache: prefill and teacher-forced passes: the :class:`KVCache` of ``batch`` sequences of
-                the same length; decode and verify passes: :class:`PassSlots`, batch 1, the rows of
-                one or more sequences packed, each sequence with its own cache.
+            cache: teacher-forced passes and prefill without the native kernels: the :class:`KVCache`
+                of ``batch`` sequences of the same length; decode, verify and native prefill passes:
+                :class:`PassSlots`, batch 1, the rows of one or more sequences packed, each sequence
+                with its own cache.
             masks: attention window (None = full) -> bool mask ``[batch|1, 1, N, capacity]``
-                (True = may attend), from :func:`mtpctl.decode.attention.attention_masks`: prefill and
-                teacher-forced passes (the fused SDPA kernel, where only speed matters).
-            plans: instead of masks, for decode and verify passes: attention window -> a
+                (True = may attend), from :func:`mtpctl.decode.attention.attention_masks`: prefill
+                without the native kernels and teacher-forced passes (the fused SDPA kernel, where
+                only speed matters).
+            plans: instead of masks, for decode, verify and native prefill passes: attention window -> a
                 :class:`SlotPlan` of every row (the native attention kernel and native RMSNorm,
                 :mod:`mtpctl.model.native`) or a tuple of one :class:`AttentionPlan` per sequence
                 (torch's ops), so that each token is computed exactly as it would be alone.
