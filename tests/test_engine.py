@@ -4,7 +4,8 @@ logits as token-by-token decoding, and committing a tree path leaves the cache a
 import pytest
 import torch
 
-from helpers import plain_decode_logits, random_decoder
+import mtpctl.backends.torch as torch_backend
+from helpers import gguf_grid_decoder, plain_decode_logits, random_decoder
 from mtpctl.backends.torch import TorchEngine
 from mtpctl.decode.attention import attention_masks, tree_shape
 from mtpctl.decode.tree import DraftTree
@@ -209,7 +210,6 @@ def test_a_native_prefill_gives_each_prompt_token_what_decoding_it_alone_gives(k
         pytest.skip("no C compiler here to build the native kernels")
     if "blocked" in kind and not blocked_layout_available():
         pytest.skip("this torch build has no oneDNN linear ops")
-    from helpers import gguf_grid_decoder
     model = {"int4-stack": gguf_grid_decoder,
              "bfloat16-blocked": lambda: random_decoder(dtype=torch.bfloat16, blocked=True),
              "float32-blocked": lambda: random_decoder(blocked=True),
@@ -231,8 +231,6 @@ def test_a_prompt_longer_than_one_prefill_pass_runs_in_passes_that_give_the_same
     layers' rows (EAGLE-3 reads them) and the cache."""
     if load_kernel() is None:
         pytest.skip("no C compiler here to build the native kernels")
-    import mtpctl.backends.torch as torch_backend
-    from helpers import gguf_grid_decoder
     model = gguf_grid_decoder()
     whole, whole_out = _prefilled(model, PROMPT, aux_layers=(0, 1))
     monkeypatch.setattr(torch_backend, "PREFILL_CHUNK", 3)
