@@ -1,5 +1,5 @@
-"""The native layer stack (csrc/layer_stack.c): every layer of an int4 model's decode or verify pass in
-one call, against the same layers run one by one from Python."""
+"""The native layer stack (csrc/layer_stack.c): every layer of an int4 or dense bfloat16 model's decode
+or verify pass in one call, against the same layers run one by one from Python."""
 
 import copy
 
@@ -18,6 +18,15 @@ PROMPTS = ([5, 9, 2, 7, 1, 3], [4, 4, 8, 1], [11, 12, 13, 14, 15, 16, 17, 18, 19
 TREES = (DraftTree.from_parents([7, 8, 9, 10, 11], [-1, 0, 0, 1, 3]), DraftTree.chain([3, 4]), DraftTree(5))
 
 
+def tiled_decoder(seed=0):
+    """A tiny dense bfloat16 decoder held for decoding (its linear weights in the native kernels' tiles)."""
+    return random_decoder(seed, dtype=torch.bfloat16, blocked=True)
+
+
+#: the two kinds of model the stack runs: int4 codes, dense bfloat16 tiles
+STACKED = pytest.mark.parametrize("build", [gguf_grid_decoder, tiled_decoder], ids=["int4", "bfloat16"])
+
+
 def layer_by_layer(model):
     """The same model (sharing its weights) with the stack turned off."""
     twin = copy.copy(model)
@@ -31,24 +40,27 @@ def verified(model, prompt, tree):
     return engine.verify(tree)
 
 
-def test_the_stack_covers_int4_llama_blocks_only():
+def test_the_stack_covers_int4_and_tiled_bfloat16_llama_blocks_only():
     assert gguf_grid_decoder().stack is not None
-    assert random_decoder(dtype=torch.bfloat16).stack is None  # dense weights: oneDNN's kernels, layer by layer
-    assert random_decoder(dtype=torch.bfloat16, blocked=True).stack is None
+    assert tiled_decoder().stack is not None
+    assert random_decoder(dtype=torch.bfloat16).stack is None  # plain Parameters: torch's kernels, layer by layer
+    assert random_decoder(dtype=torch.float32, blocked=True).stack is None  # float32: oneDNN's layout
 
 
-def test_a_stacked_pass_matches_the_layers_one_by_one():
+@STACKED
+def test_a_stacked_pass_matches_the_layers_one_by_one(build):
     """The same kernels in the same order; only SiLU's exponential is the stack's own, so hidden states
     agree to bfloat16 rounding and the greedy choice of every row is the same."""
-    model = gguf_grid_decoder()
+    model = build()
     for prompt, tree in zip(PROMPTS, TREES):
         stacked, layered = verified(model, prompt, tree), verified(layer_by_layer(model), prompt, tree)
         assert torch.allclose(stacked.hidden_states.float(), layered.hidden_states.float(), rtol=0.02, atol=0.02)
         assert torch.equal(stacked.logits.argmax(-1), layered.logits.argmax(-1))
 
 
-def test_a_stacked_row_gets_the_same_bits_alone_among_other_sequences_and_at_any_thread_count():
-    model = gguf_grid_decoder(seed=2)
+@STACKED
+def test_a_stacked_row_gets_the_same_bits_alone_among_other_sequences_and_at_any_thread_count(build):
+    model = build(seed=2)
     threads = torch.get_num_threads()
     engines = []
     for prompt in PROMPTS:
@@ -86,14 +98,15 @@ def test_a_copy_of_the_model_runs_its_own_layers():
                           atol=0.02)
 
 
-def test_the_portable_build_runs_the_same_stack_to_rounding(monkeypatch):
+@STACKED
+def test_the_portable_build_runs_the_same_stack_to_rounding(monkeypatch, build):
     """The plain-C path (no AVX-512: its own exponential and matmul sums) agrees with the default
     build to rounding, and gives a row the same bits alone and in a pass."""
     from functools import partial
 
     from mtpctl.model import decoder
 
-    model = gguf_grid_decoder(seed=1)
+    model = build(seed=1)
     fast = [verified(model, prompt, tree) for prompt, tree in zip(PROMPTS, TREES)]
     monkeypatch.setattr(decoder, "layer_stack", partial(layer_stack, lib=load_kernel(portable=True)))
     portable = [verified(model, prompt, tree) for prompt, tree in zip(PROMPTS, TREES)]

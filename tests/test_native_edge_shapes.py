@@ -1,7 +1,7 @@
-"""Adversarial checks of the native RMSNorm, fused RoPE + cache write and int4 kernels
+"""Adversarial checks of the native RMSNorm, fused RoPE + cache write and int4/bfloat16 matmul kernels
 (csrc/rms_norm.c, rope.c, int4_matmul.c) on the shapes and values their own tests leave out: int4
 outputs that are a multiple of 4 but not of 16, K = 32, passes of 1 to 40 rows (the direct paths for
-up to 4 rows and for 5 to 8, the buffered one above), NaN/inf activations, the widest norm rows, odd head_dims and
+up to 4 rows and for 5 to 8, the buffered one above; bfloat16 tiles read in place above 4), NaN/inf activations, the widest norm rows, odd head_dims and
 the last slots of a cache, and the C fallback built for a CPU with AVX-512 but no AVX512-BF16
 (``-march=native -mno-avx512bf16``: fused multiply-adds in the plain-C path, which the portable
 build, compiled without ``-march``, does not exercise)."""
@@ -14,7 +14,7 @@ import torch
 from mtpctl.model import native
 from mtpctl.model.kv_cache import KVCache
 from mtpctl.model.decoder import _rms_norm, _rotate
-from mtpctl.model.native import int4_matmul, int4_pack, load_kernel, rms_norm, rope_write
+from mtpctl.model.native import bf16_tiles, bf16_untile, int4_matmul, int4_pack, load_kernel, rms_norm, rope_write
 
 pytestmark = pytest.mark.skipif(load_kernel() is None, reason="no C compiler here to build the native kernels")
 
@@ -64,6 +64,28 @@ def test_int4_odd_shapes_give_a_row_the_same_bits_in_any_pass_and_match_float64(
     assert ((got - exact).abs() <= 1e-6 * magnitude).all()
     got16 = int4_matmul(x, blob, n, out_dtype=torch.bfloat16).double()
     assert ((got16 - exact).abs() <= 2 ** -8 * exact.abs() + 1e-6 * magnitude).all()
+
+
+def assert_float32_sums(got, x, w):
+    """Products of bfloat16 values are exact in float32; only the float32 sums round (K / 32 groups)."""
+    exact = x.double() @ w.double().T
+    assert ((got.double() - exact).abs() <= 1e-6 * (x.double().abs() @ w.double().abs().T)).all()
+
+
+@pytest.mark.parametrize("n, k", [(4, 32), (20, 32), (36, 96)])
+def test_bf16_tiles_give_a_row_the_same_bits_in_any_pass_and_match_float64(n, k):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)).bfloat16()
+    blob = bf16_tiles(w)
+    assert blob.shape == (n // 4, k // 32, 256) and torch.equal(bf16_untile(blob), w)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(1)).bfloat16()
+    assert_rows_invariant(x, blob, n, load_kernel())
+    assert_float32_sums(int4_matmul(x, blob, n), x, w)
+
+
+def test_bf16_tiles_refuse_what_they_cannot_lay_out():
+    for bad in (torch.randn(6, 32).bfloat16(), torch.randn(4, 48).bfloat16(), torch.randn(4, 32)):
+        with pytest.raises(ValueError, match="bf16_tiles takes"):
+            bf16_tiles(bad)
 
 
 def test_int4_propagates_nan_and_inf_like_a_float_product():
@@ -144,6 +166,9 @@ def test_plain_c_kernels_built_for_avx512_without_bf16_stay_batch_invariant_and_
     w = dequantized(q, scale, zero).double()
     assert ((int4_matmul(x, blob, n, lib=lib).double() - x.double() @ w.T).abs()
             <= 1e-6 * (x.double().abs() @ w.abs().T)).all()
+    dense = torch.randn(n, k, generator=torch.Generator().manual_seed(10)).bfloat16()
+    assert_rows_invariant(x, bf16_tiles(dense), n, lib)
+    assert_float32_sums(int4_matmul(x, bf16_tiles(dense), n, lib=lib), x, dense)
     for dtype in (torch.float32, torch.bfloat16):
         d, heads, kv_heads, rows = 64, 3, 1, 5
         qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=torch.Generator().manual_seed(1)).to(dtype)

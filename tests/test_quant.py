@@ -1,12 +1,12 @@
-"""CPU weight layouts: exact int4 packing of weights that lie on a Q4_1 or Q8_0 grid, and oneDNN's
-blocked layout for dense bfloat16 weights."""
+"""CPU weight layouts: exact int4 packing of weights that lie on a Q4_1 or Q8_0 grid, the native
+kernels' tiles for dense bfloat16 weights, and oneDNN's blocked layout for dense float32/bfloat16 weights."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from mtpctl.model.native import load_kernel
-from mtpctl.model.linears import BlockedLinear, blocked_layout_available, pack_exact
+from mtpctl.model.linears import BlockedLinear, TiledLinear, blocked_layout_available, pack_exact
 
 needs_onednn = pytest.mark.skipif(not blocked_layout_available(), reason="this torch build has no oneDNN linear ops")
 
@@ -132,6 +132,20 @@ def test_blocked_rows_do_not_depend_on_the_block(dtype, shape):
         assert torch.equal(blocked(x[:rows]), full[:rows])
     for i in range(33):
         assert torch.equal(blocked(x[i]), full[i])
+
+
+@pytest.mark.skipif(load_kernel() is None, reason="no C compiler here to build the native kernels")
+def test_tiled_weight_keeps_its_values_and_computes_a_row_alike_in_any_block():
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(960, 576, generator=g) * 0.05).bfloat16()
+    tiled = TiledLinear(w)
+    assert torch.equal(tiled.dense(), w) and tiled.nbytes == w.numel() * w.element_size()
+    x = (torch.randn(17, 576, generator=g) * torch.logspace(-2, 2, 17)[:, None]).bfloat16()
+    full = tiled(x)
+    torch.testing.assert_close(full.float(), F.linear(x.float(), w.float()), atol=0.02, rtol=0.01)
+    assert full.dtype == torch.bfloat16 and tiled(x.reshape(17, 1, 576)).shape == (17, 1, 960)
+    assert all(torch.equal(tiled(x[:rows]), full[:rows]) for rows in range(1, 17))
+    assert all(torch.equal(tiled(x[i]), full[i]) for i in range(17))
 
 
 def test_blocked_layout_refuses_other_dtypes():

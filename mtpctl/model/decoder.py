@@ -28,7 +28,8 @@ from mtpctl.model.config import DecoderConfig, RopeConfig
 from mtpctl.model.kv_cache import KVCache, PassSlots
 from mtpctl.model.native import (SlotPlan, StackWeights, attend, kernel_takes, layer_stack,
                                  norm_takes, rms_norm, rotate_write)
-from mtpctl.model.linears import BlockedLinear, PackedLinear, blocked_layout_available, pack_exact
+from mtpctl.model.linears import (BlockedLinear, PackedLinear, TiledLinear, blocked_layout_available, pack_exact,
+                                  tiles_take)
 from mtpctl.model.weights import load_tensors, safetensors_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -104,7 +105,8 @@ def _rms_norm_float32_scale(x: torch.Tensor, weight: torch.Tensor, eps: float) -
 
 
 def _linear(x: torch.Tensor, weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for a float weight, a :class:`PackedLinear` or a :class:`BlockedLinear`.
+    """``x @ weight.T + bias`` for a float weight, a :class:`PackedLinear`, :class:`TiledLinear` or
+    :class:`BlockedLinear`.
 
     A dense bfloat16 product of one row is computed as two (the row twice): this CPU's
     one-row bfloat16 kernel rounds differently from its many-row kernel on some inputs (a 1-ulp
@@ -112,7 +114,7 @@ def _linear(x: torch.Tensor, weight, bias: Optional[torch.Tensor] = None) -> tor
     row for row. Plain decoding then computes each token exactly as a verify pass does, for about
     the cost of one row (tests/test_engine.py).
     """
-    if isinstance(weight, (PackedLinear, BlockedLinear)):
+    if isinstance(weight, (PackedLinear, TiledLinear, BlockedLinear)):
         y = weight.forward(x)  # no hooks on these: skip nn.Module's call machinery (~4 us, 121 calls a step)
         return y if bias is None else y + bias
     if weight.dtype == torch.bfloat16 and x.numel() == x.shape[-1]:
@@ -357,6 +359,16 @@ class DecoderLayer(nn.Module):
         return x + out
 
 
+def _native_blob(linear) -> Optional[torch.Tensor]:
+    """The weight blob the native matmul reads of a linear layer (int4/int8 codes or bfloat16 tiles), or
+    None where it runs elsewhere."""
+    if isinstance(linear, TiledLinear):
+        return linear.blob
+    if isinstance(linear, PackedLinear) and linear.native:
+        return linear.parts[0][0]
+    return None
+
+
 class Decoder(nn.Module):
     """The target model: embeddings, ``num_hidden_layers`` blocks, final norm and lm_head.
 
@@ -402,10 +414,11 @@ class Decoder(nn.Module):
         Args:
             packed: keep the linear weights that are 4-bit/8-bit group-quantized (GGUF Q4_1 / Q8_0
                 imports) packed for the int4 CPU kernel (:mod:`mtpctl.model.linears`); bfloat16 only.
-            blocked: hold the other linear weights in oneDNN's blocked layout (:class:`BlockedLinear`,
-                the same values, faster decode and verify passes) where torch has oneDNN. For
-                decoding; such a model has no ``state_dict`` entries for them and cannot be traced to
-                ONNX.
+            blocked: hold the other linear weights for decoding kernels (the same values, faster decode
+                and verify passes): bfloat16 ones in the native kernels' tiles (:class:`TiledLinear`)
+                where those build, else (and float32 ones) in oneDNN's blocked layout
+                (:class:`BlockedLinear`) where torch has oneDNN. Such a model has no ``state_dict``
+                entries for them and cannot be traced to ONNX.
             native_int4: packed weights run on the native int4 kernel where it runs (None), or on
                 torch's (False; see :class:`PackedLinear`).
 
@@ -429,16 +442,18 @@ class Decoder(nn.Module):
         With ``packed``, each linear weight on a Q4_1/Q8_0 grid (detected on the checkpoint's float32
         values, see :func:`pack_exact`) is held as a :class:`PackedLinear` instead; their names are
         listed in ``packed_weights``. With ``blocked`` the other linear weights are held as
-        :class:`BlockedLinear` (oneDNN's blocked layout, the same values) where torch has oneDNN.
+        :class:`TiledLinear` (bfloat16, where the native kernels build) or :class:`BlockedLinear`
+        (oneDNN's blocked layout, where torch has oneDNN), the same values either way.
         """
-        blocked = blocked and blocked_layout_available()
 
         def hold_for_kernel(owner, attr, value) -> bool:
             """Hold a linear weight packed (int4) or blocked (oneDNN) instead of as a Parameter."""
             module = pack_exact(value, self.dtype, native_int4) if packed and attr in LINEARS else None
             if module is not None:
                 self.packed_weights.append(f"{getattr(owner, 'index', 'model')}.{attr}")
-            elif blocked and attr in LINEARS:  # oneDNN's blocked layout, same values
+            elif blocked and attr in LINEARS and tiles_take(value.to(self.dtype)):  # native tiles, same values
+                module = TiledLinear(value.to(self.dtype))
+            elif blocked and attr in LINEARS and blocked_layout_available():  # oneDNN's blocked layout, same values
                 module = BlockedLinear(value.to(self.dtype))
             else:
                 return False
@@ -499,7 +514,7 @@ class Decoder(nn.Module):
     def native_stack(self) -> Optional[StackWeights]:
         """What the native layer stack (:func:`mtpctl.model.native.layer_stack`) reads of this model's
         layers, or None where it does not cover them: it covers bfloat16 Llama-family blocks whose four
-        linear weights all run on the native int4 kernels, without biases, q/k norms, sandwich norms,
+        linear weights all run on the native kernels (int4 codes or bfloat16 tiles), without biases, q/k norms, sandwich norms,
         scaled embeddings, sliding windows or a second rope, with SiLU and shapes the native attention
         and norms take."""
         cfg, layers = self.cfg, list(self.layers)
@@ -507,15 +522,14 @@ class Decoder(nn.Module):
         covered = self.dtype == torch.bfloat16 and cfg.hidden_act == "silu" and not cfg.norm_offset \
             and self.embed_scale is None and all(w is None for w in cfg.layer_windows) \
             and norm_takes(cfg.hidden_size) and kernel_takes(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) \
-            and all(isinstance(getattr(layer, name), PackedLinear) and getattr(layer, name).native
-                    for layer in layers for name in linears) \
+            and all(_native_blob(getattr(layer, name)) is not None for layer in layers for name in linears) \
             and all(layer.qkv_bias is None and layer.gate_up_bias is None and layer.q_norm is None
                     and layer.attn_out_norm is None and layer.native_norms for layer in layers)
         if not covered or not layers:
             return None
         rows, keep = [], []
         for layer in layers:
-            blobs = [getattr(layer, name).parts[0][0] for name in linears]
+            blobs = [_native_blob(getattr(layer, name)) for name in linears]
             norms = [layer.input_norm.detach(), layer.post_attention_norm.detach()]
             keep += norms + blobs
             rows.append([t.data_ptr() for t in norms + blobs] + [blob.shape[2] for blob in blobs])
@@ -601,7 +615,7 @@ class Decoder(nn.Module):
         dense = {id(p): p.numel() * p.element_size() for p in self.parameters()}
         packed = sum(t.numel() * t.element_size() for m in self.modules() if isinstance(m, PackedLinear)
                      for part in m.parts for t in part)
-        blocked = sum(m.nbytes for m in self.modules() if isinstance(m, BlockedLinear))
+        blocked = sum(m.nbytes for m in self.modules() if isinstance(m, (BlockedLinear, TiledLinear)))
         return sum(dense.values()) + packed + blocked
 
     @property
@@ -619,7 +633,7 @@ class Decoder(nn.Module):
     def dense_lm_head(self) -> torch.Tensor:
         """The lm_head weight ``[vocab, hidden]`` as a dense tensor (a packed one is unpacked through
         its own kernel, so the values are those the model computes with)."""
-        if isinstance(self.lm_head, BlockedLinear):  # tied: the embedding holds the same values, no copy
+        if isinstance(self.lm_head, (BlockedLinear, TiledLinear)):  # tied: the embedding holds the same values
             return self.embed.detach() if self.cfg.tie_word_embeddings else self.lm_head.dense()
         if not isinstance(self.lm_head, PackedLinear):
             return self.lm_head.detach()

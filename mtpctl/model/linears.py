@@ -1,5 +1,6 @@
 """CPU weight layouts: 4-bit packing of weights that already are group-quantized (GGUF Q4_1 / Q8_0
-imports), and oneDNN's blocked layout for dense float32/bfloat16 weights (:class:`BlockedLinear`).
+imports), dense bfloat16 weights in the native kernels' tiles (:class:`TiledLinear`), and oneDNN's
+blocked layout for dense float32/bfloat16 weights (:class:`BlockedLinear`).
 
 A GGUF checkpoint dequantized to float32 still holds, in every group of 32 input weights, values of
 the form ``d * q + m`` (Q4_1: q in 0..15) or ``d * q`` (Q8_0: q in -127..127). Such a matrix is
@@ -25,7 +26,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
-from mtpctl.model.native import blob_codes, int4_matmul, int4_pack, int8_pack, load_kernel
+from mtpctl.model.native import bf16_tiles, bf16_untile, blob_codes, int4_matmul, int4_pack, int8_pack, load_kernel
 
 GROUP = 32
 REL_TOL = 1e-5  # reconstruction error allowed, relative to the group's largest |weight|
@@ -149,6 +150,47 @@ def pack_exact(weight: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
         return None
     parts = pack_q4(weight) or pack_q8(weight)
     return PackedLinear(parts, weight.shape[0], dtype, native) if parts else None
+
+
+class TiledLinear(nn.Module):
+    """``y = x @ W.T`` for a dense bfloat16 weight ``[N, K]`` on the native matmul (csrc/int4_matmul.c):
+    the weight's own values in tiles of 4 outputs and 32 inputs (:func:`bf16_tiles`), bfloat16 dot
+    products summed in float32 in a fixed order, the output rounded to bfloat16. A row is computed the
+    same alone or among any number of rows, so a decode step needs no second row (unlike
+    :class:`BlockedLinear`), and the native layer stack reads the tiles directly
+    (:func:`mtpctl.model.native.layer_stack`). Build it where :func:`mtpctl.model.native.load_kernel`
+    gives the kernels.
+
+    Input ``[..., K]`` and output ``[..., N]``, bfloat16.
+
+    Raises:
+        ValueError: a weight that is not 2-D bfloat16 with N a multiple of 4 and K of 32.
+    """
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.blob = bf16_tiles(weight.detach())
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        y = int4_matmul(flat, self.blob, self.out_features, out_dtype=torch.bfloat16)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def dense(self) -> torch.Tensor:
+        """The weight ``[N, K]`` as an ordinary (strided) tensor."""
+        return bf16_untile(self.blob)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blob.numel()
+
+
+def tiles_take(weight: torch.Tensor) -> bool:
+    """True when ``weight`` can be held as a :class:`TiledLinear`: 2-D bfloat16 with N a multiple of 4
+    and K of 32, on a CPU where the native kernels build."""
+    return weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[0] % 4 == 0 \
+        and weight.shape[1] % GROUP == 0 and load_kernel() is not None
 
 
 def blocked_layout_available() -> bool:

@@ -8,9 +8,9 @@ fixed order, so it is batch-invariant by construction (see the source's header).
 those passes (61 a SmolLM2 step) is one C call per norm instead of six to eight torch ops, again
 with each row's sum in a fixed order; and one call per layer rotates the queries and keys (RoPE),
 writes keys and values to the cache and lays the queries out for the attention kernel. int4 models'
-weights run on a 4-bit matmul whose cost grows far less with the rows of a pass than torch's, and
-a pass of such a model runs all its layers in one call (:func:`layer_stack`), without a Python
-dispatch per op.
+weights run on a 4-bit matmul whose cost grows far less with the rows of a pass than torch's, dense
+bfloat16 weights on the same kernel without the dequantization (:func:`bf16_tiles`), and a pass of
+such a model runs all its layers in one call (:func:`layer_stack`), without a Python dispatch per op.
 
 Both are compiled into one library with the system C compiler (``$CC``, else ``cc``) into
 ``$MTPCTL_HOME/kernels/`` the first time it is needed (about a second) and loaded with ctypes; it
@@ -198,7 +198,7 @@ def load_kernel(portable: bool = False) -> Optional[ctypes.CDLL]:
             if not _intact(path):
                 _build(path, flags, command)
         lib = ctypes.CDLL(str(path))
-        lib.tree_attention, lib.rms_norm, lib.rope_write, lib.q4_matmul, lib.q8_matmul, lib.layer_stack  # noqa: B018 (one missing)
+        lib.tree_attention, lib.rms_norm, lib.rope_write, lib.q4_matmul, lib.q8_matmul, lib.bf_matmul, lib.layer_stack  # noqa: B018 (one missing)
     except (OSError, AttributeError) as e:
         print(f"mtpctl: warning: native kernels (attention, RMSNorm, RoPE, int4) unavailable ({e}); using torch's "
               "ops (slower; install a C compiler or set $CC, or MTPCTL_NATIVE_ATTENTION=0 to silence this)",
@@ -207,7 +207,7 @@ def load_kernel(portable: bool = False) -> Optional[ctypes.CDLL]:
     lib.rms_norm.restype = ctypes.c_int
     lib.rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int,
                                                      ctypes.c_int]
-    for matmul in (lib.q4_matmul, lib.q8_matmul):
+    for matmul in (lib.q4_matmul, lib.q8_matmul, lib.bf_matmul):
         matmul.restype = ctypes.c_int
         matmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                            ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
@@ -472,6 +472,31 @@ def int8_pack(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.cat((codes, scales), dim=-1).contiguous()
 
 
+#: bytes per tile of 4 output rows and group of 32 inputs in :func:`bf16_tiles`' layout
+BF16_BLOCK = 256
+
+
+def bf16_tiles(weight: torch.Tensor) -> torch.Tensor:
+    """Lay out a dense bfloat16 weight ``[N, K]`` for :func:`int4_matmul` -> uint8 ``[N/4, K/32, 256]``:
+    per tile of 4 outputs and group of 32 inputs, output j's 32 weights at byte 64 j, unchanged.
+
+    Raises:
+        ValueError: not a 2-D bfloat16 weight with N a multiple of 4 and K of 32.
+    """
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[0] % 4 or weight.shape[1] % 32:
+        raise ValueError(f"bf16_tiles takes a bfloat16 weight [N, K] with N a multiple of 4 and K of 32; "
+                         f"got {weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape
+    tiles = weight.reshape(n // 4, 4, k // 32, 32).transpose(1, 2).contiguous()  # [N/4, G, 4, 32]
+    return tiles.view(torch.uint8).reshape(n // 4, k // 32, BF16_BLOCK)
+
+
+def bf16_untile(blob: torch.Tensor) -> torch.Tensor:
+    """The weight ``[N, K]`` bfloat16 a blob of :func:`bf16_tiles` holds (the same values)."""
+    tiles, g, _ = blob.shape
+    return blob.view(torch.bfloat16).reshape(tiles, g, 4, 32).transpose(1, 2).reshape(4 * tiles, 32 * g)
+
+
 def blob_codes(blob: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """The codes a blob of :func:`int4_pack` or :func:`int8_pack` holds, as those functions take them:
     (q ``[N, K]``, scale ``[N, K/32]``, zero ``[N, K/32]`` or None for 8-bit codes); packing them again
@@ -497,13 +522,13 @@ def blob_codes(blob: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, Optional
 
 
 #: bytes per tile of 4 outputs and group of 32 inputs -> the kernel that reads that layout
-_BLOCK_KERNELS = {INT4_BLOCK: "q4_matmul", 144: "q8_matmul"}
+_BLOCK_KERNELS = {INT4_BLOCK: "q4_matmul", 144: "q8_matmul", BF16_BLOCK: "bf_matmul"}
 
 
 def int4_matmul(x: torch.Tensor, blob: torch.Tensor, out_features: int, lib: Optional[ctypes.CDLL] = None,
                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``x @ W.T`` for weights laid out by :func:`int4_pack` (4-bit) or :func:`int8_pack` (8-bit; the
-    kernel follows the blob's layout): x ``[M, K]`` bfloat16 -> ``[M, N]`` in
+    """``x @ W.T`` for weights laid out by :func:`int4_pack` (4-bit), :func:`int8_pack` (8-bit) or
+    :func:`bf16_tiles` (dense bfloat16; the kernel follows the blob's layout): x ``[M, K]`` bfloat16 -> ``[M, N]`` in
     ``out_dtype`` (float32, or bfloat16: the float32 sums rounded to nearest even, as ``.to`` would),
     N = ``out_features``. Each row is computed the same way whatever M (csrc/int4_matmul.c).
 
@@ -517,7 +542,8 @@ def int4_matmul(x: torch.Tensor, blob: torch.Tensor, out_features: int, lib: Opt
     if x.dim() != 2 or x.dtype != torch.bfloat16 or blob.dtype != torch.uint8 or not blob.is_contiguous() \
             or blob.dim() != 3 or blob.shape[:2] != (out_features // 4, k // 32) or out_features % 4 or k % 32 \
             or blob.shape[2] not in _BLOCK_KERNELS:
-        raise ValueError(f"int4_matmul takes bfloat16 [M, K] activations and a [N/4, K/32, {INT4_BLOCK} or 144] uint8 blob; "
+        raise ValueError(f"int4_matmul takes bfloat16 [M, K] activations and a [N/4, K/32, {INT4_BLOCK}, 144 or "
+                         f"{BF16_BLOCK}] uint8 blob; "
                          f"got {x.dtype} {tuple(x.shape)} and {blob.dtype} {tuple(blob.shape)} for N = {out_features}")
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"int4_matmul writes float32 or bfloat16, not {out_dtype}")
@@ -535,13 +561,13 @@ def int4_matmul(x: torch.Tensor, blob: torch.Tensor, out_features: int, lib: Opt
 
 @dataclass(frozen=True)
 class StackWeights:
-    """What :func:`layer_stack` reads of an int4 Llama-family model's layers (built by
+    """What :func:`layer_stack` reads of an int4 or dense bfloat16 Llama-family model's layers (built by
     :meth:`mtpctl.model.decoder.Decoder.native_stack`).
 
     Attributes:
         table: ``[layers, 10]`` long, per layer the addresses of its two norm weights (bfloat16
-            ``[hidden]``) and four weight blobs (:func:`int4_pack` / :func:`int8_pack`), then each
-            blob's bytes per tile (96: 4-bit, 144: 8-bit): input norm, post-attention norm, qkv,
+            ``[hidden]``) and four weight blobs (:func:`int4_pack` / :func:`int8_pack` / :func:`bf16_tiles`),
+            then each blob's bytes per tile (96: 4-bit, 144: 8-bit, 256: bfloat16): input norm, post-attention norm, qkv,
             o_proj, gate_up, down, then their four tile sizes (``struct layer_weights``).
         shape: ``[6]`` long: layers, hidden, intermediate, heads, KV heads, head_dim.
         keep: the tensors the addresses point into (held so they stay alive).
@@ -558,7 +584,7 @@ class StackWeights:
 def layer_stack(x: torch.Tensor, stack: StackWeights, final_norm: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, kv: torch.Tensor, dest: torch.Tensor, kv_bf16: bool, plan: SlotPlan,
                 lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
-    """Every layer of an int4 model's decode or verify pass, then its final norm, in one native call
+    """Every layer of an int4 or dense bfloat16 model's decode, verify or prefill pass, then its final norm, in one native call
     (csrc/layer_stack.c): the computation of :class:`mtpctl.model.decoder.DecoderLayer` on the
     native kernels, with SiLU's exponential of its own (results agree to rounding, not bit for bit),
     each token's row computed alike alone or in any pass.

@@ -1,11 +1,13 @@
-/* y = x @ W.T for GGUF's 4-bit (Q4_1) and 8-bit (Q8_0) weights with bfloat16 activations, for decode,
- * verify and prefill passes of int4 models.
+/* y = x @ W.T for GGUF's 4-bit (Q4_1) and 8-bit (Q8_0) weights, and for dense bfloat16 weights, with
+ * bfloat16 activations, for decode, verify and prefill passes of int4 and dense bfloat16 models.
  *
  * Built into the same library as tree_attention.c by mtpctl/model/native.py, which also lays the
  * weights out (int4_pack, int8_pack): tiles of 4 output rows; tile t, group g (32 inputs) at
  * blob + (t * G + g) * BLOCK bytes. q4 (BLOCK 96): 64 bytes of codes (output j's 16 bytes at 16 j,
  * byte i = q[i] | q[16 + i] << 4), then float32 s[4], z[4]: output j's weights are s[j] * q + z[j].
  * q8 (BLOCK 144): 128 bytes of int8 codes (output j's 32 at 32 j), then float32 s[4]: weights s[j] * q.
+ * bf (BLOCK 256): output j's 32 bfloat16 weights at 64 j, read as they are (no dequantization; passes
+ * of more than 8 rows read them from the blob, which is already the buffer the quantized kinds build).
  *
  * Arithmetic, the same for every row whatever the pass: each group's 32 weights are dequantized to
  * bfloat16 (q4: s * q + z as one fused multiply-add; q8: s * q; rounded to the nearest bfloat16,
@@ -39,6 +41,7 @@ static inline int thread_index(void) { return 0; }
 #define NT 4           /* output rows per tile */
 #define BLOCK_q4 96    /* bytes per (tile, group): 4 x 16 bytes of 4-bit codes, 4 scales, 4 zeros */
 #define BLOCK_q8 144   /* 4 x 32 int8 codes, 4 scales */
+#define BLOCK_bf 256   /* 4 x 32 bfloat16 weights */
 #define CHUNK 4        /* activation rows sharing registers */
 #define DIRECT 8       /* passes of up to this many rows dequantize in registers (TILE, TILE_PAIRS) */
 
@@ -66,6 +69,13 @@ static inline wvec dequant_q8(const uint8_t *block, int j, __m512 unused) {
     __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 32 * j + 16))));
     return _mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, scale), _mm512_mul_ps(lo, scale));
 }
+/* dense blocks: output j's 32 bfloat16 weights as they are */
+static inline wvec dequant_bf(const uint8_t *block, int j, __m512 unused) {
+    (void)unused;
+    return (wvec)_mm512_loadu_si512(block + 64 * j);
+}
+/* a weight vector from a buffer or a dense blob, which need not be 64-byte aligned */
+static inline wvec load_w(const wvec *p) { return (wvec)_mm512_loadu_si512(p); }
 typedef __m512 accum;
 static inline accum acc_zero(void) { return _mm512_setzero_ps(); }
 static inline accum acc_dot(accum a, const uint16_t *x, wvec w) {
@@ -93,6 +103,13 @@ static inline wvec dequant_q8(const uint8_t *block, int j, float unused) {
         out.v[i] = float_to_bf16((float)(int8_t)block[32 * j + i] * scale);
     return out;
 }
+static inline wvec dequant_bf(const uint8_t *block, int j, float unused) {
+    (void)unused;
+    wvec out;
+    memcpy(out.v, block + 64 * j, 64);
+    return out;
+}
+static inline wvec load_w(const wvec *p) { return *p; }
 typedef struct { float v[16]; } accum;
 static inline accum acc_zero(void) { accum a; memset(&a, 0, sizeof a); return a; }
 static inline accum acc_dot(accum a, const uint16_t *x, wvec w) {
@@ -120,7 +137,7 @@ static inline float acc_sum(accum a) { float s = 0.f; for (int l = 0; l < 16; l+
                 acc[j][r] = acc_zero();                                                                    \
         for (int64_t g = 0; g < G; g++)                                                                    \
             for (int j = 0; j < NT; j++) {                                                                 \
-                wvec w = wbuf ? wbuf[g * NT + j] : dequant_##KIND(tile + g * BLOCK_##KIND, j, iota);       \
+                wvec w = wbuf ? load_w(wbuf + g * NT + j) : dequant_##KIND(tile + g * BLOCK_##KIND, j, iota); \
                 for (int r = 0; r < R; r++)                                                                \
                     acc[j][r] = acc_dot(acc[j][r], x + (m0 + r) * K + g * 32, w);                         \
             }                                                                                              \
@@ -199,9 +216,10 @@ static inline float acc_sum(accum a) { float s = 0.f; for (int l = 0; l < 16; l+
             return -1;                                                                                     \
         int64_t G = K / 32;                                                                                \
         IOTA_T iota = make_iota();                                                                         \
-        /* passes of more than DIRECT rows: one dequantized tile per thread (G * NT * 64 bytes) */        \
+        /* passes of more than DIRECT rows: one dequantized tile per thread (G * NT * 64 bytes); dense    \
+         * tiles are read where they are by passes of more than CHUNK rows */                             \
         wvec *buffers = NULL;                                                                              \
-        if (M > DIRECT) {                                                                                  \
+        if (M > DIRECT && BLOCK_##KIND != BLOCK_bf) {                                                      \
             buffers = aligned_alloc(64, sizeof(wvec) * (size_t)(G * NT * threads));                        \
             if (buffers == NULL)                                                                           \
                 return -2;                                                                                 \
@@ -209,11 +227,12 @@ static inline float acc_sum(accum a) { float s = 0.f; for (int l = 0; l < 16; l+
         _Pragma("omp parallel for num_threads(threads) schedule(static)")                                 \
         for (int64_t t = 0; t < N / NT; t++) {                                                             \
             const uint8_t *tile = blob + t * G * BLOCK_##KIND;                                             \
-            wvec *wbuf = buffers ? buffers + thread_index() * G * NT : NULL;                               \
-            if (wbuf)                                                                                      \
+            wvec *own = buffers ? buffers + thread_index() * G * NT : NULL;                                \
+            if (own)                                                                                       \
                 for (int64_t g = 0; g < G; g++)                                                            \
                     for (int j = 0; j < NT; j++)                                                           \
-                        wbuf[g * NT + j] = dequant_##KIND(tile + g * BLOCK_##KIND, j, iota);               \
+                        own[g * NT + j] = dequant_##KIND(tile + g * BLOCK_##KIND, j, iota);                \
+            const wvec *wbuf = own ? own : BLOCK_##KIND == BLOCK_bf && M > CHUNK ? (const wvec *)tile : NULL; \
             rows_##KIND(x, M, K, tile, wbuf, N, t * NT, y, bf16_out, iota);                                \
         }                                                                                                  \
         free(buffers);                                                                                     \
@@ -231,6 +250,7 @@ static inline IOTA_T make_iota(void) {
 #endif
 }
 
-/* q4_matmul: 4-bit codes (Q4_1); q8_matmul: 8-bit codes (Q8_0) */
+/* q4_matmul: 4-bit codes (Q4_1); q8_matmul: 8-bit codes (Q8_0); bf_matmul: dense bfloat16 weights */
 MATMUL(q4)
 MATMUL(q8)
+MATMUL(bf)

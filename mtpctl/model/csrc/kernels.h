@@ -15,4 +15,6 @@ int q4_matmul(const uint16_t *x, int64_t M, int64_t K, const uint8_t *blob, int6
               int threads);
 int q8_matmul(const uint16_t *x, int64_t M, int64_t K, const uint8_t *blob, int64_t N, void *y, int bf16_out,
               int threads);
+int bf_matmul(const uint16_t *x, int64_t M, int64_t K, const uint8_t *blob, int64_t N, void *y, int bf16_out,
+              int threads);
 #endif

@@ -1,4 +1,5 @@
-/* Every decoder layer of a decode or verify pass of an int4 Llama-family model in one call.
+/* Every decoder layer of a decode, verify or prefill pass of an int4 or dense bfloat16 Llama-family
+ * model in one call.
  *
  * Built into the same library as tree_attention.c by mtpctl/model/native.py. A pass through the
  * layers one by one from Python runs about a dozen kernel calls and tensor ops per layer (norms, the
@@ -31,7 +32,7 @@
 struct layer_weights {
     int64_t input_norm, post_attention_norm; /* [hidden] bfloat16 */
     int64_t qkv, o_proj, gate_up, down;      /* int4_pack / int8_pack blobs */
-    int64_t qkv_block, o_proj_block, gate_up_block, down_block; /* 96: 4-bit codes, 144: 8-bit codes */
+    int64_t qkv_block, o_proj_block, gate_up_block, down_block; /* 96: 4-bit codes, 144: 8-bit, 256: bfloat16 */
 };
 
 static int matmul(const uint16_t *x, int64_t m, int64_t k, int64_t blob, int64_t block, int64_t n, uint16_t *y,
@@ -41,6 +42,8 @@ static int matmul(const uint16_t *x, int64_t m, int64_t k, int64_t blob, int64_t
         return q4_matmul(x, m, k, w, n, y, 1, threads);
     if (block == 144)
         return q8_matmul(x, m, k, w, n, y, 1, threads);
+    if (block == 256)
+        return bf_matmul(x, m, k, w, n, y, 1, threads);
     return -1;
 }
 
