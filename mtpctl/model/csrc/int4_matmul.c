@@ -126,7 +126,11 @@ static inline float acc_sum(accum a) { float s = 0.f; for (int l = 0; l < 16; l+
 #define IOTA_T float
 #endif
 
-/* rows m0..m0+R of one tile, weights dequantized in registers (direct) or read from wbuf */
+/* rows m0..m0+R of one tile, weights dequantized in registers (direct) or read from wbuf. Passes of 3
+ * rows or more ask for the next tile's group while they compute this one's (a prefetch, which never
+ * faults past the blob's end): with that much arithmetic between loads, the hardware's own prefetch
+ * left a pass of a whole model 5-20% slower at 6-16 rows (int4 and bfloat16); one or two rows stream
+ * fast enough without it. */
 #define TILE(KIND, R)                                                                                      \
     static void tile_##KIND##_##R(const uint16_t *x, int64_t K, const uint8_t *tile, const wvec *wbuf,      \
                                   int64_t N, int64_t n0, int64_t m0, void *y, int bf16_out, IOTA_T iota) { \
@@ -135,12 +139,16 @@ static inline float acc_sum(accum a) { float s = 0.f; for (int l = 0; l < 16; l+
         for (int j = 0; j < NT; j++)                                                                       \
             for (int r = 0; r < R; r++)                                                                    \
                 acc[j][r] = acc_zero();                                                                    \
-        for (int64_t g = 0; g < G; g++)                                                                    \
+        for (int64_t g = 0; g < G; g++) {                                                                  \
+            if (R > 2)                                                                                     \
+                for (int l = 0; l < BLOCK_##KIND; l += 64)                                                 \
+                    __builtin_prefetch(tile + (G + g) * BLOCK_##KIND + l, 0, 3);                            \
             for (int j = 0; j < NT; j++) {                                                                 \
                 wvec w = wbuf ? load_w(wbuf + g * NT + j) : dequant_##KIND(tile + g * BLOCK_##KIND, j, iota); \
                 for (int r = 0; r < R; r++)                                                                \
                     acc[j][r] = acc_dot(acc[j][r], x + (m0 + r) * K + g * 32, w);                         \
             }                                                                                              \
+        }                                                                                                  \
         for (int j = 0; j < NT; j++)                                                                       \
             for (int r = 0; r < R; r++) {                                                                  \
                 float sum = acc_sum(acc[j][r]);                                                            \
@@ -163,12 +171,16 @@ static inline float acc_sum(accum a) { float s = 0.f; for (int l = 0; l < 16; l+
             for (int j = 0; j < 2; j++)                                                                    \
                 for (int r = 0; r < R; r++)                                                                \
                     acc[j][r] = acc_zero();                                                                \
-            for (int64_t g = 0; g < G; g++)                                                                \
+            for (int64_t g = 0; g < G; g++) {                                                              \
+                if (jp == 0)                                                                               \
+                    for (int l = 0; l < BLOCK_##KIND; l += 64)                                             \
+                        __builtin_prefetch(tile + (G + g) * BLOCK_##KIND + l, 0, 3);                        \
                 for (int j = 0; j < 2; j++) {                                                              \
                     wvec w = dequant_##KIND(tile + g * BLOCK_##KIND, jp + j, iota);                        \
                     for (int r = 0; r < R; r++)                                                            \
                         acc[j][r] = acc_dot(acc[j][r], x + (m0 + r) * K + g * 32, w);                     \
                 }                                                                                          \
+            }                                                                                              \
             for (int j = 0; j < 2; j++)                                                                    \
                 for (int r = 0; r < R; r++) {                                                              \
                     float sum = acc_sum(acc[j][r]);                                                        \
