@@ -5,8 +5,9 @@ Times ``TorchEngine.verify`` (the forward pass only: no logits, no drafting) aft
 depth-2 spine and leaves), and prints a Markdown table of milliseconds per pass (median of ``--reps``)
 and the ratio to the plain step. A verify pass of N tokens costing r times a plain step pays off only
 when a step commits more than r tokens on average. ``--kernels default,blocked`` also times the dense
-modes with torch's default linear kernel (a Decoder loaded without oneDNN's blocked layout, which a
-TorchSession uses), rows of the two alternating pass by pass. ``--attention torch,native`` likewise times
+modes with torch's default linear kernel (a Decoder loaded as plain Parameters) beside a TorchSession's
+decoding layout (bfloat16: the native kernels' tiles, labelled "tiles"; float32: oneDNN's blocked
+layout, "blocked"), rows of the two alternating pass by pass. ``--attention torch,native`` likewise times
 torch's batch-invariant attention ops against the native kernels (``mtpctl.model.native``), and
 ``--int4-kernels torch,native`` torch's int4 matmul against the native one (csrc/int4_matmul.c).
 
@@ -56,7 +57,8 @@ def main(argv=None) -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--kernels", default="blocked",
-                   help="dense modes: blocked (a TorchSession's oneDNN layout), default (torch's kernel) or both")
+                   help="dense modes: blocked (a TorchSession's layout: bfloat16 tiles, float32 oneDNN's blocked "
+                        "layout), default (torch's kernel) or both")
     p.add_argument("--int4-kernels", default="native",
                    help="int4 mode: native (csrc/int4_matmul.c, where it builds), torch (torch's int4 kernel) or both")
     p.add_argument("--attention", default="native",
@@ -75,6 +77,7 @@ def main(argv=None) -> None:
     for mode in args.modes.split(","):
         kernels = [f"int4-{k}" for k in args.int4_kernels.split(",")] if mode == "int4" else args.kernels.split(",")
         engines = {}
+        labels = {}
         for kernel in kernels:
             if kernel == "default":
                 model = Decoder.from_folder(folder, DTYPES[MODES[mode][0]])
@@ -82,6 +85,7 @@ def main(argv=None) -> None:
                 model = Decoder.from_folder(folder, torch.bfloat16, packed=True, blocked=True, native_int4=False)
             else:
                 model = TorchSession(folder, *MODES[mode]).model
+            labels[kernel] = {"TiledLinear": "tiles"}.get(type(model.layers[0].qkv).__name__, kernel)
             for attention in args.attention.split(","):
                 engine = TorchEngine(model, args.context + max(sizes) + 1, native=attention == "native")
                 engine.prefill(list(range(100, 100 + args.context)))
@@ -97,7 +101,7 @@ def main(argv=None) -> None:
             cells = [f"{plain:.1f}"] + [f"{statistics.median(times[kernel, shape, n]):.1f} "
                                         f"({statistics.median(times[kernel, shape, n]) / plain:.2f}x)"
                                         for shape, n in shapes[1:]]
-            print(f"| {mode} | {kernel[0]} | {kernel[1]} | " + " | ".join(cells) + " |")
+            print(f"| {mode} | {labels[kernel[0]]} | {kernel[1]} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -445,15 +445,17 @@ class Decoder(nn.Module):
         :class:`TiledLinear` (bfloat16, where the native kernels build) or :class:`BlockedLinear`
         (oneDNN's blocked layout, where torch has oneDNN), the same values either way.
         """
+        onednn = blocked and blocked_layout_available()
 
         def hold_for_kernel(owner, attr, value) -> bool:
-            """Hold a linear weight packed (int4) or blocked (oneDNN) instead of as a Parameter."""
+            """Hold a linear weight packed (int4), tiled (native bfloat16) or blocked (oneDNN) instead of
+            as a Parameter."""
             module = pack_exact(value, self.dtype, native_int4) if packed and attr in LINEARS else None
             if module is not None:
                 self.packed_weights.append(f"{getattr(owner, 'index', 'model')}.{attr}")
-            elif blocked and attr in LINEARS and tiles_take(value.to(self.dtype)):  # native tiles, same values
+            elif blocked and attr in LINEARS and tiles_take(self.dtype, tuple(value.shape)):  # native tiles
                 module = TiledLinear(value.to(self.dtype))
-            elif blocked and attr in LINEARS and blocked_layout_available():  # oneDNN's blocked layout, same values
+            elif onednn and attr in LINEARS:  # oneDNN's blocked layout, same values
                 module = BlockedLinear(value.to(self.dtype))
             else:
                 return False
@@ -514,9 +516,9 @@ class Decoder(nn.Module):
     def native_stack(self) -> Optional[StackWeights]:
         """What the native layer stack (:func:`mtpctl.model.native.layer_stack`) reads of this model's
         layers, or None where it does not cover them: it covers bfloat16 Llama-family blocks whose four
-        linear weights all run on the native kernels (int4 codes or bfloat16 tiles), without biases, q/k norms, sandwich norms,
-        scaled embeddings, sliding windows or a second rope, with SiLU and shapes the native attention
-        and norms take."""
+        linear weights all run on the native kernels (int4 codes or bfloat16 tiles), without biases,
+        q/k norms, sandwich norms, scaled embeddings, sliding windows or a second rope, with SiLU and
+        shapes the native attention and norms take."""
         cfg, layers = self.cfg, list(self.layers)
         linears = ("qkv", "o_proj", "gate_up", "down")
         covered = self.dtype == torch.bfloat16 and cfg.hidden_act == "silu" and not cfg.norm_offset \

@@ -186,11 +186,11 @@ class TiledLinear(nn.Module):
         return self.blob.numel()
 
 
-def tiles_take(weight: torch.Tensor) -> bool:
-    """True when ``weight`` can be held as a :class:`TiledLinear`: 2-D bfloat16 with N a multiple of 4
-    and K of 32, on a CPU where the native kernels build."""
-    return weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[0] % 4 == 0 \
-        and weight.shape[1] % GROUP == 0 and load_kernel() is not None
+def tiles_take(dtype: torch.dtype, shape: Tuple[int, ...]) -> bool:
+    """True when a weight of ``dtype`` and ``shape`` can be held as a :class:`TiledLinear`: 2-D bfloat16
+    with N a multiple of 4 and K of 32, on a CPU where the native kernels build."""
+    return dtype == torch.bfloat16 and len(shape) == 2 and shape[0] % 4 == 0 and shape[1] % GROUP == 0 \
+        and load_kernel() is not None
 
 
 def blocked_layout_available() -> bool:

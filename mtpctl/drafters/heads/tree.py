@@ -14,10 +14,10 @@ from mtpctl.decode.tree import DraftTree
 from mtpctl.errors import BadInput
 
 #: draft tree size (nodes) per mode when neither a tree nor a size is given. Measured with the
-#: recipe's heads (BENCHMARKS.md, heads section): 4 nodes beat 8 in float32 (1.67x vs 1.55x plain)
-#: and dense bfloat16 (1.59x vs 1.54x); in int4, whose kernel pays for every row, 2 nodes beat 3 and 4
-#: (1.04x, 1.01x, 0.83x).
-DEFAULT_TREE_NODES = {"float32": 4, "bfloat16": 4, "int4": 2}
+#: recipe's heads (BENCHMARKS.md, heads section): in float32 4 nodes beat 2 and 8 (1.73x, 1.55x, 1.62x
+#: plain); where the native kernels make every row cost, 2 nodes beat 4: dense bfloat16 (1.18x vs
+#: 1.01x) and int4 (0.94x vs 0.78x).
+DEFAULT_TREE_NODES = {"float32": 4, "bfloat16": 2, "int4": 2}
 
 
 @dataclass(frozen=True)
