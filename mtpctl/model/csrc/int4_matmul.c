@@ -7,7 +7,8 @@
  * byte i = q[i] | q[16 + i] << 4), then float32 s[4], z[4]: output j's weights are s[j] * q + z[j].
  * q8 (BLOCK 144): 128 bytes of int8 codes (output j's 32 at 32 j), then float32 s[4]: weights s[j] * q.
  * bf (BLOCK 256): output j's 32 bfloat16 weights at 64 j, read as they are (no dequantization; passes
- * of more than 8 rows read them from the blob, which is already the buffer the quantized kinds build).
+ * of more than 4 rows read them four rows at a time from the blob, which is already the buffer the
+ * quantized kinds build).
  *
  * Arithmetic, the same for every row whatever the pass: each group's 32 weights are dequantized to
  * bfloat16 (q4: s * q + z as one fused multiply-add; q8: s * q; rounded to the nearest bfloat16,
@@ -129,8 +130,8 @@ static inline float acc_sum(accum a) { float s = 0.f; for (int l = 0; l < 16; l+
 /* rows m0..m0+R of one tile, weights dequantized in registers (direct) or read from wbuf. Passes of 3
  * rows or more ask for the next tile's group while they compute this one's (a prefetch, which never
  * faults past the blob's end): with that much arithmetic between loads, the hardware's own prefetch
- * left a pass of a whole model 5-20% slower at 6-16 rows (int4 and bfloat16); one or two rows stream
- * fast enough without it. */
+ * left a whole model's matmuls 4-16% slower at 6-16 rows in int4 and 20% at 16 rows in bfloat16; one
+ * or two rows stream fast enough without it. */
 #define TILE(KIND, R)                                                                                      \
     static void tile_##KIND##_##R(const uint16_t *x, int64_t K, const uint8_t *tile, const wvec *wbuf,      \
                                   int64_t N, int64_t n0, int64_t m0, void *y, int bf16_out, IOTA_T iota) { \
