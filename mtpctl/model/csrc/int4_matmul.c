@@ -43,6 +43,9 @@ static inline int thread_index(void) { return 0; }
 #define BLOCK_q4 96    /* bytes per (tile, group): 4 x 16 bytes of 4-bit codes, 4 scales, 4 zeros */
 #define BLOCK_q8 144   /* 4 x 32 int8 codes, 4 scales */
 #define BLOCK_bf 256   /* 4 x 32 bfloat16 weights */
+#define PREFETCH_q4 3  /* locality hint of the next tile's prefetch: 3 into L1, 2 into L2 (see TILE) */
+#define PREFETCH_q8 3
+#define PREFETCH_bf 2
 #define CHUNK 4        /* activation rows sharing registers */
 #define DIRECT 8       /* passes of up to this many rows dequantize in registers (TILE, TILE_PAIRS) */
 
@@ -131,7 +134,10 @@ static inline float acc_sum(accum a) { float s = 0.f; for (int l = 0; l < 16; l+
  * rows or more ask for the next tile's group while they compute this one's (a prefetch, which never
  * faults past the blob's end): with that much arithmetic between loads, the hardware's own prefetch
  * left a whole model's matmuls 4-16% slower at 6-16 rows in int4 and 20% at 16 rows in bfloat16; one
- * or two rows stream fast enough without it. */
+ * or two rows stream fast enough without it. Dense tiles are prefetched into L2 only, quantized ones
+ * into L1 as well: a dense tile is read again for every 4 rows, and the L2 hint took 15-30% off a
+ * whole model's dense matmuls at 3-12 rows (5-17% at 16); quantized tiles, read once, went 3-7%
+ * slower at 3-8 rows with it (2-3% faster at 12-16). */
 #define TILE(KIND, R)                                                                                      \
     static void tile_##KIND##_##R(const uint16_t *x, int64_t K, const uint8_t *tile, const wvec *wbuf,      \
                                   int64_t N, int64_t n0, int64_t m0, void *y, int bf16_out, IOTA_T iota) { \
@@ -143,7 +149,7 @@ static inline float acc_sum(accum a) { float s = 0.f; for (int l = 0; l < 16; l+
         for (int64_t g = 0; g < G; g++) {                                                                  \
             if (R > 2)                                                                                     \
                 for (int l = 0; l < BLOCK_##KIND; l += 64)                                                 \
-                    __builtin_prefetch(tile + (G + g) * BLOCK_##KIND + l, 0, 3);                            \
+                    __builtin_prefetch(tile + (G + g) * BLOCK_##KIND + l, 0, PREFETCH_##KIND);              \
             for (int j = 0; j < NT; j++) {                                                                 \
                 wvec w = wbuf ? load_w(wbuf + g * NT + j) : dequant_##KIND(tile + g * BLOCK_##KIND, j, iota); \
                 for (int r = 0; r < R; r++)                                                                \
@@ -175,7 +181,7 @@ static inline float acc_sum(accum a) { float s = 0.f; for (int l = 0; l < 16; l+
             for (int64_t g = 0; g < G; g++) {                                                              \
                 if (jp == 0)                                                                               \
                     for (int l = 0; l < BLOCK_##KIND; l += 64)                                             \
-                        __builtin_prefetch(tile + (G + g) * BLOCK_##KIND + l, 0, 3);                        \
+                        __builtin_prefetch(tile + (G + g) * BLOCK_##KIND + l, 0, PREFETCH_##KIND);          \
                 for (int j = 0; j < 2; j++) {                                                              \
                     wvec w = dequant_##KIND(tile + g * BLOCK_##KIND, jp + j, iota);                        \
                     for (int r = 0; r < R; r++)                                                            \
