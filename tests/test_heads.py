@@ -378,6 +378,27 @@ def test_truncated_heads_on_int4_weights_score_with_the_targets_own_codes():
     assert run(model, MedusaDrafter(StaticTree.from_paths(TREES["mixed"], 3), heads, model)).token_ids == reference
 
 
+def test_truncated_heads_on_a_tiled_target_project_through_tiles():
+    """With a tiled lm_head (dense bfloat16 on the native kernels) a draft-vocabulary projection is held in
+    tiles too: the target's logits of those tokens bit for bit (same values, same kernel), and decoding
+    with such heads stays exact."""
+    from mtpctl.model.linears import TiledLinear
+
+    model = random_decoder(0, dtype=torch.bfloat16, blocked=True, vocab=272)  # tiles take outputs in fours
+    if not isinstance(model.lm_head, TiledLinear):
+        pytest.skip("the native kernels do not build here (no C compiler)")
+    vocab, hidden = model.cfg.vocab_size, model.cfg.hidden_size
+    token_map = torch.randperm(vocab, generator=torch.Generator().manual_seed(1))[:64]
+    cfg = HeadsConfig("medusa", 3, 1, False, hidden, vocab, draft_vocab_size=64, token_conditioned=False)
+    heads = MedusaHeads(cfg, torch.bfloat16, model.dense_lm_head(), token_map, blocked=True,
+                        target_kernel=model.lm_head)
+    assert isinstance(heads.projection_kernel, TiledLinear)
+    x = torch.randn(3, 2, hidden, generator=torch.Generator().manual_seed(2)).bfloat16()
+    assert torch.equal(heads.project(x), model.logits(x)[..., token_map])
+    reference = greedy_reference(model, PROMPT, 40)
+    assert run(model, MedusaDrafter(StaticTree.from_paths(TREES["mixed"], 3), heads, model)).token_ids == reference
+
+
 @pytest.mark.real
 def test_real_int4_tree_nodes_equal_plain_decoding_of_their_path(smollm2_folder):
     """On the real SmolLM2 (int4 weights, 300-token context) a node whose ancestors sit at scattered

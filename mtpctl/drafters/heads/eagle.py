@@ -139,10 +139,11 @@ class EagleHead(DraftLayer):
         dtype: parameter dtype.
         target_lm_head: ``[vocab, hidden]`` the target's lm_head (required with a draft vocabulary).
         token_map: ``[V_d]`` target ids of the draft vocabulary.
-        blocked: also hold the projection in a decoding layout (oneDNN's blocked one,
-            :func:`mtpctl.model.linears.blocked_copy`).
+        blocked: also hold the projection in a decoding layout (the target's, else oneDNN's blocked
+            one: :func:`mtpctl.model.linears.projection_copy`).
         target_kernel: the target's lm_head module; with ``blocked``, a packed one (int4 weights) lends
-            the projection its own codes (:func:`mtpctl.model.linears.projection_copy`).
+            the projection its own codes, a tiled one (dense bfloat16) its layout
+            (:func:`mtpctl.model.linears.projection_copy`).
 
     Raises:
         ValueError: a draft vocabulary without ``token_map`` or ``target_lm_head``.

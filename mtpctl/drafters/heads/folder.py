@@ -31,7 +31,7 @@ def load_heads(folder: Path, dtype: torch.dtype = torch.float32, target_lm_head:
             truncated draft vocabulary or their own lm_heads (see :class:`MedusaHeads`).
         blocked: for decoding, hold the draft-vocabulary projection in a decoding layout too.
         target_kernel: the target's lm_head module (with ``blocked``: a packed one lends a truncated
-            projection its codes, :func:`mtpctl.model.linears.projection_copy`).
+            projection its codes, a tiled one its layout, :func:`mtpctl.model.linears.projection_copy`).
         kinds: the head kinds the caller can run (another kind is BadInput).
 
     Raises:

@@ -71,10 +71,11 @@ class MedusaHeads(nn.Module):
             own lm_head, and the frozen projection of truncated shared heads. Required unless the
             heads share the full lm_head (then the caller passes ``lm_head`` to :meth:`forward`).
         token_map: ``[V_d]`` target ids of the draft vocabulary (required when V_d > 0).
-        blocked: also hold the truncated projection in a decoding layout (oneDNN's blocked one, see
-            :func:`mtpctl.model.linears.blocked_copy`).
+        blocked: also hold the truncated projection in a decoding layout (the target's, else oneDNN's
+            blocked one: :func:`mtpctl.model.linears.projection_copy`).
         target_kernel: the target's lm_head module; with ``blocked``, a packed one (int4 weights) lends
-            the projection its own codes (:func:`mtpctl.model.linears.projection_copy`).
+            the projection its own codes, a tiled one (dense bfloat16) its layout
+            (:func:`mtpctl.model.linears.projection_copy`).
     """
 
     def __init__(self, cfg: HeadsConfig, dtype: torch.dtype = torch.float32,
