@@ -211,21 +211,48 @@ def test_stacked_heads_give_each_head_its_own_features_bit_for_bit(tiny_model, d
     """The drafter runs its heads stacked (one token projection, one batched matmul per block layer);
     every head's features are what the heads compute one by one, for one row and for several: bit for
     bit in bfloat16, to rounding in float32 (torch's one-row float32 matmul sums in another order)."""
+    heads = _random_medusa(tiny_model, dtype, conditioned, layers)
+    stacked = StackedHeads(heads, 2, tiles=False)
+    for rows in (1, 5):
+        got, want = _stacked_and_one_by_one(stacked, heads, rows, conditioned, dtype)
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("conditioned, layers", [(True, 1), (False, 2)])
+def test_stacked_bfloat16_heads_on_tiles_give_their_features_to_rounding(tiny_model, conditioned, layers):
+    """On the native kernels bfloat16 heads run their products on tiles: each head's features are the
+    heads' own to bfloat16 rounding (the float32 sums run in another order), and a row's features are
+    the same alone or among others (the tiled matmul computes a row the same in any pass)."""
+    heads = _random_medusa(tiny_model, torch.bfloat16, conditioned, layers)
+    stacked = StackedHeads(heads, 2)
+    if stacked.tiles is None:
+        pytest.skip("the native kernels do not build here (no C compiler)")
+    got, want = _stacked_and_one_by_one(stacked, heads, 5, conditioned, torch.bfloat16)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    alone, _ = _stacked_and_one_by_one(stacked, heads, 1, conditioned, torch.bfloat16)
+    assert torch.equal(alone[0], got[0])
+
+
+def _random_medusa(tiny_model, dtype, conditioned: bool, layers: int) -> MedusaHeads:
     hidden = tiny_model.cfg.hidden_size
     cfg = HeadsConfig("medusa", 3, layers, False, hidden, tiny_model.cfg.vocab_size, 0, token_conditioned=conditioned)
     heads = MedusaHeads(cfg, dtype)
     torch.manual_seed(0)
     for p in heads.parameters():
         p.data.normal_(std=0.2)
-    stacked = StackedHeads(heads, 2)
-    for rows in (1, 5):
-        x, e = torch.randn(rows, hidden).to(dtype), torch.randn(rows, hidden).to(dtype)
-        with torch.inference_mode():
-            got, want = stacked(x, e if conditioned else None), heads.features(x, e if conditioned else None, 2)
-            if dtype == torch.bfloat16:
-                assert torch.equal(got, want)
-            else:
-                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+    return heads
+
+
+def _stacked_and_one_by_one(stacked, heads, rows: int, conditioned: bool, dtype):
+    """Features of ``rows`` random rows (the same first rows whatever ``rows``): stacked, and one head at a time."""
+    g = torch.Generator().manual_seed(7)
+    hidden = heads.cfg.hidden_size
+    x, e = torch.randn(5, hidden, generator=g)[:rows].to(dtype), torch.randn(5, hidden, generator=g)[:rows].to(dtype)
+    with torch.inference_mode():
+        return stacked(x, e if conditioned else None), heads.features(x, e if conditioned else None, 2)
 
 
 def test_heads_whose_logits_turn_nan_or_inf_never_become_draft_tokens(tiny_model):

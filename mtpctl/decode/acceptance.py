@@ -27,7 +27,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from mtpctl.decode.sampling import SamplingParams, probs_from_logits, sample
+from mtpctl.decode.sampling import SamplingParams, greedy_token, probs_from_logits, sample
 from mtpctl.decode.tree import DraftTree
 
 
@@ -59,14 +59,14 @@ def accept_greedy(tree: DraftTree, logits) -> Acceptance:
             path are not read.
     """
     node, path = 0, [0]
-    target = int(logits[0].argmax())
+    target = greedy_token(logits[0])
     while True:
         match = tree.child(node, target)
         if match is None:
             return _outcome(tree, path, target)
         node = match
         path.append(node)
-        target = int(logits[node].argmax())
+        target = greedy_token(logits[node])
 
 
 def accept_greedy_together(trees: Sequence[DraftTree], outs: Sequence) -> List[Acceptance]:

@@ -73,9 +73,18 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def greedy_token(logits: torch.Tensor) -> int:
+    """The index of the first largest of ``logits [vocab]``, as ``int(logits.argmax())``. A float32 CPU
+    row goes through numpy's vectorized argmax: about 6 us for 49k logits, where torch's takes 40-100
+    here (it is on every decode step's path)."""
+    if logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.dim() == 1 and not logits.requires_grad:
+        return int(logits.numpy().argmax())
+    return int(logits.argmax())
+
+
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """The next token from ``logits [vocab]``: argmax when greedy, else a draw from the processed
     distribution."""
     if params.greedy:
-        return int(logits.argmax())
+        return greedy_token(logits)
     return sample(probs_from_logits(logits, params), generator)

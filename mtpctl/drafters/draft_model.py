@@ -35,7 +35,7 @@ import torch
 
 from mtpctl.backends.torch import TorchEngine, verify_packed
 from mtpctl.decode.drafter import Call, TargetStep, check_finite
-from mtpctl.decode.sampling import SamplingParams, probs_from_logits, sample
+from mtpctl.decode.sampling import SamplingParams, greedy_token, probs_from_logits, sample
 from mtpctl.decode.tree import DraftTree
 from mtpctl.errors import NonFinite
 from mtpctl.model.decoder import Decoder
@@ -302,7 +302,7 @@ class DraftModelDrafter:
         if self._blocked is not None:
             logits = logits.masked_fill(self._blocked, float("-inf"))
         if self.sampling.greedy or self.text is not None:
-            token = int(logits.argmax())
+            token = greedy_token(logits)
         else:
             q = probs_from_logits(logits, self.sampling)  # [draft_vocab]
             token = sample(q, self.generator)

@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from mtpctl.decode.attention import MAX_DRAFT_DEPTH
 from mtpctl.decode.drafter import TargetStep
+from mtpctl.decode.sampling import greedy_token
 from mtpctl.decode.tree import DraftTree, ExtraRows
 from mtpctl.errors import BadInput
 
@@ -232,7 +233,7 @@ class LookaheadDrafter:
         prefetch = getattr(out, "prefetch", None)
         if prefetch is not None:  # the newest level's logits in one lm_head call
             prefetch(rows)
-        new = [int(out[row].argmax()) for row in rows]
+        new = [greedy_token(out[row]) for row in rows]
         levels = self.levels
         if top < self.settings.ngram - 2:  # warm-up: one level more, every level one column narrower
             self.levels = [levels[0][1:]] + [level[1:] for level in levels[1:]] + [new[1:]]
