@@ -14,9 +14,10 @@ from mtpctl.decode.tree import DraftTree
 from mtpctl.errors import BadInput
 
 #: draft tree size (nodes) per mode when neither a tree nor a size is given. Measured with the
-#: recipe's heads (BENCHMARKS.md, heads section): in float32 4 nodes beat 2 and 8 (1.73x, 1.55x, 1.62x
-#: plain); where the native kernels make every row cost, 2 nodes beat 4: dense bfloat16 (1.18x vs
-#: 1.01x) and int4 (0.94x vs 0.78x).
+#: recipe's heads (BENCHMARKS.md, heads section): in float32 4 nodes beat 2 and 8 in one run (1.73x,
+#: 1.55x, 1.62x plain) and tied them in the next (with ngram 1.74x vs 1.73x and 1.75x); in int4, whose
+#: rows cost about 1 ms each, 2 nodes beat 4 (0.95x vs 0.82x); in dense bfloat16 2 and 4 are within the
+#: host's swings (with ngram 1.26x vs 1.22x, alone 1.12x vs 1.21x).
 DEFAULT_TREE_NODES = {"float32": 4, "bfloat16": 2, "int4": 2}
 
 
