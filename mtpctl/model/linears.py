@@ -161,7 +161,7 @@ class TiledLinear(nn.Module):
     (:func:`mtpctl.model.native.layer_stack`). Build it where :func:`mtpctl.model.native.load_kernel`
     gives the kernels.
 
-    Input ``[..., K]`` and output ``[..., N]``, bfloat16.
+    Input ``[..., K]`` bfloat16; output ``[..., N]`` bfloat16 (or the float32 sums, ``out_dtype``).
 
     Raises:
         ValueError: a weight that is not 2-D bfloat16 with N a multiple of 4 and K of 32.
@@ -172,9 +172,9 @@ class TiledLinear(nn.Module):
         self.blob = bf16_tiles(weight.detach())
         self.out_features, self.in_features = weight.shape
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        y = int4_matmul(flat, self.blob, self.out_features, out_dtype=torch.bfloat16)
+        y = int4_matmul(flat, self.blob, self.out_features, out_dtype=out_dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def dense(self) -> torch.Tensor:

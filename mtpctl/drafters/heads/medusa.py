@@ -34,7 +34,6 @@ from mtpctl.drafters.heads.config import HeadsConfig
 from mtpctl.drafters.heads.tree import StaticTree
 from mtpctl.model.decoder import Decoder
 from mtpctl.model.linears import TiledLinear, projection_copy, tiles_take
-from mtpctl.model.native import int4_matmul
 
 
 class ResBlock(nn.Module):
@@ -284,8 +283,8 @@ class StackedHeads:
         if self.token_proj is not None:
             if token_embeds is None:
                 raise ValueError("token-conditioned heads need the pending token's embedding (token_embeds)")
-            proj = self.token_proj if self.tiles is None else self.tiles[0]
-            x = x + (F.linear(token_embeds, proj) if self.tiles is None else proj(token_embeds)).view(rows, self.count, -1)
+            proj = F.linear(token_embeds, self.token_proj) if self.tiles is None else self.tiles[0](token_embeds)
+            x = x + proj.view(rows, self.count, -1)
         if self.tiles is not None:
             return self._tiled_blocks(x)
         x = x.transpose(0, 1)  # [count, R, H]: head k's rows together
@@ -300,8 +299,7 @@ class StackedHeads:
             h = x[:, k].contiguous()
             for layer in self.tiles[1]:
                 linear, bias = layer[k]
-                sums = int4_matmul(h, linear.blob, linear.out_features, out_dtype=torch.float32)
-                h = h + F.silu((sums + bias).to(h.dtype))
+                h = h + F.silu((linear(h, out_dtype=torch.float32) + bias).to(h.dtype))
             heads.append(h)
         return torch.stack(heads, dim=1)
 
