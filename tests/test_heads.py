@@ -23,7 +23,7 @@ from mtpctl.drafters.merged import MergedDrafter
 from mtpctl.drafters.ngram import NgramDrafter
 from mtpctl.errors import BadInput, CorruptModel, NonFinite
 from mtpctl.model.decoder import Decoder
-from mtpctl.model.linears import blocked_layout_available
+from mtpctl.model.linears import PackedLinear, TiledLinear, blocked_layout_available
 
 TREES = {
     "chain": [[0], [0, 0], [0, 0, 0]],
@@ -383,43 +383,30 @@ def test_heads_decoding_with_int4_weights_is_bit_exact():
     assert run(model, oracle).token_ids == reference
 
 
-def test_truncated_heads_on_int4_weights_score_with_the_targets_own_codes():
-    """With a packed lm_head (int4 weights) a draft-vocabulary projection runs on the target's own codes
-    of its rows (fewer bytes a step than a bfloat16 copy): the target's logits of those tokens, bit
-    for bit, and decoding with such heads stays exact."""
+def _int4_target():
     from helpers import gguf_grid_decoder
-    from mtpctl.model.linears import PackedLinear
-
-    model = gguf_grid_decoder()
-    if not (isinstance(model.lm_head, PackedLinear) and model.lm_head.native):
-        pytest.skip("the native int4 kernel does not build here (no C compiler)")
-    vocab, hidden = model.cfg.vocab_size, model.cfg.hidden_size
-    token_map = torch.randperm(vocab, generator=torch.Generator().manual_seed(1))[:64]
-    cfg = HeadsConfig("medusa", 3, 1, False, hidden, vocab, draft_vocab_size=64, token_conditioned=False)
-    heads = MedusaHeads(cfg, torch.bfloat16, model.dense_lm_head(), token_map, blocked=True,
-                        target_kernel=model.lm_head)
-    assert isinstance(heads.projection_kernel, PackedLinear)
-    x = torch.randn(3, 2, hidden, generator=torch.Generator().manual_seed(2)).bfloat16()
-    assert torch.equal(heads.project(x), model.logits(x)[..., token_map])
-    reference = greedy_reference(model, PROMPT, 40)
-    assert run(model, MedusaDrafter(StaticTree.from_paths(TREES["mixed"], 3), heads, model)).token_ids == reference
+    return gguf_grid_decoder()
 
 
-def test_truncated_heads_on_a_tiled_target_project_through_tiles():
-    """With a tiled lm_head (dense bfloat16 on the native kernels) a draft-vocabulary projection is held in
-    tiles too: the target's logits of those tokens bit for bit (same values, same kernel), and decoding
-    with such heads stays exact."""
-    from mtpctl.model.linears import TiledLinear
+def _tiled_target():
+    return random_decoder(0, dtype=torch.bfloat16, blocked=True, vocab=272)  # tiles take outputs in fours
 
-    model = random_decoder(0, dtype=torch.bfloat16, blocked=True, vocab=272)  # tiles take outputs in fours
-    if not isinstance(model.lm_head, TiledLinear):
+
+@pytest.mark.parametrize("target, layout", [(_int4_target, PackedLinear), (_tiled_target, TiledLinear)],
+                         ids=["int4", "bfloat16-tiles"])
+def test_truncated_heads_project_through_the_targets_own_layout(target, layout):
+    """A draft-vocabulary projection is held in the target's lm_head layout: an int4 target's own codes
+    of those rows (fewer bytes a step than a bfloat16 copy), a dense bfloat16 target's tiles. Either way
+    the target's logits of those tokens bit for bit, and decoding with such heads stays exact."""
+    model = target()
+    if not isinstance(model.lm_head, layout) or not getattr(model.lm_head, "native", True):
         pytest.skip("the native kernels do not build here (no C compiler)")
     vocab, hidden = model.cfg.vocab_size, model.cfg.hidden_size
     token_map = torch.randperm(vocab, generator=torch.Generator().manual_seed(1))[:64]
     cfg = HeadsConfig("medusa", 3, 1, False, hidden, vocab, draft_vocab_size=64, token_conditioned=False)
     heads = MedusaHeads(cfg, torch.bfloat16, model.dense_lm_head(), token_map, blocked=True,
                         target_kernel=model.lm_head)
-    assert isinstance(heads.projection_kernel, TiledLinear)
+    assert isinstance(heads.projection_kernel, layout)
     x = torch.randn(3, 2, hidden, generator=torch.Generator().manual_seed(2)).bfloat16()
     assert torch.equal(heads.project(x), model.logits(x)[..., token_map])
     reference = greedy_reference(model, PROMPT, 40)
