@@ -258,22 +258,22 @@ class StackedHeads:
 
     def __init__(self, heads: MedusaHeads, count: int, tiles: Optional[bool] = None):
         self.count = count
+        hidden = heads.cfg.hidden_size
         # [count * H, H]: every head's token projection, one after another
-        self.token_proj = None if heads.token_proj is None else torch.cat([w.detach() for w in heads.token_proj[:count]])
-        self.layers = []  # per block layer: bias [count, 1, H] and W.T [count, H, H] of every head
-        for i in range(heads.cfg.head_layers):
-            linears = [blocks[i].linear for blocks in heads.blocks[:count]]
-            self.layers.append((torch.stack([lin.bias.detach() for lin in linears])[:, None, :],
-                                torch.stack([lin.weight.detach().T for lin in linears])))
-        shape = (heads.cfg.hidden_size, heads.cfg.hidden_size)
+        token_proj = None if heads.token_proj is None else torch.cat([w.detach() for w in heads.token_proj[:count]])
+        linears = [[blocks[i].linear for blocks in heads.blocks[:count]] for i in range(heads.cfg.head_layers)]
         if tiles is None:
-            tiles = tiles_take(self.layers[0][1].dtype if self.layers else torch.float32, shape)
-        # the tiled copies: the token projections [count * H, H] and per layer each head's (weight, bias)
-        self.tiles = None
-        if tiles:
-            self.tiles = (TiledLinear(self.token_proj) if self.token_proj is not None else None,
-                          [[(TiledLinear(w.T.contiguous()), b[0].float()) for w, b in zip(weight_t, bias)]
-                           for bias, weight_t in self.layers])
+            weight = next(heads.blocks.parameters(), None)
+            tiles = weight is not None and tiles_take(weight.dtype, (hidden, hidden))
+        self.tiled = bool(tiles)
+        if self.tiled:  # the token projections as one TiledLinear; per layer each head's (TiledLinear, float32 bias)
+            self.token_proj = None if token_proj is None else TiledLinear(token_proj)
+            self.layers = [[(TiledLinear(lin.weight.detach()), lin.bias.detach().float()) for lin in layer]
+                           for layer in linears]
+        else:  # the token projections [count * H, H]; per layer every head's bias [count, 1, H] and W.T [count, H, H]
+            self.token_proj = token_proj
+            self.layers = [(torch.stack([lin.bias.detach() for lin in layer])[:, None, :],
+                            torch.stack([lin.weight.detach().T for lin in layer])) for layer in linears]
 
     def __call__(self, hidden: torch.Tensor, token_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``hidden`` ``[R, H]`` (and the pending tokens' embeddings ``[R, H]`` for token-conditioned heads)
@@ -283,9 +283,9 @@ class StackedHeads:
         if self.token_proj is not None:
             if token_embeds is None:
                 raise ValueError("token-conditioned heads need the pending token's embedding (token_embeds)")
-            proj = F.linear(token_embeds, self.token_proj) if self.tiles is None else self.tiles[0](token_embeds)
+            proj = self.token_proj(token_embeds) if self.tiled else F.linear(token_embeds, self.token_proj)
             x = x + proj.view(rows, self.count, -1)
-        if self.tiles is not None:
+        if self.tiled:
             return self._tiled_blocks(x)
         x = x.transpose(0, 1)  # [count, R, H]: head k's rows together
         for bias, weight_t in self.layers:
@@ -297,7 +297,7 @@ class StackedHeads:
         heads = []
         for k in range(self.count):
             h = x[:, k].contiguous()
-            for layer in self.tiles[1]:
+            for layer in self.layers:
                 linear, bias = layer[k]
                 h = h + F.silu((linear(h, out_dtype=torch.float32) + bias).to(h.dtype))
             heads.append(h)
