@@ -253,3 +253,28 @@ def test_a_native_prefill_agrees_with_torchs_fused_attention_to_rounding():
     assert native.native and not masked.native
     torch.testing.assert_close(native.prefill(PROMPT).prompt_hidden_states, masked.prefill(PROMPT).prompt_hidden_states,
                                atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["int4", "bfloat16-tiles"])
+def test_a_pass_takes_each_rows_argmax_in_the_lm_head_kernel_and_reads_a_nan_row_instead(kind):
+    """Where the lm_head runs on the native kernels, greedy acceptance takes each row's argmax from the
+    kernel (the first largest logit, as ``argmax`` gives it); a row holding NaN gives none, so
+    acceptance reads the row and refuses it."""
+    from mtpctl.backends.torch import PassLogits, TorchStepOutput
+    from mtpctl.decode.acceptance import accept_greedy
+    from mtpctl.decode.loop import _CheckedRows
+    from mtpctl.errors import NonFinite
+
+    if load_kernel() is None:
+        pytest.skip("no C compiler here to build the native kernels")
+    model = gguf_grid_decoder() if kind == "int4" else random_decoder(dtype=torch.bfloat16, blocked=True, vocab=260)
+    assert type(model.lm_head).__name__ == ("PackedLinear" if kind == "int4" else "TiledLinear")
+    hidden = torch.randn(5, model.cfg.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    hidden[3, 7] = float("nan")
+    out = TorchStepOutput(PassLogits(model, hidden), 0, 5)
+    out.prefetch(range(5))
+    for i in (0, 1, 2, 4):
+        assert out.greedy(i) == int(out[i].argmax()) == accept_greedy(DraftTree(0), TorchStepOutput(out._pass, i, 1)).next_token
+    assert out.greedy(3) is None
+    with pytest.raises(NonFinite):
+        accept_greedy(DraftTree(0), _CheckedRows(TorchStepOutput(out._pass, 3, 1), "step 1"))

@@ -183,3 +183,50 @@ def test_plain_c_kernels_built_for_avx512_without_bf16_stay_batch_invariant_and_
         w16 = torch.randn(576, generator=torch.Generator().manual_seed(4)).to(dtype)
         block = rms_norm(x16, w16, 1e-5, lib=lib)
         assert all(torch.equal(rms_norm(x16[i:i + 1], w16, 1e-5, lib=lib), block[i:i + 1]) for i in range(7))
+
+
+def blobs_of_every_kind(n, k, seed=0):
+    """The same shape as 4-bit codes, 8-bit codes and dense bfloat16 tiles."""
+    from mtpctl.model.native import int8_pack
+
+    q, scale, zero = codes(n, k, seed)
+    q8 = torch.randint(-127, 128, (n, k), generator=torch.Generator().manual_seed(seed))
+    dense = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    return {"q4": int4_pack(q, scale, zero), "q8": int8_pack(q8, scale), "bf": bf16_tiles(dense)}
+
+
+@pytest.mark.parametrize("build", ["native", "portable"])
+def test_the_matmuls_argmax_is_the_first_largest_output_of_each_row_and_minus_one_for_nan_or_inf(build):
+    """int4_matmul_best: the same outputs as int4_matmul, and best[m] == y[m].argmax() (the first of
+    equal largest values, across the threads' spans too), or -1 for a row holding NaN, +inf or -inf
+    anywhere, for every kind of weights, 1 to 17 rows and 1 to 3 threads."""
+    from mtpctl.model.native import int4_matmul_best
+
+    lib = load_kernel(portable=build == "portable")
+    n, k = 1000, 64  # 250 tiles: uneven spans over 3 threads
+    threads = torch.get_num_threads()
+    try:
+        for kind, blob in blobs_of_every_kind(n, k).items():
+            for t in (1, 2, 3):
+                torch.set_num_threads(t)
+                for m in (1, 2, 5, 9, 17):
+                    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+                    for out_dtype in (torch.bfloat16, torch.float32):
+                        y, best = int4_matmul_best(x, blob, n, lib=lib, out_dtype=out_dtype)
+                        assert torch.equal(y, int4_matmul(x, blob, n, lib=lib, out_dtype=out_dtype)), (kind, t, m)
+                        assert best.tolist() == y.float().argmax(-1).tolist(), (kind, t, m, out_dtype)
+        x = torch.randn(1, k).bfloat16().repeat(4, 1)  # the same row four times
+        tied = torch.randn(n, k).bfloat16()
+        tied[[3, 400, 700, 999]] = (4 * x[0]).bfloat16()  # four equal largest outputs, in other threads' spans
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            y, best = int4_matmul_best(x, bf16_tiles(tied), n, lib=lib, out_dtype=torch.bfloat16)
+            assert best.tolist() == y.float().argmax(-1).tolist() == [3] * 4
+        x = torch.randn(4, k).bfloat16()
+        x[1, 5], x[2, 9], x[3, 0] = float("nan"), float("inf"), float("-inf")
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            y, best = int4_matmul_best(x, blobs_of_every_kind(n, k)["bf"], n, lib=lib, out_dtype=torch.bfloat16)
+            assert best[0] == y[0].float().argmax() and best[1:].tolist() == [-1, -1, -1]
+    finally:
+        torch.set_num_threads(threads)

@@ -33,21 +33,26 @@ class PassLogits:
     read, in one call that reads the lm_head's weights once. A row read without being asked for
     (sampled acceptance reads row by row) is computed with every other row of the pass where the
     lm_head is dense (its weights are read once a call, a row costs little beside that), alone where
-    it is int4 (whose cost grows with the rows of a call).
+    it is int4 (whose cost grows with the rows of a call). Where the lm_head's kernel takes each row's
+    argmax as it writes the row (:meth:`~mtpctl.model.decoder.Decoder.logits_best`), :meth:`best`
+    gives it, so greedy acceptance need not read the row again.
     """
 
     def __init__(self, model: Decoder, hidden_states: torch.Tensor):
         self.model = model
         self.hidden_states = hidden_states  # [N, hidden], after the final norm
         self._rows: Dict[int, torch.Tensor] = {}
+        self._best: Dict[int, int] = {}  # row -> its argmax, where the kernel took it (-1: NaN or inf in the row)
         self._wanted: set = set()
         self._all: Optional[torch.Tensor] = None
         self.ms = 0.0  # time spent in the lm_head so far
 
-    def _logits(self, rows) -> torch.Tensor:
+    def _logits(self, rows: List[int]) -> torch.Tensor:
         start = time.perf_counter()
         with torch.inference_mode():
-            out = self.model.logits(self.hidden_states[rows])
+            out, best = self.model.logits_best(self.hidden_states[rows])
+        if best is not None:
+            self._best.update(zip(rows, best.tolist()))
         self.ms += (time.perf_counter() - start) * 1e3
         return out
 
@@ -67,10 +72,18 @@ class PassLogits:
             self._wanted.clear()
         return self._rows[i]
 
+    def best(self, i: int) -> Optional[int]:
+        """Row i's argmax (the first index of its largest logit, as ``int(self.row(i).argmax())``), computing
+        the row where it is not yet; None where the kernel did not take it or the row holds NaN or inf
+        (read the row)."""
+        self.row(i)
+        best = self._best.get(i)
+        return best if best is not None and best >= 0 else None
+
     def all(self) -> torch.Tensor:
         """Every row's logits ``[N, vocab]`` float32."""
         if self._all is None:
-            self._all = self._logits(slice(None))
+            self._all = self._logits(list(range(len(self.hidden_states))))
         return self._all
 
 
@@ -97,6 +110,11 @@ class TorchStepOutput:
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return self._pass.row(self._start + i % self._count)
+
+    def greedy(self, i: int) -> Optional[int]:
+        """Row i's argmax where the lm_head's kernel took it with the row (:meth:`PassLogits.best`), else
+        None: read the row."""
+        return self._pass.best(self._start + i % self._count)
 
     @property
     def logits_timer(self) -> PassLogits:

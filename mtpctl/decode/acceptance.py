@@ -56,17 +56,25 @@ def accept_greedy(tree: DraftTree, logits) -> Acceptance:
         tree: the verified draft tree.
         logits: ``[N, vocab]`` (a tensor, or a :class:`~mtpctl.decode.engine.StepOutput` that computes
             rows on demand); row i is the target's prediction after node i. Rows off the accepted
-            path are not read.
+            path are not read; where the output has a row's argmax already (its ``greedy``), that row is
+            not read either.
     """
     node, path = 0, [0]
-    target = greedy_token(logits[0])
+    target = _argmax(logits, 0)
     while True:
         match = tree.child(node, target)
         if match is None:
             return _outcome(tree, path, target)
         node = match
         path.append(node)
-        target = greedy_token(logits[node])
+        target = _argmax(logits, node)
+
+
+def _argmax(logits, i: int) -> int:
+    """Row i's argmax: the output's own (``greedy``) where it has one, else read from the row."""
+    greedy = getattr(logits, "greedy", None)
+    token = greedy(i) if greedy is not None else None
+    return token if token is not None else greedy_token(logits[i])
 
 
 def accept_greedy_together(trees: Sequence[DraftTree], outs: Sequence) -> List[Acceptance]:

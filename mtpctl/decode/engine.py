@@ -35,6 +35,11 @@ class StepOutput(Protocol):
         """Rows to be read soon: a backend may compute them together with other sequences' rows
         (optional; see :func:`mtpctl.decode.acceptance.accept_greedy_together`)."""
 
+    def greedy(self, i: int) -> Optional[int]:
+        """Row i's argmax (the first index of its largest logit) where the backend has it without
+        reading the row again, else None (optional; see :func:`mtpctl.decode.acceptance.accept_greedy`).
+        None, never a token, for a row holding NaN or inf."""
+
     @property
     def logits(self) -> torch.Tensor: ...
 

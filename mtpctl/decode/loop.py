@@ -123,7 +123,8 @@ def _all_finite(row: torch.Tensor) -> bool:
 
 
 class _CheckedRows:
-    """A pass's output as acceptance reads it: each row's logits checked for NaN and inf on the way."""
+    """A pass's output as acceptance reads it: each row's logits checked for NaN and inf on the way (an
+    argmax the output has already, ``greedy``, is of a finite row)."""
 
     def __init__(self, out: StepOutput, where: str):
         self.out, self.where = out, where
@@ -135,6 +136,11 @@ class _CheckedRows:
         prefetch = getattr(self.out, "prefetch", None)
         if prefetch is not None:
             prefetch(rows)
+
+    def greedy(self, i: int) -> Optional[int]:
+        """Row i's argmax where the pass's output has it (finite rows only), else None (read the row)."""
+        greedy = getattr(self.out, "greedy", None)
+        return greedy(i) if greedy is not None else None
 
     def __getitem__(self, i: int) -> torch.Tensor:
         row = self.out[i]

@@ -632,6 +632,17 @@ class Decoder(nn.Module):
         cap = self.cfg.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
+    def logits_best(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """:meth:`logits` of rows ``[M, hidden]`` and, where the lm_head's kernel takes it while it writes
+        them (native tiles or codes, no soft cap), each row's argmax ``[M]`` (the first index of its
+        largest logit; -1 where the row holds NaN or inf), else None. The logits are the same either way."""
+        forward_best = getattr(self.lm_head, "forward_best", None)
+        if forward_best is not None and self.cfg.final_logit_softcapping is None and hidden_states.dim() == 2:
+            got = forward_best(hidden_states)
+            if got is not None:
+                return got[0].float(), got[1]
+        return self.logits(hidden_states), None
+
     def dense_lm_head(self) -> torch.Tensor:
         """The lm_head weight ``[vocab, hidden]`` as a dense tensor (a packed one is unpacked through
         its own kernel, so the values are those the model computes with)."""

@@ -26,7 +26,8 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
-from mtpctl.model.native import bf16_tiles, bf16_untile, blob_codes, int4_matmul, int4_pack, int8_pack, load_kernel
+from mtpctl.model.native import (bf16_tiles, bf16_untile, blob_codes, int4_matmul, int4_matmul_best, int4_pack, int8_pack,
+                                 load_kernel)
 
 GROUP = 32
 REL_TOL = 1e-5  # reconstruction error allowed, relative to the group's largest |weight|
@@ -128,6 +129,13 @@ class PackedLinear(nn.Module):
                 out = y if out is None else out + y
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
+    def forward_best(self, x: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """(:meth:`forward` of rows ``x [M, K]``, each row's argmax ``[M]`` as :func:`int4_matmul_best`
+        takes it: -1 where the row holds NaN or inf), or None where torch's kernel runs these weights."""
+        if not self.native or x.dim() != 2 or x.dtype != torch.bfloat16:
+            return None
+        return int4_matmul_best(x, self.parts[0][0], self.out_features, out_dtype=x.dtype)
+
 
     def select_rows(self, index: torch.Tensor) -> Optional["PackedLinear"]:
         """A :class:`PackedLinear` of the output rows ``index`` ``[M]`` of this weight, with the same codes
@@ -176,6 +184,13 @@ class TiledLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         y = int4_matmul(flat, self.blob, self.out_features, out_dtype=out_dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def forward_best(self, x: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """(:meth:`forward` of rows ``x [M, K]``, each row's argmax ``[M]`` as :func:`int4_matmul_best`
+        takes it: -1 where the row holds NaN or inf), or None for rows that are not 2-D."""
+        if x.dim() != 2:
+            return None
+        return int4_matmul_best(x, self.blob, self.out_features, out_dtype=torch.bfloat16)
 
     def dense(self) -> torch.Tensor:
         """The weight ``[N, K]`` as an ordinary (strided) tensor."""

@@ -198,7 +198,7 @@ def load_kernel(portable: bool = False) -> Optional[ctypes.CDLL]:
             if not _intact(path):
                 _build(path, flags, command)
         lib = ctypes.CDLL(str(path))
-        lib.tree_attention, lib.rms_norm, lib.rope_write, lib.q4_matmul, lib.q8_matmul, lib.bf_matmul, lib.layer_stack  # noqa: B018 (one missing)
+        lib.tree_attention, lib.rms_norm, lib.rope_write, lib.q4_matmul, lib.q8_matmul, lib.bf_matmul, lib.bf_matmul_best, lib.layer_stack  # noqa: B018 (one missing)
     except (OSError, AttributeError) as e:
         print(f"mtpctl: warning: native kernels (attention, RMSNorm, RoPE, int4) unavailable ({e}); using torch's "
               "ops (slower; install a C compiler or set $CC, or MTPCTL_NATIVE_ATTENTION=0 to silence this)",
@@ -211,6 +211,10 @@ def load_kernel(portable: bool = False) -> Optional[ctypes.CDLL]:
         matmul.restype = ctypes.c_int
         matmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                            ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    for matmul in (lib.q4_matmul_best, lib.q8_matmul_best, lib.bf_matmul_best):
+        matmul.restype = ctypes.c_int
+        matmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                           ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     lib.rope_write.restype = ctypes.c_int
     lib.rope_write.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                                                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
@@ -537,6 +541,25 @@ def int4_matmul(x: torch.Tensor, blob: torch.Tensor, out_features: int, lib: Opt
         ValueError: x not 2-D bfloat16, or a blob that does not match K and N.
         MemoryError: no memory for the kernel's per-thread buffers.
     """
+    return _matmul(x, blob, out_features, lib, out_dtype, None)
+
+
+def int4_matmul_best(x: torch.Tensor, blob: torch.Tensor, out_features: int, lib: Optional[ctypes.CDLL] = None,
+                     out_dtype: torch.dtype = torch.float32) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`int4_matmul` and each row's argmax, taken by the kernel's threads over the outputs they
+    have just written (a greedy step then need not read its logits again): ``(y [M, N], best [M])``,
+    ``best[m]`` the first index of the largest value of ``y[m]`` (as ``y[m].argmax()``), or -1 where
+    ``y[m]`` holds NaN or inf.
+
+    Raises: as :func:`int4_matmul`.
+    """
+    best = torch.empty(x.shape[0] if x.dim() == 2 else 0, dtype=torch.int64)
+    return _matmul(x, blob, out_features, lib, out_dtype, best), best
+
+
+def _matmul(x: torch.Tensor, blob: torch.Tensor, out_features: int, lib: Optional[ctypes.CDLL],
+            out_dtype: torch.dtype, best: Optional[torch.Tensor]) -> torch.Tensor:
+    """:func:`int4_matmul`, filling ``best`` ``[M]`` int64 with each row's argmax where given."""
     lib = _loaded(lib)
     m, k = x.shape if x.dim() == 2 else (0, 0)
     if x.dim() != 2 or x.dtype != torch.bfloat16 or blob.dtype != torch.uint8 or not blob.is_contiguous() \
@@ -549,9 +572,10 @@ def int4_matmul(x: torch.Tensor, blob: torch.Tensor, out_features: int, lib: Opt
         raise ValueError(f"int4_matmul writes float32 or bfloat16, not {out_dtype}")
     x = x.contiguous()
     y = torch.empty(m, out_features, dtype=out_dtype)
-    kernel = getattr(lib, _BLOCK_KERNELS[blob.shape[2]])
-    rc = kernel(x.data_ptr(), m, k, blob.data_ptr(), out_features, y.data_ptr(), int(out_dtype == torch.bfloat16),
-                torch.get_num_threads())
+    args = (x.data_ptr(), m, k, blob.data_ptr(), out_features, y.data_ptr(), int(out_dtype == torch.bfloat16),
+            torch.get_num_threads())
+    name = _BLOCK_KERNELS[blob.shape[2]]
+    rc = getattr(lib, name)(*args) if best is None else getattr(lib, name + "_best")(*args, best.data_ptr())
     if rc == -2:
         raise MemoryError(f"the int4 kernel could not allocate its buffers for {m} rows")
     if rc:

@@ -31,8 +31,10 @@
 #ifdef _OPENMP
 #include <omp.h>
 static inline int thread_index(void) { return omp_get_thread_num(); }
+static inline int thread_count(void) { return omp_get_num_threads(); }
 #else
 static inline int thread_index(void) { return 0; }
+static inline int thread_count(void) { return 1; }
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -199,10 +201,82 @@ static inline float acc_sum(accum a) { float s = 0.f; for (int l = 0; l < 16; l+
         }                                                                                                  \
     }
 
+/* value n of row m of y (float32, or bfloat16 when bf16) as a float */
+static inline float y_at(const void *y, int bf16, int64_t m, int64_t N, int64_t n) {
+    return bf16 ? bf16_to_float(((const uint16_t *)y)[m * N + n]) : ((const float *)y)[m * N + n];
+}
+
+/* For each row m of y, over its outputs n0..n1: arg[m] the first index of the largest value, top[m]
+ * that value; arg[m] = -2 where a value is NaN or infinite, -1 where the span is empty. Called by each
+ * thread on the outputs it has just written, while they are in its cache (greedy decoding's argmax
+ * without reading the logits again). */
+static void span_best(const void *y, int bf16, int64_t M, int64_t N, int64_t n0, int64_t n1, float *top,
+                      int64_t *arg) {
+    for (int64_t m = 0; m < M; m++) {
+        float best = -INFINITY;
+        int64_t at = n1 > n0 ? n0 : -1;
+        int64_t n = n0;
+#ifdef INT4_SIMD
+        __m512 vmax = _mm512_set1_ps(-INFINITY);
+        __mmask16 bad = 0;
+        for (; n + 16 <= n1; n += 16) {
+            __m512 v = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                  (const __m256i *)((const uint16_t *)y + m * N + n))), 16))
+                            : _mm512_loadu_ps((const float *)y + m * N + n);
+            bad |= _mm512_fpclass_ps_mask(v, 0x99); /* QNaN, +inf, -inf, SNaN */
+            vmax = _mm512_max_ps(vmax, v);
+        }
+        if (bad) {
+            arg[m] = -2;
+            continue;
+        }
+        best = _mm512_reduce_max_ps(vmax);
+#endif
+        for (; n < n1; n++) { /* the tail (all of it without SIMD) */
+            float v = y_at(y, bf16, m, N, n);
+            if (!isfinite(v)) {
+                at = -2;
+                break;
+            }
+            best = v > best ? v : best;
+        }
+        if (at != -2 && n1 > n0) /* the first index holding the largest value */
+            for (at = n0; y_at(y, bf16, m, N, at) != best; at++)
+                ;
+        top[m] = best;
+        arg[m] = at;
+    }
+}
+
+/* best[m] from each thread's (top, arg) of row m over its span, spans in order: the first index of the
+ * largest value of the row, or -1 where any value of the row is NaN or infinite */
+static void join_best(int64_t M, int spans, const float *top, const int64_t *arg, int64_t *best) {
+    for (int64_t m = 0; m < M; m++) {
+        int64_t at = -1;
+        float value = -INFINITY;
+        for (int s = 0; s < spans; s++) {
+            int64_t a = arg[s * M + m];
+            if (a == -2) {
+                at = -1;
+                break;
+            }
+            if (a >= 0 && (at < 0 || top[s * M + m] > value)) {
+                at = a;
+                value = top[s * M + m];
+            }
+        }
+        best[m] = at;
+    }
+}
+
 /* Returns 0, -1 when K is not a multiple of 32 or N not of 4, -2 when a buffer cannot be allocated.
  *   x    [M, K]                 bfloat16, contiguous
  *   blob [N/4, K/32, BLOCK]     the weights (int4_pack / int8_pack)
- *   y    [M, N]                 float32, or bfloat16 (rounded to nearest even) when bf16_out */
+ *   y    [M, N]                 float32, or bfloat16 (rounded to nearest even) when bf16_out
+ *   best [M] or NULL            KIND_matmul_best: each row's argmax over y (the first index of its
+ *                               largest value), -1 where the row holds NaN or inf
+ * Thread i of T computes the tiles t with i * tiles / T <= t < (i + 1) * tiles / T (each tile's outputs
+ * are the same whichever thread computes them). */
 #define MATMUL(KIND)                                                                                       \
     TILE(KIND, 1)                                                                                          \
     TILE(KIND, 2)                                                                                          \
@@ -229,33 +303,55 @@ static inline float acc_sum(accum a) { float s = 0.f; for (int l = 0; l < 16; l+
         case 1: tile_##KIND##_1(x, K, tile, wbuf, N, n0, m0, y, bf16_out, iota); break;                    \
         }                                                                                                  \
     }                                                                                                      \
-    int KIND##_matmul(const uint16_t *x, int64_t M, int64_t K, const uint8_t *blob, int64_t N, void *y,    \
-                      int bf16_out, int threads) {                                                         \
-        if (K <= 0 || K % 32 || N % NT)                                                                    \
+    int KIND##_matmul_best(const uint16_t *x, int64_t M, int64_t K, const uint8_t *blob, int64_t N, void *y, \
+                           int bf16_out, int threads, int64_t *best) {                                     \
+        if (K <= 0 || K % 32 || N % NT || threads < 1)                                                     \
             return -1;                                                                                     \
-        int64_t G = K / 32;                                                                                \
+        int64_t G = K / 32, tiles = N / NT;                                                                \
         IOTA_T iota = make_iota();                                                                         \
         /* passes of more than DIRECT rows: one dequantized tile per thread (G * NT * 64 bytes); dense    \
          * tiles are read where they are by passes of more than CHUNK rows */                             \
         wvec *buffers = NULL;                                                                              \
-        if (M > DIRECT && BLOCK_##KIND != BLOCK_bf) {                                                      \
+        float *top = NULL;                                                                                 \
+        int64_t *arg = NULL;                                                                               \
+        if (M > DIRECT && BLOCK_##KIND != BLOCK_bf)                                                        \
             buffers = aligned_alloc(64, sizeof(wvec) * (size_t)(G * NT * threads));                        \
-            if (buffers == NULL)                                                                           \
-                return -2;                                                                                 \
+        if (best) {                                                                                        \
+            top = malloc(sizeof(float) * (size_t)(M * threads));                                           \
+            arg = malloc(sizeof(int64_t) * (size_t)(M * threads));                                         \
         }                                                                                                  \
-        _Pragma("omp parallel for num_threads(threads) schedule(static)")                                 \
-        for (int64_t t = 0; t < N / NT; t++) {                                                             \
-            const uint8_t *tile = blob + t * G * BLOCK_##KIND;                                             \
-            wvec *own = buffers ? buffers + thread_index() * G * NT : NULL;                                \
-            if (own)                                                                                       \
-                for (int64_t g = 0; g < G; g++)                                                            \
-                    for (int j = 0; j < NT; j++)                                                           \
-                        own[g * NT + j] = dequant_##KIND(tile + g * BLOCK_##KIND, j, iota);                \
-            const wvec *wbuf = own ? own : BLOCK_##KIND == BLOCK_bf && M > CHUNK ? (const wvec *)tile : NULL; \
-            rows_##KIND(x, M, K, tile, wbuf, N, t * NT, y, bf16_out, iota);                                \
+        if ((M > DIRECT && BLOCK_##KIND != BLOCK_bf && buffers == NULL) || (best && (!top || !arg))) {     \
+            free(buffers), free(top), free(arg);                                                           \
+            return -2;                                                                                     \
         }                                                                                                  \
-        free(buffers);                                                                                     \
+        int spans = 1;                                                                                     \
+        _Pragma("omp parallel num_threads(threads)")                                                      \
+        {                                                                                                  \
+            int me = thread_index(), count = thread_count();                                               \
+            if (me == 0)                                                                                   \
+                spans = count;                                                                             \
+            int64_t t0 = tiles * me / count, t1 = tiles * (me + 1) / count;                                \
+            wvec *own = buffers ? buffers + me * G * NT : NULL;                                            \
+            for (int64_t t = t0; t < t1; t++) {                                                            \
+                const uint8_t *tile = blob + t * G * BLOCK_##KIND;                                         \
+                if (own)                                                                                   \
+                    for (int64_t g = 0; g < G; g++)                                                        \
+                        for (int j = 0; j < NT; j++)                                                       \
+                            own[g * NT + j] = dequant_##KIND(tile + g * BLOCK_##KIND, j, iota);            \
+                const wvec *wbuf = own ? own : BLOCK_##KIND == BLOCK_bf && M > CHUNK ? (const wvec *)tile : NULL; \
+                rows_##KIND(x, M, K, tile, wbuf, N, t * NT, y, bf16_out, iota);                            \
+            }                                                                                              \
+            if (best)                                                                                      \
+                span_best(y, bf16_out, M, N, t0 * NT, t1 * NT, top + me * M, arg + me * M);                \
+        }                                                                                                  \
+        if (best)                                                                                          \
+            join_best(M, spans, top, arg, best);                                                           \
+        free(buffers), free(top), free(arg);                                                               \
         return 0;                                                                                          \
+    }                                                                                                      \
+    int KIND##_matmul(const uint16_t *x, int64_t M, int64_t K, const uint8_t *blob, int64_t N, void *y,    \
+                      int bf16_out, int threads) {                                                         \
+        return KIND##_matmul_best(x, M, K, blob, N, y, bf16_out, threads, NULL);                           \
     }
 
 static inline IOTA_T make_iota(void) {
