@@ -56,11 +56,12 @@ def _bench(*args: str) -> str:
 SECTIONS = [
     Section("peers", "Plain decoding against its peers",
             "mtpctl's plain and prompt-lookup decoding against HF transformers' `generate` (float32, plain and "
-            "prompt lookup) and llama.cpp decoding the same GGUF file (`--weights int4`), on the same prompt ids "
-            "in one run each. The speedup column is against mtpctl plain of the same run.",
+            "prompt lookup), and mtpctl's int4 methods (the heads of the default recipe) against llama.cpp decoding "
+            "the same GGUF file (`--weights int4`), on the same prompt ids in one run each. The speedup column is "
+            "against mtpctl plain of the same run.",
             lambda a: [_bench("--methods", "plain,ngram", "--baseline", "transformers", "--limit", "1"),
-                       _bench("--dtype", "bfloat16", "--weights", "int4", "--methods", "plain,ngram", "--baseline",
-                              "llama.cpp", "--limit", "1")],
+                       _bench("--dtype", "bfloat16", "--weights", "int4", "--methods", "plain,ngram,heads,heads+ngram",
+                              "--heads", a.heads, "--baseline", "llama.cpp", "--limit", "1")],
             notes=["HF and llama.cpp report total time and new tokens only (no TTFT, ITL or tau from outside); their "
                    "'same as plain' compares other numerics with mtpctl's (a near-tie may flip a token)."]),
     Section("methods", "Speculation methods, per numeric mode",
