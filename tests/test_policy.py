@@ -265,6 +265,17 @@ def test_more_draft_nodes_never_cost_less_than_fewer():
     assert costs(1, 7) == pytest.approx(6.0 + 4.0)
 
 
+def test_a_node_priced_far_below_its_neighbours_across_request_counts_is_read_as_noise():
+    """A node measured at +1.0 ms beside 2 requests, against +2.1 beside 1 and +2.3 beside 4 (a low
+    median of the int4 table): read through a running median of three it costs +2.1 there; the first
+    and last request counts, and columns without such a dip, read as measured."""
+    dip = PassCosts((1, 2, 4), (7.7, 9.8, 12.6), (1,), ((2.1,), (1.0,), (2.3,)))
+    assert dip(2, 3) == pytest.approx(9.8 + 2.1)
+    assert dip(1, 2) == pytest.approx(7.7 + 2.1) and dip(4, 5) == pytest.approx(12.6 + 2.3)
+    smooth = PassCosts((1, 2, 4), (7.7, 9.8, 12.6), (1,), ((2.1,), (2.2,), (2.3,)))
+    assert smooth(2, 3) == pytest.approx(9.8 + 2.2)
+
+
 @pytest.mark.parametrize("entry, message", [
     ({"rows": [1, 1], "ms": [7, 8]}, "request counts \\[1, 1\\] do not rise"),
     ({"rows": [0, 2], "ms": [7, 8]}, "do not rise from 1 or more"),

@@ -74,7 +74,9 @@ class PassCosts:
     as the median of differences between passes timed next to each other, so that a drifting machine
     does not blur a difference of a millisecond between two tables timed apart. A pass of S
     requests carrying W rows costs ``ms(S) + node_ms(S, W - S)``, linear between the measured points
-    (and from no nodes at no cost). Without ``node_ms`` a draft node costs what another request's
+    (and from no nodes at no cost); a node count's values across request counts are read through a
+    running median of three, so one low median (a node priced at half what it costs beside one
+    request fewer and one more) does not make drafting look cheap there. Without ``node_ms`` a draft node costs what another request's
     row does.
 
     Attributes:
@@ -100,18 +102,27 @@ class PassCosts:
         return _curve(self, sequences)
 
 
+def _running_median(values: Sequence[float]) -> Tuple[float, ...]:
+    """Each value replaced by the median of itself and its two neighbours (the first and last kept): one
+    measured point far from both of its neighbours is taken for noise."""
+    inner = [sorted(values[i - 1:i + 2])[1] for i in range(1, len(values) - 1)]
+    return tuple(values[:1]) + tuple(inner) + tuple(values[-1:]) if len(values) > 2 else tuple(values)
+
+
 @lru_cache(maxsize=256)
 def _curve(costs: PassCosts, sequences: float) -> Callable[[float], float]:
     """:meth:`PassCosts.at`: what the nodes add, interpolated across request counts for each node
-    count measured (never below 0, never less than fewer nodes add), then linear in the nodes from no
-    nodes at no cost."""
+    count measured (each node count's values across request counts smoothed by a running median of
+    three, never below 0, never less than fewer nodes add), then linear in the nodes from no nodes at
+    no cost."""
     if not costs.nodes:
         return partial(_interpolate, costs.rows, costs.ms)
     base = _interpolate(costs.rows, costs.ms, sequences)
     points = (0,) + costs.nodes
     added = [0.0]
     for j in range(len(costs.nodes)):  # more nodes never cost less (a noisy median can dip)
-        added.append(max(added[-1], _interpolate(costs.rows, tuple(row[j] for row in costs.node_ms), sequences)))
+        column = _running_median([row[j] for row in costs.node_ms])
+        added.append(max(added[-1], _interpolate(costs.rows, column, sequences)))
     return partial(_plus_nodes, base, points, tuple(added), sequences)
 
 
