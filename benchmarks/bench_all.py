@@ -109,7 +109,7 @@ SECTIONS = [
                    "vLLM runs eagerly (`enforce_eager=True`: it starts in seconds; compiled, it was measured on this "
                    "machine kind at 43.5 tokens/s at batch 1 against 31.4 eager, and 188 against 215 at batch 8), in its "
                    "own process with the same thread count; one `generate` call per batch size (`max_num_seqs`).",
-                   'Where speculation stops paying here, and why (what a verify row costs against a plain row, from the pass costs below): docs/findings.md, sections 15 and 20.']),
+                   'Where speculation stops paying here, and why (what a verify row costs against a plain row, from the pass costs below): docs/findings.md, sections 15, 19, 20 and 21.']),
     Section("passcosts", "What a pass of N rows costs (the auto policy's table)",
             "One packed verify pass, every row's logits read, after 200 committed tokens per sequence: over S one-row "
             "requests (what S plain requests cost a step), and what E draft nodes add to that pass (trees of up to 4 "

@@ -222,6 +222,8 @@ def test_the_matmuls_argmax_is_the_first_largest_output_of_each_row_and_minus_on
             torch.set_num_threads(t)
             y, best = int4_matmul_best(x, bf16_tiles(tied), n, lib=lib, out_dtype=torch.bfloat16)
             assert best.tolist() == y.float().argmax(-1).tolist() == [3] * 4
+        y, best = int4_matmul_best(x[:0], bf16_tiles(tied), n, lib=lib)  # no rows: nothing to do, no failure
+        assert y.shape == (0, n) and best.shape == (0,)
         x = torch.randn(4, k).bfloat16()
         x[1, 5], x[2, 9], x[3, 0] = float("nan"), float("inf"), float("-inf")
         for t in (1, 2):

@@ -206,6 +206,16 @@ static inline float y_at(const void *y, int bf16, int64_t m, int64_t N, int64_t 
     return bf16 ? bf16_to_float(((const uint16_t *)y)[m * N + n]) : ((const float *)y)[m * N + n];
 }
 
+#ifdef INT4_SIMD
+/* values n..n+15 of row m of y as floats */
+static inline __m512 y_16(const void *y, int bf16, int64_t m, int64_t N, int64_t n) {
+    if (!bf16)
+        return _mm512_loadu_ps((const float *)y + m * N + n);
+    __m256i b = _mm256_loadu_si256((const __m256i *)((const uint16_t *)y + m * N + n));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+#endif
+
 /* For each row m of y, over its outputs n0..n1: arg[m] the first index of the largest value, top[m]
  * that value; arg[m] = -2 where a value is NaN or infinite, -1 where the span is empty. Called by each
  * thread on the outputs it has just written, while they are in its cache (greedy decoding's argmax
@@ -220,9 +230,7 @@ static void span_best(const void *y, int bf16, int64_t M, int64_t N, int64_t n0,
         __m512 vmax = _mm512_set1_ps(-INFINITY);
         __mmask16 bad = 0;
         for (; n + 16 <= n1; n += 16) {
-            __m512 v = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                  (const __m256i *)((const uint16_t *)y + m * N + n))), 16))
-                            : _mm512_loadu_ps((const float *)y + m * N + n);
+            __m512 v = y_16(y, bf16, m, N, n);
             bad |= _mm512_fpclass_ps_mask(v, 0x99); /* QNaN, +inf, -inf, SNaN */
             vmax = _mm512_max_ps(vmax, v);
         }
@@ -240,9 +248,22 @@ static void span_best(const void *y, int bf16, int64_t M, int64_t N, int64_t n0,
             }
             best = v > best ? v : best;
         }
-        if (at != -2 && n1 > n0) /* the first index holding the largest value */
-            for (at = n0; y_at(y, bf16, m, N, at) != best; at++)
-                ;
+        if (at != -2 && n1 > n0) { /* the first index holding the largest value */
+            at = n0;
+#ifdef INT4_SIMD
+            __m512 target = _mm512_set1_ps(best);
+            for (; at + 16 <= n1; at += 16) {
+                __m512 v = y_16(y, bf16, m, N, at);
+                __mmask16 hit = _mm512_cmp_ps_mask(v, target, _CMP_EQ_OQ);
+                if (hit) {
+                    at += __builtin_ctz(hit);
+                    break;
+                }
+            }
+#endif
+            while (y_at(y, bf16, m, N, at) != best)
+                at++;
+        }
         top[m] = best;
         arg[m] = at;
     }
@@ -316,9 +337,9 @@ static void join_best(int64_t M, int spans, const float *top, const int64_t *arg
         int64_t *arg = NULL;                                                                               \
         if (M > DIRECT && BLOCK_##KIND != BLOCK_bf)                                                        \
             buffers = aligned_alloc(64, sizeof(wvec) * (size_t)(G * NT * threads));                        \
-        if (best) {                                                                                        \
-            top = malloc(sizeof(float) * (size_t)(M * threads));                                           \
-            arg = malloc(sizeof(int64_t) * (size_t)(M * threads));                                         \
+        if (best) { /* one (top, arg) per row and thread; at least one, so that M = 0 is no failure */    \
+            top = malloc(sizeof(float) * (size_t)((M > 0 ? M : 1) * threads));                             \
+            arg = malloc(sizeof(int64_t) * (size_t)((M > 0 ? M : 1) * threads));                           \
         }                                                                                                  \
         if ((M > DIRECT && BLOCK_##KIND != BLOCK_bf && buffers == NULL) || (best && (!top || !arg))) {     \
             free(buffers), free(top), free(arg);                                                           \
