@@ -274,7 +274,8 @@ def test_a_pass_takes_each_rows_argmax_in_the_lm_head_kernel_and_reads_a_nan_row
     out = TorchStepOutput(PassLogits(model, hidden), 0, 5)
     out.prefetch(range(5))
     for i in (0, 1, 2, 4):
-        assert out.greedy(i) == int(out[i].argmax()) == accept_greedy(DraftTree(0), TorchStepOutput(out._pass, i, 1)).next_token
+        alone = TorchStepOutput(out._pass, i, 1)
+        assert out.greedy(i) == int(out[i].argmax()) == accept_greedy(DraftTree(0), alone).next_token
     assert out.greedy(3) is None
     with pytest.raises(NonFinite):
         accept_greedy(DraftTree(0), _CheckedRows(TorchStepOutput(out._pass, 3, 1), "step 1"))

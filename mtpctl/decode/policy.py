@@ -76,7 +76,8 @@ class PassCosts:
     requests carrying W rows costs ``ms(S) + node_ms(S, W - S)``, linear between the measured points
     (and from no nodes at no cost); a node count's values across request counts are read through a
     running median of three, so one low median (a node priced at half what it costs beside one
-    request fewer and one more) does not make drafting look cheap there. Without ``node_ms`` a draft node costs what another request's
+    request fewer and one more) does not make drafting look cheap there. Without ``node_ms`` a draft
+    node costs what another request's
     row does.
 
     Attributes:

@@ -26,8 +26,8 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
-from mtpctl.model.native import (bf16_tiles, bf16_untile, blob_codes, int4_matmul, int4_matmul_best, int4_pack, int8_pack,
-                                 load_kernel)
+from mtpctl.model.native import (bf16_tiles, bf16_untile, blob_codes, int4_matmul, int4_matmul_best, int4_pack,
+                                 int8_pack, load_kernel)
 
 GROUP = 32
 REL_TOL = 1e-5  # reconstruction error allowed, relative to the group's largest |weight|

@@ -198,7 +198,8 @@ def load_kernel(portable: bool = False) -> Optional[ctypes.CDLL]:
             if not _intact(path):
                 _build(path, flags, command)
         lib = ctypes.CDLL(str(path))
-        lib.tree_attention, lib.rms_norm, lib.rope_write, lib.q4_matmul, lib.q8_matmul, lib.bf_matmul, lib.bf_matmul_best, lib.layer_stack  # noqa: B018 (one missing)
+        lib.tree_attention, lib.rms_norm, lib.rope_write, lib.q4_matmul, lib.q8_matmul, lib.bf_matmul  # noqa: B018
+        lib.q4_matmul_best, lib.q8_matmul_best, lib.bf_matmul_best, lib.layer_stack  # noqa: B018 (one missing)
     except (OSError, AttributeError) as e:
         print(f"mtpctl: warning: native kernels (attention, RMSNorm, RoPE, int4) unavailable ({e}); using torch's "
               "ops (slower; install a C compiler or set $CC, or MTPCTL_NATIVE_ATTENTION=0 to silence this)",
