@@ -271,11 +271,12 @@ def test_a_pass_takes_each_rows_argmax_in_the_lm_head_kernel_and_reads_a_nan_row
     assert type(model.lm_head).__name__ == ("PackedLinear" if kind == "int4" else "TiledLinear")
     hidden = torch.randn(5, model.cfg.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
     hidden[3, 7] = float("nan")
-    out = TorchStepOutput(PassLogits(model, hidden), 0, 5)
+    logits = PassLogits(model, hidden)
+    out = TorchStepOutput(logits, 0, 5)
     out.prefetch(range(5))
     for i in (0, 1, 2, 4):
-        alone = TorchStepOutput(out._pass, i, 1)
+        alone = TorchStepOutput(logits, i, 1)
         assert out.greedy(i) == int(out[i].argmax()) == accept_greedy(DraftTree(0), alone).next_token
     assert out.greedy(3) is None
     with pytest.raises(NonFinite):
-        accept_greedy(DraftTree(0), _CheckedRows(TorchStepOutput(out._pass, 3, 1), "step 1"))
+        accept_greedy(DraftTree(0), _CheckedRows(TorchStepOutput(logits, 3, 1), "step 1"))
