@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import List, Sequence
 
+import pytest
 import torch
 
 from mtpctl.backends.torch import TorchEngine
@@ -18,6 +19,13 @@ from mtpctl.decode.stopping import StopChecker
 from mtpctl.decode.tree import DraftTree
 from mtpctl.model.config import DecoderConfig
 from mtpctl.model.decoder import Decoder
+from mtpctl.model.linears import blocked_layout_available
+
+#: float32 and bfloat16 as a test's ``dtype`` parameter, each skipped where oneDNN's blocked layout does
+#: not run for it (bfloat16 needs AVX512-BW/VL/DQ or AVX-NE-CONVERT: not on an AVX2-only CPU)
+BLOCKED_DTYPES = [pytest.param(dtype, id=str(dtype).split(".")[-1], marks=pytest.mark.skipif(
+    not blocked_layout_available(dtype), reason=f"oneDNN's blocked layout does not run for {dtype} here"))
+    for dtype in (torch.float32, torch.bfloat16)]
 
 #: the prompt of the tiny-model tests (token ids)
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 5, 17]

@@ -5,8 +5,8 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import (PROMPT, exact_sequence_probs, first_divergence, greedy_reference, plain_decode_logits, random_decoder,
-                     random_heads, run, top2_gap)
+from helpers import (BLOCKED_DTYPES, PROMPT, exact_sequence_probs, first_divergence, greedy_reference,
+                     plain_decode_logits, random_decoder, random_heads, run, top2_gap)
 from stats_util import chi_square_rejects
 
 from mtpctl.backends.torch import TorchEngine
@@ -188,7 +188,7 @@ def test_head_folder_round_trip(tmp_path, tiny_model, draft_vocab, own):
 
 
 @pytest.mark.skipif(not blocked_layout_available(), reason="this torch build has no oneDNN linear ops")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", BLOCKED_DTYPES)
 def test_heads_loaded_for_decoding_project_through_the_blocked_layout(tmp_path, tiny_model, dtype):
     cfg = HeadsConfig("medusa", 2, 1, False, tiny_model.cfg.hidden_size, tiny_model.cfg.vocab_size, 64,
                       target="tiny", target_hash="ab" * 32, tree=[[0], [0, 0]])

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import tiny_config_dict
+from helpers import BLOCKED_DTYPES, tiny_config_dict
 from mtpctl.errors import CorruptModel, UnsupportedModel
 from mtpctl.model.config import DecoderConfig
 from mtpctl.model.decoder import Decoder
@@ -36,7 +36,7 @@ def test_loads_and_ties_lm_head(folder):
 
 
 @pytest.mark.skipif(not blocked_layout_available(), reason="this torch build has no oneDNN linear ops")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", BLOCKED_DTYPES)
 def test_blocked_linears_keep_the_same_values(folder, dtype):
     dense = Decoder.from_folder(folder, dtype)
     model = Decoder.from_folder(folder, dtype, blocked=True)

@@ -4,6 +4,7 @@ kernels' tiles for dense bfloat16 weights, and oneDNN's blocked layout for dense
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import BLOCKED_DTYPES
 
 from mtpctl.model.native import load_kernel
 from mtpctl.model.linears import BlockedLinear, TiledLinear, blocked_layout_available, pack_exact
@@ -107,7 +108,7 @@ def test_weights_off_the_grid_are_left_alone():
 
 
 @needs_onednn
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", BLOCKED_DTYPES)
 def test_blocked_weight_keeps_its_values(dtype):
     w = torch.randn(96, 64).to(dtype)
     blocked = BlockedLinear(w)
@@ -118,7 +119,7 @@ def test_blocked_weight_keeps_its_values(dtype):
 
 
 @needs_onednn
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", BLOCKED_DTYPES)
 @pytest.mark.parametrize("shape", [(1536, 576), (576, 1536), (960, 576)])
 def test_blocked_rows_do_not_depend_on_the_block(dtype, shape):
     """Each row alone (computed as the row twice), and inside blocks of 2 to 33 rows, comes out the

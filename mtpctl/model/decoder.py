@@ -445,7 +445,7 @@ class Decoder(nn.Module):
         :class:`TiledLinear` (bfloat16, where the native kernels build) or :class:`BlockedLinear`
         (oneDNN's blocked layout, where torch has oneDNN), the same values either way.
         """
-        onednn = blocked and blocked_layout_available()
+        onednn = blocked and blocked_layout_available(self.dtype)
 
         def hold_for_kernel(owner, attr, value) -> bool:
             """Hold a linear weight packed (int4), tiled (native bfloat16) or blocked (oneDNN) instead of

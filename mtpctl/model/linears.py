@@ -21,6 +21,7 @@ Q8_0: |q| = 127), which they do by construction.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import List, Optional, Tuple
 
 import torch
@@ -208,11 +209,24 @@ def tiles_take(dtype: torch.dtype, shape: Tuple[int, ...]) -> bool:
         and load_kernel() is not None
 
 
-def blocked_layout_available() -> bool:
-    """True when this torch build has oneDNN's prepacked linear ops (:class:`BlockedLinear`)."""
+def blocked_layout_available(dtype: torch.dtype = torch.float32) -> bool:
+    """True when this torch build has oneDNN's prepacked linear ops (:class:`BlockedLinear`) for weights
+    of ``dtype``: bfloat16 ones also need a CPU that oneDNN's bfloat16 reorder runs on (AVX512-BW/VL/DQ
+    or AVX-NE-CONVERT; an AVX2-only CPU has neither), found by reordering a small weight once."""
     ops = torch.ops.mkldnn
-    return torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight") \
-        and hasattr(ops, "_linear_pointwise")
+    if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
+            and hasattr(ops, "_linear_pointwise")):
+        return False
+    return dtype != torch.bfloat16 or _bf16_reorder_runs()
+
+
+@lru_cache(maxsize=None)
+def _bf16_reorder_runs() -> bool:
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 32, dtype=torch.bfloat16), None)
+    except RuntimeError:  # "bf16 path needs the cpu support ...": this CPU has no such kernel
+        return False
+    return True
 
 
 class BlockedLinear(nn.Module):
@@ -267,7 +281,7 @@ def blocked_copy(weight: Optional[torch.Tensor], blocked: bool) -> Optional[Bloc
     draft-vocabulary projection: torch's default kernel takes ~3.6 ms for two float32 rows of an
     [8192, 576] projection here, the blocked layout ~0.4 ms (bfloat16: 0.26 against 0.12 ms)."""
     if not blocked or weight is None or weight.dtype not in (torch.float32, torch.bfloat16) \
-            or weight.device.type != "cpu" or not blocked_layout_available():
+            or weight.device.type != "cpu" or not blocked_layout_available(weight.dtype):
         return None
     return BlockedLinear(weight)
 

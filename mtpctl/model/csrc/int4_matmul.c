@@ -19,8 +19,11 @@
  * is shared by up to 8 rows in registers (4 outputs x 4 rows, or 2 outputs x 8 rows) and, for passes
  * of more than 8 rows, done once per tile into a buffer that every row reads (storing and reloading
  * it costs about two rows' worth of dot products, so it pays only for larger passes), so extra rows cost less than in torch's int4 kernel (prefill
- * of 128 rows about half, BENCHMARKS.md). Without AVX512-BF16 the same steps run in portable C
- * (another rounding of the sums, still the same for every row).
+ * of 128 rows about half, BENCHMARKS.md). On a CPU with AVX2 and FMA but no AVX512-BF16 (most x86 CPUs
+ * before 2022, AMD's Zen 1-3 among them) the same weights, rounded to bfloat16 alike, meet float32
+ * activations in 8-lane fused multiply-adds (INT4_AVX2, below): another rounding of the sums, still
+ * the same for every row, and 3-5x faster there than the plain C below. Elsewhere the same steps run
+ * in portable C (another rounding again, still the same for every row).
  */
 #include <math.h>
 #include <stdint.h>
@@ -39,6 +42,9 @@ static inline int thread_count(void) { return 1; }
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define INT4_SIMD 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define INT4_AVX2 1
 #endif
 
 #define NT 4           /* output rows per tile */
@@ -52,7 +58,9 @@ static inline int thread_count(void) { return 1; }
 #define DIRECT 8       /* passes of up to this many rows dequantize in registers (TILE, TILE_PAIRS) */
 
 
-#ifdef INT4_SIMD
+#if defined(INT4_SIMD)
+typedef uint16_t xelem; /* what the tiles read of an activation: bfloat16 as given */
+#define DENSE_IN_PLACE 1 /* passes of more than CHUNK rows read dense tiles where they are */
 typedef __m512bh wvec;
 /* output j's 32 weights of one group as bfloat16, via a 16-entry table s * q + z (q = 0..15), held twice
  * (entries 16-31 repeat 0-15) so that a 16-bit index only needs the code in its low 4 bits: vpermw reads
@@ -88,7 +96,132 @@ static inline accum acc_dot(accum a, const uint16_t *x, wvec w) {
     return _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(x), w);
 }
 static inline float acc_sum(accum a) { return _mm512_reduce_add_ps(a); }
+#elif defined(INT4_AVX2)
+/* AVX2 and FMA without AVX512-BF16: weights widened to float32 eight at a time (a chunk; q4: s * q + z
+ * as one fused multiply-add, q8: s * q, each rounded to bfloat16 as in the other builds; dense:
+ * exact), activations widened once per call (x_wide), and every product and sum a float32 fused
+ * multiply-add on 8 lanes (a product of two bfloat16 values is exact in float32). A row's sum for an output runs
+ * over groups in order and, in a group, over its four chunks in order, into one accumulator, then its 8
+ * lanes in a fixed order: the same operations for every row whatever the pass (TILE_AVX2). */
+typedef float xelem; /* activations widened to float32 by x_wide, in the order of the kind's chunks */
+#define DENSE_IN_PLACE 0 /* dense tiles widen chunk by chunk (a tile in place would be bfloat16) */
+#define DIRECT_AVX2 2 /* passes of up to this many rows widen the weights in registers, others once per tile */
+typedef struct { __m256 v[4]; } wvec;
+/* v rounded to the nearest bfloat16 (ties to even), as float32; float_to_bf16 on 8 lanes (the weights
+ * rounded here are finite) */
+static inline __m256 round_bf16(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+    return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xffff0000u)));
+}
+/* q4 chunk c of output j: byte i = q[i] | q[16 + i] << 4, so the low nibbles of bytes 0-7 and 8-15 are
+ * weights 0-7 and 8-15, the high ones 16-23 and 24-31: chunks in the group's order */
+static inline __m256 chunk_q4(const uint8_t *block, int j, int c) {
+    const float *sz = (const float *)(block + 64);
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block + 16 * j + 8 * (c & 1))));
+    __m256i q = c < 2 ? _mm256_and_si256(b, _mm256_set1_epi32(15)) : _mm256_srli_epi32(b, 4);
+    return round_bf16(_mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(sz[j]), _mm256_set1_ps(sz[NT + j])));
+}
+/* q8 chunk c of output j: its int8 codes 8 c .. 8 c + 7, times the scale */
+static inline __m256 chunk_q8(const uint8_t *block, int j, int c) {
+    __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(block + 32 * j + 8 * c)));
+    return round_bf16(_mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(((const float *)(block + 128))[j])));
+}
+/* bfloat16 widened by interleaving a zero word below each: a 16-weight half's chunks hold weights 0-3
+ * and 8-11 (lo), 4-7 and 12-15 (hi); x_wide lays the activations out alike */
+static inline __m256 widen_lo(__m256i b) {
+    return _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), b));
+}
+static inline __m256 widen_hi(__m256i b) {
+    return _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), b));
+}
+static inline __m256 chunk_bf(const uint8_t *block, int j, int c) {
+    __m256i b = _mm256_loadu_si256((const __m256i *)(block + 64 * j + 32 * (c >> 1)));
+    return c & 1 ? widen_hi(b) : widen_lo(b);
+}
+/* output j's 32 weights of one group, its four chunks (what a tile's buffer holds) */
+#define DEQUANT_AVX2(KIND)                                                                                 \
+    static inline wvec dequant_##KIND(const uint8_t *block, int j, float unused) {                        \
+        (void)unused;                                                                                      \
+        wvec w;                                                                                            \
+        for (int c = 0; c < 4; c++)                                                                        \
+            w.v[c] = chunk_##KIND(block, j, c);                                                            \
+        return w;                                                                                          \
+    }
+DEQUANT_AVX2(q4)
+DEQUANT_AVX2(q8)
+DEQUANT_AVX2(bf)
+/* lanes l and l + 4, then l and l + 2, then 0 and 1 */
+static inline float sum8(__m256 a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+/* x [count] bfloat16 -> out float32, exact: in order for the quantized kinds, in chunk_bf's order of
+ * each 16 values for dense weights */
+static void x_wide(const uint16_t *x, int64_t count, int dense, float *out) {
+    for (int64_t i = 0; i < count; i += 16) {
+        __m256i b = _mm256_loadu_si256((const __m256i *)(x + i));
+        if (dense) {
+            _mm256_storeu_ps(out + i, widen_lo(b));
+            _mm256_storeu_ps(out + i + 8, widen_hi(b));
+        } else {
+            _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm256_castsi256_si128(b)), 16)));
+            _mm256_storeu_ps(out + i + 8, _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm256_extracti128_si256(b, 1)), 16)));
+        }
+    }
+}
+/* rows m0..m0+R (R = 1, 2) of one tile, the four outputs at once: a chunk's four weight vectors (from
+ * the tile's buffer, or widened here) meet each row's activation chunk in 4 x R accumulators */
+#define TILE_AVX2(KIND, R)                                                                                 \
+    static void tile_##KIND##_##R(const float *x, int64_t K, const uint8_t *tile, const wvec *wbuf,        \
+                                  int64_t N, int64_t n0, int64_t m0, void *y, int bf16_out) {              \
+        int64_t G = K / 32;                                                                                \
+        __m256 acc[NT][R];                                                                                 \
+        for (int j = 0; j < NT; j++)                                                                       \
+            for (int r = 0; r < R; r++)                                                                    \
+                acc[j][r] = _mm256_setzero_ps();                                                           \
+        for (int64_t g = 0; g < G; g++) {                                                                  \
+            const uint8_t *block = tile + g * BLOCK_##KIND;                                                \
+            for (int c = 0; c < 4; c++) {                                                                  \
+                __m256 w[NT];                                                                              \
+                for (int j = 0; j < NT; j++)                                                               \
+                    w[j] = wbuf ? wbuf[g * NT + j].v[c] : chunk_##KIND(block, j, c);                       \
+                for (int r = 0; r < R; r++) {                                                              \
+                    __m256 xv = _mm256_loadu_ps(x + (m0 + r) * K + g * 32 + 8 * c);                        \
+                    for (int j = 0; j < NT; j++)                                                           \
+                        acc[j][r] = _mm256_fmadd_ps(xv, w[j], acc[j][r]);                                  \
+                }                                                                                          \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int j = 0; j < NT; j++)                                                                       \
+            for (int r = 0; r < R; r++) {                                                                  \
+                float sum = sum8(acc[j][r]);                                                               \
+                if (bf16_out)                                                                              \
+                    ((uint16_t *)y)[(m0 + r) * N + n0 + j] = float_to_bf16(sum);                           \
+                else                                                                                       \
+                    ((float *)y)[(m0 + r) * N + n0 + j] = sum;                                             \
+            }                                                                                              \
+    }
+/* every row of one tile, two at a time */
+#define ROWS(KIND)                                                                                         \
+    TILE_AVX2(KIND, 1)                                                                                     \
+    TILE_AVX2(KIND, 2)                                                                                     \
+    static void rows_##KIND(const xelem *x, int64_t M, int64_t K, const uint8_t *tile, const wvec *wbuf,   \
+                            int64_t N, int64_t n0, void *y, int bf16_out, float iota) {                    \
+        (void)iota;                                                                                        \
+        int64_t m0 = 0;                                                                                    \
+        for (; m0 + 2 <= M; m0 += 2)                                                                       \
+            tile_##KIND##_2(x, K, tile, wbuf, N, n0, m0, y, bf16_out);                                     \
+        if (m0 < M)                                                                                        \
+            tile_##KIND##_1(x, K, tile, wbuf, N, n0, m0, y, bf16_out);                                     \
+    }
 #else
+typedef uint16_t xelem;
+#define DENSE_IN_PLACE 1
 typedef struct { uint16_t v[32]; } wvec;
 static inline wvec dequant_q4(const uint8_t *block, int j, float unused) {
     (void)unused;
@@ -141,7 +274,7 @@ static inline float acc_sum(accum a) { float s = 0.f; for (int l = 0; l < 16; l+
  * whole model's dense matmuls at 3-12 rows (5-17% at 16); quantized tiles, read once, went 3-7%
  * slower at 3-8 rows with it (2-3% faster at 12-16). */
 #define TILE(KIND, R)                                                                                      \
-    static void tile_##KIND##_##R(const uint16_t *x, int64_t K, const uint8_t *tile, const wvec *wbuf,      \
+    static void tile_##KIND##_##R(const xelem *x, int64_t K, const uint8_t *tile, const wvec *wbuf,        \
                                   int64_t N, int64_t n0, int64_t m0, void *y, int bf16_out, IOTA_T iota) { \
         int64_t G = K / 32;                                                                                \
         accum acc[NT][R];                                                                                  \
@@ -172,7 +305,7 @@ static inline float acc_sum(accum a) { float s = 0.f; for (int l = 0; l < 16; l+
  * accumulators fit the registers where 4 x R do not), each (group, output) dequantized once as in TILE;
  * every sum is taken exactly as there (per output and row, over groups in order), so the same bits */
 #define TILE_PAIRS(KIND, R)                                                                                \
-    static void tile_##KIND##_p##R(const uint16_t *x, int64_t K, const uint8_t *tile, int64_t N, int64_t n0, \
+    static void tile_##KIND##_p##R(const xelem *x, int64_t K, const uint8_t *tile, int64_t N, int64_t n0,  \
                                    int64_t m0, void *y, int bf16_out, IOTA_T iota) {                        \
         int64_t G = K / 32;                                                                                \
         for (int jp = 0; jp < NT; jp += 2) {                                                               \
@@ -298,7 +431,9 @@ static void join_best(int64_t M, int spans, const float *top, const int64_t *arg
  *                               largest value), -1 where the row holds NaN or inf
  * Thread i of T computes the tiles t with i * tiles / T <= t < (i + 1) * tiles / T (each tile's outputs
  * are the same whichever thread computes them). */
-#define MATMUL(KIND)                                                                                       \
+#ifndef INT4_AVX2
+/* every row of one tile: TILE over CHUNK rows at a time, or TILE_PAIRS for passes of 5 to 8 rows */
+#define ROWS(KIND)                                                                                       \
     TILE(KIND, 1)                                                                                          \
     TILE(KIND, 2)                                                                                          \
     TILE(KIND, 3)                                                                                          \
@@ -307,7 +442,7 @@ static void join_best(int64_t M, int spans, const float *top, const int64_t *arg
     TILE_PAIRS(KIND, 6)                                                                                    \
     TILE_PAIRS(KIND, 7)                                                                                    \
     TILE_PAIRS(KIND, 8)                                                                                    \
-    static void rows_##KIND(const uint16_t *x, int64_t M, int64_t K, const uint8_t *tile, const wvec *wbuf, \
+    static void rows_##KIND(const xelem *x, int64_t M, int64_t K, const uint8_t *tile, const wvec *wbuf,   \
                             int64_t N, int64_t n0, void *y, int bf16_out, IOTA_T iota) {                   \
         switch (wbuf ? 0 : M) {                                                                            \
         case 5: tile_##KIND##_p5(x, K, tile, N, n0, 0, y, bf16_out, iota); return;                         \
@@ -323,7 +458,14 @@ static void join_best(int64_t M, int spans, const float *top, const int64_t *arg
         case 2: tile_##KIND##_2(x, K, tile, wbuf, N, n0, m0, y, bf16_out, iota); break;                    \
         case 1: tile_##KIND##_1(x, K, tile, wbuf, N, n0, m0, y, bf16_out, iota); break;                    \
         }                                                                                                  \
-    }                                                                                                      \
+    }
+#define DIRECT_ROWS DIRECT
+#else
+#define DIRECT_ROWS DIRECT_AVX2
+#endif
+
+#define MATMUL(KIND)                                                                                       \
+    ROWS(KIND)                                                                                             \
     int KIND##_matmul_best(const uint16_t *x, int64_t M, int64_t K, const uint8_t *blob, int64_t N, void *y, \
                            int bf16_out, int threads, int64_t *best) {                                     \
         if (K <= 0 || K % 32 || N % NT || threads < 1)                                                     \
@@ -335,14 +477,18 @@ static void join_best(int64_t M, int spans, const float *top, const int64_t *arg
         wvec *buffers = NULL;                                                                              \
         float *top = NULL;                                                                                 \
         int64_t *arg = NULL;                                                                               \
-        if (M > DIRECT && BLOCK_##KIND != BLOCK_bf)                                                        \
+        int buffered = M > DIRECT_ROWS && (BLOCK_##KIND != BLOCK_bf || !DENSE_IN_PLACE);                         \
+        if (buffered)                                                                                      \
             buffers = aligned_alloc(64, sizeof(wvec) * (size_t)(G * NT * threads));                        \
         if (best) { /* one (top, arg) per row and thread; at least one, so that M = 0 is no failure */    \
             top = malloc(sizeof(float) * (size_t)((M > 0 ? M : 1) * threads));                             \
             arg = malloc(sizeof(int64_t) * (size_t)((M > 0 ? M : 1) * threads));                           \
         }                                                                                                  \
-        if ((M > DIRECT && BLOCK_##KIND != BLOCK_bf && buffers == NULL) || (best && (!top || !arg))) {     \
-            free(buffers), free(top), free(arg);                                                           \
+        const xelem *xs = NULL;                                                                            \
+        float *wide = NULL;                                                                                \
+        if (!x_widened(x, M * K, BLOCK_##KIND == BLOCK_bf, &xs, &wide) || (buffered && buffers == NULL)     \
+            || (best && (!top || !arg))) {                                                                 \
+            free(buffers), free(top), free(arg), free(wide);                                               \
             return -2;                                                                                     \
         }                                                                                                  \
         int spans = 1;                                                                                     \
@@ -359,21 +505,38 @@ static void join_best(int64_t M, int spans, const float *top, const int64_t *arg
                     for (int64_t g = 0; g < G; g++)                                                        \
                         for (int j = 0; j < NT; j++)                                                       \
                             own[g * NT + j] = dequant_##KIND(tile + g * BLOCK_##KIND, j, iota);            \
-                const wvec *wbuf = own ? own : BLOCK_##KIND == BLOCK_bf && M > CHUNK ? (const wvec *)tile : NULL; \
-                rows_##KIND(x, M, K, tile, wbuf, N, t * NT, y, bf16_out, iota);                            \
+                const wvec *wbuf = own ? own                                                               \
+                    : DENSE_IN_PLACE && BLOCK_##KIND == BLOCK_bf && M > CHUNK ? (const wvec *)tile : NULL;  \
+                rows_##KIND(xs, M, K, tile, wbuf, N, t * NT, y, bf16_out, iota);                           \
             }                                                                                              \
             if (best)                                                                                      \
                 span_best(y, bf16_out, M, N, t0 * NT, t1 * NT, top + me * M, arg + me * M);                \
         }                                                                                                  \
         if (best)                                                                                          \
             join_best(M, spans, top, arg, best);                                                           \
-        free(buffers), free(top), free(arg);                                                               \
+        free(buffers), free(top), free(arg), free(wide);                                                   \
         return 0;                                                                                          \
     }                                                                                                      \
     int KIND##_matmul(const uint16_t *x, int64_t M, int64_t K, const uint8_t *blob, int64_t N, void *y,    \
                       int bf16_out, int threads) {                                                         \
         return KIND##_matmul_best(x, M, K, blob, N, y, bf16_out, threads, NULL);                           \
     }
+
+/* the activations as the tiles read them (xelem): x itself, or (AVX2) x widened into *wide, which the
+ * caller frees; 0 when that buffer cannot be allocated */
+static int x_widened(const uint16_t *x, int64_t count, int dense, const xelem **xs, float **wide) {
+#ifdef INT4_AVX2
+    *wide = malloc(sizeof(float) * (size_t)(count > 0 ? count : 1));
+    if (*wide == NULL)
+        return 0;
+    x_wide(x, count, dense, *wide);
+    *xs = *wide;
+#else
+    (void)count, (void)dense;
+    *xs = x, *wide = NULL;
+#endif
+    return 1;
+}
 
 static inline IOTA_T make_iota(void) {
 #ifdef INT4_SIMD
