@@ -88,6 +88,9 @@ def test_generate_json_says_what_int4_weights_ran_on(capsys, tmp_path, monkeypat
     assert code == 0, err
     assert json.loads(js)["int4_kernel"] == ("native" if native else "torch")
     assert code_dense == 0 and json.loads(js_dense)["int4_kernel"] is None
+    isa = json.loads(js)["matmul_isa"]  # the path this CPU's build of int4_matmul.c takes, null without it
+    assert (isa in ("avx512-bf16", "avx2", "portable")) if native else isa is None
+    assert json.loads(js_dense)["matmul_isa"] is None  # float32: no weight on the native matmuls
 
 
 def test_prompt_from_stdin_and_file(capsys, tiny_folder, tmp_path, monkeypatch):

@@ -14,9 +14,9 @@ from mtpctl.decode.session import Session
 from mtpctl.decode.tree import DraftTree
 from mtpctl.errors import UnsupportedModel
 from mtpctl.model.decoder import DTYPES, Decoder
-from mtpctl.model.linears import PackedLinear
+from mtpctl.model.linears import PackedLinear, TiledLinear
 from mtpctl.model.kv_cache import PassSlots
-from mtpctl.model.native import check_plan, kernel_runs
+from mtpctl.model.native import check_plan, kernel_runs, matmul_isa
 from mtpctl.model.tokenizer import TextCodec
 from mtpctl.model.weights import weights_hash
 
@@ -337,6 +337,16 @@ class TorchSession(Session):
         if not packed:
             return None
         return "native" if all(m.native for m in packed) else "torch"
+
+    @property
+    def matmul_isa(self) -> Optional[str]:
+        """Which path the native matmuls take on this CPU (:func:`mtpctl.model.native.matmul_isa`:
+        ``"avx512-bf16"``, ``"avx2"`` or ``"portable"``) when any of the model's weights run on them (int4
+        codes or bfloat16 tiles); None when none does (float32, or no native library)."""
+        if not any(isinstance(m, TiledLinear) or (isinstance(m, PackedLinear) and m.native)
+                   for m in self.model.modules()):
+            return None
+        return matmul_isa()
 
     @property
     def mode(self) -> str:

@@ -165,7 +165,8 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ma
         "datastore": str(datastore_path(opts)) if "retrieval" in used else None,
         "retrieval_nodes": (opts.retrieval_nodes or RETRIEVAL_NODES) if "retrieval" in used else None,
         "attention": session.attention if torch_backend else None,
-        "int4_kernel": session.int4_kernel if torch_backend else None}
+        "int4_kernel": session.int4_kernel if torch_backend else None,
+        "matmul_isa": session.matmul_isa if torch_backend else None}
     report = build_report(runs, prompts, weights, settings)
     apply_figures(report, figures)
     click.echo(format_table(report))

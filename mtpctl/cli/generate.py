@@ -215,7 +215,8 @@ def _settings(session, parts, drafter, opts, options) -> dict:
             "draft_len": drafter.budget if drafter else 0, "speculate_policy": options["speculate_policy"],
             "backend": options["backend"], "dtype": options["dtype"], "weights": options["weights"],
             "attention": session.attention if torch_backend else None,
-            "int4_kernel": session.int4_kernel if torch_backend else None}
+            "int4_kernel": session.int4_kernel if torch_backend else None,
+            "matmul_isa": session.matmul_isa if torch_backend else None}
 
 
 def _result_fields(result, settings: dict) -> dict:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from mtpctl.errors import BadInput
+from mtpctl.model.native import matmul_isa
 
 
 class Policy(Protocol):
@@ -294,6 +295,16 @@ POLICIES = ("auto", "always")
 COSTS_FILE = Path(__file__).resolve().parent.parent / "data" / "pass_costs.json"
 
 
+def costs_file() -> Path:
+    """The pass-cost table of this CPU's kind: ``pass_costs-ISA.json`` beside :data:`COSTS_FILE` where one
+    was measured for the path the native matmuls take here (``avx2``: a CPU with AVX2 and FMA but no
+    AVX512-BF16, where a verify row costs several times its share on an AVX512-BF16 one), else
+    :data:`COSTS_FILE` (measured with AVX512-BF16)."""
+    isa = matmul_isa()
+    own = COSTS_FILE.with_name(f"pass_costs-{isa}.json") if isa else None
+    return own if own is not None and own.is_file() else COSTS_FILE
+
+
 def _check_table(costs: PassCosts) -> None:
     """Raises ValueError for a table the policy cannot interpolate: counts that do not rise from 1 or
     more, times that are not finite (JSON takes NaN), sizes that do not match."""
@@ -310,12 +321,14 @@ def _check_table(costs: PassCosts) -> None:
         raise ValueError("a time that is not a finite number")
 
 
-def load_costs(mode: str, path: Path = COSTS_FILE) -> PassCosts:
-    """The pass costs of ``mode`` (``float32``, ``bfloat16``, ``int4``) from ``path``.
+def load_costs(mode: str, path: Optional[Path] = None) -> PassCosts:
+    """The pass costs of ``mode`` (``float32``, ``bfloat16``, ``int4``) from ``path`` (default: this CPU's
+    table, :func:`costs_file`).
 
     Raises:
         BadInput: an unreadable file, or no costs for ``mode`` in it.
     """
+    path = costs_file() if path is None else path
     try:
         table = json.loads(Path(path).read_text(encoding="utf-8"))
         entry = table["modes"][mode]
@@ -329,7 +342,7 @@ def load_costs(mode: str, path: Path = COSTS_FILE) -> PassCosts:
                        "benchmarks/bench_pass_costs.py (docs/batching.md)", option="speculate_policy") from err
 
 
-def load_draft_cost(mode: str, method: Optional[str], path: Path = COSTS_FILE) -> DraftCost:
+def load_draft_cost(mode: str, method: Optional[str], path: Optional[Path] = None) -> DraftCost:
     """What the drafter of ``method`` (``heads+ngram``, ...) adds to a step in ``mode``, from the
     ``draft_ms`` entry of that mode in ``path`` (``{method: [call_ms, row_ms]}``); zero for a method
     not measured.
@@ -337,6 +350,7 @@ def load_draft_cost(mode: str, method: Optional[str], path: Path = COSTS_FILE) -
     Raises:
         BadInput: an unreadable file, or an entry that is not two finite times of 0 or more.
     """
+    path = costs_file() if path is None else path
     try:
         entry = json.loads(Path(path).read_text(encoding="utf-8"))["modes"][mode].get("draft_ms", {}).get(method)
         if entry is None:

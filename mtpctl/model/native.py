@@ -199,7 +199,7 @@ def load_kernel(portable: bool = False) -> Optional[ctypes.CDLL]:
                 _build(path, flags, command)
         lib = ctypes.CDLL(str(path))
         lib.tree_attention, lib.rms_norm, lib.rope_write, lib.q4_matmul, lib.q8_matmul, lib.bf_matmul  # noqa: B018
-        lib.q4_matmul_best, lib.q8_matmul_best, lib.bf_matmul_best, lib.layer_stack  # noqa: B018 (one missing)
+        lib.q4_matmul_best, lib.q8_matmul_best, lib.bf_matmul_best, lib.layer_stack, lib.matmul_isa  # noqa: B018
     except (OSError, AttributeError) as e:
         print(f"mtpctl: warning: native kernels (attention, RMSNorm, RoPE, int4) unavailable ({e}); using torch's "
               "ops (slower; install a C compiler or set $CC, or MTPCTL_NATIVE_ATTENTION=0 to silence this)",
@@ -228,6 +228,18 @@ def load_kernel(portable: bool = False) -> Optional[ctypes.CDLL]:
                                  ctypes.c_float] + [ctypes.c_void_p] * 5 + [ctypes.c_int] + [ctypes.c_void_p] * 3
                                 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int])
     return lib
+
+
+#: what :func:`matmul_isa` calls each path of ``csrc/int4_matmul.c``, by the number the library returns
+MATMUL_ISAS = {2: "avx512-bf16", 1: "avx2", 0: "portable"}
+
+
+def matmul_isa(lib: Optional[ctypes.CDLL] = None) -> Optional[str]:
+    """Which path the native matmuls take in this build: ``"avx512-bf16"`` (AVX512-BF16 dot products),
+    ``"avx2"`` (AVX2 and FMA, float32 products: most x86 CPUs before 2022), ``"portable"`` (plain C,
+    several times slower), or None where the native library does not load."""
+    lib = lib if lib is not None else load_kernel()
+    return None if lib is None else MATMUL_ISAS[int(lib.matmul_isa())]
 
 
 def _loaded(lib: Optional[ctypes.CDLL]) -> ctypes.CDLL:

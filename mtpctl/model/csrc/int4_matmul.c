@@ -549,6 +549,17 @@ static inline IOTA_T make_iota(void) {
 #endif
 }
 
+/* which path this build's matmuls take: 2 AVX512-BF16, 1 AVX2 and FMA, 0 portable C */
+int matmul_isa(void) {
+#if defined(INT4_SIMD)
+    return 2;
+#elif defined(INT4_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* q4_matmul: 4-bit codes (Q4_1); q8_matmul: 8-bit codes (Q8_0); bf_matmul: dense bfloat16 weights */
 MATMUL(q4)
 MATMUL(q8)
