@@ -30,6 +30,7 @@ import torch
 
 from mtpctl.bench.harness import cpu_model
 from mtpctl.bench.vllm_peer import vllm_python
+from mtpctl.model.native import matmul_isa
 
 ROOT = Path(__file__).resolve().parents[1]
 MTPCTL = ".venv/bin/mtpctl"
@@ -129,6 +130,17 @@ SECTIONS = [
                               "--profile")
                        for dt in ((), ("--dtype", "bfloat16"), ("--dtype", "bfloat16", "--weights", "int4"))],
             tables_only=False),
+    Section("cpu", "This CPU's native matmul path: plain and prompt lookup per mode",
+            "What the native kernels give on this section's CPU, named with the path `int4_matmul.c` takes "
+            "there (`matmul_isa`: AVX512-BF16, AVX2 and FMA, or portable C; docs/numerics.md): plain decoding and "
+            "prompt lookup per numeric mode with each step split as in the profile section, then prompt lookup "
+            "at batch sizes 1-8 in dense bfloat16 under both policies, `auto` reading the pass costs measured for "
+            "this path (`mtpctl/data/pass_costs-avx2.json` on an AVX2-only CPU). Needs no heads.",
+            lambda a: [_bench(*dt, "--methods", "plain,ngram", "--limit", "1", "--profile")
+                       for dt in ((), ("--dtype", "bfloat16"), ("--dtype", "bfloat16", "--weights", "int4"))]
+            + [_bench("--dtype", "bfloat16", "--methods", "plain,ngram", "--batch-sizes", "1,2,4,8", "--limit", "1",
+                      "--repeats", "2", "--max-new-tokens", "48", "--speculate-policy", policy)
+               for policy in ("auto", "always")], tables_only=False),
     Section("verify", "What one verify pass costs",
             "The target's forward pass alone (no drafting, no logits) for a plain step and for chains and trees of "
             "N tokens, after 200 committed tokens: a pass of N tokens costing r plain steps pays only when a step "
@@ -152,8 +164,8 @@ def recipe_section(heads: str) -> str:
 
 
 def machine() -> str:
-    return (f"{cpu_model()}, {os.cpu_count()} logical CPUs, {THREADS} threads, torch {torch.__version__}, "
-            f"Python {platform.python_version()}")
+    return (f"{cpu_model()}, {os.cpu_count()} logical CPUs (native matmul: {matmul_isa() or 'none'}), {THREADS} "
+            f"threads, torch {torch.__version__}, Python {platform.python_version()}")
 
 
 def commit() -> str:
@@ -175,7 +187,7 @@ def run(command: str) -> str:
 def render(section: Section, args) -> str:
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     lines = [f"<!-- section:{section.key} -->", f"## {section.title}", "", section.about, "",
-             f"Measured {date} at commit {commit()}.", ""]
+             f"Measured {date} at commit {commit()} on {machine()}.", ""]
     for command in section.commands(args):
         if "llama.cpp" in command and importlib.util.find_spec("llama_cpp") is None:
             lines += [f"`{command}`: not run, llama-cpp-python is not installed (`make bench` installs it).", ""]
@@ -200,7 +212,8 @@ def assemble(old: str, fresh: dict, order: List[str]) -> str:
             "--sections KEY,... --write BENCHMARKS.md`. What was tried along the way, and what it showed, is in "
             "[docs/findings.md](docs/findings.md); the columns are explained in [docs/glossary.md](docs/glossary.md).",
             "",
-            f"Machine: {machine()}. Model: SmolLM2-135M-Instruct (the default, its Q4_1 GGUF) unless a section says "
+            "Each section names the machine it was measured on; figures from different CPUs do not compare. "
+            "Model: SmolLM2-135M-Instruct (the default, its Q4_1 GGUF) unless a section says "
             "otherwise; greedy decoding, one request at a time unless a section batches them. Runs on this shared 2-core machine move by 10% or more, and its speed drifts "
             "by up to 2x over hours (docs/findings.md, section 17): compare methods within one table, not tables measured at "
             "different times.", ""]
@@ -219,7 +232,8 @@ def main(argv=None) -> int:
     unknown = set(wanted) - set(order)
     if unknown:
         p.error(f"unknown section(s) {sorted(unknown)}: choose from {', '.join(order)}")
-    if not (Path(args.heads) / "mtp_config.json").is_file():
+    needs_heads = [k for k in wanted if k != "cpu"]
+    if needs_heads and not (Path(args.heads) / "mtp_config.json").is_file():
         p.error(f"no head folder at {args.heads}: train it with {MTPCTL} add-heads --recipe "
                 f"recipes/smollm2-135m-medusa.yaml --out {args.heads} (make bench does)")
     fresh = {}
