@@ -2,9 +2,9 @@
 (csrc/rms_norm.c, rope.c, int4_matmul.c) on the shapes and values their own tests leave out: int4
 outputs that are a multiple of 4 but not of 16, K = 32, passes of 1 to 40 rows (the direct paths for
 up to 4 rows and for 5 to 8, the buffered one above; bfloat16 tiles read in place above 4), NaN/inf activations, the widest norm rows, odd head_dims and
-the last slots of a cache, and the C fallback built for a CPU with AVX-512 but no AVX512-BF16
-(``-march=native -mno-avx512bf16``: fused multiply-adds in the plain-C path, which the portable
-build, compiled without ``-march``, does not exercise)."""
+the last slots of a cache, and the build a CPU with AVX-512 but no AVX512-BF16 gets
+(``-march=native -mno-avx512bf16``: the matmul's AVX2 path on x86, fused multiply-adds in the other
+kernels' plain C, which the portable build, compiled without ``-march``, does not exercise)."""
 
 import platform
 
@@ -144,10 +144,11 @@ def test_rope_write_with_odd_half_head_dims_into_the_last_slots(dtype, d):
         rope_write(qkv, cos, sin, keys, values, got.length + 1, heads, kv_heads)
 
 
-def test_plain_c_kernels_built_for_avx512_without_bf16_stay_batch_invariant_and_exact(monkeypatch):
+def test_kernels_built_for_avx512_without_bf16_stay_batch_invariant_and_exact(monkeypatch):
     """The build a CPU with AVX-512 (or AVX2) but no AVX512-BF16 gets: -march=native compiles the
-    plain-C int4 path, where the compiler may fuse multiply-adds; a row must still get the same bits
-    in any pass, and RoPE must still equal torch's separately rounded products."""
+    matmul's AVX2 path (float32 fused multiply-adds of the bfloat16-rounded weights) and the other
+    kernels' plain C, where the compiler may fuse multiply-adds; a row must still get the same bits in
+    any pass, and RoPE must still equal torch's separately rounded products."""
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("-mno-avx512bf16 is an x86 flag")
     monkeypatch.setattr(native, "FLAGS", ("-O3", "-march=native", "-mno-avx512bf16") + native.FLAGS[2:])

@@ -5,8 +5,9 @@ import json
 
 import pytest
 
-from mtpctl.decode.policy import (AlwaysDraft, CostModelPolicy, DraftCost, PassCosts, accepted_by_size, load_costs,
-                                  load_draft_cost, make_policy)
+from mtpctl.decode import policy as policy_module
+from mtpctl.decode.policy import (COSTS_FILE, AlwaysDraft, CostModelPolicy, DraftCost, PassCosts, accepted_by_size,
+                                  costs_file, load_costs, load_draft_cost, make_policy)
 from mtpctl.errors import BadInput
 
 FLAT = PassCosts((1, 8, 64), (10.0, 11.0, 60.0))  # dense-like: 8 rows cost 1.1x one
@@ -143,8 +144,17 @@ def test_draft_costs_by_method_from_the_table(tmp_path):
     table.write_text(json.dumps({"version": 3, "modes": {"int4": dict(entry, draft_ms={"heads": [1.5, -1]})}}))
     with pytest.raises(BadInput, match="no draft costs of heads for mode int4"):
         load_draft_cost("int4", "heads", table)
-    shipped = make_policy("auto", "bfloat16", "heads+ngram")
-    assert isinstance(shipped, CostModelPolicy) and shipped.draft.call_ms > 0  # the shipped table has them
+    assert load_draft_cost("bfloat16", "heads+ngram", COSTS_FILE).call_ms > 0  # the AVX512-BF16 table has them
+
+
+@pytest.mark.parametrize("isa, name", [("avx2", "pass_costs-avx2.json"), ("avx512-bf16", "pass_costs.json"),
+                                       ("portable", "pass_costs.json"), (None, "pass_costs.json")])
+def test_the_policy_reads_the_pass_costs_measured_for_this_cpus_matmul_path(monkeypatch, isa, name):
+    """An AVX2-only CPU has its own table (a verify row costs half a plain step there); a path with no
+    table of its own, or no native library, reads the AVX512-BF16 one."""
+    monkeypatch.setattr(policy_module, "matmul_isa", lambda: isa)
+    assert costs_file() == COSTS_FILE.with_name(name) and costs_file().is_file()
+    assert load_costs("bfloat16") == load_costs("bfloat16", COSTS_FILE.with_name(name))
 
 
 def test_an_unmeasured_row_drafts_once_to_measure_itself():

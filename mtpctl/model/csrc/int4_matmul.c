@@ -40,6 +40,14 @@ static inline int thread_count(void) { return omp_get_num_threads(); }
 static inline int thread_index(void) { return 0; }
 static inline int thread_count(void) { return 1; }
 #endif
+/* y[at] = sum: float32, or bfloat16 (rounded to nearest even) when bf16_out */
+static inline void store_sum(void *y, int bf16_out, int64_t at, float sum) {
+    if (bf16_out)
+        ((uint16_t *)y)[at] = float_to_bf16(sum);
+    else
+        ((float *)y)[at] = sum;
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define INT4_SIMD 1
@@ -199,13 +207,8 @@ static void x_wide(const uint16_t *x, int64_t count, int dense, float *out) {
             }                                                                                              \
         }                                                                                                  \
         for (int j = 0; j < NT; j++)                                                                       \
-            for (int r = 0; r < R; r++) {                                                                  \
-                float sum = sum8(acc[j][r]);                                                               \
-                if (bf16_out)                                                                              \
-                    ((uint16_t *)y)[(m0 + r) * N + n0 + j] = float_to_bf16(sum);                           \
-                else                                                                                       \
-                    ((float *)y)[(m0 + r) * N + n0 + j] = sum;                                             \
-            }                                                                                              \
+            for (int r = 0; r < R; r++)                                                                    \
+                store_sum(y, bf16_out, (m0 + r) * N + n0 + j, sum8(acc[j][r]));                            \
     }
 /* every row of one tile, two at a time */
 #define ROWS(KIND)                                                                                         \
@@ -293,13 +296,8 @@ static inline float acc_sum(accum a) { float s = 0.f; for (int l = 0; l < 16; l+
             }                                                                                              \
         }                                                                                                  \
         for (int j = 0; j < NT; j++)                                                                       \
-            for (int r = 0; r < R; r++) {                                                                  \
-                float sum = acc_sum(acc[j][r]);                                                            \
-                if (bf16_out)                                                                              \
-                    ((uint16_t *)y)[(m0 + r) * N + n0 + j] = float_to_bf16(sum);                               \
-                else                                                                                       \
-                    ((float *)y)[(m0 + r) * N + n0 + j] = sum;                                             \
-            }                                                                                              \
+            for (int r = 0; r < R; r++)                                                                    \
+                store_sum(y, bf16_out, (m0 + r) * N + n0 + j, acc_sum(acc[j][r]));                         \
     }
 
 /* rows m0..m0+R of one tile for R = 5..8, weights dequantized in registers: two outputs at a time (2 x R
@@ -325,13 +323,8 @@ static inline float acc_sum(accum a) { float s = 0.f; for (int l = 0; l < 16; l+
                 }                                                                                          \
             }                                                                                              \
             for (int j = 0; j < 2; j++)                                                                    \
-                for (int r = 0; r < R; r++) {                                                              \
-                    float sum = acc_sum(acc[j][r]);                                                        \
-                    if (bf16_out)                                                                          \
-                        ((uint16_t *)y)[(m0 + r) * N + n0 + jp + j] = float_to_bf16(sum);                  \
-                    else                                                                                   \
-                        ((float *)y)[(m0 + r) * N + n0 + jp + j] = sum;                                    \
-                }                                                                                          \
+                for (int r = 0; r < R; r++)                                                                \
+                    store_sum(y, bf16_out, (m0 + r) * N + n0 + jp + j, acc_sum(acc[j][r]));                \
         }                                                                                                  \
     }
 
