@@ -58,14 +58,17 @@ class LLM:
 
 
 def load(model: str = DEFAULT_MODEL, speculate: str = "none", heads: Optional[str] = None, backend: str = "torch",
-         dtype: str = "float32", weights: str = "dense", threads: Optional[int] = None,
-         sampling: SamplingParams = SamplingParams(), **drafter_settings) -> LLM:
+         dtype: str = "float32", weights: str = "dense", threads: Optional[int] = None, device: str = "auto",
+         kernels: str = "auto", sampling: SamplingParams = SamplingParams(), **drafter_settings) -> LLM:
     """Load ``model`` (an alias, checkpoint folder, .gguf file or hub id; an ``mtpctl export`` folder
     for the ``onnxruntime`` and ``tensorrt`` backends) and the drafter ``speculate`` names
     (``none``, ``ngram``, ``heads``, ``retrieval``, ``draft``, ``lookahead``, or several joined by ``+``).
 
     Args:
         heads: an MTP head folder (``mtpctl add-heads``) for the heads and retrieval drafters.
+        device: ``auto`` (a CUDA GPU when torch sees one), ``cpu``, ``cuda`` or ``cuda:N``.
+        kernels: ``auto`` (native on the CPU, torch elsewhere), ``native`` or ``torch`` (the pure-torch
+            path; see :mod:`mtpctl.model.device`).
         sampling: the settings a draft model samples with (the target's, when generating sampled).
         drafter_settings: the other drafter settings, by their :class:`~mtpctl.drafters.build.DraftOptions`
             names (``tree_nodes``, ``draft_len``, ``draft_model`` (``"self"`` or ``"self:0-11,20-29"``: the
@@ -78,5 +81,5 @@ def load(model: str = DEFAULT_MODEL, speculate: str = "none", heads: Optional[st
     opts = DraftOptions(heads_dir=heads, **drafter_settings)
     check(parts, opts)
     set_threads(threads)
-    session = open_session(model, backend, dtype, weights, threads)
+    session = open_session(model, backend, dtype, weights, threads, device, kernels)
     return LLM(session, build(session, parts, opts, sampling), "+".join(parts) or "none")

@@ -14,13 +14,15 @@ BACKENDS = ("torch", "onnxruntime", "tensorrt")
 
 
 def open_session(model: str, backend: str = "torch", dtype: str = "float32", weights: str = "dense",
-                 threads: Optional[int] = None) -> Session:
+                 threads: Optional[int] = None, device: str = "auto", kernels: str = "auto") -> Session:
     """A session for ``model`` on ``backend``: a model (alias, folder, .gguf file, hub id) for
-    ``torch``, an ``mtpctl export`` folder for the others.
+    ``torch``, an ``mtpctl export`` folder for the others. ``device`` and ``kernels`` place the torch
+    backend (:func:`mtpctl.model.device.resolve_placement`); an exported graph's runtime picks its own.
 
     Raises:
         BadInput: an unknown backend, an exported backend with a dtype or weights other than
-            float32/dense, or a model that is not an export folder.
+            float32/dense or a device or kernels other than auto, or a model that is not an export
+            folder; a device that is not there (``cuda`` without a GPU).
         ModelNotFound, CorruptModel, UnsupportedModel: the model cannot be resolved or loaded, or
             onnxruntime or tensorrt (or a CUDA device) is missing.
     """
@@ -30,7 +32,11 @@ def open_session(model: str, backend: str = "torch", dtype: str = "float32", wei
         from mtpctl.backends.torch import TorchSession
         from mtpctl.model.sources import resolve_model
 
-        return TorchSession(resolve_model(model), dtype, weights)
+        return TorchSession(resolve_model(model), dtype, weights, device, kernels)
+    for setting, value in (("device", device), ("kernels", kernels)):
+        if value != "auto":
+            raise BadInput(f"the {backend} backend places the exported graph itself: {setting} takes auto there "
+                           f"(not {value!r})", option=setting)
     if dtype != "float32" or weights != "dense":
         raise BadInput(f"the {backend} backend runs the exported float32 graph: its dtype and weights are "
                        "float32 and dense", option="dtype" if dtype != "float32" else "weights")

@@ -9,11 +9,12 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from mtpctl.decode.attention import TAIL, attention_masks, pass_plans, prefill_plan, tree_shape
+from mtpctl.decode.attention import TAIL, attention_masks, pass_plans, plans_on, prefill_plan, tree_shape
 from mtpctl.decode.session import Session
 from mtpctl.decode.tree import DraftTree
 from mtpctl.errors import UnsupportedModel
 from mtpctl.model.decoder import DTYPES, Decoder
+from mtpctl.model.device import Placement, resolve_placement
 from mtpctl.model.linears import PackedLinear, TiledLinear
 from mtpctl.model.kv_cache import PassSlots
 from mtpctl.model.native import check_plan, kernel_runs, matmul_isa
@@ -51,6 +52,8 @@ class PassLogits:
         start = time.perf_counter()
         with torch.inference_mode():
             out, best = self.model.logits_best(self.hidden_states[rows])
+            if out.device.type != "cpu":  # the argmax where the logits are, then the rows to the host
+                best, out = _device_best(out), out.cpu()
         if best is not None:
             self._best.update(zip(rows, best.tolist()))
         self.ms += (time.perf_counter() - start) * 1e3
@@ -85,6 +88,13 @@ class PassLogits:
         if self._all is None:
             self._all = self._logits(list(range(len(self.hidden_states))))
         return self._all
+
+
+def _device_best(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax of ``logits [M, vocab]`` (the first index of its largest value), -1 where the
+    row holds NaN or inf: what the native lm_head kernel gives, taken on the logits' device."""
+    best = logits.argmax(-1)
+    return torch.where(torch.isfinite(logits).all(-1), best, -1).cpu()
 
 
 class TorchStepOutput:
@@ -153,10 +163,13 @@ class TorchEngine:
         self.model = model
         self.aux_layers = tuple(aux_layers)
         cfg = model.cfg
-        self.native = native is not False and kernel_runs(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        on_cpu = model.device.type == "cpu"
+        self.native = native is not False and on_cpu and \
+            kernel_runs(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         if native and not self.native:
-            raise ValueError("native attention was asked for, but the kernel could not be built or does not take "
-                             f"head_dim {cfg.head_dim} with {cfg.num_attention_heads} heads over {cfg.num_key_value_heads} KV heads")
+            raise ValueError("native attention was asked for, but the kernel could not be built, does not take "
+                             f"head_dim {cfg.head_dim} with {cfg.num_attention_heads} heads over {cfg.num_key_value_heads} KV "
+                             f"heads, or the model is on {model.device}")
         # a lone token reads its tail in place (TAIL spare slots); the native kernels take a bfloat16 cache
         self.cache = model.new_cache(capacity, spare=TAIL, compact=self.native)
 
@@ -190,10 +203,11 @@ class TorchEngine:
 
     def _prefill_masked(self, prompt_ids: Sequence[int], aux: Optional[Dict[int, Optional[torch.Tensor]]]) -> torch.Tensor:
         """The prompt in one pass through torch's fused attention (masks); its hidden states ``[T, hidden]``."""
+        device = self.model.device
         depth = torch.arange(len(prompt_ids))
-        masks = attention_masks(self.model.cfg.layer_windows, 0, depth, None, self.capacity)
-        hidden = self.model(torch.tensor([list(prompt_ids)], dtype=torch.long), depth[None], self.cache, masks,
-                            aux=aux)[0]
+        masks = plans_on(attention_masks(self.model.cfg.layer_windows, 0, depth, None, self.capacity), device)
+        hidden = self.model(torch.tensor([list(prompt_ids)], dtype=torch.long, device=device), depth[None].to(device),
+                            self.cache, masks, aux=aux)[0]
         self.cache.advance(len(prompt_ids))
         return hidden
 
@@ -255,8 +269,10 @@ def verify_packed(engines: Sequence[TorchEngine], trees: Sequence[DraftTree]) ->
     if native:
         for plan in plans.values():
             check_plan(plan, slots.kv)
-    ids = torch.tensor([[token for t in trees for token in t.pass_tokens]], dtype=torch.long)
-    positions = torch.cat([length + depth for length, depth, _ in shapes])[None]
+    else:
+        plans = plans_on(plans, model.device)
+    ids = torch.tensor([[token for t in trees for token in t.pass_tokens]], dtype=torch.long, device=model.device)
+    positions = torch.cat([length + depth for length, depth, _ in shapes])[None].to(model.device)
     aux = dict.fromkeys(aux_layers) if aux_layers else None
     with torch.inference_mode():
         hidden = model(ids, positions, slots, None, plans, aux=aux)[0]
@@ -277,24 +293,39 @@ class TorchSession(Session):
         folder: Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer files).
         dtype: ``"float32"`` (default) or ``"bfloat16"``: weights, activations and KV cache.
         weights: ``"dense"`` (default), or ``"int4"`` to keep 4-/8-bit group-quantized weights (GGUF
-            Q4_1/Q8_0 imports) packed for the int4 CPU kernel (needs bfloat16; see
+            Q4_1/Q8_0 imports) packed for the int4 CPU kernel (needs bfloat16 and the CPU; see
             :mod:`mtpctl.model.linears`).
+        device: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:N"`` (:func:`mtpctl.model.device.resolve_device`).
+        kernels: ``"auto"`` (native on the CPU, torch elsewhere), ``"native"`` (the C kernels: CPU only)
+            or ``"torch"`` (the pure-torch path, on any device: torch's attention ops and its matmuls in
+            fixed-shape row blocks, :mod:`mtpctl.model.device`).
 
     Raises:
-        CorruptModel, UnsupportedModel: see :meth:`Decoder.from_folder` and :class:`TextCodec`.
+        BadInput: see :func:`mtpctl.model.device.resolve_placement`.
+        CorruptModel, UnsupportedModel: see :meth:`Decoder.from_folder` and :class:`TextCodec`; int4
+            weights off the CPU.
     """
 
     backend = "torch"
 
-    def __init__(self, folder: Path, dtype: str = "float32", weights: str = "dense"):
+    def __init__(self, folder: Path, dtype: str = "float32", weights: str = "dense", device: str = "cpu",
+                 kernels: str = "auto"):
         if dtype not in DTYPES:
             raise UnsupportedModel(f"dtype {dtype!r} is not supported (choose from {', '.join(DTYPES)})", option="dtype")
         if weights not in WEIGHTS:
             raise UnsupportedModel(f"weights {weights!r} is not supported (choose from {', '.join(WEIGHTS)})",
                                    option="weights")
+        self.placement: Placement = resolve_placement(device, kernels)
+        if weights == "int4" and self.placement.device.type != "cpu":
+            raise UnsupportedModel(f"int4 weights run on the CPU's kernels only; on {self.placement.device} load "
+                                   "dense weights (--dtype bfloat16)", option="weights")
         super().__init__(folder, TextCodec(Path(folder)))
         self._target_hash: Optional[str] = None
-        self.model = Decoder.from_folder(self.folder, DTYPES[dtype], packed=weights == "int4", blocked=True)
+        native = self.placement.native
+        self.model = Decoder.from_folder(self.folder, DTYPES[dtype], packed=weights == "int4", blocked=native,
+                                         native_int4=None if native else False, device=self.placement.device)
+        if not native:
+            self.model.hold_fixed_rows(self.placement.rows)
         if weights == "int4" and not self.model.packed_weights:
             raise UnsupportedModel(f"no weight of {self.folder} is 4-/8-bit group-quantized (GGUF Q4_1/Q8_0), "
                                    "so it has no int4 weights to keep: load its dense weights", option="weights")
@@ -312,7 +343,7 @@ class TorchSession(Session):
         return self.model.weight_bytes
 
     def new_engine(self, capacity: int, aux_layers: Sequence[int] = ()) -> TorchEngine:
-        return TorchEngine(self.model, capacity, aux_layers=aux_layers)
+        return TorchEngine(self.model, capacity, native=None if self.placement.native else False, aux_layers=aux_layers)
 
     def verify_together(self, engines: Sequence[TorchEngine], trees: Sequence[DraftTree]) -> List[TorchStepOutput]:
         """Every engine's draft tree in one packed pass (:func:`verify_packed`)."""
@@ -322,10 +353,11 @@ class TorchSession(Session):
     def attention(self) -> str:
         """What decode and verify passes attend with: ``"native"`` (the C kernel,
         :mod:`mtpctl.model.native`) or ``"torch"`` (torch's ops: no compiler, a shape the kernel
-        does not take, or ``MTPCTL_NATIVE_ATTENTION=0``). Greedy output can differ between the two at
-        near-ties; each is reproduced exactly by speculation."""
+        does not take, ``MTPCTL_NATIVE_ATTENTION=0``, or the torch kernels asked for). Greedy output can
+        differ between the two at near-ties; each is reproduced exactly by speculation."""
         cfg = self.model.cfg
-        return "native" if kernel_runs(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) else "torch"
+        native = self.placement.native and kernel_runs(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        return "native" if native else "torch"
 
     @property
     def int4_kernel(self) -> Optional[str]:
@@ -347,6 +379,32 @@ class TorchSession(Session):
                    for m in self.model.modules()):
             return None
         return matmul_isa()
+
+    @property
+    def device(self) -> str:
+        """Where the target computes (``cpu``, ``cuda:0``)."""
+        return str(self.placement.device)
+
+    @property
+    def kernels(self) -> str:
+        """``native`` or ``torch``: the kernel path decode and verify passes take."""
+        return self.placement.kernels
+
+    @property
+    def greedy_exactness(self) -> str:
+        """What is known of greedy speculation against plain greedy on this path: ``"bit-exact"`` on the
+        CPU (either kernel path; tests/test_real_smollm2.py, tests/test_torch_kernels.py), ``"unverified"``
+        elsewhere: the pure-torch path runs every product in fixed-shape blocks there too, but whether
+        the GPU's kernels then compute a row alike in every pass is measured by benchmarks/gpu_check.sh
+        (docs/numerics.md), not promised."""
+        return "bit-exact" if self.placement.device.type == "cpu" else "unverified"
+
+    @property
+    def policy_mode(self) -> Optional[str]:
+        """The mode whose measured pass costs the auto speculation policy reads (:attr:`mode`), or None
+        on the torch kernels, whose passes those tables (measured on the native kernels of a CPU) do not
+        describe: there every request drafts its whole budget."""
+        return self.mode if self.placement.native else None
 
     @property
     def mode(self) -> str:

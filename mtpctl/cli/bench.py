@@ -110,7 +110,8 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ma
         gguf = gguf_source(options["model"])
     prompts = select_prompts(load_prompts(Path(prompts_path) if prompts_path else None), categories, limit)
     set_threads(options["threads"])
-    session = open_session(options["model"], options["backend"], options["dtype"], options["weights"], options["threads"])
+    session = open_session(options["model"], options["backend"], options["dtype"], options["weights"], options["threads"],
+                           options["device"], options["kernels"])
     encoded = [session.codec.encode_messages(list(p.messages)) for p in prompts]
     mode = session_mode(session)
 
@@ -166,7 +167,9 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ma
         "retrieval_nodes": (opts.retrieval_nodes or RETRIEVAL_NODES) if "retrieval" in used else None,
         "attention": session.attention if torch_backend else None,
         "int4_kernel": session.int4_kernel if torch_backend else None,
-        "matmul_isa": session.matmul_isa if torch_backend else None}
+        "matmul_isa": session.matmul_isa if torch_backend else None,
+        "device": session.device if torch_backend else None, "kernels": session.kernels if torch_backend else None,
+        "greedy_exactness": session.greedy_exactness if torch_backend else None}
     report = build_report(runs, prompts, weights, settings)
     apply_figures(report, figures)
     click.echo(format_table(report))

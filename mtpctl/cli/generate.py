@@ -124,7 +124,8 @@ def generate_cmd(prompt, prompt_file, batch_file, max_batch, out_path, speculate
     if out_path:
         check_writable(Path(out_path))
     set_threads(options["threads"])
-    session = open_session(options["model"], options["backend"], options["dtype"], options["weights"], options["threads"])
+    session = open_session(options["model"], options["backend"], options["dtype"], options["weights"], options["threads"],
+                           options["device"], options["kernels"])
     sampling = sampling_from(options)
     drafter = build(session, parts, opts, sampling, progress=lambda line: click.echo(f"mtpctl: {line}", err=True))
     policy = make_policy(options["speculate_policy"], session_mode(session), "+".join(parts) or None)
@@ -216,7 +217,9 @@ def _settings(session, parts, drafter, opts, options) -> dict:
             "backend": options["backend"], "dtype": options["dtype"], "weights": options["weights"],
             "attention": session.attention if torch_backend else None,
             "int4_kernel": session.int4_kernel if torch_backend else None,
-            "matmul_isa": session.matmul_isa if torch_backend else None}
+            "matmul_isa": session.matmul_isa if torch_backend else None,
+            "device": session.device if torch_backend else None, "kernels": session.kernels if torch_backend else None,
+            "greedy_exactness": session.greedy_exactness if torch_backend else None}
 
 
 def _result_fields(result, settings: dict) -> dict:

@@ -4,7 +4,8 @@ drift apart, and the one place where a library error's setting becomes the flag 
 Bundles (each a decorator adding its options, and a function turning the parsed values into the
 library's settings):
 
-- :func:`model_options`: ``--model``, ``--backend``, ``--dtype``, ``--weights``, ``--threads``;
+- :func:`model_options`: ``--model``, ``--backend``, ``--dtype``, ``--weights``, ``--threads``, and
+  :func:`device_options`: ``--device``, ``--kernels``;
 - :func:`sampling_options`: ``--temperature``, ``--top-k``, ``--top-p``, ``--seed`` -> :func:`sampling_from`;
 - :func:`drafter_options`: the drafters' settings (``--heads``, ``--tree``, ``--tree-nodes``,
   ``--draft-len``, ``--draft``, ``--draft-map``, ``--datastore``, ``--retrieval-nodes``,
@@ -23,6 +24,7 @@ from mtpctl.decode.sampling import SamplingParams
 from mtpctl.drafters.build import DraftOptions
 from mtpctl.drafters.lookahead import LookaheadSettings
 from mtpctl.errors import BadInput, MtpctlError
+from mtpctl.model.device import KERNELS
 from mtpctl.model.sources import DEFAULT_MODEL
 
 
@@ -107,9 +109,20 @@ def _apply(options) -> Callable:
     return decorate
 
 
-def model_options(f):
-    """``--model``, ``--backend``, ``--dtype``, ``--weights``, ``--threads``."""
+def device_options(f):
+    """``--device``, ``--kernels``."""
     return _apply([
+        click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda[:N]",
+                     help="Where the target computes: auto takes a CUDA GPU when torch sees one, else the CPU."),
+        click.option("--kernels", type=click.Choice(KERNELS), default="auto", show_default=True,
+                     help="native: mtpctl's C kernels (CPU only, fastest there). torch: torch's own ops, the path "
+                          "CUDA runs (on the CPU too, to check it). auto: native on the CPU, torch elsewhere."),
+    ])(f)
+
+
+def model_options(f):
+    """``--model``, ``--backend``, ``--dtype``, ``--weights``, ``--threads``, ``--device``, ``--kernels``."""
+    return device_options(_apply([
         click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True,
                      help="Alias, checkpoint folder, .gguf file or hub repo id (an export folder for an exported "
                           "backend)."),
@@ -121,7 +134,7 @@ def model_options(f):
         click.option("--weights", type=click.Choice(["dense", "int4"]), default="dense", show_default=True,
                      help="int4: keep GGUF Q4_1/Q8_0 weights packed for the int4 kernels (needs --dtype bfloat16)."),
         click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: torch's)."),
-    ])(f)
+    ])(f))
 
 
 def sampling_options(f):
@@ -185,9 +198,10 @@ def policy_option(f):
 
 
 def session_mode(session) -> Optional[str]:
-    """The numeric mode whose pass costs the auto policy reads: the torch backend's (float32,
-    bfloat16, int4); None for backends that verify one request per pass."""
-    return getattr(session, "mode", None)
+    """The numeric mode whose pass costs the auto policy reads: the torch backend's on its native
+    kernels (float32, bfloat16, int4); None for the torch kernels and for backends that verify one
+    request per pass (:attr:`~mtpctl.backends.torch.TorchSession.policy_mode`)."""
+    return getattr(session, "policy_mode", None)
 
 
 def draft_options_from(options: dict) -> DraftOptions:

@@ -203,6 +203,22 @@ def pass_plans(windows, native: bool, sequences: Sequence[tuple]) -> dict:
     return joined
 
 
+def plans_on(plans: dict, device: torch.device) -> dict:
+    """:func:`pass_plans`' torch-ops plans (a tuple of :class:`~mtpctl.model.decoder.AttentionPlan` per
+    window) or masks with their tensors on ``device`` (the same objects where they are there already:
+    on the CPU this costs nothing)."""
+    def move(plan: AttentionPlan) -> AttentionPlan:
+        groups = tuple(AttentionGroup(g.head, None if g.rows is None else g.rows.to(device), g.bias.to(device))
+                       for g in plan.groups)
+        fixes = None if plan.fixes is None else tuple(t.to(device) for t in plan.fixes)
+        return AttentionPlan(plan.tail_slots.to(device), groups, fixes)
+
+    if device.type == "cpu":
+        return plans
+    return {window: tuple(move(p) for p in plan) if isinstance(plan, tuple) else plan.to(device)
+            for window, plan in plans.items()}
+
+
 def attention_masks(windows, length: int, depth: torch.Tensor, tree_mask: Optional[torch.Tensor],
                     capacity: int) -> Dict[Optional[int], torch.Tensor]:
     """Bool masks ``[1, 1, N, capacity]`` (True = may attend) per attention window, for N new tokens

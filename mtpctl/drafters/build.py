@@ -192,8 +192,9 @@ def heads_for(session: Session, folder: Union[str, Path]) -> LoadedHeads:
             check_aux_layers(cfg.layer.aux_layers, model.cfg.num_hidden_layers)
         except ValueError as err:
             raise BadInput(f"{folder}: {err}", option="heads_dir") from err
-    return LoadedHeads(cfg, load_heads(folder, model.dtype, model.dense_lm_head(), blocked=True,
-                                       target_kernel=model.lm_head))
+    native = model.device.type == "cpu" and session.kernels == "native"  # the heads' kernels follow the target's
+    module = load_heads(folder, model.dtype, model.dense_lm_head(), blocked=native, target_kernel=model.lm_head)
+    return LoadedHeads(cfg, module.to(model.device))
 
 
 def _fused_heads(session: GraphSession, folder: Path) -> LoadedHeads:

@@ -370,5 +370,9 @@ def session_drafter(session, draft_spec: str, sampling, draft_len: Optional[int]
     id_map = None
     if draft_map is not None:
         id_map = read_id_map(draft_map, session.folder, folder, pairing.target.logits_width, pairing.draft.logits_width)
-    draft = Decoder.from_folder(folder, model.dtype, blocked=True)
+    native = session.kernels == "native"  # the draft runs on the target's device and kernel path
+    draft = Decoder.from_folder(folder, model.dtype, blocked=native, native_int4=None if native else False,
+                                device=model.device)
+    if not native:
+        draft.hold_fixed_rows(session.placement.rows)
     return draft_model_drafter(pairing, draft, model.cfg.vocab_size, sampling, draft_len, id_map, sampling.seed)

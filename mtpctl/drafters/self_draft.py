@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from mtpctl.decode.attention import attention_masks
+from mtpctl.decode.attention import attention_masks, plans_on
 from mtpctl.decode.sampling import SamplingParams
 from mtpctl.drafters.draft_model import DraftModelDrafter
 from mtpctl.errors import BadInput
@@ -240,8 +240,8 @@ class _Prefill:
         self.model, self.ids, self.start = model, ids, start
         n = len(ids)
         self.cache = model.new_cache(n)
-        positions = torch.arange(n)[None]
-        self.masks = attention_masks(model.cfg.layer_windows, 0, torch.arange(n), None, n)
+        positions = torch.arange(n, device=model.device)[None]
+        self.masks = plans_on(attention_masks(model.cfg.layer_windows, 0, torch.arange(n), None, n), model.device)
         self.ropes = {local: (cos[positions].unsqueeze(2), sin[positions].unsqueeze(2))
                       for local, (cos, sin) in ((False, (model.rope_cos, model.rope_sin)),
                                                 (True, (model.rope_local_cos, model.rope_local_sin)))
@@ -249,7 +249,7 @@ class _Prefill:
 
     def embed(self) -> torch.Tensor:
         model = self.model
-        x = torch.nn.functional.embedding(torch.tensor([self.ids]), model.embed)
+        x = torch.nn.functional.embedding(torch.tensor([self.ids], device=model.device), model.embed)
         return x * model.embed_scale if model.embed_scale is not None else x
 
     def layer(self, index: int, x: torch.Tensor) -> torch.Tensor:

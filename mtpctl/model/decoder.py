@@ -28,8 +28,8 @@ from mtpctl.model.config import DecoderConfig, RopeConfig
 from mtpctl.model.kv_cache import KVCache, PassSlots
 from mtpctl.model.native import (SlotPlan, StackWeights, attend, kernel_takes, layer_stack,
                                  norm_takes, rms_norm, rotate_write)
-from mtpctl.model.linears import (BlockedLinear, PackedLinear, TiledLinear, blocked_layout_available, pack_exact,
-                                  tiles_take)
+from mtpctl.model.linears import (BlockedLinear, FixedRowsLinear, PackedLinear, TiledLinear, blocked_layout_available,
+                                  pack_exact, tiles_take)
 from mtpctl.model.weights import load_tensors, safetensors_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -114,7 +114,7 @@ def _linear(x: torch.Tensor, weight, bias: Optional[torch.Tensor] = None) -> tor
     row for row. Plain decoding then computes each token exactly as a verify pass does, for about
     the cost of one row (tests/test_engine.py).
     """
-    if isinstance(weight, (PackedLinear, TiledLinear, BlockedLinear)):
+    if isinstance(weight, (PackedLinear, TiledLinear, BlockedLinear, FixedRowsLinear)):
         y = weight.forward(x)  # no hooks on these: skip nn.Module's call machinery (~4 us, 121 calls a step)
         return y if bias is None else y + bias
     if weight.dtype == torch.bfloat16 and x.numel() == x.shape[-1]:
@@ -267,14 +267,14 @@ class DecoderLayer(nn.Module):
     ``post_feedforward_layernorm``). With ``cfg.norm_offset`` they are float32 and hold ``offset + w``.
     """
 
-    def __init__(self, cfg: DecoderConfig, index: int, dtype: torch.dtype):
+    def __init__(self, cfg: DecoderConfig, index: int, dtype: torch.dtype, device="cpu"):
         super().__init__()
         h, hd = cfg.hidden_size, cfg.head_dim
         self.cfg, self.index = cfg, index
         self.q_size, self.kv_size = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
 
         def param(*shape, dtype=dtype):
-            return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+            return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
         norm_dtype = torch.float32 if cfg.norm_offset else dtype
         self.norm = _rms_norm_float32_scale if cfg.norm_offset else _rms_norm
@@ -376,20 +376,21 @@ class Decoder(nn.Module):
     layers rotate with ``cfg.rope_local`` when the config gives them their own rope (Gemma 3).
     """
 
-    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype = torch.float32):
+    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype = torch.float32, device="cpu"):
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
-        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device),
+                                  requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_hidden_layers))
         norm_dtype = torch.float32 if cfg.norm_offset else dtype
-        self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=norm_dtype), requires_grad=False)
+        self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=norm_dtype, device=device), requires_grad=False)
         self.final_norm = _rms_norm_float32_scale if cfg.norm_offset else _rms_norm
         # Gemma: embeddings times sqrt(hidden_size), the factor rounded to the weights' dtype first
-        self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size ** 0.5, dtype=torch.float32).to(dtype)
+        self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size ** 0.5, dtype=torch.float32).to(device, dtype)
                              if cfg.scaled_embeddings else None, persistent=False)
         self.packed_weights: list = []  # names of the weights held packed (see load_hf_tensors)
         self.lm_head = self.embed if cfg.tie_word_embeddings else nn.Parameter(
-            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
+            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False)
         for prefix, rope in (("rope", cfg.rope), ("rope_local", cfg.rope_local)):
             if rope is None:  # sliding-window layers share the global rope
                 self.rope_local_cos = self.rope_local_sin = None
@@ -397,8 +398,8 @@ class Decoder(nn.Module):
             freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32),
                                 rope_inv_freq(rope, cfg.head_dim))
             angles = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
-            self.register_buffer(prefix + "_cos", angles.cos().to(dtype), persistent=False)
-            self.register_buffer(prefix + "_sin", angles.sin().to(dtype), persistent=False)
+            self.register_buffer(prefix + "_cos", angles.cos().to(device, dtype), persistent=False)
+            self.register_buffer(prefix + "_sin", angles.sin().to(device, dtype), persistent=False)
         # per layer: rotate with the local rope (a sliding-window layer of a config that has one)
         self.local_rope = tuple(w is not None and cfg.rope_local is not None for w in cfg.layer_windows)
         #: decode and verify passes run every layer in one native call where it covers the blocks
@@ -408,7 +409,7 @@ class Decoder(nn.Module):
 
     @classmethod
     def from_folder(cls, folder: Path, dtype: torch.dtype = torch.float32, packed: bool = False,
-                    blocked: bool = False, native_int4: Optional[bool] = None) -> "Decoder":
+                    blocked: bool = False, native_int4: Optional[bool] = None, device="cpu") -> "Decoder":
         """Load ``config.json`` and ``*.safetensors`` from a Hugging Face checkpoint folder, strictly.
 
         Args:
@@ -421,6 +422,7 @@ class Decoder(nn.Module):
                 entries for them and cannot be traced to ONNX.
             native_int4: packed weights run on the native int4 kernel where it runs (None), or on
                 torch's (False; see :class:`PackedLinear`).
+            device: where the weights go (``"cpu"``, ``"cuda:0"``, a :class:`torch.device`).
 
         Raises:
             CorruptModel: missing/unexpected/mis-shaped/NaN tensors, unreadable files.
@@ -429,7 +431,7 @@ class Decoder(nn.Module):
         cfg = DecoderConfig.from_folder(Path(folder))
         if packed and dtype != torch.bfloat16:
             raise UnsupportedModel("int4 weights run with bfloat16 activations, not float32", option="dtype")
-        model = cls(cfg, dtype)
+        model = cls(cfg, dtype, device)
         optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
         model.load_hf_tensors(load_tensors(safetensors_files(Path(folder)), expected_tensors(cfg), optional), packed,
                               blocked, native_int4)
@@ -548,7 +550,8 @@ class Decoder(nn.Module):
         (a pass's attention reads every committed slot of its sequences)."""
         c = self.cfg
         dtype = torch.bfloat16 if compact and self.dtype == torch.bfloat16 else torch.float32
-        return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, c.head_dim, capacity, dtype, spare=spare)
+        return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, c.head_dim, capacity, dtype, self.device,
+                       spare=spare)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: Union[KVCache, PassSlots],
                 masks: Optional[Dict[Optional[int], torch.Tensor]], plans: Optional[dict] = None,
@@ -611,10 +614,30 @@ class Decoder(nn.Module):
         return layer_stack(x, self.stack, self.norm.detach(), cos, sin, cache.kv, cache.dest, cache.kv_bf16, plan)[None]
 
     @property
+    def device(self) -> torch.device:
+        """Where the weights are."""
+        return self.embed.device
+
+    def hold_fixed_rows(self, rows: int) -> None:
+        """Hold every dense linear weight (fused projections and the lm_head) as a
+        :class:`FixedRowsLinear` of ``rows`` rows a block: the pure-torch path's batch-invariant linears
+        (:mod:`mtpctl.model.device`). The tensors are the same; packed, tiled or blocked weights stay
+        as they are."""
+        for owner in (self, *self.layers):
+            for name in LINEARS:
+                weight = owner._parameters.get(name)
+                if weight is not None:
+                    owner._parameters.pop(name)
+                    setattr(owner, name, FixedRowsLinear(weight, rows))
+        self._stack = None
+
+    @property
     def weight_bytes(self) -> int:
         """Memory held by the weights (dense parameters, blocked bfloat16 weights, packed int4 codes with
         their scales), bytes."""
-        dense = {id(p): p.numel() * p.element_size() for p in self.parameters()}
+        dense = {p.data_ptr(): p.numel() * p.element_size() for p in self.parameters()}
+        # fixed-rows linears hold the checkpoint's tensors (a tied lm_head the embedding's): counted once
+        dense.update((m.weight.data_ptr(), m.nbytes) for m in self.modules() if isinstance(m, FixedRowsLinear))
         packed = sum(t.numel() * t.element_size() for m in self.modules() if isinstance(m, PackedLinear)
                      for part in m.parts for t in part)
         blocked = sum(m.nbytes for m in self.modules() if isinstance(m, (BlockedLinear, TiledLinear)))
@@ -646,7 +669,7 @@ class Decoder(nn.Module):
     def dense_lm_head(self) -> torch.Tensor:
         """The lm_head weight ``[vocab, hidden]`` as a dense tensor (a packed one is unpacked through
         its own kernel, so the values are those the model computes with)."""
-        if isinstance(self.lm_head, (BlockedLinear, TiledLinear)):  # tied: the embedding holds the same values
+        if isinstance(self.lm_head, (BlockedLinear, TiledLinear, FixedRowsLinear)):  # tied: the embedding holds them
             return self.embed.detach() if self.cfg.tie_word_embeddings else self.lm_head.dense()
         if not isinstance(self.lm_head, PackedLinear):
             return self.lm_head.detach()

@@ -1,6 +1,7 @@
 """CPU weight layouts: 4-bit packing of weights that already are group-quantized (GGUF Q4_1 / Q8_0
 imports), dense bfloat16 weights in the native kernels' tiles (:class:`TiledLinear`), and oneDNN's
-blocked layout for dense float32/bfloat16 weights (:class:`BlockedLinear`).
+blocked layout for dense float32/bfloat16 weights (:class:`BlockedLinear`); and torch's own matmul in
+fixed-shape row blocks on any device (:class:`FixedRowsLinear`, the pure-torch path).
 
 A GGUF checkpoint dequantized to float32 still holds, in every group of 32 input weights, values of
 the form ``d * q + m`` (Q4_1: q in 0..15) or ``d * q`` (Q8_0: q in -127..127). Such a matrix is
@@ -200,6 +201,43 @@ class TiledLinear(nn.Module):
     @property
     def nbytes(self) -> int:
         return self.blob.numel()
+
+
+class FixedRowsLinear(nn.Module):
+    """``y = x @ W.T`` for a dense weight ``[N, K]`` on torch's own matmul (any device), computed in
+    blocks of exactly ``rows`` rows (the last one padded with zero rows): every row of every pass then
+    comes out of a product of one shape, so its result does not depend on how many rows, or which,
+    the pass carries (torch's kernels pick their blocking and reduction order by shape). The pure-torch
+    path holds its linear weights this way (:mod:`mtpctl.model.device`); the weight is the checkpoint's
+    tensor itself, not a copy.
+
+    Input ``[..., K]`` in the weight's dtype; output ``[..., N]``.
+    """
+
+    def __init__(self, weight: torch.Tensor, rows: int):
+        super().__init__()
+        if rows < 1:
+            raise ValueError(f"rows must be >= 1, not {rows}")
+        self.weight, self.rows = weight.detach(), rows
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        m = flat.shape[0]
+        padded = -m % self.rows
+        if padded:
+            flat = torch.cat((flat, flat.new_zeros(padded, self.in_features)))
+        blocks = [torch.nn.functional.linear(block, self.weight) for block in flat.split(self.rows)]
+        y = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+        return y[:m].reshape(*x.shape[:-1], self.out_features)
+
+    def dense(self) -> torch.Tensor:
+        """The weight ``[N, K]``."""
+        return self.weight
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
 
 
 def tiles_take(dtype: torch.dtype, shape: Tuple[int, ...]) -> bool:

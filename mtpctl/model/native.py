@@ -242,6 +242,15 @@ def matmul_isa(lib: Optional[ctypes.CDLL] = None) -> Optional[str]:
     return None if lib is None else MATMUL_ISAS[int(lib.matmul_isa())]
 
 
+def _on_host(*tensors: torch.Tensor) -> None:
+    """ValueError unless every tensor is in host memory: the kernels read raw addresses, and a GPU
+    tensor's address would crash the process instead of failing."""
+    for t in tensors:
+        if t.device.type != "cpu":
+            raise ValueError(f"the native kernels read tensors in host memory; got one on {t.device} "
+                             "(run with the torch kernels there)")
+
+
 def _loaded(lib: Optional[ctypes.CDLL]) -> ctypes.CDLL:
     """``lib``, else the library :func:`load_kernel` loads; OSError where it cannot be built."""
     lib = lib or load_kernel()
@@ -332,6 +341,7 @@ def attend(q: torch.Tensor, kv: torch.Tensor, layer: int, kv_heads: int, scale: 
     n, heads, d = q.shape
     if q.dtype != torch.float32 or not q.is_contiguous():
         raise ValueError("the native attention kernel takes contiguous float32 queries")
+    _on_host(q, kv, plan.starts, plan.ends, plan.paths)
     out = torch.empty(n, heads, d, dtype=torch.float32)
     rc = lib.tree_attention(q.data_ptr(), kv.data_ptr(), layer, plan.starts.data_ptr(), plan.ends.data_ptr(),
                             plan.paths.data_ptr(), plan.paths.shape[1], n, heads, kv_heads, d, scale, out.data_ptr(),
@@ -375,6 +385,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib: Optional[ct
         raise ValueError(f"the native RMSNorm takes bfloat16/float32 rows of a multiple of 16 values up to "
                          f"{NORM_MAX_DIM} and a [{dim}] weight in their dtype or float32; got {x.dtype} rows of "
                          f"{dim} and a {weight.dtype} weight of {tuple(weight.shape)}")
+    _on_host(x, weight)
     x = x.contiguous()
     weight = weight.contiguous()
     out = torch.empty_like(x)
@@ -435,6 +446,7 @@ def rotate_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: to
         raise ValueError(f"rotate_write does not take qkv {tuple(qkv.shape)} {qkv.dtype}, cos/sin {tuple(cos.shape)}, "
                          f"a cache table {tuple(kv.shape)} and slots {tuple(dest.shape)}, {heads} heads over "
                          f"{kv_heads} KV heads")
+    _on_host(qkv, cos, sin, kv, dest)
     cos, sin = cos.contiguous(), sin.contiguous()
     q = torch.empty(n, heads, d, dtype=torch.float32)
     rc = lib.rope_write(qkv.data_ptr(), n, qkv.stride(0), heads, kv_heads, d, cos.data_ptr(), sin.data_ptr(),
@@ -583,6 +595,7 @@ def _matmul(x: torch.Tensor, blob: torch.Tensor, out_features: int, lib: Optiona
                          f"got {x.dtype} {tuple(x.shape)} and {blob.dtype} {tuple(blob.shape)} for N = {out_features}")
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"int4_matmul writes float32 or bfloat16, not {out_dtype}")
+    _on_host(x, blob)
     x = x.contiguous()
     y = torch.empty(m, out_features, dtype=out_dtype)
     args = (x.data_ptr(), m, k, blob.data_ptr(), out_features, y.data_ptr(), int(out_dtype == torch.bfloat16),
@@ -647,6 +660,7 @@ def layer_stack(x: torch.Tensor, stack: StackWeights, final_norm: torch.Tensor, 
         raise ValueError(f"layer_stack takes contiguous bfloat16 x [N, {hidden}], cos/sin [N, {d}] and a "
                          f"[{hidden}] final norm with N-row cache tables; got x {tuple(x.shape)} {x.dtype}, "
                          f"cos {tuple(cos.shape)}, tables {tuple(kv.shape)} and {tuple(dest.shape)}")
+    _on_host(x, final_norm, cos, sin, kv, dest, plan.starts, plan.ends, plan.paths)
     out = torch.empty_like(x)
     rc = lib.layer_stack(x.data_ptr(), n, stack.table.data_ptr(), stack.shape.data_ptr(), stack.eps, stack.scale,
                          final_norm.data_ptr(), cos.data_ptr(), sin.data_ptr(), kv.data_ptr(), dest.data_ptr(),

@@ -229,9 +229,9 @@ class EagleDrafter:
         self.head, self.tree, self.embed, self.lm_head = head, tree, embed, lm_head
         self.budget = len(tree.paths)
         lc = head.cfg.layer
-        dtype = head.fc.dtype
-        self.keys = torch.zeros(lc.kv_heads, 0, lc.head_dim, dtype=dtype)  # [G, capacity, D]
-        self.values = torch.zeros(lc.kv_heads, 0, lc.head_dim, dtype=dtype)
+        dtype, device = head.fc.dtype, head.fc.device
+        self.keys = torch.zeros(lc.kv_heads, 0, lc.head_dim, dtype=dtype, device=device)  # [G, capacity, D]
+        self.values = torch.zeros(lc.kv_heads, 0, lc.head_dim, dtype=dtype, device=device)
         self.length = 0  # positions whose KV was computed from the target's true features
 
     def fork(self) -> "EagleDrafter":
@@ -284,7 +284,9 @@ class EagleDrafter:
               mask: torch.Tensor) -> torch.Tensor:
         """Run rows ``feats [M, H]`` / next ``tokens [M]`` at ``positions [M]``, write their KV to
         ``slots [M]`` and attend to slots ``[0, S)`` under ``mask [M, S]``; returns ``g [M, H]``."""
-        x, q, k, v = self.head.attention_inputs(feats, self.embed(tokens), positions)
+        device = self.keys.device  # the index tensors are built on the host; the layer runs where its weights are
+        positions, slots, mask = positions.to(device), slots.to(device), mask.to(device)
+        x, q, k, v = self.head.attention_inputs(feats, self.embed(tokens.to(device)), positions)
         end = int(slots.max()) + 1
         self._reserve(end)
         self.keys[:, slots] = k

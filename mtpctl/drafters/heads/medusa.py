@@ -264,7 +264,7 @@ class StackedHeads:
         linears = [[blocks[i].linear for blocks in heads.blocks[:count]] for i in range(heads.cfg.head_layers)]
         if tiles is None:
             weight = next(heads.blocks.parameters(), None)
-            tiles = weight is not None and tiles_take(weight.dtype, (hidden, hidden))
+            tiles = weight is not None and weight.device.type == "cpu" and tiles_take(weight.dtype, (hidden, hidden))
         self.tiled = bool(tiles)
         if self.tiled:  # the token projections as one TiledLinear; per layer each head's (TiledLinear, float32 bias)
             self.token_proj = None if token_proj is None else TiledLinear(token_proj)

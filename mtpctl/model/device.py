@@ -1,0 +1,98 @@
+"""Where the target computes and with which kernels: the device (``auto``, ``cpu``, ``cuda``,
+``cuda:N``) and the kernel path (``native``: the C kernels of :mod:`mtpctl.model.native`, CPU only;
+``torch``: torch's own ops, the path every device runs).
+
+The pure-torch path keeps speculation's output that of plain decoding by computing every linear
+layer of a pass in blocks of exactly :attr:`Placement.rows` rows (:class:`~mtpctl.model.linears.FixedRowsLinear`):
+a row's result then comes from a product of one shape whatever else the pass carries. Attention
+runs on :func:`mtpctl.model.decoder._attention`, which reads a token's cache slots the same way
+alone and inside a verify pass. How far that holds on a device is measured, not assumed
+(docs/numerics.md, "The pure-torch path").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mtpctl.errors import BadInput
+
+DEVICES = ("auto", "cpu", "cuda", "cuda:N")
+KERNELS = ("auto", "native", "torch")
+#: rows of each block a linear layer of the pure-torch path computes, per device type: on a CPU a
+#: block's rows cost compute (a one-row step computes 4), on a GPU a decode step is bound by reading
+#: the weights, so 64 rows cost about what one does
+FIXED_ROWS = {"cpu": 4, "cuda": 64}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A resolved ``device`` and kernel path.
+
+    Attributes:
+        device: where weights, KV cache and activations live.
+        kernels: ``"native"`` (the C kernels; CPU only) or ``"torch"``.
+    """
+
+    device: torch.device
+    kernels: str
+
+    @property
+    def native(self) -> bool:
+        return self.kernels == "native"
+
+    @property
+    def rows(self) -> int:
+        """Rows of a linear layer's fixed-shape blocks on the pure-torch path."""
+        return FIXED_ROWS.get(self.device.type, FIXED_ROWS["cuda"])
+
+    def describe(self) -> str:
+        """``cpu/native``, ``cuda:0/torch``: what ``--json`` reports."""
+        return f"{self.device}/{self.kernels}"
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """``auto`` (a CUDA GPU when torch sees one, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``.
+
+    Raises:
+        BadInput: an unknown name, or CUDA asked for where torch sees no GPU (a CPU-only build of
+            torch, no driver, or no such index).
+    """
+    name = str(name).strip().lower()
+    if name == "auto":
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise BadInput(f"unknown device {name!r} (choose from {', '.join(DEVICES)})", option="device") from err
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise BadInput(f"unknown device {name!r} (choose from {', '.join(DEVICES)})", option="device")
+    if not torch.cuda.is_available():
+        why = "this torch is a CPU-only build" if torch.version.cuda is None else "torch sees no CUDA GPU"
+        raise BadInput(f"device {name!r} asked for, but {why}; use --device cpu (or auto), or install a CUDA build "
+                       "of torch on a machine with an NVIDIA GPU", option="device")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise BadInput(f"device {name!r} asked for, but torch sees {torch.cuda.device_count()} CUDA GPU(s)",
+                       option="device")
+    return device
+
+
+def resolve_placement(device: str = "auto", kernels: str = "auto") -> Placement:
+    """The device and the kernel path to run on: ``auto`` kernels are the native ones on the CPU and
+    torch's elsewhere.
+
+    Raises:
+        BadInput: see :func:`resolve_device`; an unknown kernel path, or native kernels off the CPU.
+    """
+    where = resolve_device(device)
+    kernels = str(kernels).strip().lower()
+    if kernels not in KERNELS:
+        raise BadInput(f"unknown kernels {kernels!r} (choose from {', '.join(KERNELS)})", option="kernels")
+    if kernels == "auto":
+        kernels = "native" if where.type == "cpu" else "torch"
+    if kernels == "native" and where.type != "cpu":
+        raise BadInput(f"the native kernels run on the CPU only; on {where} use the torch kernels", option="kernels")
+    return Placement(where, kernels)
