@@ -6,10 +6,11 @@ identically, and the refusals."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from helpers import perturbed
 from test_export_onnx import TREE, make_heads
@@ -107,7 +108,7 @@ def test_trtllm_medusa_layout_names_shapes_config(tiny_folder, tmp_path):
     config = export_serving_heads("trtllm", tiny_folder, heads_dir, tmp_path / "t")
     assert (config["medusa_num_heads"], config["num_medusa_heads"], config["medusa_num_layers"],
             config["hidden_size"], config["vocab_size"]) == (K, K, 1, HIDDEN, VOCAB)
-    assert config["base_model_name_or_path"] == str(tiny_folder) and config["medusa_choices"] == TREE
+    assert config["base_model_name_or_path"] == "tiny-llama" and config["medusa_choices"] == TREE  # the folder's name
     tensors = load_file(str(tmp_path / "t" / "medusa_lm_head.safetensors"))
     want = {}
     for k in range(K):
@@ -148,7 +149,7 @@ def test_speculators_config_has_what_vllm_reads(tiny_folder, tmp_path):
     spec = config["speculators_config"]
     assert spec["algorithm"] == "eagle3" and spec["default_proposal_method"] == "greedy"
     assert spec["proposal_methods"][0]["speculative_tokens"] == K
-    assert spec["verifier"]["name_or_path"] == str(tiny_folder.resolve()) and spec["verifier"]["architectures"]
+    assert spec["verifier"] == {"name_or_path": "tiny-llama", "architectures": ["LlamaForCausalLM"]}
     layer = config["transformer_layer_config"]
     assert (layer["num_hidden_layers"], layer["hidden_size"], layer["num_attention_heads"], layer["num_key_value_heads"],
             layer["head_dim"], layer["intermediate_size"], layer["vocab_size"]) == (1, HIDDEN, 4, 2, 16, MLP, VOCAB)
@@ -232,3 +233,165 @@ def test_cli_format_refusals(tiny_folder, tmp_path, capsys):
     assert "eagle3 heads (3 deep) in the eagle format" in capsys.readouterr().out
     assert main(["export", str(eagle3), "--onnx", str(tmp_path / "onnx")]) == 2
     assert "--format" in capsys.readouterr().err
+
+
+# --- targets at scale: only config.json and the tensors a layout holds are read, in their stored dtypes ---
+
+
+def bf16_checkpoint(src, dest, shards=False):
+    """A copy of checkpoint ``src`` with its weights in bfloat16; with ``shards``, in two files and a
+    ``model.safetensors.index.json`` (the lm_head, when untied, in the second)."""
+    shutil.copytree(src, dest)
+    tensors = {k: v.to(torch.bfloat16) for k, v in load_file(str(dest / "model.safetensors")).items()}
+    (dest / "model.safetensors").unlink()
+    cfg = json.loads((dest / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16"}))
+    if not shards:
+        save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+        return dest
+    second = {"lm_head.weight", "model.norm.weight"}
+    parts = {"model-00001-of-00002.safetensors": sorted(set(tensors) - second),
+             "model-00002-of-00002.safetensors": sorted(second & set(tensors))}
+    for file, names in parts.items():
+        save_file({n: tensors[n] for n in names}, str(dest / file), metadata={"format": "pt"})
+    weight_map = {n: file for file, names in parts.items() for n in names}
+    (dest / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return dest
+
+
+@pytest.fixture
+def no_decoder(monkeypatch):
+    """Building the target's Decoder fails: an export must not load the target's weights."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the export built the target's Decoder")
+
+    monkeypatch.setattr(Decoder, "from_folder", classmethod(refuse))
+    monkeypatch.setattr(Decoder, "__init__", refuse)
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "trtllm", "speculators", "eagle"])
+def test_formats_write_heads_only_without_building_the_target(fmt, tiny_folder, tmp_path, request):
+    heads_dir = make_heads(tmp_path / "h", tiny_folder) if fmt in ("vllm", "trtllm") else \
+        eagle3_heads(tmp_path / "h", tiny_folder, Decoder.from_folder(tiny_folder))
+    request.getfixturevalue("no_decoder")
+    config = export_serving_heads(fmt, tiny_folder, heads_dir, tmp_path / "out")
+    weights = "medusa_lm_head.safetensors" if config.get("medusa_num_heads") else "model.safetensors"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(["config.json", weights])
+    tensors = load_file(str(tmp_path / "out" / weights))
+    assert not any("embed_tokens" in n or n.startswith("model.layers.") for n in tensors)  # nothing of the target
+    if fmt in ("vllm", "trtllm"):  # the shared lm_head: the tied checkpoint's embedding, bit for bit
+        embed = load_file(str(tiny_folder / "model.safetensors"))["model.embed_tokens.weight"]
+        assert torch.equal(tensors["lm_heads.0.weight" if fmt == "vllm" else "0.1.weight"], embed)
+
+
+@pytest.mark.parametrize("fmt,name", [("vllm", "lm_heads.0.weight"), ("trtllm", "2.1.weight")])
+def test_bf16_target_lm_head_stays_bf16_read_through_the_index(fmt, name, tmp_path, no_decoder):
+    from helpers import write_tiny_checkpoint
+
+    target = bf16_checkpoint(write_tiny_checkpoint(tmp_path / "f32", tie_word_embeddings=False), tmp_path / "bf16",
+                             shards=True)
+    heads_dir = make_heads(tmp_path / "h", target)
+    export_serving_heads(fmt, target, heads_dir, tmp_path / "out")
+    weights = "model.safetensors" if fmt == "vllm" else "medusa_lm_head.safetensors"
+    tensors = load_file(str(tmp_path / "out" / weights))
+    stored = load_file(str(target / "model-00002-of-00002.safetensors"))["lm_head.weight"]
+    assert tensors[name].dtype == torch.bfloat16 and torch.equal(tensors[name], stored)
+    assert tensors[name.replace(".1.weight", ".0.linear.weight") if fmt == "trtllm" else
+                   "blocks.0.layers.0.weight"].dtype == torch.float32  # the heads' own dtype, as stored
+    export_serving_heads(fmt, target, heads_dir, tmp_path / "f16", dtype="float16")
+    assert {t.dtype for t in load_file(str(tmp_path / "f16" / weights)).values()} == {torch.float16}
+
+
+def test_heads_keep_their_stored_dtype_unless_dtype_is_given(tiny_folder, tmp_path):
+    heads_dir = eagle3_heads(tmp_path / "h", tiny_folder, Decoder.from_folder(tiny_folder))
+    path = heads_dir / "mtp_heads.safetensors"
+    stored = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(str(path)).items()}
+    save_file(stored, str(path), metadata={"format": "pt"})
+    config = export_serving_heads("speculators", tiny_folder, heads_dir, tmp_path / "s")
+    tensors = load_file(str(tmp_path / "s" / "model.safetensors"))
+    assert {t.dtype for n, t in tensors.items() if n not in ("d2t", "t2d")} == {torch.bfloat16}
+    assert torch.equal(tensors["fc.weight"], stored["fc"]) and config["torch_dtype"] == "bfloat16"
+    assert config["transformer_layer_config"]["torch_dtype"] == "bfloat16"
+    config = export_serving_heads("eagle", tiny_folder, heads_dir, tmp_path / "e", dtype="float32")
+    assert load_file(str(tmp_path / "e" / "model.safetensors"))["fc.weight"].dtype == torch.float32
+    assert config["torch_dtype"] == "float32"
+    with pytest.raises(BadInput) as caught:
+        export_serving_heads("eagle", tiny_folder, heads_dir, tmp_path / "x", dtype="int8")
+    assert caught.value.option == "dtype" and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("model_type,architectures", [("qwen2", ["Qwen2ForCausalLM"]), ("qwen3", ["Qwen3ForCausalLM"]),
+                                                      ("qwen3", None), ("mistral", None)])
+def test_verifier_architectures_are_the_targets_own(model_type, architectures, tmp_path):
+    from helpers import write_tiny_checkpoint
+
+    target = write_tiny_checkpoint(tmp_path / "target", model_type=model_type, architectures=architectures)
+    if architectures is None:  # a config.json without the key: the model_type's causal LM
+        cfg = json.loads((target / "config.json").read_text())
+        del cfg["architectures"]
+        (target / "config.json").write_text(json.dumps(cfg))
+    heads_dir = eagle3_heads(tmp_path / "h", target, Decoder.from_folder(target))
+    config = export_serving_heads("speculators", target, heads_dir, tmp_path / "s")
+    want = architectures or [{"qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}[model_type]]
+    assert config["speculators_config"]["verifier"]["architectures"] == want
+    assert config["transformer_layer_config"]["architectures"] == ["LlamaForCausalLM"]  # the draft layer's own
+
+
+def test_every_family_has_an_architecture_for_configs_without_one():
+    from mtpctl.export.serving import ARCHITECTURES
+    from mtpctl.model.config import FAMILIES
+
+    assert set(ARCHITECTURES) == set(FAMILIES)
+
+
+def test_verifier_is_a_hub_id_or_the_folder_name_never_a_local_path(tiny_folder, tmp_path):
+    hub = tmp_path / "hub" / "models--SomeOrg--Some-Model-8B" / "snapshots" / "0123abcd"
+    shutil.copytree(tiny_folder, hub)
+    medusa, eagle3 = make_heads(tmp_path / "m", hub), eagle3_heads(tmp_path / "e", hub, Decoder.from_folder(hub))
+    spec = export_serving_heads("speculators", hub, eagle3, tmp_path / "s")["speculators_config"]["verifier"]
+    assert spec["name_or_path"] == "SomeOrg/Some-Model-8B"
+    assert export_serving_heads("trtllm", hub, medusa, tmp_path / "t")["base_model_name_or_path"] == \
+        "SomeOrg/Some-Model-8B"
+    named = export_serving_heads("speculators", hub, eagle3, tmp_path / "n", verifier="org/served-name")
+    assert named["speculators_config"]["verifier"]["name_or_path"] == "org/served-name"
+    for folder in ("s", "t", "n"):  # no local path outside the mtpctl entry (the head folder's own record)
+        config = json.loads((tmp_path / folder / "config.json").read_text())
+        del config["mtpctl"]
+        assert str(tmp_path) not in json.dumps(config)
+    with pytest.raises(BadInput) as caught:
+        export_serving_heads("eagle", hub, eagle3, tmp_path / "x", verifier=" ")
+    assert caught.value.option == "verifier"
+
+
+def test_cli_verifier_and_dtype(tiny_folder, tmp_path, capsys):
+    eagle3 = eagle3_heads(tmp_path / "e3", tiny_folder, Decoder.from_folder(tiny_folder))
+    assert main(["export", str(eagle3), "--format", "speculators", "--out", str(tmp_path / "s"),
+                 "--verifier", "Qwen/Qwen3-8B", "--dtype", "bfloat16"]) == 0
+    captured = capsys.readouterr()
+    assert "heads only, not the target" in captured.err and "Qwen/Qwen3-8B" in captured.err
+    assert "eagle3 heads (3 deep) in the speculators format (2 files" in captured.out
+    config = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "Qwen/Qwen3-8B"
+    assert load_file(str(tmp_path / "s" / "model.safetensors"))["fc.weight"].dtype == torch.bfloat16
+    assert main(["export", str(eagle3), "--format", "eagle", "--out", str(tmp_path / "e")]) == 0
+    assert "as tiny-llama" in capsys.readouterr().err
+    assert main(["export", str(eagle3), "--format", "eagle", "--out", str(tmp_path / "x"), "--verifier", ""]) == 2
+    assert capsys.readouterr().err.rstrip().endswith("(--verifier)")
+    assert main(["export", str(tiny_folder), "--onnx", str(tmp_path / "onnx"), "--dtype", "bfloat16"]) == 2
+    assert "--dtype" in capsys.readouterr().err and not (tmp_path / "onnx").exists()
+
+
+def test_save_tensors_streams_shared_and_mixed_dtype_tensors(tmp_path):
+    from safetensors import safe_open
+
+    from mtpctl.export.serving import save_tensors
+
+    shared = torch.randn(7, 3).to(torch.bfloat16)
+    tensors = {"a": shared, "b": shared, "flag": torch.tensor([True, False, True]), "ids": torch.arange(5),
+               "w": torch.randn(2, 3)[:, 1:], "h": torch.ones(3, dtype=torch.float16)}
+    save_tensors(tmp_path / "x.safetensors", tensors, {"format": "pt"})
+    back = load_file(str(tmp_path / "x.safetensors"))
+    assert back.keys() == tensors.keys() and all(torch.equal(back[k], v) and back[k].dtype == v.dtype
+                                                 for k, v in tensors.items())
+    with safe_open(str(tmp_path / "x.safetensors"), framework="pt") as handle:
+        assert handle.metadata() == {"format": "pt"}

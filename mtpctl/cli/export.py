@@ -41,6 +41,7 @@ Examples:
   mtpctl export heads/smollm2-eagle3 --format eagle --out out/smollm2-eagle3-eagle
   mtpctl export smollm2-135m --heads heads/smollm2-medusa-plain --format vllm --out out/smollm2-medusa-vllm
   mtpctl export heads/smollm2-medusa-plain --format trtllm --out out/smollm2-medusa-trtllm
+  mtpctl export heads/my-eagle3 --format speculators --out out/eagle3 --verifier meta-llama/Llama-3.1-8B-Instruct
 """)
 @click.argument("model")
 @click.option("--heads", "heads_dir", type=click.Path(file_okay=False, exists=True),
@@ -52,6 +53,12 @@ Examples:
                    "heads in vLLM's layout; eagle3 heads as speculators), trtllm (Medusa heads in the original "
                    "Medusa layout; eagle3 heads as eagle).")
 @click.option("-o", "--out", "out", type=click.Path(), help="Output folder of --format.")
+@click.option("--verifier", "verifier", metavar="NAME", default=None,
+              help="With --format: the target's name on the serving machine, which the layout records (a hub id "
+                   "or a folder there). Default: the hub id the target was downloaded from, else its folder's name.")
+@click.option("--dtype", "dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+              help="With --format: write the heads in this dtype. Default: the dtype they are stored in (a copy of "
+                   "the target's lm_head: the target's).")
 @click.option("--trt", is_flag=True,
               help="Also build a TensorRT engine (model.plan) into the --onnx folder (needs tensorrt and a CUDA GPU).")
 @click.option("--trt-precision", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp16", show_default=True,
@@ -64,9 +71,9 @@ Examples:
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 @debug_option
-def export_cmd(model, heads_dir, onnx_out, fmt, out, trt, trt_precision, trt_max_new_tokens, trt_max_past, trt_max_batch,
-               overwrite, as_json, debug) -> None:
-    """Export MODEL (or a head folder, whose target is then loaded) for deployment.
+def export_cmd(model, heads_dir, onnx_out, fmt, out, verifier, dtype, trt, trt_precision, trt_max_new_tokens,
+               trt_max_past, trt_max_batch, overwrite, as_json, debug) -> None:
+    """Export MODEL (or a head folder, whose config names its target) for deployment.
 
     --onnx writes one fused graph (prefill and draft/verify steps, KV cache in and out, Medusa head
     logits when --heads is given), its external weights, the tokenizer and a manifest.json with the
@@ -77,13 +84,19 @@ def export_cmd(model, heads_dir, onnx_out, fmt, out, trt, trt_precision, trt_max
     without tensorrt or CUDA it fails at once with exit code 2.
 
     --format writes the heads alone (config.json and safetensors) in the layout a serving engine
-    loads: EAGLE-3 heads to every format, plain Medusa heads to vllm and trtllm. A head kind a format
+    loads: EAGLE-3 heads to every format, plain Medusa heads to vllm and trtllm. The engine loads the
+    target itself, by the name the layout records (--verifier). The target is not loaded here: its
+    config.json is read, its weights hashed (the heads must be made for them), and only Medusa heads
+    that share its lm_head read that tensor, for the copy their layout holds. A head kind a format
     cannot express is refused with one line naming the kinds it takes and how to train them.
     """
     from mtpctl.export.onnx import export_onnx
 
     if fmt:
-        return export_serving(model, heads_dir, fmt, out, onnx_out, trt, overwrite, as_json)
+        return export_serving(model, heads_dir, fmt, out, onnx_out, trt, overwrite, as_json, verifier, dtype)
+    if verifier is not None or dtype is not None:
+        raise BadInput("--verifier and --dtype set what --format writes; the ONNX graph is float32 and names no "
+                       "verifier", option="fmt")
     if not onnx_out:
         raise BadInput("nothing to export: give --onnx OUT (or --format speculators|eagle|vllm|trtllm --out OUT)")
     finish = None
@@ -109,9 +122,9 @@ def export_cmd(model, heads_dir, onnx_out, fmt, out, trt, trt_precision, trt_max
                    f"heads: {manifest['heads']['num_heads'] if manifest['heads'] else 'none'}")
 
 
-def export_serving(model, heads_dir, fmt, out, onnx_out, trt, overwrite, as_json) -> None:
-    """--format: the heads in a serving engine's layout (config.json + safetensors)."""
-    from mtpctl.export.serving import export_serving_heads
+def export_serving(model, heads_dir, fmt, out, onnx_out, trt, overwrite, as_json, verifier=None, dtype=None) -> None:
+    """--format: the heads in a serving engine's layout (config.json + safetensors), the target not among them."""
+    from mtpctl.export.serving import export_serving_heads, verifier_name
 
     if onnx_out or trt:
         raise BadInput("--format writes MTP heads only: run --onnx/--trt as a separate export")
@@ -120,10 +133,14 @@ def export_serving(model, heads_dir, fmt, out, onnx_out, trt, overwrite, as_json
     folder, heads = resolve_target(model, heads_dir)
     if heads is None:
         raise BadInput(f"--format {fmt} exports MTP heads: give --heads DIR (or the head folder as MODEL)")
-    config = export_serving_heads(fmt, folder, heads, Path(out), overwrite)
+    config = export_serving_heads(fmt, folder, heads, Path(out), overwrite, verifier, dtype)
+    files = list(Path(out).iterdir())
+    click.echo(f"mtpctl: {out} holds the heads only, not the target: the engine loads the target itself, as "
+               f"{verifier.strip() if verifier is not None else verifier_name(folder)}", err=True)
     if as_json:
         click.echo(json.dumps(config))
     else:
         meta = config["mtpctl"]
+        size = sum(f.stat().st_size for f in files)
         click.echo(f"{out}: {meta['kind']} heads ({meta['num_heads']} deep) in the {fmt} format "
-                   f"({len(list(Path(out).iterdir()))} files)")
+                   f"({len(files)} files, {size / 1e6:.1f} MB)")

@@ -7,10 +7,11 @@ the EAGLE / SpecForge checkpoints that SGLang and TensorRT-LLM's PyTorch backend
 
 - **speculators** (vLLM's own format): ``config.json`` with ``speculators_model_type: eagle3``,
   ``architectures: [Eagle3Speculator]``, ``speculators_config`` (``algorithm``, ``proposal_methods``
-  with ``speculative_tokens``, ``default_proposal_method``, ``verifier`` with ``name_or_path`` and
-  ``architectures``), ``transformer_layer_config`` (a one-layer Llama config; its ``vocab_size`` is
-  the target's), ``draft_vocab_size``, ``target_hidden_size``, ``eagle_aux_hidden_state_layer_ids``
-  and ``norm_before_residual``, always written: vLLM takes it as true when absent, the speculators
+  with ``speculative_tokens``, ``default_proposal_method``, ``verifier`` with ``name_or_path``, the
+  target's name where it is served, and ``architectures``, the target's own),
+  ``transformer_layer_config`` (a one-layer Llama config; its ``vocab_size`` is the target's),
+  ``draft_vocab_size``, ``target_hidden_size``, ``eagle_aux_hidden_state_layer_ids`` and
+  ``norm_before_residual``, always written: vLLM takes it as true when absent, the speculators
   package as false. Tensors in ``model.safetensors``: ``fc.weight [H, k H]``,
   ``layers.0.{input_layernorm,hidden_norm,post_attention_layernorm}.weight [H]``,
   ``layers.0.self_attn.{q,k,v}_proj.weight [*, 2H]`` (the layer reads [embedding ; feature]),
@@ -44,7 +45,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from mtpctl.drafters.heads.config import EagleLayerConfig, HeadsConfig
-from mtpctl.drafters.heads.eagle3 import Eagle3Head, default_aux_layers
+from mtpctl.drafters.heads.eagle3 import default_aux_layers
 from mtpctl.errors import CorruptModel, UnsupportedModel
 from mtpctl.export.entry import meta, mtpctl_entry
 from mtpctl.model.config import DecoderConfig
@@ -62,58 +63,63 @@ TOP = {"fc": "fc.weight", "norm": "norm.weight", "lm_head": "lm_head.weight"}
 VARIANTS = ("norm_before_fc", "fc_norm", "norm_output")
 
 
-def _splits(head: Eagle3Head) -> Dict[str, List[int]]:
-    lc = head.cfg.layer
-    return {"qkv": [head.q_size, head.kv_size, head.kv_size], "gate_up": [lc.intermediate_size] * 2}
+def _splits(cfg: HeadsConfig) -> Dict[str, List[int]]:
+    """Row splits of mtpctl's fused weights into the layouts' tensors."""
+    lc = cfg.layer
+    q, kv = lc.attention_heads * lc.head_dim, lc.kv_heads * lc.head_dim
+    return {"qkv": [q, kv, kv], "gate_up": [lc.intermediate_size] * 2}
 
 
-def eagle3_tensors(head: Eagle3Head, layout: str) -> Dict[str, torch.Tensor]:
-    """Tensor name -> tensor (float32, contiguous; ``d2t`` int64, ``t2d`` bool) of ``head`` in
-    ``layout`` (speculators | eagle)."""
-    params = dict(head.named_parameters())
-    out = {name: params[attr] for attr, name in TOP.items()}
-    splits = _splits(head)
+def eagle3_tensors(cfg: HeadsConfig, state: Dict[str, torch.Tensor], layout: str) -> Dict[str, torch.Tensor]:
+    """Tensor name -> tensor of EAGLE-3 heads of ``cfg`` in ``layout`` (speculators | eagle), from
+    ``state``, the head folder's tensors by :class:`Eagle3Head`'s names. Weights keep their dtype
+    (fused ones come back as row views); ``d2t`` is int64 and ``t2d`` bool."""
+    out = {name: state[attr] for attr, name in TOP.items()}
+    splits = _splits(cfg)
     for attr, names in LAYER.items():
-        parts = params[attr].split(splits[attr]) if attr in splits else (params[attr],)
+        parts = state[attr].split(splits[attr]) if attr in splits else (state[attr],)
         out.update({PREFIX[layout] + name: part for name, part in zip(names, parts)})
-    out = {k: v.detach().float().contiguous() for k, v in out.items()}
-    if head.token_map is not None:
-        out["d2t"] = (head.token_map - torch.arange(len(head.token_map))).contiguous()
-        t2d = torch.zeros(head.cfg.vocab_size, dtype=torch.bool)
-        t2d[head.token_map] = True
+    out = {k: v.detach() for k, v in out.items()}
+    if cfg.draft_vocab_size:
+        token_map = state["token_map"].long()
+        out["d2t"] = token_map - torch.arange(len(token_map))
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[token_map] = True
         out["t2d"] = t2d
     return out
 
 
-def _layer_config(cfg: HeadsConfig, target: DecoderConfig) -> dict:
+def _layer_config(cfg: HeadsConfig, target: DecoderConfig, dtype: str) -> dict:
     """The draft layer as a one-layer Llama config (what the layouts' ``transformer_layer_config`` and
-    the EAGLE layout's ``config.json`` hold)."""
+    the EAGLE layout's ``config.json`` hold), its weights in ``dtype``."""
     lc = cfg.layer
     return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": cfg.hidden_size,
             "intermediate_size": lc.intermediate_size, "num_attention_heads": lc.attention_heads,
             "num_key_value_heads": lc.kv_heads, "head_dim": lc.head_dim, "num_hidden_layers": 1,
             "hidden_act": "silu", "rms_norm_eps": lc.rms_norm_eps, "rope_theta": lc.rope_theta,
             "max_position_embeddings": target.max_position_embeddings, "vocab_size": cfg.vocab_size,
-            "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False, "torch_dtype": "float32"}
+            "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False, "torch_dtype": dtype}
 
 
-def speculators_config(cfg: HeadsConfig, target: DecoderConfig, verifier: str) -> dict:
-    """The speculators layout's ``config.json`` for heads of ``cfg`` made for ``target`` (its
-    checkpoint ``verifier``, a folder or hub id)."""
+def speculators_config(cfg: HeadsConfig, target: DecoderConfig, verifier: str, architectures: List[str],
+                       dtype: str = "float32") -> dict:
+    """The speculators layout's ``config.json`` for heads of ``cfg`` (weights in ``dtype``) made for
+    ``target``: its ``verifier`` is the target's name where it is served (a hub id or a folder there)
+    and ``architectures`` its own (its config.json's)."""
     return {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
             "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
                                    "proposal_methods": [{"proposal_type": "greedy",
                                                          "speculative_tokens": cfg.num_heads}],
-                                   "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]}},
-            "transformer_layer_config": _layer_config(cfg, target),
+                                   "verifier": {"name_or_path": verifier, "architectures": list(architectures)}},
+            "transformer_layer_config": _layer_config(cfg, target, dtype),
             "draft_vocab_size": cfg.draft_vocab_size or cfg.vocab_size, "target_hidden_size": cfg.hidden_size,
             "eagle_aux_hidden_state_layer_ids": list(cfg.layer.aux_layers),
-            "norm_before_residual": cfg.layer.norm_before_residual, "torch_dtype": "float32", "mtpctl": meta(cfg)}
+            "norm_before_residual": cfg.layer.norm_before_residual, "torch_dtype": dtype, "mtpctl": meta(cfg)}
 
 
-def eagle_config(cfg: HeadsConfig, target: DecoderConfig) -> dict:
-    """The EAGLE-3 authors' layout's ``config.json``."""
-    out = _layer_config(cfg, target)
+def eagle_config(cfg: HeadsConfig, target: DecoderConfig, dtype: str = "float32") -> dict:
+    """The EAGLE-3 authors' layout's ``config.json`` (weights in ``dtype``)."""
+    out = _layer_config(cfg, target, dtype)
     out.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=cfg.draft_vocab_size or cfg.vocab_size,
                target_hidden_size=cfg.hidden_size, norm_before_residual=cfg.layer.norm_before_residual,
                eagle_config={"eagle_aux_hidden_state_layer_ids": list(cfg.layer.aux_layers),

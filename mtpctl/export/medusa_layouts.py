@@ -19,7 +19,9 @@ with ``config.json`` (``medusa_num_heads``, ``medusa_num_layers``, ``hidden_size
 ``base_model_name_or_path``) and ``medusa_lm_head.safetensors`` (or the original ``medusa_lm_head.pt``
 pickle) with ``{k}.{j}.linear.weight`` ``[hidden, hidden]``, ``{k}.{j}.linear.bias`` ``[hidden]`` and
 ``{k}.{L}.weight`` ``[vocab, hidden]`` (L = blocks per head: the head's vocabulary projection). It
-has no draft vocabulary. Uploaded configs often give the wrong head count (``medusa_num_heads``):
+has no draft vocabulary. TensorRT-LLM's converter casts each tensor to its own ``--dtype`` as it
+reads it, so the tensors of one file may differ in dtype (heads that share the target's lm_head get
+it in the target's dtype). Uploaded configs often give the wrong head count (``medusa_num_heads``):
 the tensors decide, and the reader says so.
 """
 
@@ -44,52 +46,62 @@ _MEDUSA_NAME = re.compile(r"^(\d+)\.(\d+)\.(?:linear\.)?(weight|bias)$")
 _VLLM_BLOCK = re.compile(r"^blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)$")
 
 
-def vllm_tensors(heads: MedusaHeads, target_lm_head: torch.Tensor) -> Dict[str, torch.Tensor]:
-    """vLLM tensor name -> tensor (float32, contiguous) for ``heads``; ``target_lm_head`` ``[vocab,
-    hidden]`` is written as the shared ``lm_heads.0.weight`` of heads without their own."""
-    out: Dict[str, torch.Tensor] = {}
-    for k, blocks in enumerate(heads.blocks):
-        for j, block in enumerate(blocks):
-            out[f"blocks.{k}.layers.{j}.weight"] = block.linear.weight
-            out[f"blocks.{k}.layers.{j}.bias"] = block.linear.bias
-    if heads.lm_heads is not None:
-        for k, w in enumerate(heads.lm_heads):
-            out[f"lm_heads.{k}.weight"] = w  # [V_d or vocab, hidden]
+def _blocks(cfg: HeadsConfig, state: Dict[str, torch.Tensor], name) -> Dict[str, torch.Tensor]:
+    """Each head's residual blocks, renamed by ``name(k, j, part)``."""
+    return {name(k, j, part): state[f"blocks.{k}.{j}.linear.{part}"]
+            for k in range(cfg.num_heads) for j in range(cfg.head_layers) for part in ("weight", "bias")}
+
+
+def vllm_tensors(cfg: HeadsConfig, state: Dict[str, torch.Tensor],
+                 target_lm_head: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+    """vLLM tensor name -> tensor for heads of ``cfg`` from ``state``, the head folder's tensors by
+    :class:`MedusaHeads`' names, each in its own dtype. ``target_lm_head`` ``[vocab, hidden]`` (needed
+    by heads without their own lm_heads) is written as the shared ``lm_heads.0.weight``."""
+    out = _blocks(cfg, state, lambda k, j, part: f"blocks.{k}.layers.{j}.{part}")
+    if cfg.own_lm_head:
+        out.update({f"lm_heads.{k}.weight": state[f"lm_heads.{k}"] for k in range(cfg.num_heads)})
     else:  # vLLM slices a full lm_head by token_map itself
-        out["lm_heads.0.weight"] = target_lm_head
-    if heads.cfg.draft_vocab_size:
-        out["token_map"] = heads.token_map
-    return {k: (v.detach().float() if v.is_floating_point() else v.detach()).contiguous() for k, v in out.items()}
+        out["lm_heads.0.weight"] = _needed(target_lm_head)
+    if cfg.draft_vocab_size:
+        out["token_map"] = state["token_map"]
+    return out
 
 
-def vllm_config(cfg: HeadsConfig) -> dict:
-    """vLLM's Medusa ``config.json`` for heads of ``cfg``."""
+def vllm_config(cfg: HeadsConfig, dtype: str = "float32") -> dict:
+    """vLLM's Medusa ``config.json`` for heads of ``cfg`` (weights in ``dtype``)."""
     tree = cfg.tree or [[0]]
     return {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": cfg.hidden_size,
             "vocab_size": cfg.vocab_size, "num_heads": cfg.num_heads, "num_hidden_layers": cfg.head_layers,
             "truncated_vocab_size": cfg.draft_vocab_size or cfg.vocab_size, "medusa_fc_bias": True,
             "original_lm_head": not cfg.own_lm_head, "max_paths": len(tree),
-            "topk": 1 + max(r for path in tree for r in path), "torch_dtype": "float32", "mtpctl": meta(cfg)}
+            "topk": 1 + max(r for path in tree for r in path), "torch_dtype": dtype, "mtpctl": meta(cfg)}
 
 
-def medusa_tensors(heads: MedusaHeads, target_lm_head: torch.Tensor) -> Dict[str, torch.Tensor]:
-    """Medusa (original repository, TensorRT-LLM) tensor name -> tensor for ``heads``; each head's
-    vocabulary projection is its own lm_head, or a copy of ``target_lm_head`` for heads that share it."""
-    cfg = heads.cfg
-    out: Dict[str, torch.Tensor] = {}
-    for k, blocks in enumerate(heads.blocks):
-        for j, block in enumerate(blocks):
-            out[f"{k}.{j}.linear.weight"] = block.linear.weight
-            out[f"{k}.{j}.linear.bias"] = block.linear.bias
-        out[f"{k}.{cfg.head_layers}.weight"] = heads.lm_heads[k] if heads.lm_heads is not None else target_lm_head
-    return {k: v.detach().float().contiguous() for k, v in out.items()}
+def medusa_tensors(cfg: HeadsConfig, state: Dict[str, torch.Tensor],
+                   target_lm_head: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+    """Medusa (original repository, TensorRT-LLM) tensor name -> tensor for heads of ``cfg`` from
+    ``state`` (as :func:`vllm_tensors`); each head's vocabulary projection is its own lm_head, or
+    ``target_lm_head`` itself (one tensor under every head's name, in its own dtype) for heads that
+    share it."""
+    out = _blocks(cfg, state, lambda k, j, part: f"{k}.{j}.linear.{part}")
+    for k in range(cfg.num_heads):
+        out[f"{k}.{cfg.head_layers}.weight"] = state[f"lm_heads.{k}"] if cfg.own_lm_head else _needed(target_lm_head)
+    return out
 
 
-def medusa_config(cfg: HeadsConfig) -> dict:
-    """The Medusa heads' ``config.json`` of the original layout (what TensorRT-LLM's converter reads)."""
+def _needed(target_lm_head: Optional[torch.Tensor]) -> torch.Tensor:
+    """``target_lm_head``, which heads sharing it cannot be written without (ValueError when None)."""
+    if target_lm_head is None:
+        raise ValueError("heads that share the target's lm_head need target_lm_head to be written")
+    return target_lm_head
+
+
+def medusa_config(cfg: HeadsConfig, base_model: str) -> dict:
+    """The Medusa heads' ``config.json`` of the original layout (what TensorRT-LLM's converter reads);
+    ``base_model`` is the target's name where it is served (``base_model_name_or_path``)."""
     return {"medusa_num_heads": cfg.num_heads, "num_medusa_heads": cfg.num_heads,
             "medusa_num_layers": cfg.head_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
-            "base_model_name_or_path": cfg.target, "max_draft_len": max(len(cfg.tree or [[0]]), 1),
+            "base_model_name_or_path": base_model, "max_draft_len": max(len(cfg.tree or [[0]]), 1),
             "medusa_choices": cfg.tree, "mtpctl": meta(cfg)}
 
 
