@@ -1,6 +1,6 @@
 """Batched decoding on the real SmolLM2-135M-Instruct: every request of a batch, in every numeric
-mode and with every drafter, gets exactly the tokens it gets decoded alone without speculation, with
-rows joining and leaving mid-run (the kernels compute each row alike in any pass: no near-tie
+mode, on both kernel paths (native, and the pure-torch path CUDA runs) and with every drafter, gets
+exactly the tokens it gets decoded alone without speculation, with rows joining and leaving mid-run (the kernels compute each row alike in any pass: no near-tie
 allowance here)."""
 
 import pytest
@@ -24,10 +24,13 @@ PROMPTS = ["Repeat this sentence exactly, twice: The quick brown fox jumps over 
 NEW = [40, 24, 16, 32, 8, 20]  # rows leave at different steps; with max_batch 4 the last two join mid-run
 
 
-@pytest.fixture(scope="module", params=[("float32", "dense"), ("bfloat16", "dense"), ("bfloat16", "int4")],
-                ids=["float32", "bfloat16", "int4"])
+@pytest.fixture(scope="module", params=[("float32", "dense", "native"), ("bfloat16", "dense", "native"),
+                                        ("bfloat16", "int4", "native"), ("float32", "dense", "torch"),
+                                        ("bfloat16", "dense", "torch")],
+                ids=["float32", "bfloat16", "int4", "float32-torch-kernels", "bfloat16-torch-kernels"])
 def session(request, smollm2_folder):
-    return TorchSession(smollm2_folder, *request.param)
+    dtype, weights, kernels = request.param
+    return TorchSession(smollm2_folder, dtype, weights, device="cpu", kernels=kernels)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +58,7 @@ def test_every_request_of_a_batch_equals_plain_decoding_alone(session, alone, ki
 def test_the_auto_policy_changes_draft_sizes_not_tokens(session, alone):
     ids, plain = alone
     outcomes = session.generate_batch([GenerationRequest(i, n) for i, n in zip(ids, NEW)], NgramDrafter(3, 1, 4), 6,
-                                      make_policy("auto", session.mode))
+                                      make_policy("auto", session.policy_mode))
     assert [o.token_ids for o in outcomes] == plain
 
 
