@@ -9,7 +9,7 @@ from typing import List, Optional
 
 import click
 
-from mtpctl.cli.options import DRAFT_LEN, Command, debug_option
+from mtpctl.cli.options import DRAFT_LEN, Command, debug_option, device_options
 from mtpctl.drafters.pairing import Pairing, compare, load_vocabulary, write_id_map
 from mtpctl.errors import BadInput
 from mtpctl.model.sources import resolve_model
@@ -39,9 +39,10 @@ Examples:
 @click.option("--draft-len", type=DRAFT_LEN, default="auto", show_default=True, help="For --measure: N or auto.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: torch's).")
+@device_options
 @debug_option
 def pair_cmd(target, drafts, as_json, out, overwrite, measure, n_prompts, max_new_tokens, draft_len, dtype,
-             threads, debug) -> int:
+             threads, device, kernels, debug) -> int:
     """Compare each DRAFT's vocabulary with TARGET's: identical, mapped or incompatible.
 
     identical: same token strings at the same ids, same special tokens and tokenization (padding
@@ -66,7 +67,8 @@ def pair_cmd(target, drafts, as_json, out, overwrite, measure, n_prompts, max_ne
     if out:
         write_id_map(Path(out), pairings)
         click.echo(f"wrote id maps to {out}", err=True)
-    ranking = measure_drafts(target_folder, pairings, n_prompts, max_new_tokens, length, dtype, threads) \
+    ranking = measure_drafts(target_folder, pairings, n_prompts, max_new_tokens, length, dtype, threads, device,
+                             kernels) \
         if measure else None
     if as_json:
         report = {"target": t.summary(), "drafts": [p.to_dict() for p in pairings]}
@@ -105,18 +107,18 @@ def _special(value) -> str:
 
 
 def measure_drafts(target_folder: Path, pairings: List[Pairing], n_prompts: int, max_new_tokens: int,
-                   draft_len: Optional[int], dtype: str, threads: Optional[int]) -> list:
+                   draft_len: Optional[int], dtype: str, threads: Optional[int], device: str = "auto",
+                   kernels: str = "auto") -> list:
     """Greedy generation with each usable draft on ``n_prompts`` built-in prompts (one per category)
     and plain decoding on the same prompts: acceptance rate, tau and tokens/s per draft, best first."""
     from mtpctl.backends.torch import TorchSession, set_threads
     from mtpctl.bench.harness import load_prompts
     from mtpctl.decode.sampling import SamplingParams
     from mtpctl.drafters.draft_model import AUTO_MAX
-    from mtpctl.drafters.pairing import draft_model_drafter
-    from mtpctl.model.decoder import DTYPES, Decoder
+    from mtpctl.drafters.pairing import draft_model_drafter, load_draft
 
     set_threads(threads)
-    session = TorchSession(target_folder, dtype)
+    session = TorchSession(target_folder, dtype, device=device, kernels=kernels)
     greedy = SamplingParams()
     k = draft_len or AUTO_MAX
     seen, prompts = set(), []
@@ -145,7 +147,7 @@ def measure_drafts(target_folder: Path, pairings: List[Pairing], n_prompts: int,
     for p in pairings:
         if not p.usable:
             continue
-        draft = Decoder.from_folder(p.draft.folder, DTYPES[dtype], blocked=True)
+        draft = load_draft(p.draft.folder, session)
         drafter = draft_model_drafter(p, draft, session.model.cfg.vocab_size, greedy, draft_len)
         speed, rate = run(drafter)
         click.echo(f"{p.draft.folder}: {speed:.1f} tokens/s, acceptance {rate}", err=True)

@@ -315,6 +315,23 @@ def read_id_map(path: Path, target: Path, draft: Path, target_width: int, draft_
 
 
 # -- the drafter of a pairing --------------------------------------------------------------------------
+def load_draft(folder, session):
+    """The draft model of checkpoint ``folder`` in the target ``session``'s dtype, on its device and its
+    kernel path (:class:`~mtpctl.backends.torch.TorchSession`).
+
+    Raises:
+        CorruptModel, UnsupportedModel: see :meth:`~mtpctl.model.decoder.Decoder.from_folder`.
+    """
+    from mtpctl.model.decoder import Decoder
+
+    model, native = session.model, session.kernels == "native"
+    draft = Decoder.from_folder(folder, model.dtype, blocked=native, native_int4=None if native else False,
+                                device=model.device)
+    if not native:
+        draft.hold_fixed_rows(session.placement.rows)
+    return draft
+
+
 def draft_model_drafter(pairing: Pairing, draft_model, target_vocab: int, sampling, draft_len: Optional[int],
                         id_map: Optional[List[int]] = None, seed: Optional[int] = None):
     """A :class:`~mtpctl.drafters.draft_model.DraftModelDrafter` for a pairing: ids (identical, the
@@ -359,7 +376,6 @@ def session_drafter(session, draft_spec: str, sampling, draft_len: Optional[int]
         BadInput: a session without a torch model (exported backends), an id map for other models.
         ModelNotFound, CorruptModel, UnsupportedModel: the draft cannot be resolved or loaded.
     """
-    from mtpctl.model.decoder import Decoder
     from mtpctl.model.sources import resolve_model
 
     model = getattr(session, "model", None)
@@ -370,9 +386,5 @@ def session_drafter(session, draft_spec: str, sampling, draft_len: Optional[int]
     id_map = None
     if draft_map is not None:
         id_map = read_id_map(draft_map, session.folder, folder, pairing.target.logits_width, pairing.draft.logits_width)
-    native = session.kernels == "native"  # the draft runs on the target's device and kernel path
-    draft = Decoder.from_folder(folder, model.dtype, blocked=native, native_int4=None if native else False,
-                                device=model.device)
-    if not native:
-        draft.hold_fixed_rows(session.placement.rows)
+    draft = load_draft(folder, session)
     return draft_model_drafter(pairing, draft, model.cfg.vocab_size, sampling, draft_len, id_map, sampling.seed)

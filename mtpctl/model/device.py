@@ -72,8 +72,8 @@ def resolve_device(name: str = "auto") -> torch.device:
         raise BadInput(f"unknown device {name!r} (choose from {', '.join(DEVICES)})", option="device")
     if not torch.cuda.is_available():
         why = "this torch is a CPU-only build" if torch.version.cuda is None else "torch sees no CUDA GPU"
-        raise BadInput(f"device {name!r} asked for, but {why}; use --device cpu (or auto), or install a CUDA build "
-                       "of torch on a machine with an NVIDIA GPU", option="device")
+        raise BadInput(f"device {name!r} asked for, but {why}; run on the CPU (device cpu or auto), or install a "
+                       "CUDA build of torch on a machine with an NVIDIA GPU", option="device")
     if device.index is not None and device.index >= torch.cuda.device_count():
         raise BadInput(f"device {name!r} asked for, but torch sees {torch.cuda.device_count()} CUDA GPU(s)",
                        option="device")
