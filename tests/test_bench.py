@@ -43,6 +43,10 @@ def test_table_and_json_agree(capsys, tiny_folder, prompt_file, tmp_path):
     assert set(report["tokens_per_s_by_category"]) == {"copy", "chat"}
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
     assert "round 2/2" in err  # progress on stderr
+    memory = report["host_memory"]  # measured, not computed: the process holds at least the weights
+    assert memory["weight_bytes"] == memory["weights_on_host_bytes"] > 0
+    assert memory["peak_rss_bytes"] >= memory["peak_rss_after_load_bytes"] > memory["weight_bytes"]
+    assert "host memory: peak RSS" in err
 
 
 def test_gates_exit_1_naming_the_method(capsys, tiny_folder, prompt_file, tmp_path):

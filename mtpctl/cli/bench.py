@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import resource
 import tempfile
 from pathlib import Path
 from typing import Optional
@@ -112,6 +113,7 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ma
     set_threads(options["threads"])
     session = open_session(options["model"], options["backend"], options["dtype"], options["weights"], options["threads"],
                            options["device"], options["kernels"])
+    loaded_rss = peak_rss_bytes()
     encoded = [session.codec.encode_messages(list(p.messages)) for p in prompts]
     mode = session_mode(session)
 
@@ -171,6 +173,9 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ma
         "device": session.device if torch_backend else None, "kernels": session.kernels if torch_backend else None,
         "greedy_exactness": session.greedy_exactness if torch_backend else None}
     report = build_report(runs, prompts, weights, settings)
+    on_host = session.weight_bytes if options["backend"] != "torch" or session.device == "cpu" else 0
+    report["host_memory"] = host_memory(session.weight_bytes, on_host, loaded_rss)
+    click.echo(host_memory_line(report["host_memory"]), err=True)
     apply_figures(report, figures)
     click.echo(format_table(report))
     if profile:
@@ -180,6 +185,31 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ma
     if plot_path:
         plot(Path(plot_path), report, runs)
     check_gates(report["methods"], fail_below_speedup, fail_above_p99_ms)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far, bytes (Linux reports kilobytes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def host_memory(weights: int, on_host: int, loaded_rss: int) -> dict:
+    """The target's weight bytes (``on_host`` of them in host memory: 0 on a GPU) beside the process's
+    measured peak resident memory after loading and after every run (the whole process: Python, torch
+    and the tokenizer included)."""
+    return {"weight_bytes": weights, "weights_on_host_bytes": on_host, "peak_rss_after_load_bytes": loaded_rss,
+            "peak_rss_bytes": peak_rss_bytes()}
+
+
+def host_memory_line(memory: dict) -> str:
+    """The stderr line of :func:`host_memory`: GiB, and the peaks as multiples of the weights held in host memory."""
+    gib = 2 ** 30
+    line = f"mtpctl: host memory: peak RSS {memory['peak_rss_after_load_bytes'] / gib:.2f} GiB after loading, " \
+           f"{memory['peak_rss_bytes'] / gib:.2f} GiB after the runs"
+    if memory["weights_on_host_bytes"]:
+        held = memory["weights_on_host_bytes"]
+        line += (f"; weights {held / gib:.2f} GiB ({memory['peak_rss_after_load_bytes'] / held:.2f}x and "
+                 f"{memory['peak_rss_bytes'] / held:.2f}x of them)")
+    return line
 
 
 def parse_batch_sizes(text: str) -> list:
