@@ -63,6 +63,7 @@ Examples:
   mtpctl add-heads -m smollm2-135m --kind medusa --num-heads 3 --self-distill \\
       --data prompts.jsonl --data notes.txt --out heads/mine --epochs 3 --seed 1
   torchrun --nproc-per-node 2 -m mtpctl add-heads --recipe R.yaml --out heads/ddp
+  torchrun --nproc-per-node 8 -m mtpctl add-heads --recipe R.yaml --device cuda --out heads/ddp
   mtpctl generate --speculate heads --heads heads/smollm2-medusa --dtype bfloat16 "Explain KV caches."
 """)
 @click.option("--recipe", type=click.Path(dir_okay=False), help="YAML recipe (model, data, settings); options override it.")
@@ -95,17 +96,24 @@ Examples:
                    "[default: 4, what generate grows by default in float32 and bfloat16; 2 with int4].")
 @click.option("--seed", type=int, default=None, help="Same seed and data, same heads [default: 0].")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Head folder to write.")
-@click.option("--resume", is_flag=True, help="Continue this run from its last checkpoint.")
+@click.option("--resume", is_flag=True,
+              help="Continue this run from its last checkpoint, keeping the feature shards it finished.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing --out folder.")
 @click.option("--bundle", is_flag=True, help="Copy the target's files into --out (default: referenced by hash).")
+@click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda[:N]",
+              help="Where the target self-distills and gives its features, and the heads train: auto takes a CUDA "
+                   "GPU when torch sees one (there the target runs in bfloat16 and heads train under bfloat16 "
+                   "autocast), else the CPU. Under torchrun each rank takes cuda:LOCAL_RANK.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: torch's).")
 @click.option("--json", "as_json", is_flag=True, help="Print the training summary as JSON on stdout.")
 @debug_option
-def add_heads_cmd(recipe, model, data, out, resume, overwrite, bundle, threads, as_json, debug, **options) -> None:
+def add_heads_cmd(recipe, model, data, out, resume, overwrite, bundle, device, threads, as_json, debug,
+                  **options) -> None:
     """Graft MTP heads onto a model and train them by self-distillation (the base stays frozen).
 
-    The target computes hidden states and its own predictions once (cached under $MTPCTL_HOME/work);
-    the heads then train on them. Writes mtp_config.json, mtp_heads.safetensors and mtp_datastore.safetensors (the training
+    The target computes hidden states and its own predictions once (written in shards under
+    $MTPCTL_HOME/work; --resume keeps the shards an interrupted run finished); the heads then train on
+    them, streamed shard by shard. Writes mtp_config.json, mtp_heads.safetensors and mtp_datastore.safetensors (the training
     sequences, for --speculate retrieval) to --out.
     """
     spec = read_recipe(recipe) if recipe else {"settings": {}, "data": []}
@@ -114,10 +122,10 @@ def add_heads_cmd(recipe, model, data, out, resume, overwrite, bundle, threads, 
     model_name = model or spec.get("model") or DEFAULT_MODEL
     files = list(data) or spec["data"]
     set_threads(threads)
-    init_distributed()
+    init_distributed(device)
     data_files = resolve_data(files, mtpctl_home() / "hub")
     summary = add_heads(resolve_model(model_name), model_name, data_files, Path(out), settings,
-                        mtpctl_home(), resume=resume, overwrite=overwrite, bundle=bundle)
+                        mtpctl_home(), resume=resume, overwrite=overwrite, bundle=bundle, device=device)
     if not is_main_process():  # under torchrun, rank 0 reports
         return
     measured = bool(summary.get("held_out"))  # figures exist only for held-out sequences

@@ -142,7 +142,7 @@ class Distilled:
 
 
 def batch_greedy(model: Decoder, prompts: Sequence[List[int]], max_new_tokens: int, eos_ids: Set[int],
-                 batch_size: int = 32, progress: Optional[Callable[[int], None]] = None,
+                 batch_size: int = 32, progress: Optional[Callable[[int, int], None]] = None,
                  keep_features: bool = False, aux_layers: Sequence[int] = ()) -> List[Distilled]:
     """Greedy responses of the target to many prompts, ``batch_size`` at a time (left-padded).
 
@@ -155,10 +155,12 @@ def batch_greedy(model: Decoder, prompts: Sequence[List[int]], max_new_tokens: i
         max_new_tokens: response length cap (tokens); a batch's responses also end where the
             context does (``max_position_embeddings``, counting its longest prompt).
         eos_ids: a response ends at (and includes) its first EOS.
-        progress: called with the number of prompts finished after each batch.
+        progress: called after each batch with the number of prompts it finished and their
+            positions (prompt + response tokens).
         keep_features: also keep the hidden states and argmax tokens of every position (what a
             teacher-forced pass over prompt + response would give, computed in the same batch), so
-            training needs no second pass of the target over the sequences.
+            training needs no second pass of the target over the sequences; they come back on the
+            CPU whatever the model's device.
         aux_layers: with ``keep_features``, also keep these layers' residual streams
             (:meth:`Decoder.forward`'s ``aux``).
 
@@ -176,20 +178,21 @@ def batch_greedy(model: Decoder, prompts: Sequence[List[int]], max_new_tokens: i
                               tuple(aux_layers))
         results.update(zip(chunk, found))
         if progress:
-            progress(len(chunk))
+            progress(len(chunk), sum(len(prompts[i]) + len(d.response) for i, d in zip(chunk, found)))
     return [results[i] for i in range(len(prompts))]
 
 
 @torch.inference_mode()
 def _greedy_batch(model: Decoder, prompts: List[List[int]], max_new: int, eos_ids: Set[int],
                   keep: bool, aux_layers: tuple = ()) -> List[Distilled]:
+    device = model.device
     b, longest = len(prompts), max(len(p) for p in prompts)
     max_new = min(max_new, model.cfg.max_position_embeddings - longest)  # the last response token's position fits
     if max_new < 1:
         raise ValueError(f"a prompt of {longest} tokens leaves no room in a context of "
                          f"{model.cfg.max_position_embeddings} positions")
     pad = [longest - len(p) for p in prompts]
-    ids = torch.tensor([[0] * pad[r] + prompts[r] for r in range(b)], dtype=torch.long)
+    ids = torch.tensor([[0] * pad[r] + prompts[r] for r in range(b)], dtype=torch.long, device=device)
     valid = torch.zeros(b, longest + max_new, dtype=torch.bool)  # slots holding real tokens
     for r in range(b):
         valid[r, pad[r]:] = True
@@ -197,14 +200,15 @@ def _greedy_batch(model: Decoder, prompts: List[List[int]], max_new: int, eos_id
     cache = model.new_cache(longest + max_new, batch=b)
     responses: List[List[int]] = [[] for _ in range(b)]
     kept: List[list] = [[] for _ in range(b)]  # per row: (hidden [n, d], pred [n], aux [n, k d]) in position order
-    done = torch.zeros(b, dtype=torch.bool)
+    done = [False] * b
     start, n, step = 0, longest, 0
     while True:
-        finished = bool(done.all())  # with keep, one more pass feeds the last response tokens
+        finished = all(done)  # with keep, one more pass feeds the last response tokens
         queries = torch.arange(start, start + n)
         masks = padded_batch_masks(model.cfg.layer_windows, valid, slot_pos, queries)
+        masks = {w: m.to(device) for w, m in masks.items()}
         streams = dict.fromkeys(aux_layers) if keep and aux_layers else None
-        hidden = model(ids, slot_pos[:, queries], cache, masks, aux=streams)
+        hidden = model(ids, slot_pos[:, queries].to(device), cache, masks, aux=streams)
         cache.advance(n)
         nxt = model.logits(hidden[:, -1]).argmax(-1)  # [b]
         if keep:
@@ -212,11 +216,11 @@ def _greedy_batch(model: Decoder, prompts: List[List[int]], max_new: int, eos_id
             _keep_step(model, kept, hidden, nxt, pad, responses, step, aux)
         if finished:
             return _distilled(responses, kept)
-        for r in range(b):
+        for r, token in enumerate(nxt.tolist()):  # one copy to the host a step
             if not done[r]:
-                responses[r].append(int(nxt[r]))
-                done[r] = int(nxt[r]) in eos_ids or len(responses[r]) >= max_new
-        if bool(done.all()) and not keep:
+                responses[r].append(token)
+                done[r] = token in eos_ids or len(responses[r]) >= max_new
+        if all(done) and not keep:
             return _distilled(responses, kept)
         start, n, step = start + n, 1, step + 1
         ids = nxt[:, None]
@@ -242,5 +246,6 @@ def _distilled(responses: List[List[int]], kept: List[list]) -> List[Distilled]:
             out.append(Distilled(resp))
             continue
         hidden, pred, aux = zip(*pieces)
-        out.append(Distilled(resp, torch.cat(hidden), torch.cat(pred), None if aux[0] is None else torch.cat(aux)))
+        out.append(Distilled(resp, torch.cat(hidden).cpu(), torch.cat(pred).cpu(),
+                             None if aux[0] is None else torch.cat(aux).cpu()))
     return out

@@ -34,28 +34,28 @@ FEATURE_LOSS_WEIGHT = 1.0  # EAGLE's feature regression, next to each step's cro
 
 class EagleTrainer(Trainer):
     """:class:`~mtpctl.train.trainer.Trainer` for an EAGLE head: micro-batches are groups of
-    whole sequences of at most ``batch_tokens`` tokens (at least one sequence per process)."""
+    whole sequences of at most ``batch_tokens`` tokens (at least one sequence per process), packed
+    shard by shard; each epoch takes the shards in a seeded order and each shard's groups in a
+    seeded order."""
 
     unit = "draft step"
     feature_loss_weight = FEATURE_LOSS_WEIGHT
-
-    def _inputs(self, start: int, end: int) -> torch.Tensor:
-        """What the first draft step reads at positions ``[start, end)``: the target's features."""
-        return self.feats.hidden[start:end]
+    #: the features the first draft step reads
+    feature_name = "hidden"
 
     def _new_heads(self, token_map: Optional[torch.Tensor]) -> torch.nn.Module:
-        return EagleHead(self.hcfg, torch.float32, self.target.dense_lm_head().float(), token_map)
+        return EagleHead(self.hcfg, torch.float32, self.target.dense_lm_head(), token_map)
 
     def _epoch_steps(self) -> int:
         self.groups = self._group(self.train_seqs)
         return math.ceil(len(self.groups) / self.s.grad_accum)
 
     def _group(self, seqs: Sequence[int]) -> List[List[int]]:
-        """Sequences sorted by length, packed into groups of <= ``batch_tokens`` tokens (padding
-        counted) holding at least one sequence per process."""
-        lengths = (self.feats.offsets[1:] - self.feats.offsets[:-1]).tolist()
+        """Sequences sorted by shard, then length, packed into groups of <= ``batch_tokens`` tokens
+        (padding counted) holding at least one sequence per process (a group may end in the next shard)."""
+        lengths, shard_of = self.store.lengths.tolist(), self.store.shard_of.tolist()
         groups: List[List[int]] = []
-        for s in sorted(seqs, key=lambda i: (lengths[i], i)):
+        for s in sorted(seqs, key=lambda i: (shard_of[i], lengths[i], i)):
             if groups and (len(groups[-1]) < distributed.world_size() or (len(groups[-1]) + 1) * lengths[s] <= self.s.batch_tokens):
                 groups[-1].append(s)
             else:
@@ -67,38 +67,62 @@ class EagleTrainer(Trainer):
                            "processes or more data")
         return groups
 
+    def _epoch_order(self, epoch: int) -> List[int]:
+        """Indices of the groups in the order one epoch takes them: shards in a seeded order (a group
+        belongs to its first sequence's shard), each shard's groups in a seeded order."""
+        home = torch.tensor([int(self.store.shard_of[g[0]]) for g in self.groups])
+        order = []
+        shards = torch.randperm(self.store.num_shards, generator=torch.Generator().manual_seed(self._seed(epoch)))
+        for shard in shards.tolist():
+            mine = (home == shard).nonzero().squeeze(1)
+            g = torch.Generator().manual_seed(self._seed(epoch, shard))
+            order += mine[torch.randperm(len(mine), generator=g)].tolist()
+        return order
+
     def _batches(self):
-        ga, n = self.s.grad_accum, len(self.groups)
-        step = self.progress.step
+        ga = self.s.grad_accum
+        step, order, epoch_of_order = self.progress.step, None, None
         while step < self.total_steps:
             epoch, offset = divmod(step, self.epoch_steps)
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.s.seed * 1000 + epoch + 1))
-            chosen = [self.groups[i] for i in order[offset * ga:(offset + 1) * ga].tolist()]
+            if epoch != epoch_of_order:
+                order, epoch_of_order = self._epoch_order(epoch), epoch
+            chosen = [self.groups[i] for i in order[offset * ga:(offset + 1) * ga]]
             yield step, [(g[distributed.rank()::distributed.world_size()], self._label_counts(g)) for g in chosen]
             step += 1
 
-    def _batch(self, seqs: Sequence[int]) -> dict:
-        """Padded rows of ``seqs``: features, next-token embeddings, labels (draft-vocab indices,
-        -100 where none), the target's next features, and masks ``[B, T]`` (T = longest length - 1)."""
-        f = self.feats
-        t = max(int(f.offsets[s + 1] - f.offsets[s]) for s in seqs) - 1
-        b, h = len(seqs), f.hidden.shape[1]
-        width = self._inputs(0, 1).shape[1]
-        out = {"feats": torch.zeros(b, t, width), "next_feats": torch.zeros(b, t, h),
+    def _step_positions(self, micro) -> int:
+        return sum(int(self.store.lengths[g].sum()) for g, _ in micro) * distributed.world_size()
+
+    def _rows(self, s: int, name: str, a: int, b: int) -> torch.Tensor:
+        """Rows ``[a, b)`` of sequence ``s`` of per-row features ``name``."""
+        shard, start = int(self.store.shard_of[s]), int(self.store.starts[s])
+        return self.store.span(shard, name, start + a, start + b)
+
+    def _batch(self, seqs: Sequence[int], features: bool = True) -> dict:
+        """Padded rows of ``seqs`` (on the CPU): features, next-token ids, labels (draft-vocab indices,
+        -100 where none), the target's next features (where the loss regresses them), and masks
+        ``[B, T]`` (T = longest length - 1); without ``features`` the feature rows stay zeros (nothing
+        read but ids and predictions)."""
+        store = self.store
+        t = max(int(store.lengths[s]) for s in seqs) - 1
+        b, h = len(seqs), store.hidden_size
+        out = {"feats": torch.zeros(b, t, store.width(self.feature_name)), "next_feats": torch.zeros(b, t, h),
                "tokens": torch.zeros(b, t, dtype=torch.long), "labels": torch.full((b, t), -100),
                "valid": torch.zeros(b, t, dtype=torch.bool), "first": torch.zeros(b, dtype=torch.long),
                "on_path": torch.zeros(b, t, dtype=torch.bool)}
         for i, s in enumerate(seqs):
-            start, end = int(f.offsets[s]), int(f.offsets[s + 1])
-            n = end - start - 1
-            out["feats"][i, :n] = self._inputs(start, end - 1).float()
-            out["next_feats"][i, :n] = f.hidden[start + 1:end].float()
-            out["tokens"][i, :n] = f.ids[start + 1:end]
-            labels = f.pred[start + 1:end]
-            out["labels"][i, :n] = self.vocab_index[labels] if self.vocab_index is not None else labels
-            out["valid"][i, :n] = True
-            out["on_path"][i, :n] = f.ids[start + 1:end] == f.pred[start:end - 1]  # row p reads the target's own prediction
-            out["first"][i] = max(int(f.loss_from[s]) - 1, 0)
+            shard, start, n = int(store.shard_of[s]), int(store.starts[s]), int(store.lengths[s])
+            index = store.index(shard)
+            ids, pred = index.ids[start:start + n], index.pred[start:start + n]
+            if features:
+                out["feats"][i, :n - 1] = self._rows(s, self.feature_name, 0, n - 1).float()
+            if features and self.feature_loss_weight:
+                out["next_feats"][i, :n - 1] = self._rows(s, "hidden", 1, n).float()
+            out["tokens"][i, :n - 1] = ids[1:]
+            out["labels"][i, :n - 1] = self.vocab_index[pred[1:]] if self.vocab_index is not None else pred[1:]
+            out["valid"][i, :n - 1] = True
+            out["on_path"][i, :n - 1] = ids[1:] == pred[:-1]  # row p reads the target's own prediction
+            out["first"][i] = max(int(store.loss_from[s]) - 1, 0)
         return out
 
     def _loss_rows(self, batch: dict, labelled: bool = True) -> torch.Tensor:
@@ -117,22 +141,28 @@ class EagleTrainer(Trainer):
         return (rows[None, None] >= batch["first"][None, :, None]) & (rows[None, None] >= steps) & ok[None] & path
 
     def _label_counts(self, seqs: Sequence[int]) -> torch.Tensor:
-        return self._loss_rows(self._batch(seqs)).sum((1, 2)).float()
+        return self._loss_rows(self._batch(seqs, features=False)).sum((1, 2)).float()
+
+    def _on_device(self, batch: dict) -> dict:
+        return {k: v.to(self.device) for k, v in batch.items()}
 
     def _loss(self, seqs: Sequence[int], counts: torch.Tensor) -> tuple:
         batch = self._batch(seqs)
-        rows = self._loss_rows(batch)
-        outs = self.model(batch["feats"], self.target.embed[batch["tokens"]].float(), batch["valid"], self.s.num_heads)
+        rows = self._loss_rows(batch).to(self.device)
+        batch = self._on_device(batch)
         sums = []
-        for s, g in enumerate(outs):
-            keep = rows[s]
-            loss = F.cross_entropy(self.heads.logits(g[keep], self.lm_head), batch["labels"][keep], reduction="sum")
-            if self.feature_loss_weight:
-                reg = F.smooth_l1_loss(g[keep], batch["next_feats"][keep], reduction="none").mean(-1).sum()
-                loss = loss + self.feature_loss_weight * reg
-            sums.append(loss)
-        per_step = torch.stack(sums) / counts.clamp(min=1) * distributed.world_size()
-        weights = self.s.head_decay ** torch.arange(self.s.num_heads, dtype=torch.float32)
+        with self.autocast():
+            embeds = self.target.embed[batch["tokens"]].float()
+            outs = self.model(batch["feats"], embeds, batch["valid"], self.s.num_heads)
+            for s, g in enumerate(outs):
+                keep = rows[s]
+                loss = F.cross_entropy(self.heads.logits(g[keep], self.lm_head), batch["labels"][keep], reduction="sum")
+                if self.feature_loss_weight:
+                    reg = F.smooth_l1_loss(g[keep].float(), batch["next_feats"][keep], reduction="none").mean(-1).sum()
+                    loss = loss + self.feature_loss_weight * reg
+                sums.append(loss.float())
+        per_step = torch.stack(sums) / counts.to(self.device).clamp(min=1) * distributed.world_size()
+        weights = self.s.head_decay ** torch.arange(self.s.num_heads, dtype=torch.float32, device=self.device)
         return (per_step * weights).sum(), per_step.detach()
 
     @torch.no_grad()
@@ -143,32 +173,32 @@ class EagleTrainer(Trainer):
         hits, counts = torch.zeros(k, ranks), torch.zeros(k)
         for group in self._group(self.eval_seqs):
             batch = self._batch(group)
-            rows = self._loss_rows(batch, labelled=False)  # labels outside a draft vocabulary are misses
-            outs = self.heads(batch["feats"], self.target.embed[batch["tokens"]].float(), batch["valid"], k)
-            for s, g in enumerate(outs):
-                keep = rows[s]
-                top = self.heads.logits(g[keep], self.lm_head).topk(ranks, dim=-1).indices
-                labels = batch["labels"][keep][:, None]
-                hits[s] += ((top == labels) & (labels >= 0)).sum(0).float()
-                counts[s] += keep.sum()
+            rows = self._loss_rows(batch, labelled=False).to(self.device)  # labels outside a draft vocabulary: misses
+            batch = self._on_device(batch)
+            with self.autocast():
+                outs = self.heads(batch["feats"], self.target.embed[batch["tokens"]].float(), batch["valid"], k)
+                for s, g in enumerate(outs):
+                    keep = rows[s]
+                    top = self.heads.logits(g[keep], self.lm_head).topk(ranks, dim=-1).indices
+                    labels = batch["labels"][keep][:, None]
+                    hits[s] += ((top == labels) & (labels >= 0)).sum(0).float().cpu()
+                    counts[s] += keep.sum().cpu()
         return (hits / counts.clamp(min=1)[:, None]).tolist()
 
 
 class Eagle3Trainer(EagleTrainer):
     """:class:`EagleTrainer` for an EAGLE-3 head (:mod:`mtpctl.drafters.heads.eagle3`): the first
-    draft step reads the target's aux layers (``feats.aux``), the loss is the token cross-entropy
-    alone (EAGLE-3 drops the feature regression), and the head's own lm_head trains too.
+    draft step reads the target's aux layers (the features' ``aux``), the loss is the token
+    cross-entropy alone (EAGLE-3 drops the feature regression), and the head's own lm_head trains too.
 
     Raises:
         BadInput: features without the aux layers' streams.
     """
 
     feature_loss_weight = 0.0
+    feature_name = "aux"
 
     def _new_heads(self, token_map: Optional[torch.Tensor]) -> torch.nn.Module:
-        if self.feats.aux is None:
+        if not self.store.aux_width:
             raise BadInput("eagle3 heads train on the target's aux layers, and these features lack them")
-        return Eagle3Head(self.hcfg, torch.float32, self.target.dense_lm_head().float(), token_map)
-
-    def _inputs(self, start: int, end: int) -> torch.Tensor:
-        return self.feats.aux[start:end]
+        return Eagle3Head(self.hcfg, torch.float32, self.target.dense_lm_head(), token_map)

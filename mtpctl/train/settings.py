@@ -1,9 +1,10 @@
 """Every setting of an ``add-heads`` run, in one dataclass (a recipe's ``settings`` and the CLI's
-options fill it; ``mtp_config.json`` records it)."""
+options fill it; ``mtp_config.json`` records it), and the defaults that depend on the device and the
+target (:func:`resolve_settings`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, Optional
 
 import torch
@@ -29,7 +30,10 @@ class TrainSettings:
     response_tokens: int = 128  # longest self-distilled response
     distill_batch: int = 32  # prompts decoded together
     distill_dtype: str = "bfloat16"
-    features_dtype: str = "float32"  # the target's teacher-forced pass that gives hidden states and labels
+    features_dtype: Optional[str] = None  # the target's teacher-forced pass (None: bfloat16 on CUDA, float32 on CPU)
+    target_dtype: Optional[str] = None  # the target's embedding and lm_head while heads train; bfloat16 trains
+    # under autocast (None: bfloat16 on CUDA, float32 on the CPU)
+    shard_positions: int = 0  # positions per feature shard at most (0: about SHARD_BYTES of features a shard)
     max_seq_len: int = 512  # longer sequences are cut
     soft_labels: bool = False  # KL to the target's top-m distribution instead of CE to its argmax
     soft_top: int = 16  # m
@@ -75,6 +79,33 @@ class TrainSettings:
         if self.num_heads > MAX_DRAFT_DEPTH:
             raise BadInput(f"num-heads must be at most {MAX_DRAFT_DEPTH} (the deepest draft tree verification "
                            f"supports), got {self.num_heads}")
-        for name in ("distill_dtype", "features_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise BadInput(f"{name.replace('_', ' ')} {getattr(self, name)!r}: choose from {', '.join(DTYPES)}")
+        if self.shard_positions < 0:
+            raise BadInput(f"shard-positions must be >= 0, got {self.shard_positions}", option="shard_positions")
+        for name in ("distill_dtype", "features_dtype", "target_dtype"):
+            value = getattr(self, name)
+            if value not in DTYPES and not (value is None and name != "distill_dtype"):
+                raise BadInput(f"{name.replace('_', ' ')} {value!r}: choose from {', '.join(DTYPES)}", option=name)
+
+
+#: bytes of features a shard holds at most when ``shard_positions`` is 0 (what one process reads at once)
+SHARD_BYTES = 256 << 20
+
+
+def position_bytes(settings: TrainSettings, hidden_size: int) -> int:
+    """Bytes one position takes in a feature shard: the hidden state (bfloat16), the prediction and
+    the input id (int64 each), EAGLE-3's aux streams (bfloat16) and soft labels (int32 + bfloat16)."""
+    streams = 1 + (len(settings.aux_layers or ()) if settings.kind == "eagle3" else 0)
+    soft = settings.soft_top * 6 if settings.soft_labels else 0
+    return 2 * hidden_size * streams + 16 + soft
+
+
+def resolve_settings(settings: TrainSettings, hidden_size: int, context: int, device: torch.device) -> TrainSettings:
+    """The settings with every device- or target-dependent default made concrete: ``max_seq_len``
+    capped at the target's ``context``, ``features_dtype`` and ``target_dtype`` bfloat16 on CUDA and
+    float32 on the CPU when not given, ``shard_positions`` from :data:`SHARD_BYTES` when 0 (EAGLE-3's
+    ``aux_layers`` must already be resolved)."""
+    default = "bfloat16" if device.type == "cuda" else "float32"
+    shard = settings.shard_positions or max(1, SHARD_BYTES // position_bytes(settings, hidden_size))
+    return replace(settings, max_seq_len=min(settings.max_seq_len, context),
+                   features_dtype=settings.features_dtype or default, target_dtype=settings.target_dtype or default,
+                   shard_positions=shard)
