@@ -238,6 +238,9 @@ def test_the_backend_and_device_follow_the_device(monkeypatch):
     assert not torch.distributed.is_initialized()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert distributed.rank_device("cuda") == torch.device("cuda", 0)  # one process: an index to set and pin
+    assert distributed.rank_device("cuda:3") == torch.device("cuda", 3)
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_RANK", "2")
     assert distributed.rank_device("cuda") == torch.device("cuda", 2)

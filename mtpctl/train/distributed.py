@@ -52,16 +52,19 @@ def backend_for(device: torch.device) -> str:
 
 
 def rank_device(name: str = "auto") -> torch.device:
-    """The device this rank computes on: ``name`` resolved (:func:`mtpctl.model.device.resolve_device`);
-    under torchrun with several processes a CUDA rank takes ``cuda:LOCAL_RANK``.
+    """The device this rank computes on: ``name`` resolved (:func:`mtpctl.model.device.resolve_device`),
+    a CUDA device always with its index (``cuda`` alone: the current one); under torchrun with several
+    processes a CUDA rank takes ``cuda:LOCAL_RANK``.
 
     Raises:
         BadInput: see :func:`resolve_device`; ``cuda:N`` under torchrun with several processes (each
             rank takes its own GPU), or fewer GPUs than ``LOCAL_RANK`` needs.
     """
     device = resolve_device(name)
-    if device.type != "cuda" or launched_world_size() <= 1:
+    if device.type != "cuda":
         return device
+    if launched_world_size() <= 1:
+        return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
     if device.index is not None:
         raise BadInput(f"device {name!r} under torchrun: each rank takes the GPU of its LOCAL_RANK; give cuda or "
                        "auto", option="device")

@@ -17,6 +17,7 @@ checkpoints (heads + AdamW state, for ``--resume``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -252,9 +253,15 @@ class Trainer:
     def lm_head(self):
         return self.target.logits
 
-    def autocast(self):
-        """bfloat16 autocast on the training device where the target is bfloat16 (off otherwise)."""
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+    def autocast(self) -> contextlib.ExitStack:
+        """Where the heads compute: bfloat16 autocast on the training device where the target is bfloat16
+        (off otherwise), and off the CPU the device as the default of tensors made inside (the heads'
+        positions and masks)."""
+        stack = contextlib.ExitStack()
+        if self.device.type != "cpu":
+            stack.enter_context(self.device)
+        stack.enter_context(torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16))
+        return stack
 
     def _seed(self, epoch: int, shard: Optional[int] = None) -> int:
         """The seed of an epoch's shard order, or of one shard's order in it."""
