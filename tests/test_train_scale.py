@@ -303,3 +303,17 @@ def test_two_ranks_extract_their_shares_and_agree_with_one(tiny_folder, tmp_path
     one, two = load_heads(tmp_path / "single").state_dict(), load_heads(tmp_path / "ddp").state_dict()
     for name in one:
         assert torch.allclose(one[name], two[name], atol=1e-4), name
+
+
+def test_eagle_evaluation_groups_need_not_be_shared_by_the_ranks(tmp_path, monkeypatch):
+    """Every rank evaluates the held-out sequences on its own: one held-out sequence under two ranks
+    is one group (training groups still need a sequence per rank)."""
+    from mtpctl.train.eagle import EagleTrainer
+
+    model = random_decoder(seed=1)
+    trainer = EagleTrainer(model, synthetic_features(sequences=4, length=10),
+                           TrainSettings(kind="eagle", num_heads=2, batch_tokens=8, epochs=1), tmp_path)
+    monkeypatch.setattr("mtpctl.train.distributed.world_size", lambda: 2)
+    assert trainer._group([3], shared=False) == [[3]]
+    with pytest.raises(BadInput, match="2 processes"):
+        trainer._group([3])

@@ -50,21 +50,23 @@ class EagleTrainer(Trainer):
         self.groups = self._group(self.train_seqs)
         return math.ceil(len(self.groups) / self.s.grad_accum)
 
-    def _group(self, seqs: Sequence[int]) -> List[List[int]]:
+    def _group(self, seqs: Sequence[int], shared: bool = True) -> List[List[int]]:
         """Sequences sorted by shard, then length, packed into groups of <= ``batch_tokens`` tokens
-        (padding counted) holding at least one sequence per process (a group may end in the next shard)."""
+        (padding counted), a group possibly ending in the next shard; ``shared`` (training) groups hold at
+        least one sequence per process."""
         lengths, shard_of = self.store.lengths.tolist(), self.store.shard_of.tolist()
+        least = distributed.world_size() if shared else 1
         groups: List[List[int]] = []
         for s in sorted(seqs, key=lambda i: (shard_of[i], lengths[i], i)):
-            if groups and (len(groups[-1]) < distributed.world_size() or (len(groups[-1]) + 1) * lengths[s] <= self.s.batch_tokens):
+            if groups and (len(groups[-1]) < least or (len(groups[-1]) + 1) * lengths[s] <= self.s.batch_tokens):
                 groups[-1].append(s)
             else:
                 groups.append([s])
-        if len(groups) > 1 and len(groups[-1]) < distributed.world_size():  # a short last group joins the one before
+        if len(groups) > 1 and len(groups[-1]) < least:  # a short last group joins the one before
             groups[-2].extend(groups.pop())
-        if groups and len(groups[0]) < distributed.world_size():
-            raise BadInput(f"{len(seqs)} sequence(s) cannot be shared by {distributed.world_size()} processes: use fewer "
-                           "processes or more data")
+        if groups and len(groups[0]) < least:
+            raise BadInput(f"{len(seqs)} sequence(s) cannot be shared by {least} processes: use fewer processes or "
+                           "more data")
         return groups
 
     def _epoch_order(self, epoch: int) -> List[int]:
@@ -171,7 +173,7 @@ class EagleTrainer(Trainer):
         candidate is the target's token, the earlier steps' tokens being right (teacher forcing)."""
         k = self.s.num_heads
         hits, counts = torch.zeros(k, ranks), torch.zeros(k)
-        for group in self._group(self.eval_seqs):
+        for group in self._group(self.eval_seqs, shared=False):  # every rank evaluates all, on its own
             batch = self._batch(group)
             rows = self._loss_rows(batch, labelled=False).to(self.device)  # labels outside a draft vocabulary: misses
             batch = self._on_device(batch)
