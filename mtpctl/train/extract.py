@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -154,18 +154,25 @@ def extract(folder: Path, items: Sequence[Item], settings: TrainSettings, models
     meters.close()
     models.release()
     distributed.barrier(models.device)
-    manifest = Manifest(hidden_size, len(aux_layers_of(settings)) * hidden_size,
-                        settings.soft_top if settings.soft_labels else 0, settings.shard_positions)
     if distributed.rank() == 0:
-        found = complete_shards(folder, plans)
-        missing = [p.file for p in plans if p.index not in found]
-        if missing:
-            raise MtpctlError(f"feature shards missing in {folder} after every rank finished: "
-                              f"{', '.join(missing[:3])}; run again, resuming, to extract them", option="resume")
-        manifest.shards = [found[p.index] for p in plans]
-        manifest.save(folder)
+        write_manifest(folder, plans, settings, hidden_size)
     distributed.barrier(models.device)
     return Manifest.load(folder)
+
+
+def write_manifest(folder: Path, plans: Sequence[ShardPlan], settings: TrainSettings, hidden_size: int) -> None:
+    """``folder/manifest.json`` listing every planned shard's entry.
+
+    Raises:
+        MtpctlError: a planned shard is not complete.
+    """
+    found = complete_shards(folder, plans)
+    missing = [p.file for p in plans if p.index not in found]
+    if missing:
+        raise MtpctlError(f"feature shards missing in {folder} after every rank finished: "
+                          f"{', '.join(missing[:3])}; run again, resuming, to extract them", option="resume")
+    Manifest(hidden_size, len(aux_layers_of(settings)) * hidden_size, settings.soft_top if settings.soft_labels else 0,
+             settings.shard_positions, [found[p.index] for p in plans]).save(folder)
 
 
 def _announce(plans, items, todo, done, settings: TrainSettings, folder: Path) -> None:
