@@ -14,26 +14,27 @@ verified in one call.
 from __future__ import annotations
 
 import math
-from functools import partial
+from functools import partial, reduce
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtpctl.errors import UnsupportedModel
+from mtpctl.errors import CorruptModel, UnsupportedModel
 from mtpctl.model.config import DecoderConfig, RopeConfig
 from mtpctl.model.kv_cache import KVCache, PassSlots
 from mtpctl.model.native import (SlotPlan, StackWeights, attend, kernel_takes, layer_stack,
                                  norm_takes, rms_norm, rotate_write)
 from mtpctl.model.linears import (BlockedLinear, FixedRowsLinear, PackedLinear, TiledLinear, blocked_layout_available,
                                   pack_exact, tiles_take)
-from mtpctl.model.weights import load_tensors, safetensors_files
+from mtpctl.model.weights import CheckpointReader, MemoryTensors, shard_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LINEARS = ("qkv", "o_proj", "gate_up", "down", "lm_head")  # weights that may be held packed
+EMBED = "model.embed_tokens.weight"
 #: config activation name -> function (``gelu_pytorch_tanh``: GELU with the tanh approximation)
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 
@@ -265,16 +266,18 @@ class DecoderLayer(nn.Module):
     Llama's ``post_attention_layernorm``, Gemma's ``pre_feedforward_layernorm``), and with sandwich
     norms ``attn_out_norm`` / ``mlp_out_norm`` (Gemma's ``post_attention_layernorm`` /
     ``post_feedforward_layernorm``). With ``cfg.norm_offset`` they are float32 and hold ``offset + w``.
+    With ``lazy`` the parameters are placeholders on the ``meta`` device (no memory) until loaded.
     """
 
-    def __init__(self, cfg: DecoderConfig, index: int, dtype: torch.dtype, device="cpu"):
+    def __init__(self, cfg: DecoderConfig, index: int, dtype: torch.dtype, device="cpu", lazy: bool = False):
         super().__init__()
         h, hd = cfg.hidden_size, cfg.head_dim
         self.cfg, self.index = cfg, index
         self.q_size, self.kv_size = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+        where = "meta" if lazy else device
 
         def param(*shape, dtype=dtype):
-            return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+            return nn.Parameter(torch.empty(shape, dtype=dtype, device=where), requires_grad=False)
 
         norm_dtype = torch.float32 if cfg.norm_offset else dtype
         self.norm = _rms_norm_float32_scale if cfg.norm_offset else _rms_norm
@@ -369,6 +372,162 @@ def _native_blob(linear) -> Optional[torch.Tensor]:
     return None
 
 
+@dataclass(frozen=True, eq=False)
+class _Slot:
+    """A parameter that checkpoint tensors fill: ``owner.attr``, the tensors ``names`` stacked by rows
+    (q, k, v -> qkv); ``norm``: a norm weight (held as ``norm_offset + w`` in float32 where the config
+    has an offset)."""
+
+    owner: nn.Module
+    attr: str
+    names: Tuple[str, ...]
+    norm: bool = False
+
+
+def _slots(model: "Decoder") -> List[_Slot]:
+    """Every parameter of ``model`` that checkpoint tensors fill (a tied lm_head is none: it follows
+    the embedding)."""
+    slots = [_Slot(model, "embed", (EMBED,)), _Slot(model, "norm", ("model.norm.weight",), True)]
+    if not model.cfg.tie_word_embeddings:
+        slots.append(_Slot(model, "lm_head", ("lm_head.weight",)))
+    for i, layer in enumerate(model.layers):
+        slots += _layer_slots(layer, f"model.layers.{i}.")
+    return slots
+
+
+def _layer_slots(layer: DecoderLayer, p: str) -> List[_Slot]:
+    """The slots of one layer, its checkpoint tensors named from prefix ``p``."""
+    norms = {"input_norm": "input_layernorm"}
+    if layer.attn_out_norm is not None:  # Gemma: norms after attention and MLP, one before MLP
+        norms.update(attn_out_norm="post_attention_layernorm", post_attention_norm="pre_feedforward_layernorm",
+                     mlp_out_norm="post_feedforward_layernorm")
+    else:
+        norms["post_attention_norm"] = "post_attention_layernorm"
+    if layer.q_norm is not None:
+        norms.update(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
+    fused = {"qkv": [f"self_attn.{x}_proj.weight" for x in "qkv"], "o_proj": ["self_attn.o_proj.weight"],
+             "gate_up": ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "down": ["mlp.down_proj.weight"]}
+    if layer.qkv_bias is not None:
+        fused["qkv_bias"] = [f"self_attn.{x}_proj.bias" for x in "qkv"]
+    if layer.gate_up_bias is not None:
+        fused.update(gate_up_bias=["mlp.gate_proj.bias", "mlp.up_proj.bias"], down_bias=["mlp.down_proj.bias"])
+    return ([_Slot(layer, attr, (p + name + ".weight",), True) for attr, name in norms.items()]
+            + [_Slot(layer, attr, tuple(p + n for n in names)) for attr, names in fused.items()])
+
+
+class _Filler:
+    """Fills a :class:`Decoder`'s parameters from a tensor source (:class:`CheckpointReader`,
+    :class:`MemoryTensors`) one source tensor at a time, in the source's order.
+
+    A tensor goes straight into its rows of its (fused) parameter, which a placeholder (``meta``)
+    becomes on the model's device when its first tensor arrives. A linear weight that a kernel may
+    hold (``packed``, ``blocked``) is gathered into its own fused tensor, in the file's dtype, and handed
+    to the kernel once complete (a dense parameter where the kernel does not take it). On the CPU, an
+    embedding or a dense untied lm_head placeholder whose file dtype is the model's is memory-mapped.
+    """
+
+    def __init__(self, model: "Decoder", source, packed: bool, blocked: bool, native_int4: Optional[bool]):
+        self.model, self.source = model, source
+        self.packed, self.blocked, self.native_int4 = packed, blocked, native_int4
+        self.onednn = blocked and blocked_layout_available(model.dtype)
+        self.where: Dict[str, Tuple[_Slot, int]] = {}
+        self.open: Dict[_Slot, Tuple[torch.Tensor, set, bool]] = {}  # destination, names to come, for a kernel
+
+    def run(self) -> None:
+        """Fill every slot (raises CorruptModel when the source lacks a tensor)."""
+        for slot in _slots(self.model):
+            row = 0
+            for name in slot.names:
+                if name not in self.source:
+                    raise CorruptModel(f"{self.source.source}: missing tensor {name!r}")
+                self.where[name] = (slot, row)
+                row += self.source.shape(name)[0]
+        for name in self.source.names:
+            if name in self.where:
+                self._put(name)
+        self.model._stack = None
+
+    def _put(self, name: str) -> None:
+        slot, row = self.where[name]
+        if slot not in self.open:
+            dest, held = self._begin(slot)
+            if dest is None:  # filled whole
+                self._done(slot)
+                return
+            self.open[slot] = (dest, set(slot.names), held)
+        dest, left, held = self.open[slot]
+        self.source.read_into(name, dest.narrow(0, row, self.source.shape(name)[0]))
+        left.discard(name)
+        if not left:
+            del self.open[slot]
+            if held and not self._hold(slot.owner, slot.attr, dest):
+                self._materialize(slot).copy_(dest)
+            self._done(slot)
+
+    def _begin(self, slot: _Slot) -> Tuple[Optional[torch.Tensor], bool]:
+        """(where the slot's tensors go, whether that is a fused tensor for a kernel); (None, False)
+        when the slot was filled here whole."""
+        placeholder = slot.owner._parameters[slot.attr]
+        offset = self.model.cfg.norm_offset
+        if slot.norm and offset:  # Gemma's (1 + w), added once in float32
+            self._materialize(slot).copy_(self.source.read(slot.names[0]).float() + offset)
+            return None, False
+        if self._may_hold(slot.attr, tuple(placeholder.shape)):
+            dtype = reduce(torch.promote_types, (self.source.dtype(n) for n in slot.names))
+            return torch.empty(placeholder.shape, dtype=dtype), True
+        if self._mappable(slot, placeholder):
+            mapped = self.source.mapped(slot.names[0])
+            if mapped is not None:
+                setattr(slot.owner, slot.attr, nn.Parameter(mapped, requires_grad=False))
+                return None, False
+        return self._materialize(slot), False
+
+    def _may_hold(self, attr: str, shape: tuple) -> bool:
+        """Whether :meth:`_hold` may take this linear weight (packing depends on its values)."""
+        return attr in LINEARS and (self.packed or self.blocked and (self.onednn or tiles_take(self.model.dtype, shape)))
+
+    def _mappable(self, slot: _Slot, placeholder: torch.Tensor) -> bool:
+        return (slot.attr in ("embed", "lm_head") and placeholder.is_meta and self.model._home.type == "cpu"
+                and self.source.dtype(slot.names[0]) == placeholder.dtype)
+
+    def _materialize(self, slot: _Slot) -> torch.Tensor:
+        """The slot's parameter's tensor, a placeholder first replaced by an uninitialized parameter on
+        the model's device."""
+        param = slot.owner._parameters[slot.attr]
+        if param.is_meta:
+            param = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=self.model._home),
+                                 requires_grad=False)
+            setattr(slot.owner, slot.attr, param)
+        return param.data
+
+    def _done(self, slot: _Slot) -> None:
+        """After the embedding, a tied lm_head: held by a kernel (a packed one from the file's values),
+        else the embedding itself."""
+        model = self.model
+        if slot.owner is not model or slot.attr != "embed" or not model.cfg.tie_word_embeddings:
+            return
+        value = self.source.read(EMBED) if self.packed else model.embed.detach()
+        if not self._hold(model, "lm_head", value):
+            model.lm_head = model.embed
+
+    def _hold(self, owner: nn.Module, attr: str, value: torch.Tensor) -> bool:
+        """Hold a linear weight packed (int4), tiled (native bfloat16) or blocked (oneDNN) instead of
+        as a Parameter."""
+        dtype = self.model.dtype
+        module = pack_exact(value, dtype, self.native_int4) if self.packed and attr in LINEARS else None
+        if module is not None:
+            self.model.packed_weights.append(f"{getattr(owner, 'index', 'model')}.{attr}")
+        elif self.blocked and attr in LINEARS and tiles_take(dtype, tuple(value.shape)):  # native tiles
+            module = TiledLinear(value.to(dtype))
+        elif self.onednn and attr in LINEARS:  # oneDNN's blocked layout, same values
+            module = BlockedLinear(value.to(dtype))
+        else:
+            return False
+        owner._parameters.pop(attr, None)  # a Parameter slot cannot hold a module
+        setattr(owner, attr, module)
+        return True
+
+
 class Decoder(nn.Module):
     """The target model: embeddings, ``num_hidden_layers`` blocks, final norm and lm_head.
 
@@ -376,21 +535,25 @@ class Decoder(nn.Module):
     layers rotate with ``cfg.rope_local`` when the config gives them their own rope (Gemma 3).
     """
 
-    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype = torch.float32, device="cpu"):
+    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype = torch.float32, device="cpu", lazy: bool = False):
+        """``lazy``: the weights are placeholders on the ``meta`` device (no memory) until
+        :meth:`load_hf_tensors` or :meth:`from_folder` puts each on ``device``."""
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
-        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device),
+        self._home = torch.device(device)  # where loading puts the weights
+        where = "meta" if lazy else device
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=where),
                                   requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device, lazy) for i in range(cfg.num_hidden_layers))
         norm_dtype = torch.float32 if cfg.norm_offset else dtype
-        self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=norm_dtype, device=device), requires_grad=False)
+        self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=norm_dtype, device=where), requires_grad=False)
         self.final_norm = _rms_norm_float32_scale if cfg.norm_offset else _rms_norm
         # Gemma: embeddings times sqrt(hidden_size), the factor rounded to the weights' dtype first
         self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size ** 0.5, dtype=torch.float32).to(device, dtype)
                              if cfg.scaled_embeddings else None, persistent=False)
         self.packed_weights: list = []  # names of the weights held packed (see load_hf_tensors)
         self.lm_head = self.embed if cfg.tie_word_embeddings else nn.Parameter(
-            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False)
+            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=where), requires_grad=False)
         for prefix, rope in (("rope", cfg.rope), ("rope_local", cfg.rope_local)):
             if rope is None:  # sliding-window layers share the global rope
                 self.rope_local_cos = self.rope_local_sin = None
@@ -424,6 +587,13 @@ class Decoder(nn.Module):
                 torch's (False; see :class:`PackedLinear`).
             device: where the weights go (``"cpu"``, ``"cuda:0"``, a :class:`torch.device`).
 
+        Names and shapes are checked from the files' headers before any weight is read; the tensors
+        are then read one at a time (:class:`CheckpointReader`) straight into their parameters on
+        ``device``, so loading holds the weights (in ``dtype``) plus about one tensor. On the CPU, an
+        embedding (or a dense untied lm_head) whose file dtype is ``dtype`` is memory-mapped from its
+        file instead of copied (only the rows used become resident); such a file must not be rewritten
+        in place while the model lives (replacing it, as mtpctl's own writers do, is safe).
+
         Raises:
             CorruptModel: missing/unexpected/mis-shaped/NaN tensors, unreadable files.
             UnsupportedModel: an architecture outside the Llama family, or ``packed`` without bfloat16.
@@ -431,10 +601,10 @@ class Decoder(nn.Module):
         cfg = DecoderConfig.from_folder(Path(folder))
         if packed and dtype != torch.bfloat16:
             raise UnsupportedModel("int4 weights run with bfloat16 activations, not float32", option="dtype")
-        model = cls(cfg, dtype, device)
         optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
-        model.load_hf_tensors(load_tensors(safetensors_files(Path(folder)), expected_tensors(cfg), optional), packed,
-                              blocked, native_int4)
+        reader = CheckpointReader(shard_files(Path(folder)), expected_tensors(cfg), optional)  # headers only
+        model = cls(cfg, dtype, device, lazy=True)
+        _Filler(model, reader, packed, blocked, native_int4).run()
         return model
 
     def load_hf_tensors(self, t: Dict[str, torch.Tensor], packed: bool = False, blocked: bool = False,
@@ -446,63 +616,11 @@ class Decoder(nn.Module):
         listed in ``packed_weights``. With ``blocked`` the other linear weights are held as
         :class:`TiledLinear` (bfloat16, where the native kernels build) or :class:`BlockedLinear`
         (oneDNN's blocked layout, where torch has oneDNN), the same values either way.
+
+        Raises:
+            CorruptModel: a tensor the model needs is not in ``t``.
         """
-        onednn = blocked and blocked_layout_available(self.dtype)
-
-        def hold_for_kernel(owner, attr, value) -> bool:
-            """Hold a linear weight packed (int4), tiled (native bfloat16) or blocked (oneDNN) instead of
-            as a Parameter."""
-            module = pack_exact(value, self.dtype, native_int4) if packed and attr in LINEARS else None
-            if module is not None:
-                self.packed_weights.append(f"{getattr(owner, 'index', 'model')}.{attr}")
-            elif blocked and attr in LINEARS and tiles_take(self.dtype, tuple(value.shape)):  # native tiles
-                module = TiledLinear(value.to(self.dtype))
-            elif onednn and attr in LINEARS:  # oneDNN's blocked layout, same values
-                module = BlockedLinear(value.to(self.dtype))
-            else:
-                return False
-            owner._parameters.pop(attr, None)  # a Parameter slot cannot hold a module
-            setattr(owner, attr, module)
-            return True
-
-        def put(owner, attr, *names):
-            value = torch.cat([t[n] for n in names]) if len(names) > 1 else t[names[0]]
-            if not hold_for_kernel(owner, attr, value):
-                getattr(owner, attr).data.copy_(value)
-
-        offset = self.cfg.norm_offset
-
-        def put_norm(owner, attr, name):  # Gemma's (1 + w), added once in float32
-            getattr(owner, attr).data.copy_(t[name].float() + offset if offset else t[name])
-
-        put(self, "embed", "model.embed_tokens.weight")
-        put_norm(self, "norm", "model.norm.weight")
-        if self.cfg.tie_word_embeddings:  # a packed or blocked head unties it; the embedding stays dense
-            hold_for_kernel(self, "lm_head", t["model.embed_tokens.weight"])
-        else:
-            put(self, "lm_head", "lm_head.weight")
-        for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            put_norm(layer, "input_norm", p + "input_layernorm.weight")
-            if layer.attn_out_norm is not None:  # Gemma: norms after attention and MLP, one before MLP
-                put_norm(layer, "attn_out_norm", p + "post_attention_layernorm.weight")
-                put_norm(layer, "post_attention_norm", p + "pre_feedforward_layernorm.weight")
-                put_norm(layer, "mlp_out_norm", p + "post_feedforward_layernorm.weight")
-            else:
-                put_norm(layer, "post_attention_norm", p + "post_attention_layernorm.weight")
-            put(layer, "qkv", *(p + f"self_attn.{x}_proj.weight" for x in "qkv"))
-            put(layer, "o_proj", p + "self_attn.o_proj.weight")
-            put(layer, "gate_up", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
-            put(layer, "down", p + "mlp.down_proj.weight")
-            if layer.qkv_bias is not None:
-                put(layer, "qkv_bias", *(p + f"self_attn.{x}_proj.bias" for x in "qkv"))
-            if layer.gate_up_bias is not None:
-                put(layer, "gate_up_bias", p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias")
-                put(layer, "down_bias", p + "mlp.down_proj.bias")
-            if layer.q_norm is not None:
-                put_norm(layer, "q_norm", p + "self_attn.q_norm.weight")
-                put_norm(layer, "k_norm", p + "self_attn.k_norm.weight")
-        self._stack = None
+        _Filler(self, MemoryTensors(t), packed, blocked, native_int4).run()
 
     @property
     def stack(self) -> Optional[StackWeights]:

@@ -1,26 +1,55 @@
-"""Strict safetensors loading: the only way weights enter mtpctl (no pickle, no remote code)."""
+"""Strict safetensors loading: the only way weights enter mtpctl (no pickle, no remote code).
+
+A checkpoint is checked by name and shape from its files' headers before any tensor is read; tensors
+are then read one at a time (:class:`CheckpointReader`), in chunks, each checked for NaN and
+infinite values, so loading holds the weights plus one chunk rather than a second copy of them.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Mapping, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from mtpctl.errors import CorruptModel
+from mtpctl.errors import CorruptModel, UnsupportedModel
 from mtpctl.files import sha256_files
 from mtpctl.model.config import read_json
 
+INDEX = "model.safetensors.index.json"
+#: safetensors dtype names -> torch dtypes
+ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+             "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+             "BOOL": torch.bool}
+#: bytes of a tensor read, converted and checked at a time
+CHUNK_BYTES = 16 << 20
+
 
 def safetensors_files(folder: Path) -> list:
-    """The ``*.safetensors`` files of a checkpoint folder, through ``model.safetensors.index.json``
-    when there is one. Raises CorruptModel when there are none or the index names a missing file."""
+    """The ``*.safetensors`` files of a checkpoint folder in name order, through
+    ``model.safetensors.index.json`` when there is one. Raises CorruptModel when there are none or the
+    index names a missing file."""
+    return sorted(shard_files(folder))
+
+
+def shard_files(folder: Path) -> list:
+    """The ``*.safetensors`` files of a checkpoint folder in the order the index's ``weight_map``
+    first names them (without an index: in name order).
+
+    Raises:
+        CorruptModel: there are none, or the index names a missing file.
+    """
     folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
+    index = folder / INDEX
     if index.exists():
-        names = sorted(set(read_json(index).get("weight_map", {}).values()))
-        files = [folder / n for n in names]
-        missing = [f.name for f in files if not f.exists()]
+        weight_map = read_json(index).get("weight_map", {})
+        if not isinstance(weight_map, dict):
+            raise CorruptModel(f"{index}: weight_map is not a JSON object")
+        files = [folder / n for n in dict.fromkeys(weight_map.values())]
+        missing = sorted(f.name for f in files if not f.exists())
         if missing:
             raise CorruptModel(f"{index} names shard(s) that are missing: {', '.join(missing)}")
     else:
@@ -28,6 +57,220 @@ def safetensors_files(folder: Path) -> list:
     if not files:
         raise CorruptModel(f"no *.safetensors weights in {folder} (mtpctl reads safetensors only)")
     return files
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor's bytes are: ``nbytes`` bytes from byte ``offset`` of ``path``."""
+
+    path: Path
+    dtype: torch.dtype
+    shape: Tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def read_headers(files: Sequence[Path]) -> Dict[str, TensorInfo]:
+    """Name -> :class:`TensorInfo` of every tensor of safetensors ``files``, file by file, each file's
+    tensors in the order of their bytes. Reads the headers only (safetensors validates them: offsets
+    inside the file, sizes that match the shapes).
+
+    Raises:
+        CorruptModel: a file is truncated or malformed, or a tensor appears twice.
+        UnsupportedModel: a tensor's dtype is one torch cannot hold here.
+    """
+    infos: Dict[str, TensorInfo] = {}
+    for path in map(Path, files):
+        for name, info in _file_tensors(path).items():
+            if name in infos:
+                raise CorruptModel(f"tensor {name!r} appears twice ({infos[name].path.name}, {path.name})")
+            infos[name] = info
+    return infos
+
+
+def _file_tensors(path: Path) -> Dict[str, TensorInfo]:
+    """The tensors of one safetensors file, in the order of their bytes."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+        header, start = _raw_header(path)
+    except SafetensorError as err:
+        raise CorruptModel(f"{path} is not a readable safetensors file ({err}); re-create or re-download it") from err
+    except (OSError, ValueError) as err:
+        raise CorruptModel(f"cannot read {path}: {err}") from err
+    infos = {}
+    for name in sorted(shapes, key=lambda n: header[n]["data_offsets"][0]):
+        begin, end = header[name]["data_offsets"]
+        infos[name] = TensorInfo(path, _torch_dtype(path, name, header[name]["dtype"]), shapes[name],
+                                 start + begin, end - begin)
+    return infos
+
+
+def _raw_header(path: Path) -> Tuple[dict, int]:
+    """(the JSON header of a safetensors file, the byte where its data starts); the file was
+    validated by safetensors first."""
+    with open(path, "rb") as handle:
+        size = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(size))
+    header.pop("__metadata__", None)
+    return header, 8 + size
+
+
+def _torch_dtype(path: Path, name: str, dtype: str) -> torch.dtype:
+    extra = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+    found = ST_DTYPES.get(dtype) or getattr(torch, extra.get(dtype, ""), None)
+    if found is None:
+        raise UnsupportedModel(f"{path}: tensor {name!r} has dtype {dtype}, which mtpctl cannot load")
+    return found
+
+
+def check_shapes(shapes: Mapping[str, Tuple[int, ...]], expected: Mapping[str, Tuple[int, ...]],
+                 optional=(), source: str = "checkpoint") -> None:
+    """Raise CorruptModel unless ``shapes`` (name -> shape) has exactly the ``expected`` names and
+    shapes (``optional`` names may be absent)."""
+    missing = sorted(set(expected) - set(shapes) - set(optional))
+    unexpected = sorted(set(shapes) - set(expected))
+    if missing:
+        raise CorruptModel(f"{source}: {len(missing)} missing tensor(s), first: {missing[0]!r}")
+    if unexpected:
+        raise CorruptModel(f"{source}: {len(unexpected)} unexpected tensor(s), first: {unexpected[0]!r}")
+    for name, shape in shapes.items():
+        if tuple(shape) != tuple(expected[name]):
+            raise CorruptModel(f"{source}: tensor {name!r} has shape {tuple(shape)}, expected {tuple(expected[name])}")
+
+
+def check_finite(name: str, tensor: torch.Tensor, source: str = "checkpoint") -> None:
+    """Raise CorruptModel when floating-point ``tensor`` holds NaN or infinite values (read from its
+    smallest and largest value: NaN propagates into both; no temporary the size of the tensor)."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return
+    low, high = torch.aminmax(tensor)
+    if not bool(torch.isfinite(low) & torch.isfinite(high)):
+        raise CorruptModel(f"{source}: tensor {name!r} holds NaN or infinite values")
+
+
+def check_tensors(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, Tuple[int, ...]],
+                  optional=(), source: str = "checkpoint") -> None:
+    """Raise CorruptModel unless ``tensors`` has exactly the ``expected`` names and shapes, all finite."""
+    check_shapes({name: tuple(t.shape) for name, t in tensors.items()}, expected, optional, source)
+    for name, tensor in tensors.items():
+        check_finite(name, tensor, source)
+
+
+class CheckpointReader:
+    """The tensors of safetensors ``files``, checked by name and shape from the headers when opened and
+    read one at a time, in chunks of :data:`CHUNK_BYTES`, each chunk checked for NaN and infinite
+    values as it is read.
+
+    Args:
+        files: paths of ``.safetensors`` files; :attr:`names` follows their order.
+        expected: tensor name -> shape.
+        optional: names that may be absent (e.g. ``lm_head.weight`` of a tied checkpoint).
+        source: how messages name the checkpoint (default: the first file's folder).
+
+    Raises:
+        CorruptModel: see :func:`read_headers` and :func:`check_shapes`; reads raise it too (a file
+            that ends early, a tensor with NaN or infinite values).
+    """
+
+    def __init__(self, files: Sequence[Path], expected: Mapping[str, Tuple[int, ...]], optional=(),
+                 source: Optional[str] = None):
+        self.source = source or str(Path(files[0]).parent)
+        self.infos = read_headers(files)
+        check_shapes({name: info.shape for name, info in self.infos.items()}, expected, optional, self.source)
+        self._maps: Dict[Path, torch.UntypedStorage] = {}
+
+    @property
+    def names(self) -> List[str]:
+        """Every tensor's name, file by file, each file's in the order of its bytes."""
+        return list(self.infos)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.infos
+
+    def shape(self, name: str) -> Tuple[int, ...]:
+        return self.infos[name].shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The dtype ``name`` has in its file."""
+        return self.infos[name].dtype
+
+    def read(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` as a new CPU tensor in its file's dtype."""
+        info = self.infos[name]
+        out = torch.empty(info.shape, dtype=info.dtype)
+        self.read_into(name, out)
+        return out
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Copy tensor ``name`` into ``out``, a contiguous tensor of its shape on any device and of any
+        dtype (converted chunk by chunk; a CPU tensor of the file's dtype is read into directly)."""
+        info = self.infos[name]
+        if tuple(out.shape) != info.shape or not out.is_contiguous():
+            raise ValueError(f"read_into {name!r}: out has shape {tuple(out.shape)}, expected a contiguous {info.shape}")
+        flat = out.view(-1)
+        direct = out.device.type == "cpu" and out.dtype == info.dtype
+        step = max(1, CHUNK_BYTES // info.dtype.itemsize)
+        buffer = None if direct else torch.empty(min(step, flat.numel()), dtype=info.dtype)
+        with _open(info.path) as handle:
+            for begin in range(0, flat.numel(), step):
+                part = flat[begin:begin + step]
+                target = part if direct else buffer[:part.numel()]
+                _read_exact(handle, info.offset + begin * info.dtype.itemsize, target, info.path)
+                check_finite(name, target, self.source)
+                if not direct:
+                    part.copy_(target)
+
+    def mapped(self, name: str) -> Optional[torch.Tensor]:
+        """Tensor ``name`` memory-mapped from its file (copy-on-write: nothing is read until used, and
+        the pages are the page cache's, not a copy), after checking its values through a read of
+        one chunk at a time; None where its bytes are not aligned for its dtype."""
+        info = self.infos[name]
+        if info.offset % info.dtype.itemsize:
+            return None
+        self._check_values(name)
+        storage = self._maps.get(info.path)
+        if storage is None:
+            storage = torch.UntypedStorage.from_file(str(info.path), shared=False, nbytes=os.path.getsize(info.path))
+            self._maps[info.path] = storage
+        flat = torch.empty(0, dtype=torch.uint8).set_(storage, info.offset, (info.nbytes,))
+        return flat.view(info.dtype).view(info.shape)
+
+    def _check_values(self, name: str) -> None:
+        """Read tensor ``name`` a chunk at a time to check it is finite, keeping nothing."""
+        info = self.infos[name]
+        step = max(1, CHUNK_BYTES // info.dtype.itemsize)
+        count = info.nbytes // info.dtype.itemsize
+        buffer = torch.empty(min(step, count), dtype=info.dtype)
+        with _open(info.path) as handle:
+            for begin in range(0, count, step):
+                target = buffer[:min(step, count - begin)]
+                _read_exact(handle, info.offset + begin * info.dtype.itemsize, target, info.path)
+                check_finite(name, target, self.source)
+
+
+def _open(path: Path):
+    try:
+        return open(path, "rb", buffering=0)
+    except OSError as err:
+        raise CorruptModel(f"cannot read {path}: {err}") from err
+
+
+def _read_exact(handle, offset: int, out: torch.Tensor, path: Path) -> None:
+    """Fill contiguous CPU tensor ``out`` with the bytes of ``handle`` from ``offset``."""
+    view = memoryview(out.view(-1).view(torch.uint8).numpy())
+    try:
+        handle.seek(offset)
+        got = 0
+        while got < len(view):
+            count = handle.readinto(view[got:])
+            if not count:
+                raise CorruptModel(f"{path} ends inside a tensor's data (truncated?); re-create or re-download it")
+            got += count
+    except OSError as err:
+        raise CorruptModel(f"cannot read {path}: {err}") from err
 
 
 def load_tensors(files, expected: Mapping[str, Tuple[int, ...]], optional=()) -> Dict[str, torch.Tensor]:
@@ -45,38 +288,8 @@ def load_tensors(files, expected: Mapping[str, Tuple[int, ...]], optional=()) ->
         CorruptModel: a file is truncated or malformed; a tensor is missing, unexpected, mis-shaped,
             or holds NaN or infinite values.
     """
-    from safetensors import SafetensorError, safe_open
-
-    tensors: Dict[str, torch.Tensor] = {}
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                for name in handle.keys():
-                    if name in tensors:
-                        raise CorruptModel(f"tensor {name!r} appears twice ({path.name})")
-                    tensors[name] = handle.get_tensor(name)
-        except SafetensorError as err:
-            raise CorruptModel(f"{path} is not a readable safetensors file ({err}); re-create or re-download it") from err
-        except OSError as err:
-            raise CorruptModel(f"cannot read {path}: {err}") from err
-    check_tensors(tensors, expected, optional, source=str(Path(files[0]).parent))
-    return tensors
-
-
-def check_tensors(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, Tuple[int, ...]],
-                  optional=(), source: str = "checkpoint") -> None:
-    """Raise CorruptModel unless ``tensors`` has exactly the ``expected`` names and shapes, all finite."""
-    missing = sorted(set(expected) - set(tensors) - set(optional))
-    unexpected = sorted(set(tensors) - set(expected))
-    if missing:
-        raise CorruptModel(f"{source}: {len(missing)} missing tensor(s), first: {missing[0]!r}")
-    if unexpected:
-        raise CorruptModel(f"{source}: {len(unexpected)} unexpected tensor(s), first: {unexpected[0]!r}")
-    for name, tensor in tensors.items():
-        if tuple(tensor.shape) != tuple(expected[name]):
-            raise CorruptModel(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected[name])}")
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise CorruptModel(f"{source}: tensor {name!r} holds NaN or infinite values")
+    reader = CheckpointReader([Path(f) for f in files], expected, optional)
+    return {name: reader.read(name) for name in reader.names}
 
 
 def weights_hash(folder: Path) -> str:
@@ -92,3 +305,36 @@ def weights_hash(folder: Path) -> str:
         return sha256_files(files)
     except OSError as err:
         raise CorruptModel(f"cannot read the weights of {folder}: {err}") from err
+
+
+class MemoryTensors:
+    """Tensors already in memory (name -> tensor) behind :class:`CheckpointReader`'s reading methods;
+    taken as they are (not checked)."""
+
+    source = "tensors"
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self.tensors = tensors
+
+    @property
+    def names(self) -> List[str]:
+        return list(self.tensors)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def shape(self, name: str) -> Tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.tensors[name].dtype
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        out.copy_(self.tensors[name])
+
+    def mapped(self, name: str) -> Optional[torch.Tensor]:
+        """None: in-memory tensors are never mapped."""
+        return None
