@@ -3,7 +3,7 @@ pickle, vLLM's Medusa layout, EAGLE-1 and EAGLE-3 in the speculators and EAGLE l
 head folders that decode losslessly, export and bench; an EAGLE-1 or EAGLE-3 import computes what
 vLLM's layer computes (references written from vLLM's code, in this file); a pickle carrying
 anything but tensors is refused without running it; every strictness error is one line and exit
-code 2."""
+code 2; the target is never loaded whole (its config.json and the tensors the heads need)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pathlib
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import generate_json
-from safetensors.torch import save_file
+from helpers import generate_json, write_tiny_checkpoint
+from safetensors.torch import load_file, save_file
 
 from mtpctl.cli.main import main
 from mtpctl.drafters.heads.config import HeadsConfig
@@ -123,6 +123,40 @@ def test_vllm_medusa_layout_without_biases_imports(tiny_folder, tmp_path, capsys
     heads = load_heads(tmp_path / "o", torch.float32, Decoder.from_folder(tiny_folder).dense_lm_head())
     assert isinstance(heads, MedusaHeads) and heads.cfg.num_heads == 2 and not heads.blocks[1][0].linear.bias.any()
 
+
+
+def test_the_target_is_read_from_its_config_and_the_tensors_the_heads_need_not_loaded(tmp_path, capsys, monkeypatch):
+    """An untied target: shared Medusa heads are recognised by its lm_head.weight, an EAGLE-3 copy of its
+    embedding is dropped (and one of its own refused), all with Decoder.from_folder refusing to run."""
+    target = write_tiny_checkpoint(tmp_path / "untied", seed=4, tie_word_embeddings=False)
+    weights = load_file(str(target / "model.safetensors"))
+    assert not torch.equal(weights["lm_head.weight"], weights["model.embed_tokens.weight"])
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("import-heads loaded the whole target")
+
+    monkeypatch.setattr(Decoder, "from_folder", refuse)
+    shared = tmp_path / "vllm"
+    shared.mkdir()
+    save_file({**{f"blocks.{k}.layers.0.weight": rand(H, H, seed=k) for k in range(2)},
+               "lm_heads.0.weight": weights["lm_head.weight"]}, str(shared / "model.safetensors"))
+    (shared / "config.json").write_text(json.dumps({"model_type": "medusa", "num_heads": 2, "num_hidden_layers": 1,
+                                                    "hidden_size": H, "vocab_size": V, "truncated_vocab_size": V,
+                                                    "medusa_fc_bias": False, "original_lm_head": True}))
+    code, _, err = run(["models", "import-heads", str(shared), "--target", str(target), "--out",
+                        str(tmp_path / "o-medusa")], capsys)
+    assert code == 0, err
+    assert not HeadsConfig.load(tmp_path / "o-medusa").own_lm_head  # the target's lm_head.weight, not its embedding
+    tensors = eagle3_tensors("layers.0.", torch.arange(120))
+    copy = write_eagle3(tmp_path / "copy", "speculators",
+                        {**tensors, "embed_tokens.weight": weights["model.embed_tokens.weight"]}, 120, False)
+    code, _, err = run(["models", "import-heads", str(copy), "--target", str(target), "--out",
+                        str(tmp_path / "o-eagle3")], capsys)
+    assert code == 0 and "embed_tokens.weight is the target's embedding: dropped" in err, err
+    own = write_eagle3(tmp_path / "own", "speculators", {**tensors, "embed_tokens.weight": rand(V, H, seed=7)}, 120, False)
+    code, _, err = run(["models", "import-heads", str(own), "--target", str(target), "--out",
+                        str(tmp_path / "o-own")], capsys)
+    assert code == 2 and "embeddings of their own" in err and not (tmp_path / "o-own").exists()
 
 # --- EAGLE-3 -------------------------------------------------------------------------------------
 

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import json
 import pickle
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple, Union
 
 import torch
 
@@ -34,11 +35,41 @@ from mtpctl.drafters.heads.folder import save_heads
 from mtpctl.errors import BadInput, CorruptModel, UnsupportedModel
 from mtpctl.export import eagle_layouts, medusa_layouts
 from mtpctl.files import output_folder
+from mtpctl.model.config import DecoderConfig
 from mtpctl.model.decoder import Decoder
-from mtpctl.model.weights import check_tensors, weights_hash
+from mtpctl.model.weights import EMBEDDING, check_tensors, read_lm_head, read_vocab_tensor, weights_hash
 from mtpctl.version import __version__
 
 PICKLES = (".pt", ".bin", ".pth")
+
+
+@dataclass(frozen=True)
+class TargetWeights:
+    """What importing heads reads of the target: its config, and its lm_head and embedding
+    ``[vocab, hidden]`` as float32, each read only when called (:meth:`from_folder` reads the one
+    tensor from its safetensors file; the rest of the checkpoint stays on disk)."""
+
+    cfg: DecoderConfig
+    lm_head: Callable[[], torch.Tensor]
+    embedding: Callable[[], torch.Tensor]
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> "TargetWeights":
+        """The checkpoint in ``folder``: its ``config.json`` now, a tensor when asked.
+
+        Raises:
+            CorruptModel, UnsupportedModel: an unreadable or unsupported ``config.json`` (the tensors
+                raise CorruptModel when read: see :func:`mtpctl.model.weights.read_vocab_tensor`).
+        """
+        folder = Path(folder)
+        cfg = DecoderConfig.from_folder(folder)
+        return cls(cfg, lambda: read_lm_head(folder, cfg).float(),
+                   lambda: read_vocab_tensor(folder, cfg, EMBEDDING).float())
+
+    @classmethod
+    def from_model(cls, model: Decoder) -> "TargetWeights":
+        """A target already loaded."""
+        return cls(model.cfg, lambda: model.dense_lm_head().float(), lambda: model.embed.detach().float())
 
 
 def read_pickle(path: Path) -> Dict[str, torch.Tensor]:
@@ -110,10 +141,10 @@ def read_source(src: Path) -> Tuple[dict, Dict[str, torch.Tensor]]:
     return config, tensors
 
 
-def read_layout(src: Path, target: Decoder, notes: List[str]) -> Tuple[str, torch.nn.Module]:
+def read_layout(src: Path, target: Union[TargetWeights, Decoder], notes: List[str]) -> Tuple[str, torch.nn.Module]:
     """The heads in ``src`` (folder or file), in whichever supported layout they are, checked strictly
-    against ``target``: (layout, :class:`MedusaHeads`, :class:`EagleHead` or :class:`Eagle3Head`,
-    float32, frozen).
+    against ``target`` (a :class:`TargetWeights`, or a loaded model): (layout, :class:`MedusaHeads`,
+    :class:`EagleHead` or :class:`Eagle3Head`, float32, frozen).
     ``notes`` gets one line per quirk decided on the way.
 
     Raises:
@@ -122,11 +153,13 @@ def read_layout(src: Path, target: Decoder, notes: List[str]) -> Tuple[str, torc
         UnsupportedModel: a variant mtpctl does not run (EAGLE-3's norm_before_fc, fc_norm, norm_output;
             EAGLE-1 with layernorms; embeddings of their own).
     """
+    if isinstance(target, Decoder):
+        target = TargetWeights.from_model(target)
     config, tensors = read_source(src)
     names = set(tensors)
     layout = eagle_layouts.detect(config, names) or medusa_layouts.detect(config, names)
     if layout in ("vllm", "medusa"):
-        return layout, medusa_layouts.read_medusa(layout, config, tensors, target.dense_lm_head().float(), notes)
+        return layout, medusa_layouts.read_medusa(layout, config, tensors, target.lm_head(), notes)
     if layout is None:
         raise BadInput(f"{src} is not a layout mtpctl imports (Medusa: FasterDecoding, TensorRT-LLM or vLLM; "
                        "EAGLE-1 and EAGLE-3: speculators or EAGLE/SpecForge)", option="src")
@@ -136,26 +169,27 @@ def read_layout(src: Path, target: Decoder, notes: List[str]) -> Tuple[str, torc
     return layout, _read_eagle3(layout, config, tensors, target, notes)
 
 
-def _drop_target_embedding(tensors: Dict[str, torch.Tensor], target: Decoder, notes: List[str]) -> None:
+def _drop_target_embedding(tensors: Dict[str, torch.Tensor], target: TargetWeights, notes: List[str]) -> None:
     """Drop an ``embed_tokens.weight`` that is the target's embedding (EAGLE checkpoints may carry a
     copy); UnsupportedModel for embeddings of their own (mtpctl's EAGLE layers read the target's)."""
     embed = tensors.pop("embed_tokens.weight", None)
     if embed is None:
         return
-    if embed.shape != target.embed.shape or not torch.equal(embed.float(), target.embed.float()):
+    shape = (target.cfg.vocab_size, target.cfg.hidden_size)
+    if tuple(embed.shape) != shape or not torch.equal(embed.float(), target.embedding()):
         raise UnsupportedModel("these heads carry embeddings of their own, not the target's; mtpctl's EAGLE layers "
                                "read the target's")
     notes.append("embed_tokens.weight is the target's embedding: dropped (the heads read the target's)")
 
 
-def _check_target(hidden: int, vocab: int, target: Decoder) -> None:
+def _check_target(hidden: int, vocab: int, target: TargetWeights) -> None:
     tc = target.cfg
     if hidden != tc.hidden_size or vocab != tc.vocab_size:
         raise BadInput(f"these heads were made for a model with hidden size {hidden} and vocabulary {vocab}; the "
                        f"target has {tc.hidden_size} and {tc.vocab_size}")
 
 
-def _read_eagle1(layout: str, config: dict, tensors: Dict[str, torch.Tensor], target: Decoder) -> EagleHead:
+def _read_eagle1(layout: str, config: dict, tensors: Dict[str, torch.Tensor], target: TargetWeights) -> EagleHead:
     cfg = eagle_layouts.eagle1_config(config, layout, target.cfg)
     _check_target(cfg.hidden_size, cfg.vocab_size, target)
     bias = eagle_layouts.EAGLE1_PREFIX[layout][0] + "bias" in tensors
@@ -165,8 +199,7 @@ def _read_eagle1(layout: str, config: dict, tensors: Dict[str, torch.Tensor], ta
     return head.requires_grad_(False)
 
 
-
-def _read_eagle3(layout: str, config: dict, tensors: Dict[str, torch.Tensor], target: Decoder,
+def _read_eagle3(layout: str, config: dict, tensors: Dict[str, torch.Tensor], target: TargetWeights,
                  notes: List[str]) -> Eagle3Head:
     cfg = eagle_layouts.heads_config(config, layout, target.cfg, notes)
     _check_target(cfg.hidden_size, cfg.vocab_size, target)
@@ -176,7 +209,7 @@ def _read_eagle3(layout: str, config: dict, tensors: Dict[str, torch.Tensor], ta
         raise BadInput(str(err)) from err
     check_tensors(tensors, eagle_layouts.expected_shapes(cfg, layout), source=f"{layout} EAGLE-3 heads")
     state, token_map = eagle_layouts.state_dict(cfg, layout, tensors)
-    head = Eagle3Head(cfg, torch.float32, target.dense_lm_head().float(), token_map)
+    head = Eagle3Head(cfg, torch.float32, target.lm_head(), token_map)
     head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
     return head.requires_grad_(False)
 
@@ -186,13 +219,17 @@ def import_heads(src: Path, target_folder: Path, target_name: str, out: Path, ov
     mtpctl head folder (atomically), bound to the target's weights sha256. Returns a summary:
     ``layout``, ``kind``, ``num_heads``, ``draft_vocab_size``, ``notes``, ``out``.
 
+    The target is not loaded: its ``config.json`` is read, its weights hashed, and only the tensors
+    the heads need read alone (:class:`TargetWeights`): the lm_head (the embedding of a tied
+    checkpoint), and the embedding where the heads carry a copy of it to compare.
+
     Raises:
         BadInput, CorruptModel, UnsupportedModel: see :func:`read_layout`; ``out`` exists without
             ``overwrite``.
     """
     notes: List[str] = []
     with output_folder(Path(out), overwrite) as tmp:
-        target = Decoder.from_folder(Path(target_folder), torch.float32)
+        target = TargetWeights.from_folder(Path(target_folder))
         layout, heads = read_layout(Path(src), target, notes)
         cfg = heads.cfg
         cfg.target, cfg.target_hash, cfg.mtpctl_version = target_name, weights_hash(Path(target_folder)), __version__

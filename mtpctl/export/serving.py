@@ -23,8 +23,8 @@ Every layout holds the heads only: the engine loads the target itself, by the na
 records (:func:`verifier_name`, or the caller's ``verifier``). The target is not loaded here: its
 ``config.json`` is read, its weights hashed (the heads must be made for them), and for Medusa heads
 that share its lm_head (their layouts hold a copy) that one tensor is read alone from its
-safetensors file, in its stored dtype (:func:`read_lm_head`). The heads keep the dtype they are
-stored in unless ``dtype`` is given.
+safetensors file, in its stored dtype (:func:`mtpctl.model.weights.read_lm_head`). The heads keep
+the dtype they are stored in unless ``dtype`` is given.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from mtpctl.errors import BadInput, CorruptModel, UnsupportedModel
 from mtpctl.export import eagle_layouts, medusa_layouts
 from mtpctl.files import output_folder
 from mtpctl.model.config import DecoderConfig, read_json
-from mtpctl.model.weights import check_tensors, load_tensors, safetensors_files, weights_hash
+from mtpctl.model.weights import load_tensors, read_lm_head, weights_hash
 
 FORMATS = ("speculators", "eagle", "vllm", "trtllm")
 #: format -> head kind -> the layout written
@@ -59,7 +59,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 #: name its ``architectures`` (transformers writes them on save; hand-written configs may lack them)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
-INDEX = "model.safetensors.index.json"
 #: torch dtype -> its name in a safetensors header
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
@@ -145,48 +144,6 @@ def verifier_name(folder: Path) -> str:
     if folder.parent.name == "snapshots" and repo.startswith("models--") and len(repo) > len("models--"):
         return repo[len("models--"):].replace("--", "/", 1)
     return folder.name
-
-
-def read_checkpoint_tensor(folder: Path, name: str) -> torch.Tensor:
-    """Tensor ``name`` of the checkpoint in ``folder``, in its stored dtype, read alone (safetensors'
-    ``safe_open``) from the shard ``model.safetensors.index.json`` names for it, else from whichever
-    ``*.safetensors`` file holds it.
-
-    Raises:
-        CorruptModel: no file holds it; an unreadable file or index.
-    """
-    from safetensors import SafetensorError, safe_open
-
-    folder = Path(folder)
-    files = safetensors_files(folder)
-    if (folder / INDEX).exists():
-        weight_map = read_json(folder / INDEX).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CorruptModel(f"{folder / INDEX}: weight_map is not a JSON object")
-        files = [folder / weight_map[name]] if name in weight_map else []
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                if name in handle.keys():
-                    return handle.get_tensor(name)
-        except (SafetensorError, OSError) as err:
-            raise CorruptModel(f"{path} is not a readable safetensors file ({err}); re-create or re-download "
-                               "it") from err
-    raise CorruptModel(f"{folder}: no safetensors file holds {name!r}")
-
-
-def read_lm_head(target: Target) -> torch.Tensor:
-    """The target's lm_head ``[vocab, hidden]`` (the embedding of a tied checkpoint, as the runtime
-    reads it), in its stored dtype, checked for shape and finite values.
-
-    Raises:
-        CorruptModel: see :func:`read_checkpoint_tensor`; a mis-shaped or non-finite tensor.
-    """
-    cfg = target.cfg
-    name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-    tensor = read_checkpoint_tensor(target.folder, name)
-    check_tensors({name: tensor}, {name: (cfg.vocab_size, cfg.hidden_size)}, source=str(target.folder))
-    return tensor
 
 
 def read_heads(folder: Path, cfg: HeadsConfig) -> Dict[str, torch.Tensor]:
@@ -319,7 +276,7 @@ def export_serving_heads(fmt: str, model_folder: Path, heads_dir: Path, out: Pat
         check_heads_match(cfg, target.cfg.hidden_size, target.cfg.vocab_size, weights_hash(target.folder))
         state = _cast(read_heads(Path(heads_dir), cfg), cast)
         shared = layout in ("vllm", "medusa") and not cfg.own_lm_head
-        lm_head = _cast({"lm_head": read_lm_head(target)}, cast)["lm_head"] if shared else None
+        lm_head = _cast({"lm_head": read_lm_head(target.folder, target.cfg)}, cast)["lm_head"] if shared else None
         tensors, config, name = layout_files(layout, cfg, state, target, lm_head)
         save_tensors(tmp / name, tensors, {"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

@@ -17,9 +17,10 @@ import torch
 
 from mtpctl.errors import CorruptModel, UnsupportedModel
 from mtpctl.files import sha256_files
-from mtpctl.model.config import read_json
+from mtpctl.model.config import DecoderConfig, read_json
 
 INDEX = "model.safetensors.index.json"
+EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 #: safetensors dtype names -> torch dtypes
 ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -305,6 +306,52 @@ def weights_hash(folder: Path) -> str:
         return sha256_files(files)
     except OSError as err:
         raise CorruptModel(f"cannot read the weights of {folder}: {err}") from err
+
+
+def read_checkpoint_tensor(folder: Path, name: str) -> torch.Tensor:
+    """Tensor ``name`` of the checkpoint in ``folder``, in its stored dtype, read alone (safetensors'
+    ``safe_open``) from the shard ``model.safetensors.index.json`` names for it, else from whichever
+    ``*.safetensors`` file holds it.
+
+    Raises:
+        CorruptModel: no file holds it; an unreadable file or index.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    folder = Path(folder)
+    files = safetensors_files(folder)
+    if (folder / INDEX).exists():
+        weight_map = read_json(folder / INDEX).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CorruptModel(f"{folder / INDEX}: weight_map is not a JSON object")
+        files = [folder / weight_map[name]] if name in weight_map else []
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                if name in handle.keys():
+                    return handle.get_tensor(name)
+        except (SafetensorError, OSError) as err:
+            raise CorruptModel(f"{path} is not a readable safetensors file ({err}); re-create or re-download "
+                               "it") from err
+    raise CorruptModel(f"{folder}: no safetensors file holds {name!r}")
+
+
+def read_vocab_tensor(folder: Path, cfg: DecoderConfig, name: str) -> torch.Tensor:
+    """Tensor ``name`` ``[vocab, hidden]`` of the checkpoint in ``folder`` (``cfg`` its config), read
+    alone in its stored dtype, checked for shape and finite values.
+
+    Raises:
+        CorruptModel: see :func:`read_checkpoint_tensor`; a mis-shaped or non-finite tensor.
+    """
+    tensor = read_checkpoint_tensor(folder, name)
+    check_tensors({name: tensor}, {name: (cfg.vocab_size, cfg.hidden_size)}, source=str(folder))
+    return tensor
+
+
+def read_lm_head(folder: Path, cfg: DecoderConfig) -> torch.Tensor:
+    """The lm_head ``[vocab, hidden]`` of the checkpoint in ``folder`` (the embedding of a tied one, as
+    the runtime reads it), read alone in its stored dtype; see :func:`read_vocab_tensor`."""
+    return read_vocab_tensor(folder, cfg, EMBEDDING if cfg.tie_word_embeddings else LM_HEAD)
 
 
 class MemoryTensors:
