@@ -17,7 +17,7 @@ from helpers import write_tiny_checkpoint  # noqa: E402
 from mtpctl.cli.main import main  # noqa: E402
 from mtpctl.export import onnx as onnx_export  # noqa: E402
 from mtpctl.export.onnx import export_onnx  # noqa: E402
-from mtpctl.errors import BadInput  # noqa: E402
+from mtpctl.errors import BadInput, UnsupportedModel  # noqa: E402
 from mtpctl.drafters.heads.config import HeadsConfig  # noqa: E402
 from mtpctl.drafters.heads.folder import save_heads  # noqa: E402
 from mtpctl.drafters.heads.medusa import MedusaHeads  # noqa: E402
@@ -40,6 +40,23 @@ def make_heads(folder: Path, target: Path, num_heads: int = 3, seed: int = 0, ow
     folder.mkdir(parents=True)
     save_heads(heads, folder)
     return folder
+
+
+def trace_as_over_2gb(monkeypatch) -> list:
+    """Make every export's trace what torch writes for a graph over 2 GB: the graph without its large
+    tensors, each initializer and Constant of 4 KiB or more in a file of its own beside it, smaller ones
+    inline (onnx's per-tensor layout, on the tiny model). Returns a list that gets the trace folder's
+    file names of each export."""
+    real, seen = onnx_export.trace_graph, []
+
+    def split(wrapper, raw):
+        real(wrapper, raw)
+        onnx.save_model(onnx.load(str(raw)), str(raw), save_as_external_data=True, all_tensors_to_one_file=False,
+                        size_threshold=4096, convert_attribute=True)
+        seen.append(sorted(p.name for p in raw.parent.iterdir()))
+
+    monkeypatch.setattr(onnx_export, "trace_graph", split)
+    return seen
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +106,48 @@ def test_manifest_hashes_and_tokenizer(exported, tiny_folder):
     assert plain["target_hash"] == weights_hash(tiny_folder)
     assert "tokenizer.json" in plain["tokenizer_files"] and "model.onnx" not in plain["tokenizer_files"]
     assert json.loads((folder / "manifest.json").read_text()) == plain
+
+
+def test_weights_traced_one_file_per_tensor_end_in_one_aligned_data_file(tiny_folder, tmp_path, monkeypatch):
+    """The >2 GB path on a tiny model: torch's per-tensor files become model.onnx.data (tensors of
+    ALIGN_MIN_BYTES or more at multiples of ALIGN_BYTES), listed with its sha256; nothing else is left."""
+    seen = trace_as_over_2gb(monkeypatch)
+    monkeypatch.setattr(onnx_export, "ALIGN_MIN_BYTES", 4096)
+    folder = tmp_path / "x"
+    manifest = export_onnx(tiny_folder, folder, make_heads(tmp_path / "heads", tiny_folder))
+    assert len(seen[0]) > 10 and "raw.onnx" in seen[0]  # the graph and one file per initializer
+    assert sorted(p.name for p in folder.iterdir()) == sorted([*manifest["files"], "manifest.json"])
+    assert manifest["graph_data"] == "model.onnx.data"
+    data = folder / "model.onnx.data"
+    assert manifest["files"]["model.onnx.data"]["sha256"] == hashlib.sha256(data.read_bytes()).hexdigest()
+    proto = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    constants = [a.t for n in proto.graph.node for a in n.attribute if a.type == onnx.AttributeProto.TENSOR]
+    assert max(len(t.raw_data) for t in constants) >= 4096  # read back from the trace's files into the graph
+    assert all(t.data_location == onnx.TensorProto.DEFAULT for t in constants)
+    spans = {}
+    for t in proto.graph.initializer:
+        if len(t.raw_data):
+            assert len(t.raw_data) < 1024, t.name
+            continue
+        info = {e.key: e.value for e in t.external_data}
+        assert t.data_location == onnx.TensorProto.EXTERNAL and info["location"] == "model.onnx.data", t.name
+        offset, length = int(info["offset"]), int(info["length"])
+        assert length < 4096 or offset % onnx_export.ALIGN_BYTES == 0, t.name
+        spans[t.name] = (offset, offset + length)
+    assert any(end - begin >= 4096 for begin, end in spans.values())
+    ordered = sorted(spans.values())
+    assert all(a[1] <= b[0] for a, b in zip(ordered, ordered[1:])) and ordered[-1][1] == data.stat().st_size
+    onnx.checker.check_model(str(folder / "model.onnx"), full_check=True)
+    full = onnx.load(str(folder / "model.onnx"))  # the weights read back from the data file
+    assert {t.name: len(t.raw_data) for t in full.graph.initializer if t.name in spans} == \
+        {name: end - begin for name, (begin, end) in spans.items()}
+
+
+def test_a_graph_over_the_protobuf_limit_without_its_weights_is_refused(tiny_folder, tmp_path, monkeypatch):
+    monkeypatch.setattr(onnx_export, "PROTOBUF_LIMIT", 1000)
+    with pytest.raises(UnsupportedModel, match="over protobuf's 1000-byte limit"):
+        export_onnx(tiny_folder, tmp_path / "x")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_existing_output_refused_then_overwritten(tiny_folder, tmp_path):

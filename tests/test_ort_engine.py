@@ -12,7 +12,7 @@ pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
 from helpers import first_divergence, top2_gap, write_tiny_checkpoint  # noqa: E402
-from test_export_onnx import TREE, make_heads  # noqa: E402
+from test_export_onnx import TREE, make_heads, trace_as_over_2gb  # noqa: E402
 
 from mtpctl.backends.graph import GraphEngine, verify_manifest  # noqa: E402
 from mtpctl.backends.onnxruntime import OrtGraph, OrtSession  # noqa: E402
@@ -145,6 +145,23 @@ def test_cli_generate_onnxruntime_backend(tiny_folder, tmp_path, capsys):
     report = json.loads((tmp_path / "b.json").read_text())
     assert report["settings"]["backend"] == "onnxruntime"
     assert main(["bench", "--backend", "onnxruntime", "-m", str(tmp_path / "x"), "--baseline", "transformers"]) == 2
+
+
+def test_graph_traced_as_over_2gb_decodes_as_torch(tiny_folder, tmp_path, capsys, monkeypatch):
+    """An export whose trace held its weights one file per tensor (torch's layout over 2 GB, on the tiny
+    model) runs on --backend onnxruntime with the torch backend's greedy tokens, plain and with its heads."""
+    import json
+
+    trace_as_over_2gb(monkeypatch)
+    heads_dir = make_heads(tmp_path / "heads", tiny_folder, seed=6)
+    assert main(["export", str(tiny_folder), "--heads", str(heads_dir), "--onnx", str(tmp_path / "x")]) == 0
+    capsys.readouterr()
+    args = ["--max-new-tokens", "16", "--no-chat", "--json", "abcabc abcabc"]
+    for extra in ([], ["--speculate", "heads", "--heads", str(heads_dir)]):
+        assert main(["generate", "-m", str(tiny_folder)] + extra + args) == 0
+        want = json.loads(capsys.readouterr().out)["token_ids"]
+        assert main(["generate", "--backend", "onnxruntime", "-m", str(tmp_path / "x")] + extra + args) == 0
+        assert json.loads(capsys.readouterr().out)["token_ids"] == want
 
 
 @pytest.mark.real

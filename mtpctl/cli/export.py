@@ -78,6 +78,8 @@ def export_cmd(model, heads_dir, onnx_out, fmt, out, verifier, dtype, trt, trt_p
     --onnx writes one fused graph (prefill and draft/verify steps, KV cache in and out, Medusa head
     logits when --heads is given), its external weights, the tokenizer and a manifest.json with the
     sha256 of every file. The folder is written under a temporary name and renamed when complete.
+    The graph is float32: the whole target is loaded in float32 to trace it (about twice its float32
+    weights in memory at the peak), and its weights go to model.onnx.data beside the graph at any size.
 
     --trt also builds a TensorRT engine from the graph (one optimization profile from the
     --trt-max-* limits, saved with it and checked before decoding). TensorRT needs an NVIDIA GPU:

@@ -67,7 +67,8 @@ def import_heads_cmd(src: str, target: str, out: str, overwrite: bool, as_json: 
     (d2t/t2d).
     Pickles are unpickled tensor-only: anything but plain tensors is refused, never run. Every
     tensor is checked (names, shapes, finite values) against the target; what a file leaves unsaid
-    is decided as the engines decide it and said on stderr.
+    is decided as the engines decide it and said on stderr. The target is not loaded: its
+    config.json is read, its weights hashed, and only its lm_head (or embedding) read alone.
     """
     from mtpctl.export.imports import import_heads
 

@@ -14,7 +14,8 @@ batch-invariant, which a graph with a symbolic N cannot unroll).
 
 Files of an export folder (written to a temporary folder and renamed when complete):
 
-- ``model.onnx`` + ``model.onnx.data`` (external data: every initializer above 1 KiB);
+- ``model.onnx`` + ``model.onnx.data`` (external data: every initializer of 1 KiB or more, so
+  ``model.onnx`` stays far below protobuf's 2 GB limit at any model size; :func:`write_external_data`);
 - ``config.json``, ``generation_config.json`` and the tokenizer files of the target, copied;
 - ``mtp_config.json`` when heads were exported (their config, tree included);
 - ``manifest.json``: every file with its size and sha256, the target's weight hash, the graph's
@@ -45,7 +46,7 @@ from mtpctl.version import __version__
 from mtpctl.backends.graph import GRAPH_DATA_FILE, GRAPH_FILE, MANIFEST_FILE, io_names
 from mtpctl.drafters.heads.config import WEIGHTS_FILE, HeadsConfig
 from mtpctl.drafters.heads.medusa import MedusaHeads
-from mtpctl.errors import UnsupportedModel
+from mtpctl.errors import CorruptModel, UnsupportedModel
 from mtpctl.export.heads import exportable_heads
 from mtpctl.files import output_folder, sha256_file
 from mtpctl.model.decoder import Decoder, _linear, _rotate
@@ -58,6 +59,16 @@ EXPORTABLE = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
           "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
           "added_tokens.json")
+#: the most bytes one protobuf message holds: ``model.onnx`` must stay under it (its weights are
+#: external data), and torch's exporter writes a graph whose weights pass it with one file per tensor
+PROTOBUF_LIMIT = (1 << 31) - 1
+#: initializers of at least this many bytes go to ``model.onnx.data``
+EXTERNAL_MIN_BYTES = 1024
+#: initializers of at least ALIGN_MIN_BYTES start at a multiple of ALIGN_BYTES in ``model.onnx.data``
+#: (as onnxruntime and onnx_ir align theirs, so that each can be memory-mapped)
+ALIGN_MIN_BYTES, ALIGN_BYTES = 1 << 20, 1 << 16
+#: bytes copied at a time from one external data file to another
+COPY_BYTES = 16 << 20
 
 
 def _layer_step(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past_k: torch.Tensor,
@@ -186,47 +197,192 @@ def graph_metadata(model: Decoder, heads_cfg: Optional[HeadsConfig], target_hash
 
 def export_graph(model: Decoder, heads: Optional[MedusaHeads], folder: Path,
                  metadata: Dict[str, str]) -> None:
-    """Trace :class:`FusedStep` to ``folder/model.onnx`` (+ ``model.onnx.data``), opset 17, with
-    symbolic ``batch``, ``new_tokens``, ``past_length`` and ``total_length`` axes; then run
-    onnx.checker and shape inference on it.
+    """Trace :class:`FusedStep` to ``folder/model.onnx`` + ``model.onnx.data`` (every initializer of
+    :data:`EXTERNAL_MIN_BYTES` or more, at any model size), opset 17, with symbolic ``batch``,
+    ``new_tokens``, ``past_length`` and ``total_length`` axes; then run onnx.checker and shape
+    inference on it. The weights pass from torch's trace to ``model.onnx.data`` one tensor at a time.
 
     Raises:
-        UnsupportedModel: see :class:`FusedStep`.
+        UnsupportedModel: see :class:`FusedStep`; a graph over :data:`PROTOBUF_LIMIT` without its weights.
     """
     import onnx
 
-    cfg = model.cfg
     wrapper = FusedStep(model, heads).eval()
-    names = io_names(cfg.num_hidden_layers, heads is not None)
+    trace = folder / "trace"
+    trace.mkdir()
+    raw = trace / "raw.onnx"
+    trace_graph(wrapper, raw)
+    proto = onnx.load(str(raw), load_external_data=False)
+    load_attribute_data(proto, trace)
+    fold_constants(proto)
+    onnx.helper.set_model_props(proto, metadata)
+    proto.doc_string = "mtpctl fused draft/verify graph"
+    write_external_data(proto, trace, folder / GRAPH_DATA_FILE)
+    shutil.rmtree(trace)
+    save_graph(proto, folder / GRAPH_FILE)
+
+
+def trace_graph(wrapper: "FusedStep", raw: Path) -> None:
+    """``torch.onnx.export`` (TorchScript) of ``wrapper`` to ``raw``, with sample inputs of 3 new
+    tokens over a past of 2. torch writes the weights into ``raw`` itself while the graph stays under
+    2 GB, and beside it, one file per tensor, past that."""
+    cfg, with_heads = wrapper.model.cfg, wrapper.heads is not None
+    names = io_names(cfg.num_hidden_layers, with_heads)
     b, n, past = 1, 3, 2  # sample sizes for tracing (not 0/1, which tracers may specialise)
     ids = torch.zeros(b, n, dtype=torch.long)
     pos = torch.arange(past, past + n)[None]
     mask = torch.ones(b, n, past + n, dtype=torch.bool).tril(past)
     kv = [torch.zeros(b, cfg.num_key_value_heads, past, cfg.head_dim) for _ in range(2 * cfg.num_hidden_layers)]
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # tracer warnings about Python ints taken from shapes
+        torch.onnx.export(wrapper, (ids, pos, mask, *kv), str(raw), dynamo=False, opset_version=OPSET,
+                          input_names=names.inputs, output_names=names.outputs, dynamic_axes=_dynamic_axes(names),
+                          do_constant_folding=True)
+
+
+def _dynamic_axes(names) -> Dict[str, Dict[int, str]]:
+    """The symbolic axes of every input and output named in ``names`` (:func:`io_names`)."""
     axes = {"input_ids": {0: "batch", 1: "new_tokens"}, "position_ids": {0: "batch", 1: "new_tokens"},
             "attention_mask": {0: "batch", 1: "new_tokens", 2: "total_length"},
             "logits": {0: "batch", 1: "new_tokens"}, "hidden_states": {0: "batch", 1: "new_tokens"}}
-    if heads is not None:
+    if "medusa_logits" in names.outputs:
         axes["medusa_logits"] = {0: "batch", 1: "new_tokens"}
     for name in names.past:
         axes[name] = {0: "batch", 2: "past_length"}
     for name in names.present:
         axes[name] = {0: "batch", 2: "total_length"}
-    raw = folder / "raw.onnx"
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # tracer warnings about Python ints taken from shapes
-        torch.onnx.export(wrapper, (ids, pos, mask, *kv), str(raw), dynamo=False, opset_version=OPSET,
-                          input_names=names.inputs, output_names=names.outputs, dynamic_axes=axes,
-                          do_constant_folding=True)
-    proto = onnx.load(str(raw))
-    fold_constants(proto)
-    for stale in folder.iterdir():  # the exporter's own side files
-        stale.unlink()
-    onnx.helper.set_model_props(proto, metadata)
-    proto.doc_string = "mtpctl fused draft/verify graph"
-    path = folder / GRAPH_FILE
-    onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=GRAPH_DATA_FILE, size_threshold=1024)
+    return axes
+
+
+def load_attribute_data(proto, source: Path) -> None:
+    """Read the external data of ``proto``'s tensor attributes (the ``Constant`` nodes: rotary tables,
+    small next to the weights) from their files in ``source`` into the graph: torch writes those over
+    its size threshold to files of their own in a graph over 2 GB. Initializers stay external."""
+    from onnx import AttributeProto
+    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+
+    for node in proto.graph.node:
+        for attribute in node.attribute:
+            if attribute.type == AttributeProto.TENSOR and uses_external_data(attribute.t):
+                load_external_data_for_tensor(attribute.t, str(source))
+
+
+def write_external_data(proto, source: Path, data_path: Path) -> int:
+    """Write every initializer of ``proto`` of :data:`EXTERNAL_MIN_BYTES` or more to ``data_path``, one
+    tensor at a time, and point it there (``location``, ``offset``, ``length``); tensors of
+    :data:`ALIGN_MIN_BYTES` or more start at a multiple of :data:`ALIGN_BYTES`. An initializer's bytes
+    are its inline data or, where it is already external (torch's one file per tensor over 2 GB), read
+    from its file in ``source``, which is deleted once no initializer left needs it. Returns the bytes
+    of ``data_path``.
+
+    Raises:
+        CorruptModel: an external file outside ``source``, missing, or shorter than its tensor.
+    """
+    from onnx import TensorProto
+
+    pending = _external_files(proto, source)
+    with open(data_path, "wb") as out:
+        for tensor in proto.graph.initializer:
+            external = tensor.data_location == TensorProto.EXTERNAL
+            if not external and len(tensor.raw_data) < EXTERNAL_MIN_BYTES:
+                continue
+            size = _tensor_bytes(tensor, source) if external else len(tensor.raw_data)
+            if size >= ALIGN_MIN_BYTES:
+                out.write(b"\0" * (-out.tell() % ALIGN_BYTES))
+            offset = out.tell()
+            if external:
+                _copy_external(tensor, source, out, pending)
+            else:
+                out.write(tensor.raw_data)
+            _point_at(tensor, data_path.name, offset, out.tell() - offset)
+        return out.tell()
+
+
+def _external_files(proto, source: Path) -> Dict[Path, int]:
+    """The external data files of ``proto``'s initializers (resolved in ``source``) -> how many
+    initializers read each."""
+    from onnx import TensorProto
+    from onnx.external_data_helper import ExternalDataInfo
+
+    counts: Dict[Path, int] = {}
+    for tensor in proto.graph.initializer:
+        if tensor.data_location == TensorProto.EXTERNAL:
+            path = _inside(source, ExternalDataInfo(tensor).location, tensor.name)
+            counts[path] = counts.get(path, 0) + 1
+    return counts
+
+
+def _inside(source: Path, location: str, name: str) -> Path:
+    """``source/location``, refused (CorruptModel) unless it lies inside ``source``."""
+    path = (source / location).resolve()
+    if source.resolve() not in path.parents:
+        raise CorruptModel(f"the traced graph's tensor {name!r} points outside {source}: {location!r}")
+    return path
+
+
+def _tensor_bytes(tensor, source: Path) -> int:
+    """The bytes of an external tensor: its ``length``, else the rest of its file after ``offset``."""
+    from onnx.external_data_helper import ExternalDataInfo
+
+    info = ExternalDataInfo(tensor)
+    if info.length is not None:
+        return int(info.length)
+    path = _inside(source, info.location, tensor.name)
+    if not path.is_file():
+        raise CorruptModel(f"the traced graph's tensor {tensor.name!r} has no data file ({info.location!r})")
+    return path.stat().st_size - int(info.offset or 0)
+
+
+def _copy_external(tensor, source: Path, out, pending: Dict[Path, int]) -> None:
+    """Append the bytes of external ``tensor`` to ``out`` in chunks of :data:`COPY_BYTES`; delete its
+    file once no other pending initializer reads it."""
+    from onnx.external_data_helper import ExternalDataInfo
+
+    info = ExternalDataInfo(tensor)
+    path = _inside(source, info.location, tensor.name)
+    left = _tensor_bytes(tensor, source)
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(int(info.offset or 0))
+            while left:
+                chunk = handle.read(min(left, COPY_BYTES))
+                if not chunk:
+                    raise CorruptModel(f"{path} ends inside the traced graph's tensor {tensor.name!r}")
+                out.write(chunk)
+                left -= len(chunk)
+    except OSError as err:
+        raise CorruptModel(f"cannot read the traced graph's tensor {tensor.name!r} from {path}: {err}") from err
+    pending[path] -= 1
+    if not pending[path]:
+        path.unlink()
+
+
+def _point_at(tensor, location: str, offset: int, length: int) -> None:
+    """Make ``tensor`` external data: ``length`` bytes from ``offset`` of ``location``; no inline bytes."""
+    from onnx import TensorProto
+
+    tensor.ClearField("raw_data")
+    del tensor.external_data[:]
+    tensor.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", offset), ("length", length)):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, str(value)
+
+
+def save_graph(proto, path: Path) -> None:
+    """Write ``proto`` (weights already external) to ``path`` and check it: onnx.checker with strict
+    shape inference, which reads the file and not the weights.
+
+    Raises:
+        UnsupportedModel: the graph alone is over :data:`PROTOBUF_LIMIT`.
+    """
+    import onnx
+
+    size = proto.ByteSize()
+    if size > PROTOBUF_LIMIT:
+        raise UnsupportedModel(f"the exported graph is {size} bytes without its weights, over protobuf's "
+                               f"{PROTOBUF_LIMIT}-byte limit: ONNX cannot hold it")
+    onnx.save_model(proto, str(path))
     onnx.checker.check_model(str(path), full_check=True)  # full_check runs strict shape inference
 
 
@@ -287,13 +443,14 @@ def graph_io(path: Path) -> Dict[str, list]:
 
 
 def write_manifest(folder: Path, target_hash: str, extra: dict) -> dict:
-    """Write ``folder/manifest.json``: every file (size, sha256), the target's weight hash, the graph's
-    I/O with dtypes and shapes, and ``extra``. Returns the manifest."""
+    """Write ``folder/manifest.json``: every file (size, sha256; the graph's external data file
+    ``graph_data`` among them), the target's weight hash, the graph's I/O with dtypes and shapes, and
+    ``extra``. Returns the manifest."""
     files = {}
     for path in sorted(p for p in folder.iterdir() if p.is_file() and p.name != MANIFEST_FILE):
         files[path.name] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
     manifest = {"format": "mtpctl-onnx-export", "format_version": 1, "mtpctl_version": __version__,
-                "target_hash": target_hash, "graph": GRAPH_FILE, "files": files,
+                "target_hash": target_hash, "graph": GRAPH_FILE, "graph_data": GRAPH_DATA_FILE, "files": files,
                 "tokenizer_files": [n for n in files if n in COPIED and n not in ("config.json", "generation_config.json")],
                 **graph_io(folder / GRAPH_FILE), **extra}
     (folder / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
