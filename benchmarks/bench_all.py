@@ -111,6 +111,22 @@ SECTIONS = [
                    "machine kind at 43.5 tokens/s at batch 1 against 31.4 eager, and 188 against 215 at batch 8), in its "
                    "own process with the same thread count; one `generate` call per batch size (`max_num_seqs`).",
                    'Where speculation stops paying here, and why (what a verify row costs against a plain row, from the pass costs below): docs/findings.md, sections 15, 19, 20 and 21.']),
+    Section("big", "Checkpoints at scale: memory and speed of real shapes",
+            "Synthetic checkpoints of published shapes (random bfloat16 weights in 4 safetensors shards with an "
+            "index, SmolLM2's tokenizer; `mtpctl.model.synthetic`): a Llama-3.2-1B-like model (hidden 2048, 16 "
+            "layers) and Llama-3.1-8B's shapes. Each step runs in a child process of its own: loading a bfloat16 "
+            "session, `mtpctl generate` of a few tokens, and verify passes of chains against a plain step. Peak RSS "
+            "is the child's own (ru_maxrss), against the checkpoint's bytes, also with the child's start-up "
+            "(python, torch, mtpctl) taken off.",
+            lambda a: [f"{PYTHON} benchmarks/bench_big.py --shape benchmarks/shapes/{shape}.json --cache-dir "
+                       f"{a.synth_dir} --max-new-tokens {new} --verify-sizes 4,8 --reps {reps} --threads {THREADS}"
+                       for shape, new, reps in (("llama-3.2-1b-like", 16, 5), ("llama-3.1-8b", 4, 2))],
+            tables_only=False),
+    Section("gpu", "On a GPU: the pipeline's check",
+            "`benchmarks/gpu_check.sh` on a CUDA machine: a synthetic Llama-3.2-1B-like checkpoint (bfloat16), "
+            "plain greedy and every drafter alone and batched against it (token for token), EAGLE-3 heads trained "
+            "on the device, `mtpctl bench` on the device, and a TensorRT engine where tensorrt is installed.",
+            lambda a: [f"benchmarks/gpu_check.sh --tokenizer-from {a.tokenizer_from}"], tables_only=False),
     Section("passcosts", "What a pass of N rows costs (the auto policy's table)",
             "One packed verify pass, every row's logits read, after 200 committed tokens per sequence: over S one-row "
             "requests (what S plain requests cost a step), and what E draft nodes add to that pass (trees of up to 4 "
@@ -221,18 +237,31 @@ def assemble(old: str, fresh: dict, order: List[str]) -> str:
     return "\n".join(head) + "\n" + "\n".join(body)
 
 
+def gpu_present() -> bool:
+    """Whether torch sees a CUDA GPU (asked in a child: this script imports no torch)."""
+    probe = [PYTHON, "-c", "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"]
+    return subprocess.run(probe, cwd=ROOT).returncode == 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--heads", default="heads/smollm2-medusa", help="head folder of the default recipe")
     p.add_argument("--sections", default=None, help=f"only these (comma-separated): {','.join(s.key for s in SECTIONS)},recipe")
     p.add_argument("--write", type=Path, default=None, help="the file to write (else stdout)")
+    p.add_argument("--synth-dir", default="/tmp/mtpctl-synth", help="big: where the synthetic checkpoints are kept")
+    p.add_argument("--tokenizer-from", default="smollm2-135m", help="gpu: the tokenizer of the synthetic checkpoint")
     args = p.parse_args(argv)
     order = [s.key for s in SECTIONS] + ["recipe"]
     wanted = order if args.sections is None else [k.strip() for k in args.sections.split(",")]
     unknown = set(wanted) - set(order)
     if unknown:
         p.error(f"unknown section(s) {sorted(unknown)}: choose from {', '.join(order)}")
-    needs_heads = [k for k in wanted if k != "cpu"]
+    if "gpu" in wanted and not gpu_present():  # a CPU run keeps the table a GPU measured
+        if args.sections is not None:
+            p.error("the gpu section runs where torch sees a CUDA GPU; this machine has none")
+        wanted.remove("gpu")
+        print("bench_all.py: no CUDA GPU here: the gpu section stays as it is", file=sys.stderr)
+    needs_heads = [k for k in wanted if k not in ("cpu", "big", "gpu")]
     if needs_heads and not (Path(args.heads) / "mtp_config.json").is_file():
         p.error(f"no head folder at {args.heads}: train it with {MTPCTL} add-heads --recipe "
                 f"recipes/smollm2-135m-medusa.yaml --out {args.heads} (make bench does)")
