@@ -128,7 +128,6 @@ def measure_verify(folder: Path, args) -> dict:
 
 def report(args, folder: Path, weights: int, load: dict, gen: dict, verify: dict) -> None:
     gib = 2 ** 30
-    print(f"`{shlex.join(['python', 'benchmarks/bench_big.py', *sys.argv[1:]])}`\n")
     print(f"Checkpoint {folder}: {weights / gib:.2f} GiB of bfloat16 weights; the session holds "
           f"{load['held'] / gib:.2f} GiB\n")
     print("| run | peak RSS (GiB) | peak / weights | (peak - start) / weights | seconds | s / token |")
