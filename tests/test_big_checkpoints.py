@@ -194,6 +194,40 @@ def test_generate_through_the_cli_with_the_real_tokenizer(tmp_path, capsys, monk
     assert ngram["speculate"] == "ngram" and plain["dtype"] == "bfloat16"
 
 
+@pytest.mark.real
+def test_heads_trained_on_it_decode_and_export_for_an_engine(tmp_path, capsys, monkeypatch, smollm2_folder):
+    """The pipeline on a Llama 3.x-shaped, sharded bfloat16 checkpoint: EAGLE-3 heads self-distilled on
+    a few hundred positions, greedy decoding with them equal to plain, and the speculators export naming
+    the checkpoint's own architecture and folder, not a local path."""
+    monkeypatch.setenv("MTPCTL_HOME", str(tmp_path / "home"))
+    folder = write_synthetic_checkpoint(tmp_path / "llama3-ckpt", llama3_config(), shards=3, seed=7,
+                                        tokenizer_from=smollm2_folder)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Write a short note number {i} about caches."}) + "\n"
+                            for i in range(24)))
+    heads = tmp_path / "heads"
+    code = main(["add-heads", "-m", str(folder), "--kind", "eagle3", "--num-heads", "2", "--data", str(data),
+                 "--self-distill", "--response-tokens", "24", "--epochs", "1", "--device", "cpu", "--out", str(heads),
+                 "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert 200 <= json.loads(out)["positions"] <= 1000
+    results = []
+    for spec in (["--speculate", "none"], ["--speculate", "heads", "--heads", str(heads)]):
+        code = main(["generate", "-m", str(folder), "--dtype", "bfloat16", *spec, "--max-new-tokens", "12", "--json",
+                     "Write a short note about caches."])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        results.append(json.loads(out)["token_ids"])
+    assert results[0] == results[1]
+    export = tmp_path / "speculators"
+    code = main(["export", str(heads), "--format", "speculators", "--out", str(export)])
+    _, err = capsys.readouterr()
+    assert code == 0, err
+    verifier = json.loads((export / "config.json").read_text())["speculators_config"]["verifier"]
+    assert verifier == {"name_or_path": "llama3-ckpt", "architectures": ["LlamaForCausalLM"]}
+
+
 #: a checkpoint of about 250 MB of bfloat16 weights: big enough that a second copy shows
 MEMORY_CONFIG = {"vocab_size": 49152, "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 6,
                  "num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 64}
