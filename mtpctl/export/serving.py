@@ -37,13 +37,13 @@ from typing import Dict, List, Optional
 
 import torch
 
-from mtpctl.drafters.heads.config import CONFIG_FILE, WEIGHTS_FILE, HeadsConfig, check_heads_match
-from mtpctl.drafters.heads.folder import MODULES
+from mtpctl.drafters.heads.config import HeadsConfig, check_heads_match
+from mtpctl.drafters.heads.folder import MODULES, read_head_tensors
 from mtpctl.errors import BadInput, CorruptModel, UnsupportedModel
 from mtpctl.export import eagle_layouts, medusa_layouts
 from mtpctl.files import output_folder
 from mtpctl.model.config import DecoderConfig, read_json
-from mtpctl.model.weights import load_tensors, read_lm_head, weights_hash
+from mtpctl.model.weights import read_lm_head, weights_hash
 
 FORMATS = ("speculators", "eagle", "vllm", "trtllm")
 #: format -> head kind -> the layout written
@@ -155,20 +155,7 @@ def read_heads(folder: Path, cfg: HeadsConfig) -> Dict[str, torch.Tensor]:
     Raises:
         CorruptModel: no weights file, or tensors that fail the checks.
     """
-    expected = _heads_on_meta(cfg)
-    path = Path(folder) / WEIGHTS_FILE
-    if not path.is_file():
-        raise CorruptModel(f"{folder} has {CONFIG_FILE} but no {WEIGHTS_FILE}")
-    tensors = load_tensors([path], {name: tuple(t.shape) for name, t in expected.items()})
-    for name, t in tensors.items():
-        if t.is_floating_point() != expected[name].is_floating_point():
-            raise CorruptModel(f"{path}: tensor {name!r} is {t.dtype}; expected "
-                               f"{'a floating point' if expected[name].is_floating_point() else 'an integer'} dtype")
-    token_map = tensors.get("token_map")
-    if token_map is not None and len(token_map) and (int(token_map.min()) < 0 or int(token_map.max()) >= cfg.vocab_size
-                                                     or len(torch.unique(token_map)) != len(token_map)):
-        raise CorruptModel(f"{path}: token_map holds ids outside the vocabulary or repeats one")
-    return tensors
+    return read_head_tensors(Path(folder), cfg, _heads_on_meta(cfg))
 
 
 def _heads_on_meta(cfg: HeadsConfig) -> Dict[str, torch.Tensor]:

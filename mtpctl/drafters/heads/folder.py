@@ -4,7 +4,7 @@ and ``mtp_heads.safetensors``, read strictly into the module of the folder's kin
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -51,6 +51,24 @@ def load_heads(folder: Path, dtype: torch.dtype = torch.float32, target_lm_head:
         placeholder = torch.zeros(shape) if cfg.own_lm_head or cfg.draft_vocab_size else None
         token_map = torch.zeros(cfg.draft_vocab_size, dtype=torch.long) if cfg.draft_vocab_size else None
         expected = cls(cfg, dtype, placeholder, token_map).state_dict()
+    tensors = read_head_tensors(folder, cfg, expected)
+    if token_map is not None:
+        token_map = tensors["token_map"]
+    heads = cls(cfg, dtype, target_lm_head, token_map, blocked, target_kernel)
+    heads.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()})
+    heads.requires_grad_(False)
+    return heads
+
+
+def read_head_tensors(folder: Path, cfg: HeadsConfig, expected: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The tensors of the head folder's weights file, each in its stored dtype, checked against
+    ``expected`` (a state dict of the heads' module, on the meta device will do): the same names and
+    shapes, finite values, floating point or integer as the module holds them, and a token_map of
+    distinct ids inside the vocabulary.
+
+    Raises:
+        CorruptModel: no weights file, or tensors that fail the checks.
+    """
     path = Path(folder) / WEIGHTS_FILE
     if not path.is_file():
         raise CorruptModel(f"{folder} has {CONFIG_FILE} but no {WEIGHTS_FILE}")
@@ -59,14 +77,11 @@ def load_heads(folder: Path, dtype: torch.dtype = torch.float32, target_lm_head:
         if t.is_floating_point() != expected[name].is_floating_point():
             raise CorruptModel(f"{path}: tensor {name!r} is {t.dtype}; expected "
                                f"{'a floating point' if expected[name].is_floating_point() else 'an integer'} dtype")
-    if token_map is not None:
-        token_map = tensors["token_map"]
-        if int(token_map.min()) < 0 or int(token_map.max()) >= cfg.vocab_size or len(set(token_map.tolist())) != len(token_map):
-            raise CorruptModel(f"{path}: token_map holds ids outside the vocabulary or repeats one")
-    heads = cls(cfg, dtype, target_lm_head, token_map, blocked, target_kernel)
-    heads.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()})
-    heads.requires_grad_(False)
-    return heads
+    token_map = tensors.get("token_map")
+    if token_map is not None and len(token_map) and (int(token_map.min()) < 0 or int(token_map.max()) >= cfg.vocab_size
+                                                     or len(torch.unique(token_map)) != len(token_map)):
+        raise CorruptModel(f"{path}: token_map holds ids outside the vocabulary or repeats one")
+    return tensors
 
 
 def save_heads(heads: nn.Module, folder: Path) -> None:
