@@ -69,7 +69,7 @@ class Table:
         lines = [header, "", "| check | result | figures |", "|---|---|---|"]
         for r in self.rows:
             status = "skipped" if r["passed"] is None else ("ok" if r["passed"] else "**FAILED**")
-            figures = ", ".join(f"{k} {v}" for k, v in r.items() if k not in ("check", "passed"))
+            figures = ", ".join(f"{k}: {v}" for k, v in r.items() if k not in ("check", "passed"))
             lines.append(f"| {r['check']} | {status} | {figures} |")
         return "\n".join(lines) + "\n"
 
@@ -176,7 +176,8 @@ def main(argv=None) -> int:
                    help="config of the synthetic checkpoint on a GPU")
     p.add_argument("--full-on-cpu", action="store_true",
                    help="without a GPU, run every step on the CPU's pure-torch path too (slow: checks the script)")
-    p.add_argument("--tokenizer-from", default="smollm2-135m", help="model whose tokenizer the synthetic one takes")
+    p.add_argument("--tokenizer-from", default="smollm2-135m",
+                   help="model (alias or folder) whose tokenizer the synthetic checkpoint takes [default: smollm2-135m]")
     p.add_argument("--work", default="/tmp/mtpctl-gpu-check", help="folder for the checkpoint, heads and export")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--data", default=str(REPO / "recipes/data/distill_prompts.jsonl"),

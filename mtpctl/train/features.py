@@ -136,7 +136,7 @@ FEATURE_BATCH_TOKENS = 8192
 
 @torch.inference_mode()
 def compute_features(model: Optional[Decoder], sequences: Sequence[TrainSequence], settings: TrainSettings,
-                     chunk_tokens: int = 4096, progress: Optional[Callable[[int, int], None]] = None) -> Features:
+                     chunk_tokens: int = 1024, progress: Optional[Callable[[int, int], None]] = None) -> Features:
     """Features of every sequence: kept from self-distillation where a sequence has them, else from
     teacher-forced passes of ``model`` (which may be None when every sequence has them) over several
     sequences at once (left-padded, up to ``distill_batch`` sequences and :data:`FEATURE_BATCH_TOKENS`
