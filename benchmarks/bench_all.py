@@ -121,7 +121,8 @@ SECTIONS = [
             lambda a: [f"{PYTHON} benchmarks/bench_big.py --shape benchmarks/shapes/{shape}.json --cache-dir "
                        f"{a.synth_dir} --max-new-tokens {new} --verify-sizes 4,8 --reps {reps} --threads {THREADS}"
                        for shape, new, reps in (("llama-3.2-1b-like", 16, 5), ("llama-3.1-8b", 4, 2))],
-            tables_only=False),
+            tables_only=False,
+            notes=["add-heads' peak RSS as its positions double (SmolLM2-135M, float32 target, Medusa, features extracted afresh: `mtpctl add-heads --data F --no-self-distill --epochs 1 --device cpu --threads 2 --out DIR`, F the built-in written sets' first 25k tokens as text records, then the same records twice and four times; peak sampled from ps each second, measured at 7bac5ff): 3.24 GB at 23k training positions, 3.41 GB at 47k, 3.58 GB at 93k, about +5% a doubling (the features stream from disk; what remains is extraction's and evaluation's working memory, not the positions)."]),
     Section("gpu", "On a GPU: the pipeline's check",
             "`benchmarks/gpu_check.sh` on a CUDA machine: a synthetic Llama-3.2-1B-like checkpoint (bfloat16), "
             "plain greedy and every drafter alone and batched against it (token for token), EAGLE-3 heads trained "
