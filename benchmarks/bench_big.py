@@ -51,8 +51,10 @@ LOAD_CHILD = textwrap.dedent("""
 
 #: the child that times verify passes of chains against a plain step
 VERIFY_CHILD = textwrap.dedent("""
-    import json, statistics, sys, time
+    import json, sys
     import torch
+    sys.path.insert(0, sys.argv[6])  # benchmarks/: bench_verify's timing of a pass
+    from bench_verify import time_pass
     from mtpctl.backends.torch import TorchSession
     from mtpctl.decode.tree import DraftTree
     folder, threads, context, sizes, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \\
@@ -61,17 +63,7 @@ VERIFY_CHILD = textwrap.dedent("""
         torch.set_num_threads(threads)
     engine = TorchSession(folder, "bfloat16").new_engine(context + max(sizes) + 1)
     engine.prefill(list(range(100, 100 + context)))
-    out = {}
-    for n in [1] + sizes:
-        tree = DraftTree.chain([5] * n)
-        engine.verify(tree)
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            engine.verify(tree)
-            times.append((time.perf_counter() - start) * 1e3)
-        out[n] = statistics.median(times)
-    print(json.dumps(out))
+    print(json.dumps({n: time_pass(engine, DraftTree.chain([5] * n), reps) for n in [1] + sizes}))
 """)
 
 
@@ -122,7 +114,7 @@ def measure_generate(folder: Path, args) -> dict:
 
 def measure_verify(folder: Path, args) -> dict:
     stdout, _, _ = run_child([sys.executable, "-c", VERIFY_CHILD, str(folder), str(args.threads), str(args.context),
-                              args.verify_sizes, str(args.reps)])
+                              args.verify_sizes, str(args.reps), str(Path(__file__).resolve().parent)])
     return {int(k): v for k, v in json.loads(stdout).items()}
 
 
