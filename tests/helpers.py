@@ -298,3 +298,134 @@ def tiny_hydra_folder(tiny_folder: Path, out: Path) -> Path:
     out.mkdir()
     save_heads(heads, out)
     return out
+
+
+# ---- draft trees, random heads and constants shared by several test modules
+
+#: the draft-tree shapes the head tests decode with (paths of child ranks)
+TREES = {
+    "chain": [[0], [0, 0], [0, 0, 0]],
+    "wide": [[0], [1], [2], [3]],
+    "mixed": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]],
+    "deep-second": [[0], [1], [1, 0], [1, 0, 0], [1, 0, 0, 0]],
+}
+
+#: the static tree of the export tests' random head folders (:func:`make_heads`, :func:`truncated_heads`)
+TREE = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
+
+
+def make_heads(folder: Path, target: Path, num_heads: int = 3, seed: int = 0, own_lm_head: bool = False,
+               hidden: int = 64, vocab: int = 259) -> Path:
+    """A head folder with random weights for the checkpoint in ``target``."""
+    from mtpctl.drafters.heads.config import HeadsConfig
+    from mtpctl.drafters.heads.folder import save_heads
+    from mtpctl.drafters.heads.medusa import MedusaHeads
+    from mtpctl.model.weights import weights_hash
+
+    cfg = HeadsConfig(kind="medusa", num_heads=num_heads, head_layers=1, own_lm_head=own_lm_head,
+                      hidden_size=hidden, vocab_size=vocab, target=str(target), target_hash=weights_hash(target),
+                      tree=TREE, topk_accuracy=[[0.5, 0.2]] * num_heads)
+    g = torch.Generator().manual_seed(seed)
+    heads = MedusaHeads(cfg, target_lm_head=torch.zeros(vocab, hidden) if own_lm_head else None)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    folder.mkdir(parents=True)
+    save_heads(heads, folder)
+    return folder
+
+
+def truncated_heads(folder, target, model, own: bool):
+    """Medusa heads (3 heads of 2 layers, the tiny checkpoint's hidden size 64 and vocabulary 259) with a
+    draft vocabulary of 100 tokens (token_map), own lm_heads or the target's rows."""
+    from mtpctl.drafters.heads.config import HeadsConfig
+    from mtpctl.drafters.heads.folder import save_heads
+    from mtpctl.drafters.heads.medusa import MedusaHeads
+    from mtpctl.model.weights import weights_hash
+
+    num_heads, hidden, vocab = 3, 64, 259
+    cfg = HeadsConfig(kind="medusa", num_heads=num_heads, head_layers=2, own_lm_head=own, hidden_size=hidden,
+                      vocab_size=vocab, draft_vocab_size=100, target=str(target), target_hash=weights_hash(target),
+                      tree=TREE)
+    g = torch.Generator().manual_seed(7)
+    heads = MedusaHeads(cfg, target_lm_head=model.dense_lm_head(), token_map=torch.randperm(vocab, generator=g)[:100])
+    with torch.no_grad():
+        for name, p in heads.named_parameters():
+            p.copy_(p + 0.1 * torch.randn(p.shape, generator=g))
+    folder.mkdir()
+    save_heads(heads, folder)
+    return folder
+
+
+def random_eagle(model, depth=4, seed=0, draft_vocab=0):
+    """An EAGLE draft layer (kind ``eagle``) with random weights for ``model`` (float32; ``draft_vocab``:
+    every second id)."""
+    from mtpctl.drafters.heads.config import HeadsConfig
+    from mtpctl.drafters.heads.eagle import EagleHead, layer_config_for
+
+    cfg = HeadsConfig("eagle", depth, 0, False, model.cfg.hidden_size, model.cfg.vocab_size, draft_vocab,
+                      layer=layer_config_for(model.cfg))
+    token_map = torch.arange(0, 2 * draft_vocab, 2) if draft_vocab else None
+    torch.manual_seed(seed)  # the layer's own initialisation draws from the global generator
+    return perturbed(EagleHead(cfg, torch.float32, model.dense_lm_head().float(), token_map), seed)
+
+
+def trace_as_over_2gb(monkeypatch) -> list:
+    """Make every export's trace what torch writes for a graph over 2 GB: the graph without its large
+    tensors, each initializer and Constant of 4 KiB or more in a file of its own beside it, smaller ones
+    inline (onnx's per-tensor layout, on the tiny model). Returns a list that gets the trace folder's
+    file names of each export."""
+    import onnx
+
+    from mtpctl.export import onnx as onnx_export
+
+    real, seen = onnx_export.trace_graph, []
+
+    def split(wrapper, raw):
+        real(wrapper, raw)
+        onnx.save_model(onnx.load(str(raw)), str(raw), save_as_external_data=True, all_tensors_to_one_file=False,
+                        size_threshold=4096, convert_attribute=True)
+        seen.append(sorted(p.name for p in raw.parent.iterdir()))
+
+    monkeypatch.setattr(onnx_export, "trace_graph", split)
+    return seen
+
+
+#: the tiny random Gemma 3 config of the Gemma 3 tests: a sliding window (4) shorter than the sequences,
+#: local and global layers with their own rope
+GEMMA3_VOCAB = 97
+GEMMA3_LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
+GEMMA3_TINY = dict(vocab_size=GEMMA3_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                   rms_norm_eps=1e-6, sliding_window=4, query_pre_attn_scalar=24, layer_types=GEMMA3_LAYER_TYPES,
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                    "full_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+
+
+# ---- the real models (SmolLM2-135M-Instruct)
+
+#: a top-2 logit gap under which a greedy flip between plain and speculative decoding is fp32 noise
+NEAR_TIE = 1e-3
+
+#: the prompts of the real SmolLM2 lossless tests
+SMOLLM2_PROMPTS = [
+    "Repeat this sentence exactly, twice: The quick brown fox jumps over the lazy dog.",
+    "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
+    "List the planets of the solar system in order, one per line, with one fact each.",
+    "Summarize in two sentences: Speculative decoding lets a cheap drafter propose several tokens "
+    "that the large model verifies in a single forward pass, keeping only those it agrees with.",
+]
+
+
+def assert_lossless(session, prompt_ids, plain, spec):
+    """``spec`` equals ``plain``, or first differs at a near-tie of plain decoding's logits."""
+    import warnings
+
+    i = first_divergence(plain, spec)
+    if i < 0:
+        assert len(plain) == len(spec) or plain[-1] in session.codec.eos_ids or spec[-1] in session.codec.eos_ids
+        return
+    engine = TorchEngine(session.model, len(prompt_ids) + i + 1)
+    gap = top2_gap(engine.prefill(list(prompt_ids) + plain[:i]).logits[-1])
+    assert gap < NEAR_TIE, f"divergence at token {i} with top-2 logit gap {gap:.2e}: a bug, not a near-tie"
+    warnings.warn(f"near-tie flip at token {i} (top-2 gap {gap:.2e})")

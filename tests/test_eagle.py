@@ -5,8 +5,7 @@ import json
 
 import pytest
 import torch
-from helpers import PROMPT, perturbed, run
-from test_heads import TREES
+from helpers import PROMPT, TREES, random_eagle, run
 
 from mtpctl.backends.torch import TorchEngine
 from mtpctl.decode.drafter import TargetStep
@@ -17,14 +16,6 @@ from mtpctl.drafters.heads.eagle import EagleDrafter, EagleHead, layer_config_fo
 from mtpctl.drafters.heads.folder import load_heads, save_heads
 from mtpctl.drafters.heads.tree import StaticTree
 from mtpctl.errors import BadInput, CorruptModel, UnsupportedModel
-
-
-def random_eagle(model, depth=4, seed=0, draft_vocab=0):
-    cfg = HeadsConfig("eagle", depth, 0, False, model.cfg.hidden_size, model.cfg.vocab_size, draft_vocab,
-                      layer=layer_config_for(model.cfg))
-    token_map = torch.arange(0, 2 * draft_vocab, 2) if draft_vocab else None
-    torch.manual_seed(seed)  # the layer's own initialisation draws from the global generator
-    return perturbed(EagleHead(cfg, torch.float32, model.dense_lm_head().float(), token_map), seed)
 
 
 def drafter(model, head, paths):

@@ -7,8 +7,7 @@ import json
 
 import pytest
 import torch
-from helpers import PROMPT, perturbed
-from test_heads import TREES
+from helpers import PROMPT, TREES, perturbed
 
 from mtpctl.backends.torch import TorchEngine
 from mtpctl.decode.drafter import TargetStep

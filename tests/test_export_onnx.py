@@ -4,59 +4,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 
 import pytest
-import torch
 
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
-from helpers import write_tiny_checkpoint  # noqa: E402
+from helpers import TREE, make_heads, trace_as_over_2gb, write_tiny_checkpoint  # noqa: E402
 
 from mtpctl.cli.main import main  # noqa: E402
 from mtpctl.export import onnx as onnx_export  # noqa: E402
 from mtpctl.export.onnx import export_onnx  # noqa: E402
 from mtpctl.errors import BadInput, UnsupportedModel  # noqa: E402
-from mtpctl.drafters.heads.config import HeadsConfig  # noqa: E402
-from mtpctl.drafters.heads.folder import save_heads  # noqa: E402
-from mtpctl.drafters.heads.medusa import MedusaHeads  # noqa: E402
 from mtpctl.model.weights import weights_hash  # noqa: E402
-
-TREE = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
-
-
-def make_heads(folder: Path, target: Path, num_heads: int = 3, seed: int = 0, own_lm_head: bool = False,
-               hidden: int = 64, vocab: int = 259) -> Path:
-    """A head folder with random weights for the checkpoint in ``target``."""
-    cfg = HeadsConfig(kind="medusa", num_heads=num_heads, head_layers=1, own_lm_head=own_lm_head,
-                      hidden_size=hidden, vocab_size=vocab, target=str(target), target_hash=weights_hash(target),
-                      tree=TREE, topk_accuracy=[[0.5, 0.2]] * num_heads)
-    g = torch.Generator().manual_seed(seed)
-    heads = MedusaHeads(cfg, target_lm_head=torch.zeros(vocab, hidden) if own_lm_head else None)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.copy_(0.2 * torch.randn(p.shape, generator=g))
-    folder.mkdir(parents=True)
-    save_heads(heads, folder)
-    return folder
-
-
-def trace_as_over_2gb(monkeypatch) -> list:
-    """Make every export's trace what torch writes for a graph over 2 GB: the graph without its large
-    tensors, each initializer and Constant of 4 KiB or more in a file of its own beside it, smaller ones
-    inline (onnx's per-tensor layout, on the tiny model). Returns a list that gets the trace folder's
-    file names of each export."""
-    real, seen = onnx_export.trace_graph, []
-
-    def split(wrapper, raw):
-        real(wrapper, raw)
-        onnx.save_model(onnx.load(str(raw)), str(raw), save_as_external_data=True, all_tensors_to_one_file=False,
-                        size_threshold=4096, convert_attribute=True)
-        seen.append(sorted(p.name for p in raw.parent.iterdir()))
-
-    monkeypatch.setattr(onnx_export, "trace_graph", split)
-    return seen
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import first_divergence, top2_gap
+from helpers import GEMMA3_TINY as TINY, GEMMA3_VOCAB as VOCAB, first_divergence, top2_gap
 from mtpctl.errors import UnsupportedModel
 from mtpctl.model.config import DecoderConfig, RopeConfig
 from mtpctl.backends.torch import TorchEngine
@@ -24,13 +24,6 @@ from mtpctl.model.decoder import Decoder
 from mtpctl.decode.sampling import SamplingParams
 from mtpctl.decode.tree import DraftTree
 
-VOCAB = 97
-LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
-TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-6,
-            sliding_window=4, query_pre_attn_scalar=24, layer_types=LAYER_TYPES,
-            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
-                             "full_attention": {"rope_type": "default", "rope_theta": 10000.0}})
 TOL = 1e-4
 NEAR_TIE = 1e-3
 GREEDY = SamplingParams()

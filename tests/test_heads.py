@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import (BLOCKED_DTYPES, PROMPT, exact_sequence_probs, first_divergence, greedy_reference,
+from helpers import (BLOCKED_DTYPES, PROMPT, TREES, exact_sequence_probs, first_divergence, greedy_reference,
                      plain_decode_logits, random_decoder, random_heads, run, top2_gap)
 from stats_util import chi_square_rejects
 
@@ -24,13 +24,6 @@ from mtpctl.drafters.ngram import NgramDrafter
 from mtpctl.errors import BadInput, CorruptModel, NonFinite
 from mtpctl.model.decoder import Decoder
 from mtpctl.model.linears import PackedLinear, TiledLinear, blocked_layout_available
-
-TREES = {
-    "chain": [[0], [0, 0], [0, 0, 0]],
-    "wide": [[0], [1], [2], [3]],
-    "mixed": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]],
-    "deep-second": [[0], [1], [1, 0], [1, 0, 0], [1, 0, 0, 0]],
-}
 
 
 def one_hot_rows(targets, vocab=10):

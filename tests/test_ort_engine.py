@@ -11,8 +11,8 @@ import torch
 pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
-from helpers import first_divergence, top2_gap, write_tiny_checkpoint  # noqa: E402
-from test_export_onnx import TREE, make_heads, trace_as_over_2gb  # noqa: E402
+from helpers import (TREE, first_divergence, make_heads, top2_gap, trace_as_over_2gb, truncated_heads,  # noqa: E402
+                     write_tiny_checkpoint)
 
 from mtpctl.backends.graph import GraphEngine, verify_manifest  # noqa: E402
 from mtpctl.backends.onnxruntime import OrtGraph, OrtSession  # noqa: E402
@@ -217,8 +217,6 @@ def test_session_heads_from_the_export(tiny_folder, tmp_path):
 @pytest.mark.parametrize("own", [False, True])
 def test_truncated_draft_vocabulary_heads(own, tiny_folder, tmp_path):
     """Heads scoring a 100-token draft vocabulary (token_map): -inf elsewhere, as in torch; lossless."""
-    from test_serving_formats import truncated_heads
-
     model = Decoder.from_folder(tiny_folder)
     heads_dir = truncated_heads(tmp_path / "h", tiny_folder, model, own)
     export_onnx(tiny_folder, tmp_path / "x", heads_dir)

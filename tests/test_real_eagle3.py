@@ -6,9 +6,7 @@ Trained heads and acceptance are checked in vLLM's company (tests/test_vllm_engi
 import pytest
 import torch
 
-from helpers import perturbed
-from test_heads import TREES
-from test_real_smollm2 import GREEDY, PROMPTS, assert_lossless
+from helpers import GREEDY, SMOLLM2_PROMPTS as PROMPTS, TREES, assert_lossless, perturbed
 
 from mtpctl.backends.torch import TorchSession
 from mtpctl.drafters.heads.config import HeadsConfig

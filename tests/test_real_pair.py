@@ -12,7 +12,7 @@ import torch
 from mtpctl.drafters.pairing import INCOMPATIBLE, compare, draft_model_drafter, load_vocabulary
 from mtpctl.drafters.draft_model import DraftModelDrafter, TextBridge
 from mtpctl.decode.sampling import SamplingParams
-from test_real_smollm2 import assert_lossless
+from helpers import assert_lossless
 
 pytestmark = pytest.mark.real
 GREEDY = SamplingParams()

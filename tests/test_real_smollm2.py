@@ -7,12 +7,10 @@ decoding at that position: a gap under NEAR_TIE is such a flip (reported, not a 
 divergence is a bug and fails.
 """
 
-import warnings
-
 import pytest
 import torch
 
-from helpers import ScriptedDrafter, first_divergence, top2_gap
+from helpers import SMOLLM2_PROMPTS as PROMPTS, ScriptedDrafter, assert_lossless
 from mtpctl.model.linears import BlockedLinear, blocked_layout_available
 from mtpctl.drafters.ngram import NgramDrafter
 from mtpctl.backends.torch import TorchEngine
@@ -20,27 +18,7 @@ from mtpctl.decode.sampling import SamplingParams
 from mtpctl.decode.tree import DraftTree
 
 pytestmark = pytest.mark.real
-NEAR_TIE = 1e-3
 GREEDY = SamplingParams()
-PROMPTS = [
-    "Repeat this sentence exactly, twice: The quick brown fox jumps over the lazy dog.",
-    "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
-    "List the planets of the solar system in order, one per line, with one fact each.",
-    "Summarize in two sentences: Speculative decoding lets a cheap drafter propose several tokens "
-    "that the large model verifies in a single forward pass, keeping only those it agrees with.",
-]
-
-
-def assert_lossless(session, prompt_ids, plain, spec):
-    """``spec`` equals ``plain``, or first differs at a near-tie of plain decoding's logits."""
-    i = first_divergence(plain, spec)
-    if i < 0:
-        assert len(plain) == len(spec) or plain[-1] in session.codec.eos_ids or spec[-1] in session.codec.eos_ids
-        return
-    engine = TorchEngine(session.model, len(prompt_ids) + i + 1)
-    gap = top2_gap(engine.prefill(list(prompt_ids) + plain[:i]).logits[-1])
-    assert gap < NEAR_TIE, f"divergence at token {i} with top-2 logit gap {gap:.2e}: a bug, not a near-tie"
-    warnings.warn(f"near-tie flip at token {i} (top-2 gap {gap:.2e})")
 
 
 def test_logits_match_transformers(smollm2, smollm2_folder):

@@ -159,10 +159,9 @@ def test_a_gemma3_self_draft_keeps_its_layers_windows_and_ropes():
     """Gemma 3's layers carry their own sliding window and rope: a subset keeps each kept layer's, so
     its draft over a context longer than the window is the subset's own model, and greedy stays
     plain greedy."""
-    from helpers import random_state_dict
+    from helpers import GEMMA3_TINY as TINY, random_state_dict
     from mtpctl.model.config import DecoderConfig
     from mtpctl.model.decoder import Decoder
-    from test_gemma3 import TINY
 
     cfg = DecoderConfig.from_dict({"model_type": "gemma3_text", **TINY})
     model = Decoder(cfg)

@@ -12,8 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import perturbed
-from test_export_onnx import TREE, make_heads
+from helpers import TREE, make_heads, perturbed, random_eagle, truncated_heads
 
 from mtpctl.backends.torch import TorchEngine
 from mtpctl.cli.main import main
@@ -23,7 +22,7 @@ from mtpctl.decode.stopping import StopChecker
 from mtpctl.drafters.heads.config import HeadsConfig
 from mtpctl.drafters.heads.eagle3 import Eagle3Drafter, Eagle3Head, eagle3_layer_config
 from mtpctl.drafters.heads.folder import load_heads, save_heads
-from mtpctl.drafters.heads.medusa import MedusaDrafter, MedusaHeads
+from mtpctl.drafters.heads.medusa import MedusaDrafter
 from mtpctl.drafters.heads.tree import StaticTree
 from mtpctl.errors import BadInput, UnsupportedModel
 from mtpctl.export.imports import read_layout
@@ -54,21 +53,6 @@ def decode(model, heads, paths=TREE):
         d, engine = MedusaDrafter(tree, heads, model), TorchEngine(model, 80)
     result = generate(engine, PROMPT, stop(), SamplingParams(0.0), d)
     return result.token_ids, result.stats.accepted_tokens
-
-
-def truncated_heads(folder, target, model, own: bool):
-    """Medusa heads with a draft vocabulary of 100 tokens (token_map), own lm_heads or the target's rows."""
-    cfg = HeadsConfig(kind="medusa", num_heads=K, head_layers=2, own_lm_head=own, hidden_size=HIDDEN,
-                      vocab_size=VOCAB, draft_vocab_size=100, target=str(target), target_hash=weights_hash(target),
-                      tree=TREE)
-    g = torch.Generator().manual_seed(7)
-    heads = MedusaHeads(cfg, target_lm_head=model.dense_lm_head(), token_map=torch.randperm(VOCAB, generator=g)[:100])
-    with torch.no_grad():
-        for name, p in heads.named_parameters():
-            p.copy_(p + 0.1 * torch.randn(p.shape, generator=g))
-    folder.mkdir()
-    save_heads(heads, folder)
-    return folder
 
 
 def eagle3_heads(folder, target, model, draft_vocab=100, seed=0):
@@ -199,7 +183,6 @@ def test_kinds_a_format_cannot_express_are_refused_with_what_it_takes(fmt, tiny_
     conditioned = make_heads(tmp_path / "c", tiny_folder)
     cfg = json.loads((conditioned / "mtp_config.json").read_text())
     (conditioned / "mtp_config.json").write_text(json.dumps({**cfg, "token_conditioned": True}))
-    from test_eagle import random_eagle
 
     eagle = tmp_path / "eagle"
     eagle.mkdir()

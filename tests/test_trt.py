@@ -13,8 +13,7 @@ import pytest
 pytest.importorskip("onnx")
 
 import onnx  # noqa: E402
-from helpers import write_tiny_checkpoint  # noqa: E402
-from test_export_onnx import make_heads  # noqa: E402
+from helpers import make_heads, truncated_heads, write_tiny_checkpoint  # noqa: E402
 
 from mtpctl.cli.main import main  # noqa: E402
 from mtpctl.export import tensorrt as trt_build  # noqa: E402
@@ -226,8 +225,6 @@ def test_every_exported_operator_is_documented_by_tensorrt(name, tmp_path):
     folder = write_tiny_checkpoint(tmp_path / "m", **GRAPHS[name])
     heads = make_heads(tmp_path / "h", folder) if name == "llama+heads" else None
     if name == "llama+truncated-heads":  # a draft vocabulary (token_map): scattered into -inf logits
-        from test_serving_formats import truncated_heads
-
         from mtpctl.model.decoder import Decoder
 
         heads = truncated_heads(tmp_path / "h", folder, Decoder.from_folder(folder), own=False)
