@@ -106,11 +106,11 @@ SECTIONS = [
             notes=["Runs on this shared host can move by far more than 10% within minutes; the rounds pair each "
                    "method with plain run just before or after it, so read the speedup's range: where it straddles "
                    "1.0 the difference is within the host's drift. Where `auto` keeps tau near 1.0 it verifies "
-                   "almost nothing beyond plain's rows (docs/findings.md, section 15).",
+                   "almost nothing beyond plain's rows (docs/decisions/auto-policy.md).",
                    "vLLM runs eagerly (`enforce_eager=True`: it starts in seconds; compiled, it was measured on this "
                    "machine kind at 43.5 tokens/s at batch 1 against 31.4 eager, and 188 against 215 at batch 8), in its "
                    "own process with the same thread count; one `generate` call per batch size (`max_num_seqs`).",
-                   'Where speculation stops paying here, and why (what a verify row costs against a plain row, from the pass costs below): docs/findings.md, sections 15, 19, 20 and 21.']),
+                   'Where speculation stops paying here, and why (what a verify row costs against a plain row, from the pass costs below): docs/decisions/verify-row-cost.md and docs/decisions/batching-throughput.md.']),
     Section("big", "Checkpoints at scale: memory and speed of real shapes",
             "Synthetic checkpoints of published shapes (random bfloat16 weights in 4 safetensors shards with an "
             "index, SmolLM2's tokenizer; `mtpctl.model.synthetic`): a Llama-3.2-1B-like model (hidden 2048, 16 "
@@ -226,13 +226,13 @@ def assemble(old: str, fresh: dict, order: List[str]) -> str:
             "Current figures of mtpctl on this project's machine, one section per question, each with the command "
             "that measured it. Regenerate all of them with `make bench` (about an hour here, heads training "
             "included), or some with `.venv/bin/python benchmarks/bench_all.py --heads heads/smollm2-medusa "
-            "--sections KEY,... --write BENCHMARKS.md`. What was tried along the way, and what it showed, is in "
-            "[docs/findings.md](docs/findings.md); the columns are explained in [docs/glossary.md](docs/glossary.md).",
+            "--sections KEY,... --write BENCHMARKS.md`. What was decided from these measurements, and what was "
+            "rejected, is in [docs/decisions/](docs/decisions/README.md); the columns are explained in [docs/glossary.md](docs/glossary.md).",
             "",
             "Each section names the machine it was measured on; figures from different CPUs do not compare. "
             "Model: SmolLM2-135M-Instruct (the default, its Q4_1 GGUF) unless a section says "
             "otherwise; greedy decoding, one request at a time unless a section batches them. Runs on this shared 2-core machine move by 10% or more, and its speed drifts "
-            "by up to 2x over hours (docs/findings.md, section 17): compare methods within one table, not tables measured at "
+            "by up to 2x over hours (docs/decisions/measuring-on-a-shared-host.md): compare methods within one table, not tables measured at "
             "different times.", ""]
     body = [fresh.get(key) or kept.get(key, f"<!-- section:{key} -->\n## {key}\n\n(not measured yet)\n") for key in order]
     return "\n".join(head) + "\n" + "\n".join(body)

@@ -2,7 +2,7 @@
  * (32 bf16 multiply-adds each) and AVX512-VNNI vpdpbusd (64 int8 multiply-adds each), 12 independent
  * accumulators so latency hides behind throughput; best of 5 runs.
  *   cc -O2 -mavx512f -mavx512bf16 -mavx512vnni benchmarks/dot_peak.c -o /tmp/dot_peak && /tmp/dot_peak
- * docs/findings.md (section 15) compares the kernel's marginal verify row against it. */
+ * docs/decisions/int4-matmul.md compares the kernel's marginal verify row against it. */
 #include <immintrin.h>
 #include <stdio.h>
 #include <time.h>

@@ -1,4 +1,4 @@
-"""How a head's held-out accuracy grows with its training data (docs/findings.md, what limits tau).
+"""How a head's held-out accuracy grows with its training data (docs/decisions/heads-are-data-limited.md).
 
 Trains head 1 of the recipe's shape (token-conditioned Medusa head: h + W_tok e(t+1), one residual
 block x + SiLU(Wx + b) started as the identity, the frozen lm_head rows of the draft vocabulary) on

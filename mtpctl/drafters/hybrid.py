@@ -22,7 +22,7 @@ from mtpctl.drafters.merged import merge_trees
 
 #: the heads' candidates grafted under each node of the draft chain (with the recipe's Medusa heads and
 #: a 24-layer self-draft of SmolLM2, tau 1.99 with no graft, 1.99 with 1, 2.00 with 2 or 3: the heads'
-#: own tree already holds most of what they would graft; docs/findings.md, section 14)
+#: own tree already holds most of what they would graft; docs/decisions/heads-plus-draft.md)
 GRAFT = 1
 
 

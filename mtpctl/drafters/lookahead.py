@@ -45,7 +45,7 @@ class LookaheadSettings:
     defaults, W=15, N=5, G=15, make passes of 120 rows): 3,2,3 is a pass of at most 6 rows (the
     root, a window of 2 tokens, 3 one-token candidates). On SmolLM2-135M in bfloat16 over the built-in
     prompt set it gave tau 1.28 against 1.31-1.43 for 3,3,2 to 7,4,7, whose passes of 10 to 42 rows
-    cost more than they win here (docs/findings.md)."""
+    cost more than they win here (docs/decisions/lookahead-window.md)."""
 
     window: int = 3
     ngram: int = 2

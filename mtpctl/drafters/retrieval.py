@@ -142,7 +142,7 @@ class RetrievalDrafter:
     (shallower first at equal counts) form the tree; a node whose share of the occurrences is below
     ``min_share`` is left out (a verify pass pays for every node; merged into a heads+ngram tree on 14
     benchmark prompts, the default 0.25 gave tau 2.07 with 6.41 nodes a step against 2.10 with 7.51
-    without it: docs/findings.md). Deterministic, so
+    without it: docs/decisions/merged-trees-and-retrieval.md). Deterministic, so
     greedy and tree rejection sampling stay lossless. ``budget``: the most nodes proposed a step.
 
     Raises:

@@ -22,8 +22,8 @@
  * of 128 rows about half, BENCHMARKS.md). On a CPU with AVX2 and FMA but no AVX512-BF16 (most x86 CPUs
  * before 2022, AMD's Zen 1-3 among them) the same weights, rounded to bfloat16 alike, meet float32
  * activations in 8-lane fused multiply-adds (INT4_AVX2, below): another rounding of the sums, still
- * the same for every row, and decoding 2.6-3.9x faster there than the plain C below (docs/findings.md,
- * section 23). Elsewhere the same steps run in portable C (another rounding again, still the same for
+ * the same for every row, and decoding 2.6-3.9x faster there than the plain C below
+ * (docs/decisions/avx2-matmul-path.md). Elsewhere the same steps run in portable C (another rounding again, still the same for
  * every row).
  */
 #include <math.h>
