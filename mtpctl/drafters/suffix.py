@@ -36,7 +36,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as safetensors_bytes
 
 from mtpctl.decode.attention import MAX_DRAFT_DEPTH
-from mtpctl.decode.drafter import TargetStep
+from mtpctl.decode.drafter import Drafter, TargetStep
 from mtpctl.decode.tree import DraftTree
 from mtpctl.drafters.suffix_index import GrowingIndex, SuffixIndex
 from mtpctl.errors import BadInput
@@ -208,7 +208,7 @@ class _Draft:
     score: float
 
 
-class SuffixDrafter:
+class SuffixDrafter(Drafter):
     """Suffix decoding (see the module docstring): a draft tree from the request's own suffix index
     and the global one (``cache``), whichever expects more accepted tokens.
 
