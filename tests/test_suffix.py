@@ -287,3 +287,20 @@ def test_save_cache_writes_only_a_suffix_drafter_with_a_file(tmp_path):
     assert save_cache(NgramDrafter()) is None
     assert save_cache(MergedDrafter([suffix, NgramDrafter()])) == path
     assert read_cache(path, "fp", 10) == [[1, 2, 3, 4]]
+
+
+def test_suffix_drafter_loads_an_existing_cache_and_names_the_settings_changed(tmp_path):
+    from mtpctl.drafters.suffix import suffix_drafter
+
+    path = tmp_path / "c.cache"
+    vocab = {"a": 0, "b": 1, "c": 2}
+    first = suffix_drafter(SuffixSettings(cache=str(path)), vocab, 3)  # no file yet: empty
+    assert first.cache.sequences() == []
+    first.finished([0], [1, 2, 1])
+    save_cache(first)
+    again = suffix_drafter(SuffixSettings(cache=str(path), nodes=4), vocab, 3)
+    assert again.cache.sequences() == [[0, 1, 2, 1]] and again.budget == 4
+    with pytest.raises(BadInput):
+        suffix_drafter(SuffixSettings(cache=str(path)), {"a": 0, "b": 2, "c": 1}, 3)
+    assert SuffixSettings(cache="x", nodes=4).options_set() == ["suffix_nodes", "suffix_cache"]
+    assert SuffixSettings().options_set() == []

@@ -46,6 +46,11 @@ CACHE_FORMAT = "mtpctl-suffix-cache"
 CACHE_VERSION = 1
 
 
+#: each setting's name where errors name it (the CLI's flag for it: --suffix-depth, ...)
+OPTION_OF = {"max_depth": "suffix_depth", "min_prob": "suffix_min_prob", "factor": "suffix_factor",
+             "nodes": "suffix_nodes", "max_nodes": "suffix_max_nodes", "prompt_tail": "suffix", "cache": "suffix_cache"}
+
+
 @dataclass(frozen=True)
 class SuffixSettings:
     """Settings of the suffix drafter.
@@ -91,10 +96,16 @@ class SuffixSettings:
             raise BadInput(f"the global suffix index needs room for at least 1 node, got {self.max_nodes}",
                            option="suffix_max_nodes")
         if self.prompt_tail < 0:
-            raise BadInput(f"the prompt tail must be 0 or more tokens, got {self.prompt_tail}", option="suffix")
+            raise BadInput(f"the prompt tail must be 0 or more tokens, got {self.prompt_tail}",
+                           option=OPTION_OF["prompt_tail"])
         if self.cache is not None and (Path(self.cache).is_dir() or not Path(self.cache).resolve().parent.is_dir()):
             raise BadInput(f"cannot keep the suffix cache in {self.cache}: it is a folder, or its folder does not "
                            "exist", option="suffix_cache")
+
+    def options_set(self) -> List[str]:
+        """The names of the settings (as errors name them) that differ from the defaults."""
+        default = SuffixSettings()
+        return [OPTION_OF[name] for name in OPTION_OF if getattr(self, name) != getattr(default, name)]
 
     def recorded(self) -> dict:
         """The settings a cache file records (the file itself aside)."""
@@ -311,6 +322,22 @@ def best_first(index, place, cap: int, min_prob: float,
         nodes.append((parent, token, -neg))
         push(below, -neg, len(nodes) - 1, depth)
     return nodes
+
+
+def suffix_drafter(settings: Optional[SuffixSettings], vocab: Dict[str, int], vocab_size: int) -> SuffixDrafter:
+    """A suffix drafter with ``settings`` (None: the defaults) for a model whose tokenizer's vocabulary
+    is ``vocab`` (token string -> id) and whose logits are ``vocab_size`` wide; its global index loaded
+    from the settings' cache file where that file exists (a new one is written at the end).
+
+    Raises:
+        BadInput: settings out of range; a cache file that cannot be used (see :meth:`SuffixCache.load`).
+    """
+    settings = settings or SuffixSettings()
+    settings.check()
+    cache = SuffixCache(settings, vocab_fingerprint(vocab), vocab_size)
+    if settings.cache is not None and Path(settings.cache).exists():
+        cache.load(Path(settings.cache))
+    return SuffixDrafter(settings, cache)
 
 
 def suffix_member(drafter) -> Optional[SuffixDrafter]:
