@@ -1,9 +1,9 @@
 """Drafters named by a spec, for the CLI, the library and the benchmarks alike.
 
 A spec is ``none``, or one or more of ``heads``, ``draft`` (a draft model, or the target's own
-layers: ``self``), ``ngram``, ``retrieval`` and ``lookahead`` joined by ``+``: several are merged into
-one draft tree in that order (the heads' tree, the draft chain with the heads' candidates grafted
-under it, the prompt-lookup chain, the retrieval tree, the lookahead candidates and window). :class:`DraftOptions` holds the
+layers: ``self``), ``suffix`` (suffix decoding), ``ngram``, ``retrieval`` and ``lookahead`` joined by
+``+``: several are merged into one draft tree in that order (the heads' tree, the draft chain with the
+heads' candidates grafted under it, the suffix tree, the prompt-lookup chain, the retrieval tree, the lookahead candidates and window). :class:`DraftOptions` holds the
 settings; :func:`check` refuses missing settings and settings no drafter of a spec uses, before any
 model loads;
 :func:`load_parts` loads what the spec needs once (heads, datastore), so that several drafters of
@@ -36,10 +36,11 @@ from mtpctl.drafters.merged import MergedDrafter
 from mtpctl.drafters.ngram import NgramDrafter
 from mtpctl.drafters.retrieval import DATASTORE_FILE, Datastore, RetrievalDrafter
 from mtpctl.drafters.self_draft import is_self, self_drafter
+from mtpctl.drafters.suffix import SuffixSettings, suffix_drafter
 from mtpctl.errors import BadInput, UnsupportedModel
 from mtpctl.files import sha256_file
 
-MERGEABLE = ("heads", "draft", "ngram", "retrieval", "lookahead")  # in merge order
+MERGEABLE = ("heads", "draft", "suffix", "ngram", "retrieval", "lookahead")  # in merge order
 SPECS = ("none",) + MERGEABLE
 RETRIEVAL_NODES = 4  # default size of the retrieval tree
 
@@ -75,6 +76,7 @@ class DraftOptions:
     draft_model: Optional[str] = None  # the draft model: alias, folder, .gguf file, or self[:LAYERS] [draft]
     draft_map: Optional[str] = None  # an id map from mtpctl pair --out [draft]
     lookahead: Optional[LookaheadSettings] = None  # window, n-gram size, candidates (None: defaults) [lookahead]
+    suffix: Optional[SuffixSettings] = None  # suffix decoding's settings and cache file (None: defaults) [suffix]
 
 
 def check(parts: Sequence[str], opts: DraftOptions) -> None:
@@ -106,6 +108,8 @@ def check(parts: Sequence[str], opts: DraftOptions) -> None:
     for name in ("datastore", "retrieval_nodes"):
         if getattr(opts, name) and "retrieval" not in parts:
             raise BadInput("this setting goes with the retrieval drafter", option=name)
+    if opts.suffix is not None and "suffix" not in parts:
+        raise BadInput("this setting goes with the suffix drafter", option=(opts.suffix.options_set() or ["suffix"])[0])
 
 
 def check_required(parts: Sequence[str], opts: DraftOptions) -> None:
@@ -131,6 +135,8 @@ def check_required(parts: Sequence[str], opts: DraftOptions) -> None:
     if "retrieval" in parts and not (opts.datastore or opts.heads_dir):
         raise BadInput("the retrieval drafter needs a datastore file, or a head folder that carries one",
                        option="datastore")
+    if "suffix" in parts and opts.suffix is not None:
+        opts.suffix.check()
 
 
 @dataclass
@@ -325,6 +331,8 @@ def build(session: Session, spec: Union[str, Sequence[str]], opts: Optional[Draf
             members.append(NgramDrafter(opts.ngram_max, opts.ngram_min, opts.draft_len))
         elif name == "lookahead":
             members.append(lookahead_drafter(session, opts.lookahead))
+        elif name == "suffix":
+            members.append(suffix_drafter(opts.suffix, session.codec.tokenizer.get_vocab(), session.vocab_size))
         else:
             members.append(RetrievalDrafter(parts.store, budget=opts.retrieval_nodes or RETRIEVAL_NODES))
     if "heads" in names and "draft" in names and grafts_heads(members[0]):
