@@ -9,7 +9,8 @@ library's settings):
 - :func:`sampling_options`: ``--temperature``, ``--top-k``, ``--top-p``, ``--seed`` -> :func:`sampling_from`;
 - :func:`drafter_options`: the drafters' settings (``--heads``, ``--tree``, ``--tree-nodes``,
   ``--draft-len``, ``--draft``, ``--draft-map``, ``--datastore``, ``--retrieval-nodes``,
-  ``--ngram-max``, ``--ngram-min``, ``--lookahead``, ``--acceptance``) -> :func:`draft_options_from`.
+  ``--ngram-max``, ``--ngram-min``, ``--lookahead``, ``--suffix-*``, ``--acceptance``) ->
+  :func:`draft_options_from`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from mtpctl.decode.policy import POLICIES
 from mtpctl.decode.sampling import SamplingParams
 from mtpctl.drafters.build import DraftOptions
 from mtpctl.drafters.lookahead import LookaheadSettings
+from mtpctl.drafters.suffix import OPTION_OF as SUFFIX_OPTIONS, SuffixSettings
 from mtpctl.errors import BadInput, MtpctlError
 from mtpctl.model.device import KERNELS
 from mtpctl.model.sources import DEFAULT_MODEL
@@ -99,6 +101,7 @@ class LookaheadType(click.ParamType):
 
 LOOKAHEAD = LookaheadType()
 _LA = LookaheadSettings()  # the defaults, for --help
+_SUFFIX = SuffixSettings()  # the defaults, for --help
 
 
 def _apply(options) -> Callable:
@@ -183,6 +186,24 @@ def drafter_options(f):
                      help=f"Lookahead decoding's window W, n-gram size N and candidates G [default: "
                           f"{_LA.window},{_LA.ngram},{_LA.candidates}]: a pass carries W*(N-1)-1 window tokens and up "
                           "to G*(N-1) candidate tokens."),
+        click.option("--suffix-nodes", type=click.IntRange(1, 64), default=None,
+                     help=f"Most draft tokens a step of the suffix drafter's tree [default: {_SUFFIX.nodes}]."),
+        click.option("--suffix-depth", type=click.IntRange(min=2), default=None,
+                     help=f"Longest pattern the suffix drafter's indexes hold: match + draft tokens [default: "
+                          f"{_SUFFIX.max_depth}]."),
+        click.option("--suffix-min-prob", type=click.FloatRange(0, 1), default=None,
+                     help=f"Least estimated probability (from the indexes' counts) of a token the suffix drafter "
+                          f"drafts [default: {_SUFFIX.min_prob}]."),
+        click.option("--suffix-factor", type=click.FloatRange(min=0, min_open=True), default=None,
+                     help=f"A suffix draft holds at most this many times the match length tokens [default: "
+                          f"{_SUFFIX.factor}]."),
+        click.option("--suffix-max-nodes", type=click.IntRange(min=1), default=None,
+                     help=f"Most nodes of the suffix drafter's global index of earlier responses (about 140 bytes "
+                          f"each); the oldest responses are evicted beyond it [default: {_SUFFIX.max_nodes}]."),
+        click.option("--suffix-cache", type=click.Path(dir_okay=False), default=None,
+                     help="File keeping the suffix drafter's global index between runs: loaded at the start when it "
+                          "exists, written atomically at the end of generate (bench only reads it); a file made with "
+                          "another tokenizer is refused."),
         click.option("--acceptance", type=click.Choice(["exact", "typical"]), default="exact", show_default=True,
                      help="exact: lossless; typical: Medusa's typical acceptance when sampling (lossy)."),
     ])(f)
@@ -206,7 +227,14 @@ def session_mode(session) -> Optional[str]:
 
 def draft_options_from(options: dict) -> DraftOptions:
     """The drafters' settings of :func:`drafter_options`' values."""
-    return DraftOptions(**{name: options[name] for name in DraftOptions.__dataclass_fields__})
+    fields = {name: options[name] for name in DraftOptions.__dataclass_fields__ if name != "suffix"}
+    return DraftOptions(**fields, suffix=suffix_settings_from(options))
+
+
+def suffix_settings_from(options: dict):
+    """The suffix drafter's settings of the ``--suffix-*`` values given (None: none given)."""
+    given = {field: options[name] for field, name in SUFFIX_OPTIONS.items() if options.get(name) is not None}
+    return SuffixSettings(**given) if given else None
 
 
 def draft_line(draft: dict) -> str:
