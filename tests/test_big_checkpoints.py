@@ -195,6 +195,7 @@ def test_generate_through_the_cli_with_the_real_tokenizer(tmp_path, capsys, monk
 
 
 @pytest.mark.real
+@pytest.mark.slow
 def test_heads_trained_on_it_decode_and_export_for_an_engine(tmp_path, capsys, monkeypatch, smollm2_folder):
     """The pipeline on a Llama 3.x-shaped, sharded bfloat16 checkpoint: EAGLE-3 heads self-distilled on
     a few hundred positions, greedy decoding with them equal to plain, and the speculators export naming

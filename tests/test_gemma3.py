@@ -255,6 +255,7 @@ def test_real_tokenizer_adds_one_bos(gemma3, monkeypatch):
 
 
 @pytest.mark.real
+@pytest.mark.slow
 def test_real_cli_ngram_speculation_equals_plain_greedy(gemma3_folder, capsys, one_thread):
     from mtpctl.cli.main import main
 

@@ -237,6 +237,7 @@ def test_resume_continues_where_an_interrupted_run_stopped(tiny_folder, tmp_path
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 
+@pytest.mark.slow
 def test_two_ddp_processes_agree_with_one(tiny_folder, tmp_path, monkeypatch):
     """torchrun --nproc-per-node 2 (gloo, CPU): each rank takes half of every batch and DDP averages the
     gradients, so the result equals a single process on the whole batch (up to float summation order)."""

@@ -165,6 +165,7 @@ def test_graph_traced_as_over_2gb_decodes_as_torch(tiny_folder, tmp_path, capsys
 
 
 @pytest.mark.real
+@pytest.mark.slow
 def test_real_smollm2_greedy_identical_over_many_steps(smollm2_folder, smollm2, tmp_path_factory):
     """SmolLM2-135M: logits within 1e-3 of torch, and 64 greedy tokens identical (plain and ngram)."""
     out = tmp_path_factory.mktemp("smol") / "onnx"

@@ -34,6 +34,7 @@ def run(setup, **env):
     return subprocess.run(["bash", str(SCRIPT)], env=full, capture_output=True, text=True, timeout=900, cwd=REPO)
 
 
+@pytest.mark.slow
 def test_pipeline_runs_end_to_end_and_passes_gates(setup):
     done = run(setup, MIN_SPEEDUP="0.001", MAX_P99_MS="100000")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -44,6 +45,7 @@ def test_pipeline_runs_end_to_end_and_passes_gates(setup):
     assert "pipeline: passed" in done.stderr
 
 
+@pytest.mark.slow
 def test_a_missed_gate_fails_the_pipeline_with_exit_1(setup):
     done = run(setup, MIN_SPEEDUP="1000")
     assert done.returncode == 1, done.stderr[-3000:]

@@ -88,6 +88,7 @@ def torch_session(request, smollm2_folder):
 
 @pytest.mark.real
 @pytest.mark.parametrize("drafter", ["ngram", "lookahead"])
+@pytest.mark.slow
 def test_speculation_on_the_torch_path_reproduces_its_plain_greedy(torch_session, drafter):
     for prompt in PROMPTS[:2]:
         ids = torch_session.encode(prompt)
@@ -100,6 +101,7 @@ def test_speculation_on_the_torch_path_reproduces_its_plain_greedy(torch_session
 
 @pytest.mark.real
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.slow
 def test_the_two_kernel_paths_part_only_at_near_ties(smollm2_folder, dtype):
     """The native kernels and torch's sum in other orders, so greedy output may part where two tokens'
     logits (nearly) tie; nowhere else (docs/numerics.md gives the measured agreement)."""

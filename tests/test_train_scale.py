@@ -281,6 +281,7 @@ def test_progress_lines_give_the_pace_and_the_time_left(capsys):
     assert line.startswith("mtpctl: features: 4/10 sequences") and "positions/s" in line and "ETA" in line
 
 
+@pytest.mark.slow
 def test_two_ranks_extract_their_shares_and_agree_with_one(tiny_folder, tmp_path, monkeypatch):
     """torchrun --nproc-per-node 2 (gloo, CPU) with several shards: both ranks extract shards, and the
     heads equal a single process's over the same features (up to float summation order)."""

@@ -23,7 +23,7 @@ import torch
 from mtpctl.bench.harness import load_prompts
 from mtpctl.bench.vllm_peer import run_worker, vllm_python
 
-pytestmark = [pytest.mark.vllm, pytest.mark.real]
+pytestmark = [pytest.mark.vllm, pytest.mark.real, pytest.mark.slow]
 if vllm_python() is None:
     pytest.skip("vLLM's environment (.venv-vllm) is absent: make vllm-env creates it", allow_module_level=True)
 
