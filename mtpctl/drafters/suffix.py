@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import json
+import os
 from dataclasses import asdict, dataclass
 from itertools import count as counter
 from pathlib import Path
@@ -98,9 +99,10 @@ class SuffixSettings:
         if self.prompt_tail < 0:
             raise BadInput(f"the prompt tail must be 0 or more tokens, got {self.prompt_tail}",
                            option=OPTION_OF["prompt_tail"])
-        if self.cache is not None and (Path(self.cache).is_dir() or not Path(self.cache).resolve().parent.is_dir()):
+        folder = Path(self.cache).resolve().parent if self.cache is not None else None
+        if folder is not None and (Path(self.cache).is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK)):
             raise BadInput(f"cannot keep the suffix cache in {self.cache}: it is a folder, or its folder does not "
-                           "exist", option="suffix_cache")
+                           "exist or cannot be written", option="suffix_cache")
 
     def options_set(self) -> List[str]:
         """The names of the settings (as errors name them) that differ from the defaults."""
@@ -338,6 +340,19 @@ def suffix_drafter(settings: Optional[SuffixSettings], vocab: Dict[str, int], vo
     if settings.cache is not None and Path(settings.cache).exists():
         cache.load(Path(settings.cache))
     return SuffixDrafter(settings, cache)
+
+
+def index_stats(drafter) -> Optional[dict]:
+    """The figures of the global index of the suffix drafter inside ``drafter`` (:meth:`SuffixCache.stats`),
+    or None without one."""
+    member = suffix_member(drafter)
+    return None if member is None else member.cache.stats()
+
+
+def stats_line(stats: dict) -> str:
+    """One line of :func:`index_stats`' figures."""
+    return (f"suffix index: {stats['sequences']} responses, {stats['tokens']} tokens, {stats['nodes']} nodes of at "
+            f"most {stats['max_nodes']}, {stats['bytes'] / 2 ** 20:.1f} MiB, {stats['evicted']} responses evicted")
 
 
 def suffix_member(drafter) -> Optional[SuffixDrafter]:
