@@ -18,6 +18,7 @@ from mtpctl.cli.options import (Command, debug_option, draft_line, draft_options
 from mtpctl.decode.policy import make_policy
 from mtpctl.decode.session import GenerationRequest
 from mtpctl.drafters.build import build, check, draft_member, parse
+from mtpctl.drafters.suffix import index_stats, save_cache, stats_line
 from mtpctl.errors import BadInput, MtpctlError, OutputClosed
 from mtpctl.files import check_writable, write_file
 
@@ -87,9 +88,11 @@ Examples:
 @click.option("--speculate", default="none", show_default=True,
               help="Drafter: none (plain decoding), or one or more of heads (MTP heads, --heads), draft (a draft "
                    "model or the target's own layers, --draft), ngram (prompt lookup, a chain of --draft-len tokens), "
-                   "retrieval (a tree of --retrieval-nodes continuations from a datastore of the target's own text) "
-                   "and lookahead (lookahead decoding, --lookahead) joined by '+', merged into one draft tree: e.g. "
-                   "heads+ngram+retrieval, heads+draft, ngram+lookahead.")
+                   "retrieval (a tree of --retrieval-nodes continuations from a datastore of the target's own text), "
+                   "suffix (suffix decoding: the most frequent continuations of the context's suffix in this request "
+                   "and in the responses served before, --suffix-*) and lookahead (lookahead decoding, --lookahead) "
+                   "joined by '+', merged into one draft tree: e.g. heads+ngram+retrieval, heads+draft, "
+                   "ngram+lookahead, suffix+ngram.")
 @policy_option
 @drafter_options
 @sampling_options
@@ -137,6 +140,7 @@ def generate_cmd(prompt, prompt_file, batch_file, max_batch, out_path, speculate
         records = read_records(data, max_new_tokens, sampling, tuple(stop_strings))
         failed = _run_batch(session, records, drafter, policy, max_batch, no_chat, parse_special, fields, out_path,
                             options["acceptance"])
+        _finish_suffix(drafter, fields, echo=True)
         if failed:
             raise BadInput(f"{failed} of {len(records)} requests failed (their lines hold the errors)")
         return
@@ -144,12 +148,25 @@ def generate_cmd(prompt, prompt_file, batch_file, max_batch, out_path, speculate
     on_text = None if as_json else _stream
     result = session.generate(prompt_ids, max_new_tokens, sampling, drafter, stop_strings, on_text,
                               options["acceptance"], policy)
+    fields = _finish_suffix(drafter, fields, echo=stats)
     if as_json:
         _stream(json.dumps(_result_fields(result, fields)) + "\n")
     else:
         _stream("\n")
     if stats:
         click.echo(format_stats(result.stats.to_dict()), err=True)
+
+
+def _finish_suffix(drafter, fields: dict, echo: bool) -> dict:
+    """After the run, for a suffix drafter: its global index written to its cache file (if named), its
+    figures added to ``fields`` (``suffix_index``) and, with ``echo``, printed to stderr."""
+    figures = index_stats(drafter)
+    if figures is None:
+        return fields
+    save_cache(drafter)
+    if echo:
+        click.echo(f"mtpctl: {stats_line(figures)}", err=True)
+    return {**fields, "suffix_index": figures}
 
 
 def _refuse_with_batch(prompt, prompt_file, as_json, stats) -> None:
