@@ -61,7 +61,7 @@ def test_generate_streams_text_and_stats_go_to_stderr(capsys, tiny_folder):
 
 def test_generate_json_says_when_torch_attention_ran(capsys, tiny_folder, monkeypatch):
     from mtpctl.model.native import load_kernel
-    monkeypatch.setenv("MTPCTL_NATIVE_ATTENTION", "off")
+    monkeypatch.setenv("MTPCTL_NATIVE_KERNELS", "off")
     load_kernel.cache_clear()
     try:
         code, js, err = cli(capsys, "generate", "-m", tiny_folder, "--max-new-tokens", 4, "--json", "--no-chat", "hi")
@@ -76,7 +76,7 @@ def test_generate_json_says_what_int4_weights_ran_on(capsys, tmp_path, monkeypat
 
     from mtpctl.model.native import load_kernel
     folder = str(write_gguf_grid_checkpoint(tmp_path / "grid"))
-    monkeypatch.setenv("MTPCTL_NATIVE_ATTENTION", switch)
+    monkeypatch.setenv("MTPCTL_NATIVE_KERNELS", switch)
     load_kernel.cache_clear()
     try:
         code, js, err = cli(capsys, "generate", "-m", folder, "--dtype", "bfloat16", "--weights", "int4",

@@ -172,7 +172,7 @@ def test_no_compiler_means_torch_attention_with_one_warning(tmp_path, monkeypatc
         assert not TorchEngine(random_decoder(), 16).native
         monkeypatch.delenv("CC")
         for off in ("0", "false", "Off", "no"):
-            monkeypatch.setenv("MTPCTL_NATIVE_ATTENTION", off)
+            monkeypatch.setenv("MTPCTL_NATIVE_KERNELS", off)
             load_kernel.cache_clear()
             assert load_kernel() is None and not list(tmp_path.iterdir()), off  # off: nothing built
     finally:
@@ -254,14 +254,14 @@ def test_rope_write_equals_rotate_then_cache_write_bit_for_bit(dtype, cache_dtyp
 
 
 def test_an_unknown_switch_value_keeps_the_kernels_on_with_a_warning(monkeypatch, capsys):
-    monkeypatch.setenv("MTPCTL_NATIVE_ATTENTION", "bogus")
+    monkeypatch.setenv("MTPCTL_NATIVE_KERNELS", "bogus")
     load_kernel.cache_clear()
     try:
         assert load_kernel() is not None and load_kernel() is not None
         err = capsys.readouterr().err
-        assert err.count("MTPCTL_NATIVE_ATTENTION='bogus' is not one of") == 1 and "stay on" in err
+        assert err.count("MTPCTL_NATIVE_KERNELS='bogus' is not one of") == 1 and "stay on" in err
         for on in ("1", "true", "On", "yes", ""):
-            monkeypatch.setenv("MTPCTL_NATIVE_ATTENTION", on)
+            monkeypatch.setenv("MTPCTL_NATIVE_KERNELS", on)
             load_kernel.cache_clear()
             assert load_kernel() is not None and capsys.readouterr().err == "", on
     finally:

@@ -11,7 +11,7 @@ import platform
 import pytest
 import torch
 
-from mtpctl.model import native
+from mtpctl.model import native, native_build
 from mtpctl.model.kv_cache import KVCache
 from mtpctl.model.decoder import _rms_norm, _rotate
 from mtpctl.model.native import bf16_tiles, bf16_untile, int4_matmul, int4_pack, load_kernel, rms_norm, rope_write
@@ -151,7 +151,7 @@ def test_kernels_built_for_avx512_without_bf16_stay_batch_invariant_and_exact(mo
     any pass, and RoPE must still equal torch's separately rounded products."""
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("-mno-avx512bf16 is an x86 flag")
-    monkeypatch.setattr(native, "FLAGS", ("-O3", "-march=native", "-mno-avx512bf16") + native.FLAGS[2:])
+    monkeypatch.setattr(native_build, "FLAGS", ("-O3", "-march=native", "-mno-avx512bf16") + native_build.FLAGS[2:])
     native.load_kernel.cache_clear()
     try:
         lib = native.load_kernel()

@@ -36,7 +36,7 @@ Environment:
                            models/ and gguf/ are rebuilt when deleted
   CC                       C compiler (may carry arguments, e.g. "ccache gcc") for the native kernels
                            (attention, RMSNorm, RoPE, int4); default cc
-  MTPCTL_NATIVE_ATTENTION  0, false, off or no: torch's ops instead of the native kernels
+  MTPCTL_NATIVE_KERNELS    0, false, off or no: torch's ops instead of the native kernels
   MTPCTL_DEBUG             1: as --debug
 """)
 @click.version_option(__version__, prog_name="mtpctl")

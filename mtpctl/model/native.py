@@ -1,5 +1,5 @@
 """The native kernels (``csrc/tree_attention.c``, ``rms_norm.c``, ``rope.c``, ``int4_matmul.c``,
-``layer_stack.c``), built on first use.
+``layer_stack.c``): their bindings and the Python functions that call them.
 
 Decode and verify passes attend over a few hundred cached slots per token; torch runs that as
 about twenty small ops per layer (gathers, padded matmuls, softmax), which cost more than the
@@ -12,41 +12,34 @@ weights run on a 4-bit matmul whose cost grows far less with the rows of a pass 
 bfloat16 weights on the same kernel without the dequantization (:func:`bf16_tiles`), and a pass of
 such a model runs all its layers in one call (:func:`layer_stack`), without a Python dispatch per op.
 
-Both are compiled into one library with the system C compiler (``$CC``, else ``cc``) into
-``$MTPCTL_HOME/kernels/`` the first time it is needed (about a second) and loaded with ctypes; it
-uses OpenMP through the ``libgomp`` torch already loaded, so it shares torch's thread count. Where
-there is no compiler (and no library built before for these sources and this CPU), or the build
-fails, :func:`load_kernel` returns None once, with a warning on
-stderr, and the engine keeps the pure-torch attention (:func:`mtpctl.model.decoder._attention`)
-and norms, which give the same guarantee more slowly.
+:mod:`mtpctl.model.native_build` compiles them into one library the first time it is needed (about
+a second; why then, and where it lands, are told there); :func:`load_kernel` loads it with ctypes and
+binds every entry point ``csrc/kernels.h`` declares (:func:`entry_points`), which is also the only
+way in: the library object it returns has those functions and no others. It uses OpenMP through the
+``libgomp`` torch already loaded, so it shares torch's thread count. Where there is no compiler (and
+no library built before for these sources and this CPU), or the build fails, :func:`load_kernel`
+returns None once, with a warning on stderr, and the engine keeps the pure-torch attention
+(:func:`mtpctl.model.decoder._attention`) and norms, which give the same guarantee more slowly.
+``MTPCTL_NATIVE_KERNELS=off`` (:data:`SWITCH`) turns the native kernels off.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shlex
-import shutil
-import subprocess
+import re
 import sys
-import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from mtpctl.files import mtpctl_home
+from mtpctl.model import native_build
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("tree_attention.c", "rms_norm.c", "rope.c", "int4_matmul.c", "layer_stack.c"))
-HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("bf16.h", "kernels.h"))  # included by the sources: part of the build's key
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-#: seconds a build may take (it takes about one): a compiler that hangs costs this, then torch's ops
-BUILD_TIMEOUT_S = 120.0
+#: the environment variable that turns the native kernels off (0, false, off or no): torch's ops instead
+SWITCH = "MTPCTL_NATIVE_KERNELS"
 
 
 #: the dtypes a KV cache the native kernels read and write may have
@@ -88,153 +81,156 @@ def kernel_runs(heads: int, kv_heads: int, head_dim: int) -> bool:
     return kernel_takes(heads, kv_heads, head_dim) and load_kernel() is not None
 
 
-def _first_error(stderr: str) -> str:
-    """The compiler's first line that names an error (the cause, not "compilation terminated."), else
-    its last line; "" for no output."""
-    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    errors = [line for line in lines if "error" in line.lower()]
-    return errors[0] if errors else (lines[-1] if lines else "")
-
-
-def _digest_file(out: Path) -> Path:
-    """The sidecar holding the sha256 of the library a build wrote at ``out``."""
-    return out.with_name(out.name + ".sha256")
-
-
-def _intact(out: Path) -> bool:
-    """Whether ``out`` holds the library a build wrote there (its sha256 matches the sidecar): a
-    truncated or otherwise damaged file, which dlopen may crash the process on (SIGBUS), is rebuilt
-    instead of loaded."""
-    try:
-        return _digest_file(out).read_text(encoding="ascii").strip() == hashlib.sha256(out.read_bytes()).hexdigest()
-    except (OSError, UnicodeDecodeError):
+def native_kernels_on() -> bool:
+    """Whether :data:`SWITCH` leaves the native kernels on: unset, empty, 1, true, on or yes (any
+    case); 0, false, off or no turn them off. Another value leaves them on, with a warning on stderr."""
+    switch = os.environ.get(SWITCH, "1").strip().lower()
+    if switch in ("0", "false", "off", "no"):
         return False
+    if switch not in ("", "1", "true", "on", "yes"):
+        print(f"mtpctl: warning: {SWITCH}={os.environ[SWITCH]!r} is not one of 0/false/off/no or 1/true/on/yes; "
+              "the native kernels stay on", file=sys.stderr)
+    return True
 
 
-def _compiler() -> Tuple[List[str], str]:
-    """The C compiler's command (``$CC``, which may carry arguments such as "ccache gcc", else ``cc``)
-    and what identifies it in the build's key: the command and the resolved path of its program.
+@dataclass(frozen=True)
+class EntryPoint:
+    """One function of the native library as ``csrc/kernels.h`` declares it, in ctypes' terms.
+
+    Attributes:
+        name: the C function's name.
+        restype: the ctypes type of its result.
+        argtypes: the ctypes type of each argument, in order (pointers are ``c_void_p``: the
+            wrappers pass ``data_ptr()`` addresses).
+    """
+
+    name: str
+    restype: type
+    argtypes: Tuple[type, ...]
+
+
+#: the header's scalar types (results and arguments)
+_SCALARS = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float}
+#: what a pointer argument may point to
+_POINTEES = ("void", "float", "uint8_t", "uint16_t", "int64_t")
+_BEGIN, _END = "/* entry points: begin */", "/* entry points: end */"
+_DECLARATION = re.compile(r"(\w+) (\w+)\(([^()]*)\);")
+_POINTER = re.compile(r"(?:const )?(\w+) ?\* ?(\w+)")
+_SCALAR = re.compile(r"(\w+) (\w+)")
+
+
+def entry_points(header: Optional[str] = None) -> Dict[str, EntryPoint]:
+    """Every entry point ``header`` (the text of ``csrc/kernels.h`` by default) declares between its
+    ``/* entry points: begin */`` and ``/* entry points: end */`` lines, by name.
 
     Raises:
-        OSError: ``$CC`` does not parse, or its program is not on PATH.
+        OSError: the header cannot be read.
+        ValueError: no such markers, or a line between them that is not a declaration of the header's
+            format (see its first comment): a type the parser does not know, a missing ``;``, a name
+            declared twice.
     """
-    try:
-        command = shlex.split(os.environ.get("CC") or "cc")
-    except ValueError as e:
-        raise OSError(f"CC={os.environ['CC']!r} does not parse ({e})") from e
-    if not command:
-        raise OSError(f"CC={os.environ['CC']!r} names no compiler")
-    found = shutil.which(command[0])
-    if found is None:  # the program looked up: "ccache" of "ccache gcc", "/opt/my" of an unquoted "/opt/my cc"
-        given = f" (CC={os.environ['CC']!r})" if len(command) > 1 else ""
-        raise OSError(f"no C compiler {command[0]!r} on PATH{given}")
-    return command, " ".join(command) + "\n" + os.path.realpath(found)
+    text = native_build.ENTRY_POINTS_HEADER.read_text(encoding="utf-8") if header is None else header
+    lines = text.splitlines()
+    if lines.count(_BEGIN) != 1 or lines.count(_END) != 1 or lines.index(_BEGIN) > lines.index(_END):
+        raise ValueError(f"kernels.h: expected one {_BEGIN!r} line, then one {_END!r} line")
+    found: Dict[str, EntryPoint] = {}
+    for declaration in _declarations(lines[lines.index(_BEGIN) + 1:lines.index(_END)]):
+        entry = _entry_point(declaration)
+        if entry.name in found:
+            raise ValueError(f"kernels.h: {entry.name} is declared twice")
+        found[entry.name] = entry
+    return found
 
 
-def _any_build(kernels: Path, key: str) -> Optional[Path]:
-    """The newest intact build ``kernels/mtpctl_native-{key}-*.so`` (same sources, flags and CPU, any
-    compiler), else None: where ``$CC`` is gone, a library built before still serves."""
-    builds = sorted(kernels.glob(f"mtpctl_native-{key}-*.so"), key=lambda p: p.stat().st_mtime, reverse=True)
-    return next((p for p in builds if _intact(p)), None)
+def _declarations(lines: List[str]) -> List[str]:
+    """The declarations among ``lines``, each joined into one line with single spaces (they may
+    wrap); ValueError for text left without its closing ``;``."""
+    declarations, pending = [], []
+    for line in lines:
+        pending += line.split()
+        if pending and pending[-1].endswith(";"):
+            declarations.append(" ".join(pending))
+            pending = []
+    if pending:
+        raise ValueError(f"kernels.h: {' '.join(pending)!r} does not end with ';'")
+    return declarations
 
 
-def _build(out: Path, flags: Tuple[str, ...], command: List[str]) -> None:
-    compiler = " ".join(command)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        part = Path(tmp) / out.name
-        try:
-            done = subprocess.run([*command, *flags, *map(str, SOURCES), "-o", str(part), "-lm"], capture_output=True,
-                                  text=True, timeout=BUILD_TIMEOUT_S)
-        except subprocess.TimeoutExpired as e:
-            raise OSError(f"{compiler} did not finish in {BUILD_TIMEOUT_S:g} s") from e
-        if done.returncode:
-            raise OSError(f"{compiler} failed: {_first_error(done.stderr) or f'exit status {done.returncode}'}")
-        digest = Path(tmp) / _digest_file(out).name
-        digest.write_text(hashlib.sha256(part.read_bytes()).hexdigest() + "\n", encoding="ascii")
-        # each rename is atomic; a reader between the two sees a mismatch and rebuilds (harmless)
-        os.replace(part, out)
-        os.replace(digest, _digest_file(out))
+def _entry_point(declaration: str) -> EntryPoint:
+    """The :class:`EntryPoint` of one declaration (``int name(int64_t n, const float *x);``)."""
+    match = _DECLARATION.fullmatch(declaration)
+    if match is None or match.group(1) not in _SCALARS:
+        raise ValueError(f"kernels.h: {declaration!r} is not 'int NAME(TYPE NAME, ...);'")
+    result, name, params = match.groups()
+    params = params.strip()
+    argtypes = () if params == "void" else tuple(_argtype(p.strip(), declaration) for p in params.split(","))
+    return EntryPoint(name, _SCALARS[result], argtypes)
 
 
-def _cpu_signature() -> bytes:
-    """What -march=native compiles for: the CPU's model and feature flags (a cache shared by different
-    machines must not hand one a kernel built for another's instructions)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError:
-        return platform.machine().encode() + platform.processor().encode()
-    keep = [line for line in lines if line.split(":")[0].strip() in ("model name", "flags", "Features", "CPU part")]
-    return "\n".join(sorted(set(keep))).encode()
+def _argtype(param: str, declaration: str) -> type:
+    """The ctypes type of one parameter of ``declaration``."""
+    pointer, scalar = _POINTER.fullmatch(param), _SCALAR.fullmatch(param)
+    if pointer is not None and pointer.group(1) in _POINTEES:
+        return ctypes.c_void_p
+    if pointer is None and scalar is not None and scalar.group(1) in _SCALARS:
+        return _SCALARS[scalar.group(1)]
+    raise ValueError(f"kernels.h: parameter {param!r} of {declaration!r} is not a type the bindings know "
+                     f"({', '.join(_SCALARS)}, or a pointer to {', '.join(_POINTEES)})")
+
+
+class Kernels:
+    """The native library, bound: one attribute per entry point ``csrc/kernels.h`` declares, the
+    ctypes function with that declaration's result and argument types; any other name raises
+    AttributeError (the Python side reaches only what the header declares)."""
+
+    def __init__(self, path: Path, entries: Dict[str, EntryPoint]):
+        """Load the library at ``path`` and bind ``entries``; OSError where it does not load, or
+        lacks a declared function (a library built from other sources)."""
+        library = ctypes.CDLL(str(path))
+        functions = {}
+        for entry in entries.values():
+            try:
+                function = getattr(library, entry.name)
+            except AttributeError as e:
+                raise OSError(f"{path.name} has no {entry.name}, which kernels.h declares") from e
+            function.restype, function.argtypes = entry.restype, list(entry.argtypes)
+            functions[entry.name] = function
+        self.path, self.library, self.entries = path, library, dict(entries)
+        self.__dict__.update(functions)
+
+    def __getattr__(self, name: str):
+        """Only reached for a name that is not an entry point (bound names are plain attributes)."""
+        raise AttributeError(f"the native library has no entry point {name!r} (not declared in csrc/kernels.h)")
 
 
 @lru_cache(maxsize=2)
-def load_kernel(portable: bool = False) -> Optional[ctypes.CDLL]:
-    """The compiled kernel (built into ``$MTPCTL_HOME/kernels`` if needed), or None where it cannot
-    be built (a warning on stderr, once); ``MTPCTL_NATIVE_ATTENTION=0`` (or false/off/no) turns it off.
+def load_kernel(portable: bool = False) -> Optional[Kernels]:
+    """The native library, bound (:class:`Kernels`; built into ``$MTPCTL_HOME/kernels`` if needed by
+    :func:`mtpctl.model.native_build.build`), or None where it cannot be built or loaded (a warning on
+    stderr, once) or :data:`SWITCH` turns it off (no warning).
 
-    ``portable`` builds without ``-march=native``: the kernel's plain-C path, which the default build
-    uses on CPUs without AVX-512 (the tests check it on machines that have AVX-512)."""
-    switch = os.environ.get("MTPCTL_NATIVE_ATTENTION", "1").strip().lower()
-    if switch in ("0", "false", "off", "no"):
+    ``portable`` builds without ``-march=native``: the kernels' plain-C path, which the default build
+    uses on CPUs without AVX-512 (the tests check it on machines that have AVX-512).
+
+    Raises:
+        ValueError: ``csrc/kernels.h`` does not parse (:func:`entry_points`): a fault of the package,
+            not of this machine.
+    """
+    if not native_kernels_on():
         return None
-    if switch not in ("", "1", "true", "on", "yes"):
-        print(f"mtpctl: warning: MTPCTL_NATIVE_ATTENTION={os.environ['MTPCTL_NATIVE_ATTENTION']!r} is not one of "
-              "0/false/off/no or 1/true/on/yes; the native kernels stay on", file=sys.stderr)
-    flags = tuple(f for f in FLAGS if not (portable and f.startswith("-march")))
     try:
-        source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
-        # the key covers the sources, flags and CPU, then the compiler: a change to any of them builds anew
-        key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_signature()).hexdigest()[:12]
-        try:
-            command, identity = _compiler()
-        except OSError:  # no compiler (any more): a build of these sources for this CPU by any compiler serves
-            path = _any_build(mtpctl_home() / "kernels", key)
-            if path is None:
-                raise
-        else:
-            compiler = hashlib.sha256(identity.encode()).hexdigest()[:8]
-            path = mtpctl_home() / "kernels" / f"mtpctl_native-{key}-{compiler}.so"
-            if not _intact(path):
-                _build(path, flags, command)
-        lib = ctypes.CDLL(str(path))
-        lib.tree_attention, lib.rms_norm, lib.rope_write, lib.q4_matmul, lib.q8_matmul, lib.bf_matmul  # noqa: B018
-        lib.q4_matmul_best, lib.q8_matmul_best, lib.bf_matmul_best, lib.layer_stack, lib.matmul_isa  # noqa: B018
-    except (OSError, AttributeError) as e:
+        return Kernels(native_build.build(portable), entry_points())
+    except OSError as e:
         print(f"mtpctl: warning: native kernels (attention, RMSNorm, RoPE, int4) unavailable ({e}); using torch's "
-              "ops (slower; install a C compiler or set $CC, or MTPCTL_NATIVE_ATTENTION=0 to silence this)",
-              file=sys.stderr)
+              f"ops (slower; install a C compiler or set $CC, or {SWITCH}=off to silence this)", file=sys.stderr)
         return None
-    lib.rms_norm.restype = ctypes.c_int
-    lib.rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int,
-                                                     ctypes.c_int]
-    for matmul in (lib.q4_matmul, lib.q8_matmul, lib.bf_matmul):
-        matmul.restype = ctypes.c_int
-        matmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                           ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-    for matmul in (lib.q4_matmul_best, lib.q8_matmul_best, lib.bf_matmul_best):
-        matmul.restype = ctypes.c_int
-        matmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                           ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
-    lib.rope_write.restype = ctypes.c_int
-    lib.rope_write.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                                                                          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                                                          ctypes.c_void_p, ctypes.c_int])
-    lib.tree_attention.restype = ctypes.c_int
-    lib.tree_attention.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
-                                   + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_int])
-    lib.layer_stack.restype = ctypes.c_int
-    lib.layer_stack.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float,
-                                 ctypes.c_float] + [ctypes.c_void_p] * 5 + [ctypes.c_int] + [ctypes.c_void_p] * 3
-                                + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int])
-    return lib
 
 
 #: what :func:`matmul_isa` calls each path of ``csrc/int4_matmul.c``, by the number the library returns
 MATMUL_ISAS = {2: "avx512-bf16", 1: "avx2", 0: "portable"}
 
 
-def matmul_isa(lib: Optional[ctypes.CDLL] = None) -> Optional[str]:
+def matmul_isa(lib: Optional[Kernels] = None) -> Optional[str]:
     """Which path the native matmuls take in this build: ``"avx512-bf16"`` (AVX512-BF16 dot products),
     ``"avx2"`` (AVX2 and FMA, float32 products: most x86 CPUs before 2022), ``"portable"`` (plain C,
     several times slower), or None where the native library does not load."""
@@ -251,7 +247,7 @@ def _on_host(*tensors: torch.Tensor) -> None:
                              "(run with the torch kernels there)")
 
 
-def _loaded(lib: Optional[ctypes.CDLL]) -> ctypes.CDLL:
+def _loaded(lib: Optional[Kernels]) -> Kernels:
     """``lib``, else the library :func:`load_kernel` loads; OSError where it cannot be built."""
     lib = lib or load_kernel()
     if lib is None:
@@ -299,7 +295,7 @@ def check_plan(plan: SlotPlan, kv: torch.Tensor) -> None:
 
 
 def tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-                   plan: SlotPlan, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+                   plan: SlotPlan, lib: Optional[Kernels] = None) -> torch.Tensor:
     """Grouped-query attention of N tokens of one sequence over their slot lists
     (:class:`SlotPlan`), in float32: :func:`attend` for one layer of one cache, checked.
 
@@ -322,7 +318,7 @@ def tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sc
 
 
 def attend(q: torch.Tensor, kv: torch.Tensor, layer: int, kv_heads: int, scale: float, plan: SlotPlan,
-           lib: Optional[ctypes.CDLL] = None, kv_bf16: bool = False) -> torch.Tensor:
+           lib: Optional[Kernels] = None, kv_bf16: bool = False) -> torch.Tensor:
     """Grouped-query attention of N tokens over their slot lists (:class:`SlotPlan`, checked by
     :func:`check_plan`) in ``layer`` of each token's own KV cache, in float32.
 
@@ -363,7 +359,7 @@ def norm_takes(dim: int) -> bool:
     return 0 < dim <= NORM_MAX_DIM and dim % 16 == 0
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib: Optional[Kernels] = None) -> torch.Tensor:
     """RMSNorm of every row of ``x`` ``[..., dim]`` (bfloat16 or float32), in x's dtype, one row at a
     time in a fixed order (batch-invariant).
 
@@ -397,7 +393,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib: Optional[ct
 
 
 def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-               first: int, heads: int, kv_heads: int, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+               first: int, heads: int, kv_heads: int, lib: Optional[Kernels] = None) -> torch.Tensor:
     """:func:`rotate_write` for N tokens of one sequence into one layer of its cache, checked:
     keys/values ``[1, kv_heads, slots, head_dim]`` float32 or bfloat16, token i's key and value going to slot
     ``first + i``. Returns the rotated queries ``[N, heads, head_dim]`` in float32.
@@ -418,7 +414,7 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: to
 
 
 def rotate_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, layer: int,
-                 dest: torch.Tensor, heads: int, kv_heads: int, lib: Optional[ctypes.CDLL] = None,
+                 dest: torch.Tensor, heads: int, kv_heads: int, lib: Optional[Kernels] = None,
                  kv_bf16: bool = False) -> torch.Tensor:
     """Rotary embedding (RoPE, Su et al. 2021) of a pass's queries and keys, fused with the KV cache
     write: the computation of :func:`mtpctl.model.decoder._rotate` (each product and the sum rounded
@@ -554,7 +550,7 @@ def blob_codes(blob: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, Optional
 _BLOCK_KERNELS = {INT4_BLOCK: "q4_matmul", 144: "q8_matmul", BF16_BLOCK: "bf_matmul"}
 
 
-def int4_matmul(x: torch.Tensor, blob: torch.Tensor, out_features: int, lib: Optional[ctypes.CDLL] = None,
+def int4_matmul(x: torch.Tensor, blob: torch.Tensor, out_features: int, lib: Optional[Kernels] = None,
                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``x @ W.T`` for weights laid out by :func:`int4_pack` (4-bit), :func:`int8_pack` (8-bit) or
     :func:`bf16_tiles` (dense bfloat16; the kernel follows the blob's layout): x ``[M, K]`` bfloat16 -> ``[M, N]`` in
@@ -569,7 +565,7 @@ def int4_matmul(x: torch.Tensor, blob: torch.Tensor, out_features: int, lib: Opt
     return _matmul(x, blob, out_features, lib, out_dtype, None)
 
 
-def int4_matmul_best(x: torch.Tensor, blob: torch.Tensor, out_features: int, lib: Optional[ctypes.CDLL] = None,
+def int4_matmul_best(x: torch.Tensor, blob: torch.Tensor, out_features: int, lib: Optional[Kernels] = None,
                      out_dtype: torch.dtype = torch.float32) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`int4_matmul` and each row's argmax, taken by the kernel's threads over the outputs they
     have just written (a greedy step then need not read its logits again): ``(y [M, N], best [M])``,
@@ -582,7 +578,7 @@ def int4_matmul_best(x: torch.Tensor, blob: torch.Tensor, out_features: int, lib
     return _matmul(x, blob, out_features, lib, out_dtype, best), best
 
 
-def _matmul(x: torch.Tensor, blob: torch.Tensor, out_features: int, lib: Optional[ctypes.CDLL],
+def _matmul(x: torch.Tensor, blob: torch.Tensor, out_features: int, lib: Optional[Kernels],
             out_dtype: torch.dtype, best: Optional[torch.Tensor]) -> torch.Tensor:
     """:func:`int4_matmul`, filling ``best`` ``[M]`` int64 with each row's argmax where given."""
     lib = _loaded(lib)
@@ -633,7 +629,7 @@ class StackWeights:
 
 def layer_stack(x: torch.Tensor, stack: StackWeights, final_norm: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, kv: torch.Tensor, dest: torch.Tensor, kv_bf16: bool, plan: SlotPlan,
-                lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+                lib: Optional[Kernels] = None) -> torch.Tensor:
     """Every layer of an int4 or dense bfloat16 model's decode, verify or prefill pass, then its final norm, in one native call
     (csrc/layer_stack.c): the computation of :class:`mtpctl.model.decoder.DecoderLayer` on the
     native kernels, with SiLU's exponential of its own (results agree to rounding, not bit for bit),

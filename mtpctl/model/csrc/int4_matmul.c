@@ -1,8 +1,8 @@
 /* y = x @ W.T for GGUF's 4-bit (Q4_1) and 8-bit (Q8_0) weights, and for dense bfloat16 weights, with
  * bfloat16 activations, for decode, verify and prefill passes of int4 and dense bfloat16 models.
  *
- * Built into the same library as tree_attention.c by mtpctl/model/native.py, which also lays the
- * weights out (int4_pack, int8_pack): tiles of 4 output rows; tile t, group g (32 inputs) at
+ * Built into the same library as tree_attention.c by mtpctl/model/native_build.py; mtpctl/model/native.py
+ * lays the weights out (int4_pack, int8_pack): tiles of 4 output rows; tile t, group g (32 inputs) at
  * blob + (t * G + g) * BLOCK bytes. q4 (BLOCK 96): 64 bytes of codes (output j's 16 bytes at 16 j,
  * byte i = q[i] | q[16 + i] << 4), then float32 s[4], z[4]: output j's weights are s[j] * q + z[j].
  * q8 (BLOCK 144): 128 bytes of int8 codes (output j's 32 at 32 j), then float32 s[4]: weights s[j] * q.
@@ -32,6 +32,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kernels.h"
 #ifdef _OPENMP
 #include <omp.h>
 static inline int thread_index(void) { return omp_get_thread_num(); }

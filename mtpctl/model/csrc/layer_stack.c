@@ -1,7 +1,7 @@
 /* Every decoder layer of a decode, verify or prefill pass of an int4 or dense bfloat16 Llama-family
  * model in one call.
  *
- * Built into the same library as tree_attention.c by mtpctl/model/native.py. A pass through the
+ * Built into the same library as tree_attention.c by mtpctl/model/native_build.py. A pass through the
  * layers one by one from Python runs about a dozen kernel calls and tensor ops per layer (norms, the
  * four matmuls, RoPE with the cache write, attention, SiLU, residual adds), each with its Python and
  * ctypes dispatch: about a fifth of an int4 decode step on this project's CPU. This file runs the

@@ -1,6 +1,6 @@
 /* RMSNorm of decode and verify passes (Zhang & Sennrich 2019), one row at a time.
  *
- * Built into the same library as tree_attention.c by mtpctl/model/native.py. A row's result is a
+ * Built into the same library as tree_attention.c by mtpctl/model/native_build.py. A row's result is a
  * deterministic function of that row alone (its sum of squares is taken in a fixed order: 16
  * partial sums over the row, then added in lane order; no -ffast-math), so a token normed inside a
  * verify pass gets bit for bit what it gets alone in plain decoding. One call replaces the six to
@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kernels.h"
 
 #define PARTS 16
 #define MAX_DIM 16384

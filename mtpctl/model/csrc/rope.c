@@ -1,7 +1,7 @@
 /* Rotary position embedding (Su et al. 2021, RoFormer) of a decode or verify pass, fused with the
  * KV cache write and the query layout the attention kernel reads.
  *
- * Built into the same library as tree_attention.c by mtpctl/model/native.py. For each token it
+ * Built into the same library as tree_attention.c by mtpctl/model/native_build.py. For each token it
  * rotates the query and key heads of its qkv row as mtpctl.model.decoder._rotate does
  * (x * cos + rotate_half(x) * sin, each product and the sum rounded to the model's dtype), writes
  * the queries to q_out in float32 and the keys and values to their cache slot, in float32 or in
@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kernels.h"
 
 static inline float load(const void *p, int64_t i, int bf16) {
     return bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];

@@ -1,6 +1,6 @@
 /* Decode/verify attention over explicit slot lists: one fused pass per (token, KV head).
  *
- * Built and loaded by mtpctl/model/native.py (cc -O3 -march=native -fopenmp -shared). Token i
+ * Built by mtpctl/model/native_build.py (cc -O3 -march=native -fopenmp -shared), bound by native.py. Token i
  * attends, in this order, to the committed cache slots [starts[i], ends[i]) and then to the slots in
  * paths[i] (its draft-tree ancestors root first, then itself; -1 pads the row). Every output value is
  * a deterministic function of the token's query and of the keys and values of its slot list, in
@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kernels.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
