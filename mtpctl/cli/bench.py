@@ -14,6 +14,8 @@ import click
 from mtpctl.backends import open_session
 from mtpctl.backends.torch import set_threads
 from mtpctl.bench.harness import load_prompts, run_interleaved
+from mtpctl.bench.rounds import (batched_reports, format_rounds, forgetting, gate_rows, learning, round_reports,
+                                 run_batched_rounds, run_rounds)
 from mtpctl.bench.methods import build_methods, parse_methods
 from mtpctl.bench.peers import llamacpp_runner, transformers_runner
 from mtpctl.bench.batched import format_batched, plot_batched, run_batch_sizes, stops_paying, summarize_batched
@@ -25,6 +27,7 @@ from mtpctl.decode.policy import make_policy
 from mtpctl.decode.session import GenerationRequest
 from mtpctl.drafters.build import RETRIEVAL_NODES, check, datastore_path, draft_member
 from mtpctl.drafters.lookahead import LookaheadSettings
+from mtpctl.drafters.suffix import SuffixSettings
 from mtpctl.errors import BadInput
 from mtpctl.files import check_writable, write_file
 from mtpctl.model.sources import gguf_source
@@ -65,6 +68,11 @@ Examples:
 @click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
               help="Rounds over the prompts (with --batch-sizes: rounds over every size and method, the speedup "
                    "the median of each round's paired ratio, with its range).")
+@click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Run the prompts this many times in a row and report each round in its own table: a suffix "
+                   "drafter learns from the responses it served, so round 1 is cold and rounds 2+ warm (its global "
+                   "index holds the earlier rounds' responses; the warm-up is forgotten first). With --batch-sizes, "
+                   "each round at every size.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--baseline", type=click.Choice(["none", "transformers", "llama.cpp", "vllm"]), default="none",
               show_default=True,
@@ -79,8 +87,8 @@ Examples:
 @click.option("--fail-below-speedup", type=float, default=None, help="Exit 1 if a method's speedup is below X.")
 @click.option("--fail-above-p99-ms", type=float, default=None, help="Exit 1 if a method's p99 ITL is above Y ms.")
 @debug_option
-def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, max_new_tokens, baseline, json_path,
-              plot_path, profile, fail_below_speedup, fail_above_p99_ms, debug, **options) -> None:
+def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, rounds, max_new_tokens, baseline,
+              json_path, plot_path, profile, fail_below_speedup, fail_above_p99_ms, debug, **options) -> None:
     """Run decoding methods on the same prompts in one process and compare them.
 
     Methods are interleaved over --repeats rounds after a warm-up. The table goes to stdout,
@@ -92,6 +100,7 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ma
         raise BadInput(f"--baseline {baseline} runs one request at a time: only vllm batches with --batch-sizes")
     opts = draft_options_from(options)
     used = {p for name in names if name != "plain" for p in name.split("+")}
+    _check_rounds(rounds, repeats, baseline, "suffix" in used)
     check(used, opts)  # before the model loads
     for target in (json_path, plot_path):
         if target:
@@ -127,6 +136,12 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ma
     if draft is not None:
         click.echo(draft_line(draft.describe()), err=True)
     weights = {name: session.weight_bytes + m.drafter_bytes for name, m in built.items()}
+    if sizes and (rounds > 1 or learning({n: m.drafter for n, m in built.items()})):
+        _bench_batched_rounds(session, built, encoded, rounds, sizes,
+                              lambda ids: GenerationRequest(ids, max_new_tokens, sampling), policy,
+                              options["acceptance"], weights, json_path, plot_path, fail_below_speedup,
+                              fail_above_p99_ms)
+        return
     if sizes:
         peers = {}
         if baseline == "vllm":
@@ -154,7 +169,14 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ma
             peer_runs, figures = vllm_peers(session.folder, configs, encoded, repeats, max_new_tokens, options["dtype"],
                                             torch_threads(), session.codec.eos_ids,
                                             progress=lambda line: click.echo(f"mtpctl: {line}", err=True))
-    runs = run_interleaved(runners, encoded, repeats, progress=lambda line: click.echo(line, err=True))
+    drafters, per_round = {name: m.drafter for name, m in built.items()}, None
+    start = max((m.cache.index.sequences for m in learning(drafters).values()), default=0)
+    if rounds > 1 or learning(drafters):  # learning drafters: the warm-up forgotten, each round reported
+        per_round = run_rounds(runners, encoded, rounds, forgetting(drafters),
+                               progress=lambda line: click.echo(line, err=True))
+        runs = dict(per_round[-1])
+    else:
+        runs = run_interleaved(runners, encoded, repeats, progress=lambda line: click.echo(line, err=True))
     runs.update(peer_runs)
     torch_backend = options["backend"] == "torch"
     settings = {
@@ -164,7 +186,8 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ma
         "draft_len": opts.draft_len or "auto", "draft": opts.draft_model, "repeats": repeats, "prompts": len(prompts),
         "lookahead": _lookahead_field(opts.lookahead) if "lookahead" in used else None,
         "heads": opts.heads_dir, "tree": opts.tree_file, "tree_nodes": opts.tree_nodes,
-        "ngram_max": opts.ngram_max, "ngram_min": opts.ngram_min,
+        "ngram_max": opts.ngram_max, "ngram_min": opts.ngram_min, "rounds": rounds,
+        "suffix": (opts.suffix or SuffixSettings()).recorded() if "suffix" in used else None,
         "datastore": str(datastore_path(opts)) if "retrieval" in used else None,
         "retrieval_nodes": (opts.retrieval_nodes or RETRIEVAL_NODES) if "retrieval" in used else None,
         "attention": session.attention if torch_backend else None,
@@ -173,18 +196,50 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ma
         "device": session.device if torch_backend else None, "kernels": session.kernels if torch_backend else None,
         "greedy_exactness": session.greedy_exactness if torch_backend else None}
     report = build_report(runs, prompts, weights, settings)
+    if per_round is not None:  # the report of the last round, and every round's
+        report["rounds"] = round_reports(per_round, prompts, weights, settings, drafters, start)
     on_host = session.weight_bytes if options["backend"] != "torch" or session.device == "cpu" else 0
     report["host_memory"] = host_memory(session.weight_bytes, on_host, loaded_rss)
     click.echo(host_memory_line(report["host_memory"]), err=True)
     apply_figures(report, figures)
-    click.echo(format_table(report))
+    click.echo(format_rounds(report["rounds"]) if "rounds" in report else format_table(report))
     if profile:
         click.echo("\n" + format_profile(report))
     if json_path:
         write_json(Path(json_path), report)
     if plot_path:
         plot(Path(plot_path), report, runs)
-    check_gates(report["methods"], fail_below_speedup, fail_above_p99_ms)
+    check_gates(gate_rows(report["rounds"]) if "rounds" in report else report["methods"], fail_below_speedup,
+                fail_above_p99_ms)
+
+
+def _check_rounds(rounds: int, repeats: int, baseline: str, learns: bool) -> None:
+    """BadInput for --rounds with --repeats or the vLLM peer, and for --repeats with a drafter that learns
+    from round to round (whose rounds --repeats would pool)."""
+    if rounds > 1 and repeats > 1:
+        raise BadInput("--rounds reports each round on its own, --repeats pools its rounds: give one of them")
+    if rounds > 1 and baseline == "vllm":
+        raise BadInput("--rounds does not run the vllm peer: drop --baseline vllm")
+    if repeats > 1 and learns:
+        raise BadInput("a suffix drafter learns from round to round, which --repeats would pool: use --rounds")
+
+
+def _bench_batched_rounds(session, built, encoded, rounds, sizes, make_request, make_policy, acceptance, weights,
+                          json_path, plot_path, fail_below_speedup, fail_above_p99_ms) -> None:
+    """``--batch-sizes`` with ``--rounds`` (or a learning drafter): each round every method at every
+    batch size (:func:`mtpctl.bench.rounds.run_batched_rounds`), each round's table, the gates on all."""
+    drafters = {name: m.drafter for name, m in built.items()}
+    start = max((m.cache.index.sequences for m in learning(drafters).values()), default=0)
+    per_round = run_batched_rounds(session, drafters, encoded, sizes, make_request, make_policy, acceptance, rounds,
+                                   forgetting(drafters), progress=lambda line: click.echo(line, err=True))
+    reports = batched_reports(per_round, weights, drafters, start)
+    click.echo(format_rounds(reports))
+    if json_path:
+        write_file(Path(json_path), json.dumps({"format_version": 1, "batch_sizes": sizes, "rounds": reports},
+                                               indent=2))
+    if plot_path:
+        plot_batched(Path(plot_path), reports[-1]["rows"])
+    check_gates(gate_rows(reports), fail_below_speedup, fail_above_p99_ms)
 
 
 def peak_rss_bytes() -> int:
