@@ -13,6 +13,7 @@ available for finer control.
 
 from __future__ import annotations
 
+import operator
 from typing import Callable, List, Optional, Sequence, Union
 
 from mtpctl.backends import open_session
@@ -22,6 +23,7 @@ from mtpctl.decode.loop import GenerationResult
 from mtpctl.decode.sampling import SamplingParams
 from mtpctl.decode.session import Session
 from mtpctl.drafters.build import DraftOptions, build, check, parse
+from mtpctl.errors import BadInput
 from mtpctl.model.sources import DEFAULT_MODEL
 
 Prompt = Union[str, List[dict], Sequence[int]]
@@ -35,12 +37,30 @@ class LLM:
 
     def encode(self, prompt: Prompt, chat: bool = True) -> List[int]:
         """Prompt ids of a text (chat template applied when ``chat``), a conversation
-        (``[{"role": ..., "content": ...}]``) or ids given as they are."""
+        (``[{"role": ..., "content": ...}]``) or ids given as they are.
+
+        Raises:
+            BadInput: a text or a message's role or content that is not valid Unicode (a lone
+                surrogate), an empty prompt, or a prompt of none of these kinds (ids outside the
+                model's vocabulary included).
+        """
         if isinstance(prompt, str):
             return self.session.encode(prompt, chat)
-        if prompt and isinstance(prompt[0], dict):
-            return self.session.codec.encode_messages(list(prompt))
-        return [int(i) for i in prompt]
+        if not hasattr(prompt, "__iter__"):
+            raise BadInput("a prompt is a string, a list of messages or a list of token ids, "
+                           f"got {type(prompt).__name__}")
+        items = list(prompt)
+        if items and isinstance(items[0], dict):
+            return self.session.codec.encode_messages(items)
+        try:
+            ids = [operator.index(i) for i in items]
+        except TypeError as err:
+            raise BadInput(f"a prompt of token ids must hold integers ({err})") from err
+        if not ids:
+            raise BadInput("the prompt is empty")
+        if not all(0 <= i < self.session.vocab_size for i in ids):
+            raise BadInput(f"a prompt's token ids must be from 0 to {self.session.vocab_size - 1}")
+        return ids
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: Optional[int] = None, stop: Sequence[str] = (), chat: bool = True,

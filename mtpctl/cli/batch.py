@@ -10,10 +10,13 @@ copied to the result). Each input line gets one output line, in input order: the
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from typing import Any, List, Optional, Union
 
 from mtpctl.decode.sampling import SamplingParams
+from mtpctl.errors import MtpctlError
+from mtpctl.model.tokenizer import check_text
 
 FIELDS = {"prompt", "messages", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "id"}
 
@@ -45,15 +48,33 @@ class BadRecord:
         return out
 
 
+def record_error(line: int, err: BaseException, ident: Any = None) -> BadRecord:
+    """The error line of a record that failed: an :class:`MtpctlError`'s own message (the input's
+    fault), or, for any other exception, an internal error of this record alone, named with its type."""
+    if isinstance(err, MtpctlError):
+        return BadRecord(line, str(err), ident)
+    return BadRecord(line, f"internal error on this record: {type(err).__name__}: {err}", ident)
+
+
 def read_records(data: bytes, max_new_tokens: int, sampling: SamplingParams,
                  stop: tuple) -> List[Union[BatchRecord, BadRecord]]:
     """The records of a batch file's bytes, one per line (a blank line, a line that is not UTF-8,
     not a JSON object, without a prompt or with a bad field is a :class:`BadRecord`); the command's
-    ``max_new_tokens``, ``sampling`` and ``stop`` where a record gives none."""
+    ``max_new_tokens``, ``sampling`` and ``stop`` where a record gives none. Whatever goes wrong
+    reading one line becomes that line's :class:`BadRecord` (:func:`record_error`), never the others'."""
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()  # the newline that ends the last line
-    return [_record(number, raw, max_new_tokens, sampling, stop) for number, raw in enumerate(lines, 1)]
+    return [_read_line(number, raw, max_new_tokens, sampling, stop) for number, raw in enumerate(lines, 1)]
+
+
+def _read_line(number: int, raw: bytes, max_new_tokens: int, sampling: SamplingParams,
+               stop: tuple) -> Union[BatchRecord, BadRecord]:
+    """:func:`_record`, with any error it raises turned into the line's :class:`BadRecord`."""
+    try:
+        return _record(number, raw, max_new_tokens, sampling, stop)
+    except Exception as err:  # a fault on one line is reported in that line's error field alone
+        return record_error(number, err)
 
 
 def _record(number: int, raw: bytes, max_new_tokens: int, sampling: SamplingParams,
@@ -66,6 +87,8 @@ def _record(number: int, raw: bytes, max_new_tokens: int, sampling: SamplingPara
         record = json.loads(text)
     except json.JSONDecodeError as err:
         return BadRecord(number, f"not JSON ({err.msg} at column {err.colno})")
+    except RecursionError:
+        return BadRecord(number, "JSON nested too deeply to read")
     if not isinstance(record, dict):
         return BadRecord(number, "a record must be a JSON object with 'prompt' or 'messages'")
     ident = record.get("id")
@@ -78,6 +101,11 @@ def _record(number: int, raw: bytes, max_new_tokens: int, sampling: SamplingPara
         return BadRecord(number, str(err), ident)
     stops = record.get("stop", stop)
     stops = (stops,) if isinstance(stops, str) else tuple(stops)
+    try:
+        for text in stops:
+            check_text(text, "a stop string")
+    except MtpctlError as err:
+        return BadRecord(number, str(err), ident)
     prompt = record["prompt"] if "prompt" in record else list(record["messages"])
     return BatchRecord(number, prompt, int(record.get("max_new_tokens", max_new_tokens)), sampling, stops, ident)
 
@@ -103,6 +131,11 @@ def _problem(record: dict) -> Optional[str]:
         if key in record and record[key] is not None and (not isinstance(record[key], kind)
                                                           or isinstance(record[key], bool)):
             return f"'{key}' must be a number" if kind != int else f"'{key}' must be an integer"
+        if key in record and isinstance(record[key], float) and not math.isfinite(record[key]):
+            return f"'{key}' must be a finite number"
+    seed = record.get("seed")
+    if seed is not None and not -2 ** 63 <= seed < 2 ** 64:
+        return "'seed' must be an integer from -2**63 to 2**64 - 1"
     stops = record.get("stop")
     if stops is not None and not (isinstance(stops, str) or (isinstance(stops, list)
                                                              and all(isinstance(s, str) for s in stops))):

@@ -12,14 +12,14 @@ import click
 
 from mtpctl.backends import open_session
 from mtpctl.backends.torch import set_threads
-from mtpctl.cli.batch import BadRecord, read_records, result_json
+from mtpctl.cli.batch import BadRecord, BatchRecord, read_records, record_error, result_json
 from mtpctl.cli.options import (Command, debug_option, draft_line, draft_options_from, drafter_options, model_options,
                                 policy_option, sampling_from, sampling_options, session_mode)
 from mtpctl.decode.policy import make_policy
 from mtpctl.decode.session import GenerationRequest
 from mtpctl.drafters.build import build, check, draft_member, parse
 from mtpctl.drafters.suffix import index_stats, save_cache, stats_line
-from mtpctl.errors import BadInput, MtpctlError, OutputClosed
+from mtpctl.errors import BadInput, OutputClosed
 from mtpctl.files import check_writable, write_file
 
 
@@ -42,9 +42,11 @@ def read_prompt(prompt: Optional[str], prompt_file: Optional[str]) -> str:
     if prompt is None:
         raise BadInput("no prompt: pass it as an argument, '-' for stdin, or --prompt-file FILE")
     try:
-        prompt.encode("utf-8")  # bytes that are not UTF-8 reach argv as lone surrogates
+        prompt.encode("utf-8")  # bytes that are not UTF-8 reach argv as lone surrogates (U+DC80-U+DCFF)
     except UnicodeEncodeError as err:
-        raise BadInput(f"the prompt argument is not UTF-8 text (at character {err.start + 1})") from err
+        code = ord(prompt[err.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"a lone surrogate U+{code:04X}"
+        raise BadInput(f"the prompt argument is not UTF-8 text ({what} at character {err.start + 1})") from err
     return prompt
 
 
@@ -186,22 +188,17 @@ def _read_bytes(path: str) -> bytes:
 
 def _run_batch(session, records, drafter, policy, max_batch, no_chat, parse_special, fields, out_path,
                acceptance) -> int:
-    """Generate every usable record, write one line per record in input order; the number that failed."""
+    """Generate every usable record, write one line per record in input order; the number that failed.
+
+    Whatever goes wrong with one record (reading it, tokenizing it, a prompt the context cannot hold,
+    its decoding) becomes that record's error line; the other records are produced as usual."""
     requests, where = [], []
-    lines = [None] * len(records)
-    failed = 0
-    for i, record in enumerate(records):
-        if isinstance(record, BadRecord):
-            lines[i], failed = json.dumps(record.to_json()), failed + 1
-            continue
-        try:
-            ids = (session.encode(record.prompt, not no_chat, parse_special) if isinstance(record.prompt, str)
-                   else session.codec.encode_messages(record.prompt, parse_special))
-        except MtpctlError as err:
-            lines[i], failed = json.dumps(BadRecord(record.line, str(err), record.id).to_json()), failed + 1
-            continue
-        requests.append(GenerationRequest(ids, record.max_new_tokens, record.sampling, record.stop))
-        where.append(i)
+    outputs = [record if isinstance(record, BadRecord) else _prepare(session, record, no_chat, parse_special)
+               for record in records]
+    for i, prepared in enumerate(outputs):
+        if isinstance(prepared, GenerationRequest):
+            requests.append(prepared)
+            where.append(i)
     done = 0
 
     def progress(index, outcome) -> None:
@@ -211,17 +208,25 @@ def _run_batch(session, records, drafter, policy, max_batch, no_chat, parse_spec
 
     outcomes = session.generate_batch(requests, drafter, max_batch, policy, acceptance, on_done=progress)
     for i, outcome in zip(where, outcomes):
-        record = records[i]
-        if isinstance(outcome, MtpctlError):
-            lines[i], failed = json.dumps(BadRecord(record.line, str(outcome), record.id).to_json()), failed + 1
-        else:
-            lines[i] = result_json(record, _result_fields(outcome, fields))
-    text = "".join(line + "\n" for line in lines)
+        outputs[i] = record_error(records[i].line, outcome, records[i].id) if isinstance(outcome, Exception) \
+            else result_json(records[i], _result_fields(outcome, fields))
+    text = "".join((json.dumps(out.to_json()) if isinstance(out, BadRecord) else out) + "\n" for out in outputs)
     if out_path:
         write_file(Path(out_path), text)
     else:
         _stream(text)
-    return failed
+    return sum(isinstance(out, BadRecord) for out in outputs)
+
+
+def _prepare(session, record: BatchRecord, no_chat: bool, parse_special: bool):
+    """One record's :class:`GenerationRequest`, or its :class:`BadRecord` when its prompt cannot be
+    tokenized (not valid Unicode, empty, a template that changes it) or anything else fails on it."""
+    try:
+        ids = (session.encode(record.prompt, not no_chat, parse_special) if isinstance(record.prompt, str)
+               else session.codec.encode_messages(record.prompt, parse_special))
+        return GenerationRequest(ids, record.max_new_tokens, record.sampling, record.stop)
+    except Exception as err:  # the input's error or this record's internal fault: reported in its line alone
+        return record_error(record.line, err, record.id)
 
 
 def _settings(session, parts, drafter, opts, options) -> dict:

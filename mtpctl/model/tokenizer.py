@@ -43,8 +43,10 @@ class TextCodec:
         such strings into their tokens (for prompts built with control tokens on purpose).
 
         Raises:
-            BadInput: the prompt is empty or only whitespace.
+            BadInput: the prompt is not a string, is not valid Unicode (:func:`check_text`), or is
+                empty or only whitespace.
         """
+        check_text(text, "the prompt")
         if not text.strip():
             raise BadInput("the prompt is empty")
         if chat and self.has_chat_template:
@@ -59,9 +61,12 @@ class TextCodec:
         conversation without control-token strings in its contents.
 
         Raises:
-            BadInput: no message, every message empty, or a template that does not reproduce a
-                message's content (so the user's text cannot be told from the template's).
+            BadInput: no message, a message that is not ``{"role": str, "content": str}``, a role or
+                content that is not valid Unicode (:func:`check_text`), every message empty, or a
+                template that does not reproduce a message's content (so the user's text cannot be
+                told from the template's).
         """
+        check_messages(messages)
         if not messages or not any(str(m.get("content", "")).strip() for m in messages):
             raise BadInput("the conversation is empty")
         if not self.has_chat_template:
@@ -98,6 +103,40 @@ class TextCodec:
     def decode(self, ids: List[int]) -> str:
         """Token ids -> text, special tokens skipped."""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def check_text(text: str, where: str) -> None:
+    """Refuse what a tokenizer cannot take as text: anything but a ``str``, or a string that is not
+    valid Unicode (a lone surrogate such as ``"\\ud800"``, which a JSON escape or a Python literal can
+    hold but no UTF-8 text can). ``where`` names the text in the message ("the prompt").
+
+    Raises:
+        BadInput: naming ``where``, the code point and its 1-based character position.
+    """
+    if not isinstance(text, str):
+        raise BadInput(f"{where} must be a string, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise BadInput(f"{where} is not valid Unicode (a lone surrogate U+{ord(text[err.start]):04X} at character "
+                       f"{err.start + 1})") from err
+
+
+def check_messages(messages: List[dict]) -> None:
+    """Refuse a conversation the chat template cannot take: each message must be a dict whose
+    ``role`` and ``content`` are strings of valid Unicode (:func:`check_text`).
+
+    Raises:
+        BadInput: naming the message (1-based) and the field at fault.
+    """
+    if not isinstance(messages, (list, tuple)):
+        raise BadInput(f"a conversation must be a list of messages, got {type(messages).__name__}")
+    for number, message in enumerate(messages, 1):
+        if not isinstance(message, dict):
+            raise BadInput(f"message {number} must be a {{\"role\": string, \"content\": string}} object, "
+                           f"got {type(message).__name__}")
+        for field in ("role", "content"):
+            check_text(message.get(field), f"message {number}'s {field}")
 
 
 def _content_spans(render: Callable[[List[dict]], str], messages: List[dict]) -> Tuple[str, List[Tuple[int, int]]]:
