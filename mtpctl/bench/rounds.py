@@ -74,11 +74,13 @@ def heading(number: int, rounds: int, learners: Dict[str, object], start: int) -
     if not learners:
         return f"Round {number} of {rounds} (no method learns from earlier rounds)"
     names = ", ".join(learners)
+    if number == 1 and start:
+        return f"Round 1 of {rounds}: each suffix drafter's global index starts from the cache file's {start} responses " \
+               f"({names})"
     if number == 1:
-        held = f"start from {start} responses of the cache file" if start else "hold no response yet"
-        return f"Round {number} of {rounds}: cold ({names}: their global indexes {held})"
-    return (f"Round {number} of {rounds}: warm ({names}: their global indexes hold the responses of round"
-            f"{'s 1-' + str(number - 1) if number > 2 else ' 1'})")
+        return f"Round 1 of {rounds}: cold (each suffix drafter's global index holds no response yet: {names})"
+    held = "round 1" if number == 2 else f"rounds 1-{number - 1}"
+    return f"Round {number} of {rounds}: warm (each suffix drafter's global index holds the responses of {held}: {names})"
 
 
 def round_reports(per_round: List[Dict[str, MethodRuns]], prompts, weights: Dict[str, int], settings: dict,
