@@ -22,6 +22,7 @@ from typing import Any, List, Optional, Protocol, Sequence
 import torch
 
 from mtpctl.decode.attention import graph_step_inputs
+from mtpctl.decode.engine import StepOutput
 from mtpctl.decode.session import Session
 from mtpctl.decode.tree import DraftTree
 from mtpctl.errors import BadInput, CorruptModel, UnsupportedModel
@@ -93,7 +94,7 @@ def verify_manifest(folder: Path) -> None:
             raise CorruptModel(f"{path} does not match its sha256 in {MANIFEST_FILE}; re-export the model")
 
 
-class GraphStepOutput:
+class GraphStepOutput(StepOutput):
     """One pass of the graph (:class:`mtpctl.decode.engine.StepOutput`): every row's logits
     ``[N, vocab]``, hidden states ``[N, hidden]`` and, with fused heads, ``head_logits [N, K, vocab]``
     (CPU float32 torch tensors)."""

@@ -10,6 +10,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from mtpctl.decode.attention import TAIL, attention_masks, pass_plans, plans_on, prefill_plan, tree_shape
+from mtpctl.decode.engine import StepOutput
 from mtpctl.decode.session import Session
 from mtpctl.decode.tree import DraftTree
 from mtpctl.errors import UnsupportedModel
@@ -97,14 +98,12 @@ def _device_best(logits: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(logits).all(-1), best, -1).cpu()
 
 
-class TorchStepOutput:
+class TorchStepOutput(StepOutput):
     """One forward pass of one sequence: the hidden states of its N tokens and their logits, computed
     on demand (:class:`PassLogits`, shared with the other sequences of a batched pass).
 
     ``out[i]`` is row i's logits ``[vocab]`` (float32); ``out.logits`` all rows ``[N, vocab]``.
     """
-
-    head_logits = None  # MTP heads run in their drafter, not in the pass
 
     def __init__(self, logits: PassLogits, start: int, count: int, prompt_hidden_states: Optional[torch.Tensor] = None,
                  aux_hidden_states: Optional[Dict[int, torch.Tensor]] = None):
@@ -307,6 +306,7 @@ class TorchSession(Session):
     """
 
     backend = "torch"
+    extra_rows = True  # a pass carries a tree's extra rows (lookahead's window) after its nodes
 
     def __init__(self, folder: Path, dtype: str = "float32", weights: str = "dense", device: str = "cpu",
                  kernels: str = "auto"):

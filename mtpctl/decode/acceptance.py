@@ -72,8 +72,7 @@ def accept_greedy(tree: DraftTree, logits) -> Acceptance:
 
 def _argmax(logits, i: int) -> int:
     """Row i's argmax: the output's own (``greedy``) where it has one, else read from the row."""
-    greedy = getattr(logits, "greedy", None)
-    token = greedy(i) if greedy is not None else None
+    token = None if isinstance(logits, torch.Tensor) else logits.greedy(i)  # a pass's output may have it
     return token if token is not None else greedy_token(logits[i])
 
 
@@ -83,9 +82,8 @@ def accept_greedy_together(trees: Sequence[DraftTree], outs: Sequence) -> List[A
     one call (one read of the lm_head's weights a step, whatever the depth accepted; a draft node's
     row costs little beside that); then each tree is walked as alone."""
     for tree, out in zip(trees, outs):
-        prefetch = getattr(out, "prefetch", None)
-        if prefetch is not None:
-            prefetch(range(len(tree)))
+        if not isinstance(out, torch.Tensor):  # a pass's output (a tensor holds every row already)
+            out.prefetch(range(len(tree)))
     return [accept_greedy(tree, out) for tree, out in zip(trees, outs)]
 
 

@@ -9,39 +9,51 @@ token from ``length`` on (the cache is indexed by position, so this costs nothin
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, Sequence
+from typing import Dict, Optional, Protocol, Sequence
 
 import torch
 
 from mtpctl.decode.tree import DraftTree
 
 
-class StepOutput(Protocol):
-    """One forward pass of N tokens.
+class LogitsTimer(Protocol):
+    """What a pass's logits cost: ``ms`` spent computing them (shared by the sequences of a packed pass)."""
+
+    ms: float
+
+
+class StepOutput:
+    """One forward pass of N tokens; each backend's output subclasses it.
 
     ``out[i]`` is row i's logits ``[vocab]`` float32 (computed on demand where that is cheaper);
-    ``out.logits`` all rows ``[N, vocab]``.
+    ``out.logits`` all rows ``[N, vocab]``. What a backend may not have is declared here with its
+    default: no prompt rows, no MTP head logits, no aux layers, no lm_head timer, nothing to
+    prefetch, no argmax taken ahead.
     """
 
     hidden_states: torch.Tensor  # [N, hidden] after the final norm
-    prompt_hidden_states: Optional[torch.Tensor]  # prefill: [T, hidden] every prompt row where kept, else None
-    head_logits: Optional[torch.Tensor]  # [N, K, vocab] MTP heads run inside the pass (an exported graph), else None
+    logits: torch.Tensor  # [N, vocab] float32, every row (an attribute or a property computing them)
+    prompt_hidden_states: Optional[torch.Tensor] = None  # prefill: [T, hidden] every prompt row where kept
+    head_logits: Optional[torch.Tensor] = None  # [N, K, vocab] MTP heads run inside the pass (an exported graph)
+    # the engine's aux_layers: layer id -> [N, hidden] residual stream of every row (EAGLE-3 reads them)
+    aux_hidden_states: Optional[Dict[int, torch.Tensor]] = None
+    logits_timer: Optional[LogitsTimer] = None  # the time its logits took, where the backend measures it
 
-    def __len__(self) -> int: ...
+    def __len__(self) -> int:
+        raise NotImplementedError
 
-    def __getitem__(self, i: int) -> torch.Tensor: ...
+    def __getitem__(self, i: int) -> torch.Tensor:
+        raise NotImplementedError
 
     def prefetch(self, rows: Sequence[int]) -> None:
         """Rows to be read soon: a backend may compute them together with other sequences' rows
-        (optional; see :func:`mtpctl.decode.acceptance.accept_greedy_together`)."""
+        (see :func:`mtpctl.decode.acceptance.accept_greedy_together`). Nothing by default."""
 
     def greedy(self, i: int) -> Optional[int]:
         """Row i's argmax (the first index of its largest logit) where the backend has it without
-        reading the row again, else None (optional; see :func:`mtpctl.decode.acceptance.accept_greedy`).
+        reading the row again, else None (the default; see :func:`mtpctl.decode.acceptance.accept_greedy`).
         None, never a token, for a row holding NaN or inf."""
-
-    @property
-    def logits(self) -> torch.Tensor: ...
+        return None
 
 
 class Engine(Protocol):

@@ -133,14 +133,11 @@ class _CheckedRows:
         return len(self.out)
 
     def prefetch(self, rows: Sequence[int]) -> None:
-        prefetch = getattr(self.out, "prefetch", None)
-        if prefetch is not None:
-            prefetch(rows)
+        self.out.prefetch(rows)
 
     def greedy(self, i: int) -> Optional[int]:
         """Row i's argmax where the pass's output has it (finite rows only), else None (read the row)."""
-        greedy = getattr(self.out, "greedy", None)
-        return greedy(i) if greedy is not None else None
+        return self.out.greedy(i)
 
     def __getitem__(self, i: int) -> torch.Tensor:
         row = self.out[i]
@@ -320,7 +317,7 @@ def _step(rows: List[_Row], verify_many: VerifyMany, policy: Policy, acceptance:
     phases["verify"] = lap()
     results = _accept_all(rows, trees, outs, acceptance, outcomes)
     phases["accept"] = lap()
-    logits_ms = sum({id(s): s.ms for s in (getattr(o, "logits_timer", None) for o in outs) if s is not None}.values())
+    logits_ms = sum({id(s): s.ms for s in (o.logits_timer for o in outs) if s is not None}.values())
     phases["logits"], phases["accept"] = logits_ms, phases["accept"] - logits_ms
     for row, out, result in zip(rows, outs, results):
         if result is None:

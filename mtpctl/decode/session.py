@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 
 from mtpctl.decode.drafter import Drafter, aux_layers_of
 from mtpctl.decode.engine import Engine, StepOutput
@@ -17,6 +17,9 @@ from mtpctl.decode.tree import DraftTree
 from mtpctl.errors import BadInput, MtpctlError
 from mtpctl.model.tokenizer import TextCodec
 
+if TYPE_CHECKING:
+    from mtpctl.model.decoder import Decoder
+
 ACCEPTANCE = ("exact", "typical")
 
 
@@ -27,9 +30,19 @@ class Session:
         backend: the backend's name (``torch``, ``onnxruntime``, ``tensorrt``).
         folder: the checkpoint or export folder.
         codec: the tokenizer and chat template.
+        model: the target's torch :class:`~mtpctl.model.decoder.Decoder` where the backend runs one
+            (torch: drafters that run beside it, MTP heads, a draft model, a self-draft, read its
+            embedding, lm_head and layers); None where the target is an exported graph.
+        extra_rows: whether a verify pass takes rows beyond the draft tree's nodes (a tree's
+            ``extra``: lookahead decoding's window); an exported graph verifies tree nodes only.
+
+    What a backend may lack is declared here with its default (:attr:`mode`, :attr:`policy_mode`,
+    :attr:`fused_heads`), so that callers read it without probing the session's type.
     """
 
     backend = ""
+    model: Optional["Decoder"] = None
+    extra_rows: bool = False
 
     def __init__(self, folder: Path, codec: TextCodec):
         self.folder = Path(folder)
@@ -49,6 +62,27 @@ class Session:
     def weight_bytes(self) -> int:
         """Memory of the target's weights, bytes."""
         raise NotImplementedError
+
+    @property
+    def mode(self) -> str:
+        """``float32``, ``bfloat16`` or ``int4``: the target's numeric mode (what a decode step costs
+        depends on it; the heads' default tree size follows it). ``float32`` by default (an exported
+        graph computes in float32)."""
+        return "float32"
+
+    @property
+    def policy_mode(self) -> Optional[str]:
+        """The mode whose measured pass costs the auto speculation policy reads
+        (:func:`mtpctl.decode.policy.make_policy`), or None (the default) where those tables do not
+        describe the passes: a backend that verifies one request per pass, where every request
+        drafts its whole budget."""
+        return None
+
+    @property
+    def fused_heads(self) -> Optional[dict]:
+        """What the backend records of MTP heads fused into its passes (an exported graph's manifest
+        entry: kind, count, tree, weights' sha256), or None (the default: no heads in the pass)."""
+        return None
 
     def new_engine(self, capacity: int, aux_layers: Sequence[int] = ()) -> Engine:
         """An engine with room for ``capacity`` tokens whose passes also return the residual streams of

@@ -18,12 +18,11 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 
 import torch
 
-from mtpctl.backends.graph import GraphSession
 from mtpctl.decode.attention import MAX_DRAFT_DEPTH
 from mtpctl.decode.drafter import Drafter
 from mtpctl.decode.sampling import SamplingParams
 from mtpctl.decode.session import Session
-from mtpctl.drafters.heads.config import CONFIG_FILE, WEIGHTS_FILE, HeadsConfig, check_heads_match
+from mtpctl.drafters.heads.config import CONFIG_FILE, KINDS, WEIGHTS_FILE, HeadsConfig, check_heads_match
 from mtpctl.drafters.heads.eagle import EagleDrafter
 from mtpctl.drafters.heads.eagle3 import Eagle3Drafter, check_aux_layers
 from mtpctl.drafters.heads.folder import load_heads
@@ -90,9 +89,10 @@ def check(parts: Sequence[str], opts: DraftOptions) -> None:
     """
     parts = set(parts)
     check_required(parts, opts)
+    values = vars(opts)
     if "draft" not in parts:
         for name in ("draft_model", "draft_map"):
-            if getattr(opts, name):
+            if values[name]:
                 raise BadInput("this setting goes with the draft drafter only", option=name)
         if opts.draft_len is None:
             raise BadInput("an automatic draft length goes with the draft drafter only", option="draft_len")
@@ -103,10 +103,10 @@ def check(parts: Sequence[str], opts: DraftOptions) -> None:
     if opts.heads_dir and not parts & {"heads", "retrieval"}:
         raise BadInput("a head folder goes with the heads or retrieval drafters", option="heads_dir")
     for name in ("tree_file", "tree_nodes"):
-        if getattr(opts, name) and "heads" not in parts:
+        if values[name] and "heads" not in parts:
             raise BadInput("this setting goes with the heads drafter", option=name)
     for name in ("datastore", "retrieval_nodes"):
-        if getattr(opts, name) and "retrieval" not in parts:
+        if values[name] and "retrieval" not in parts:
             raise BadInput("this setting goes with the retrieval drafter", option=name)
     if opts.suffix is not None and "suffix" not in parts:
         raise BadInput("this setting goes with the suffix drafter", option=(opts.suffix.options_set() or ["suffix"])[0])
@@ -188,7 +188,7 @@ def heads_for(session: Session, folder: Union[str, Path]) -> LoadedHeads:
             exported graph runs (hydra, eagle).
     """
     folder = Path(folder)
-    if isinstance(session, GraphSession):
+    if session.model is None:  # an exported graph: heads run inside it, if at all
         return _fused_heads(session, folder)
     model = session.model
     cfg = HeadsConfig.load(folder)
@@ -203,7 +203,7 @@ def heads_for(session: Session, folder: Union[str, Path]) -> LoadedHeads:
     return LoadedHeads(cfg, module.to(model.device))
 
 
-def _fused_heads(session: GraphSession, folder: Path) -> LoadedHeads:
+def _fused_heads(session: Session, folder: Path) -> LoadedHeads:
     own = folder.resolve() == session.folder.resolve()
     if not own and (folder / CONFIG_FILE).is_file():
         kind = HeadsConfig.load(folder).kind
@@ -237,7 +237,7 @@ def heads_drafter(session: Session, heads: LoadedHeads, tree: Optional[StaticTre
     """
     cfg = heads.cfg
     if tree is None:
-        nodes = tree_nodes or DEFAULT_TREE_NODES[getattr(session, "mode", "float32")]
+        nodes = tree_nodes or DEFAULT_TREE_NODES[session.mode]
         tree = tree_from_accuracy(cfg.topk_accuracy, nodes) if cfg.topk_accuracy else \
             StaticTree.from_paths(cfg.tree or [[0]], cfg.num_heads)
     elif tree.depth > cfg.num_heads:
@@ -251,15 +251,25 @@ def heads_drafter(session: Session, heads: LoadedHeads, tree: Optional[StaticTre
     if tree.depth > MAX_DRAFT_DEPTH:
         raise BadInput(f"the draft tree is {tree.depth} deep; verification supports trees up to {MAX_DRAFT_DEPTH}",
                        option="tree_file")
-    model = session.model
+    return _torch_heads_drafter(session.model, cfg.kind, heads.module, tree)
+
+
+def _torch_heads_drafter(model, kind: str, module: torch.nn.Module, tree: StaticTree) -> Drafter:
+    """The drafter of heads of ``kind`` run beside the target ``model`` (a Decoder).
+
+    Raises:
+        UnsupportedModel: a kind no drafter runs (:data:`~mtpctl.drafters.heads.config.KINDS`).
+    """
     dtype = model.dtype
-    if cfg.kind == "eagle":
-        return EagleDrafter(heads.module, tree, lambda ids: model.embed[ids].to(dtype), model.logits)
-    if cfg.kind == "eagle3":  # its aux_layers: the target's layers each pass must return to it
-        return Eagle3Drafter(heads.module, tree, lambda ids: model.embed[ids].to(dtype))
-    if cfg.kind == "hydra":
-        return HydraDrafter(tree, heads.module, model)
-    return MedusaDrafter(tree, heads.module, model)
+    if kind == "eagle":
+        return EagleDrafter(module, tree, lambda ids: model.embed[ids].to(dtype), model.logits)
+    if kind == "eagle3":  # its aux_layers: the target's layers each pass must return to it
+        return Eagle3Drafter(module, tree, lambda ids: model.embed[ids].to(dtype))
+    if kind == "hydra":
+        return HydraDrafter(tree, module, model)
+    if kind == "medusa":
+        return MedusaDrafter(tree, module, model)
+    raise UnsupportedModel(f"no drafter runs {kind!r} heads (known kinds: {', '.join(KINDS)})", option="heads_dir")
 
 
 def datastore_path(opts: DraftOptions) -> Path:
@@ -314,30 +324,40 @@ def build(session: Session, spec: Union[str, Sequence[str]], opts: Optional[Draf
         BadInput, CorruptModel, UnsupportedModel: see :func:`check_required`, :func:`load_parts`,
             :func:`heads_drafter`, :func:`draft_drafter` and :func:`lookahead_drafter`.
     """
-    names = parse(spec) if isinstance(spec, str) else tuple(spec)
+    names = parse(spec) if isinstance(spec, str) else parse("+".join(spec) or "none")
     opts = opts or DraftOptions()
     check_required(names, opts)
     if not names:
         return None
     parts = parts if parts is not None else load_parts(session, names, opts)
-    members = []
-    for name in names:
-        if name == "heads":
-            tree = read_tree(opts.tree_file, parts.heads.cfg.num_heads) if opts.tree_file else None
-            members.append(heads_drafter(session, parts.heads, tree, opts.tree_nodes))
-        elif name == "draft":
-            members.append(draft_drafter(session, opts, sampling if len(names) == 1 else SamplingParams(), progress))
-        elif name == "ngram":
-            members.append(NgramDrafter(opts.ngram_max, opts.ngram_min, opts.draft_len))
-        elif name == "lookahead":
-            members.append(lookahead_drafter(session, opts.lookahead))
-        elif name == "suffix":
-            members.append(suffix_drafter(opts.suffix, session.codec.tokenizer.get_vocab(), session.vocab_size))
-        else:
-            members.append(RetrievalDrafter(parts.store, budget=opts.retrieval_nodes or RETRIEVAL_NODES))
+    alone = SamplingParams() if len(names) > 1 else sampling  # inside a merge a draft model drafts greedily
+    members = [member_drafter(session, name, opts, alone, parts, progress) for name in names]
     if "heads" in names and "draft" in names and grafts_heads(members[0]):
         members[:2] = [HybridDrafter(members[0], members[1])]
     return members[0] if len(members) == 1 else MergedDrafter(members)
+
+
+def member_drafter(session: Session, name: str, opts: DraftOptions, sampling: SamplingParams, parts: Parts,
+                   progress: Optional[Callable[[str], None]] = None) -> Drafter:
+    """The drafter of one part of a spec (``name``, one of :data:`MERGEABLE`), see :func:`build`.
+
+    Raises:
+        BadInput: a name that is no drafter's; see :func:`build`.
+    """
+    if name == "heads":
+        tree = read_tree(opts.tree_file, parts.heads.cfg.num_heads) if opts.tree_file else None
+        return heads_drafter(session, parts.heads, tree, opts.tree_nodes)
+    if name == "draft":
+        return draft_drafter(session, opts, sampling, progress)
+    if name == "ngram":
+        return NgramDrafter(opts.ngram_max, opts.ngram_min, opts.draft_len)
+    if name == "lookahead":
+        return lookahead_drafter(session, opts.lookahead)
+    if name == "retrieval":
+        return RetrievalDrafter(parts.store, budget=opts.retrieval_nodes or RETRIEVAL_NODES)
+    if name == "suffix":
+        return suffix_drafter(opts.suffix, session.codec.tokenizer.get_vocab(), session.vocab_size)
+    raise BadInput(f"unknown drafter {name!r}: use one or more of {', '.join(MERGEABLE)}", option="speculate")
 
 
 def draft_drafter(session: Session, opts: DraftOptions, sampling: SamplingParams,
@@ -365,7 +385,7 @@ def lookahead_drafter(session: Session, settings=None) -> LookaheadDrafter:
         BadInput: an exported backend (their graphs verify draft tree nodes only), or settings whose
             pass does not fit (:meth:`LookaheadSettings.check`).
     """
-    if isinstance(session, GraphSession):
+    if not session.extra_rows:
         raise BadInput(f"lookahead decoding runs on the torch backend, not {session.backend}", option="backend")
     if isinstance(settings, str):
         settings = LookaheadSettings.parse(settings)
@@ -380,8 +400,7 @@ def draft_member(drafter: Optional[Drafter]) -> Optional[DraftModelDrafter]:
     """The draft model's drafter inside ``drafter`` (alone, merged or in a hybrid), or None."""
     if isinstance(drafter, DraftModelDrafter):
         return drafter
-    for member in getattr(drafter, "drafters", ()):
-        found = draft_member(member)
-        if found is not None:
-            return found
-    return draft_member(getattr(drafter, "draft", None)) if isinstance(drafter, HybridDrafter) else None
+    if isinstance(drafter, HybridDrafter):
+        return drafter.draft
+    members = drafter.drafters if isinstance(drafter, MergedDrafter) else ()
+    return next((found for found in map(draft_member, members) if found is not None), None)

@@ -34,7 +34,7 @@ from typing import Callable, List, Optional, Sequence, Set, Union
 import torch
 
 from mtpctl.backends.torch import TorchEngine, verify_packed
-from mtpctl.decode.drafter import Call, TargetStep, check_finite
+from mtpctl.decode.drafter import Call, Drafter, TargetStep, check_finite
 from mtpctl.decode.sampling import SamplingParams, greedy_token, probs_from_logits, sample
 from mtpctl.decode.tree import DraftTree
 from mtpctl.errors import NonFinite
@@ -103,7 +103,7 @@ def _added_prefix(tokenizer) -> List[int]:
     return []
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     """A draft model proposing chains of draft tokens (implements
     :class:`~mtpctl.decode.drafter.Drafter`; its ``budget`` is the fixed draft length, or the
     longest auto one).

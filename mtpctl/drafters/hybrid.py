@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from mtpctl.decode.drafter import TargetStep
+from mtpctl.decode.drafter import Drafter, TargetStep
 from mtpctl.decode.tree import DraftTree
 from mtpctl.drafters.draft_model import DraftModelDrafter
 from mtpctl.drafters.heads.medusa import MedusaDrafter
@@ -34,7 +34,7 @@ def grafts_heads(heads) -> bool:
     return type(heads) is MedusaDrafter and heads.heads is not None and not heads.heads.sequential
 
 
-class HybridDrafter:
+class HybridDrafter(Drafter):
     """The heads' tree, the draft model's greedy chain and the heads' candidates grafted under the
     chain's nodes, merged into one trie (in that order: when room is short, grafts go first, then the
     chain's tail). Implements :class:`~mtpctl.decode.drafter.Drafter`.
@@ -54,6 +54,11 @@ class HybridDrafter:
     def fork(self) -> "HybridDrafter":
         """The same heads with a fork of the draft model (its own KV cache)."""
         return HybridDrafter(self.heads, self.draft.fork(), self.graft)
+
+    def finished(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+        """The heads and the draft model hear that the request ended."""
+        self.heads.finished(prompt_ids, output_ids)
+        self.draft.finished(prompt_ids, output_ids)
 
     def propose(self, context: Sequence[int], max_tokens: int, last: Optional[TargetStep] = None) -> DraftTree:
         pending = context[-1]

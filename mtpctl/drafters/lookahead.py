@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from mtpctl.decode.attention import MAX_DRAFT_DEPTH
-from mtpctl.decode.drafter import TargetStep
+from mtpctl.decode.drafter import Drafter, TargetStep
 from mtpctl.decode.sampling import greedy_token
 from mtpctl.decode.tree import DraftTree, ExtraRows
 from mtpctl.errors import BadInput
@@ -126,7 +126,7 @@ class NgramPool:
         return list(reversed(self._by_first.get(first, ())))
 
 
-class LookaheadDrafter:
+class LookaheadDrafter(Drafter):
     """Lookahead decoding as a drafter (implements :class:`~mtpctl.decode.drafter.Drafter`): each step
     a trie of the pool's continuations of the pending token, with the Jacobi window attached as extra
     rows (the window first: when a step's room is smaller than the window, the window waits and the
@@ -230,9 +230,7 @@ class LookaheadDrafter:
         layout = self._layout()
         top = len(self.levels) - 1
         rows = [0 if r < 0 else first + r for r in layout[top]]  # pass rows of the newest level, columns 0..
-        prefetch = getattr(out, "prefetch", None)
-        if prefetch is not None:  # the newest level's logits in one lm_head call
-            prefetch(rows)
+        out.prefetch(rows)  # the newest level's logits in one lm_head call
         new = [greedy_token(out[row]) for row in rows]
         levels = self.levels
         if top < self.settings.ngram - 2:  # warm-up: one level more, every level one column narrower

@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Union
 
 from mtpctl.decode.attention import MAX_DRAFT_DEPTH
-from mtpctl.decode.drafter import Call, TargetStep, aux_layers_of, family, propose_all
+from mtpctl.decode.drafter import Call, Drafter, TargetStep, aux_layers_of, family, finished, propose_all
 from mtpctl.decode.tree import DraftTree
 from mtpctl.errors import NonFinite
 
 
-class MergedDrafter:
+class MergedDrafter(Drafter):
     """The proposals of several deterministic drafters merged into one draft tree: a trie of their
     token paths, so a path two drafters share is verified once (e.g. MTP heads' tree plus a prompt
     lookup chain: the heads guess generic continuations, the n-gram copies from the context).
@@ -50,10 +50,6 @@ class MergedDrafter:
         same members propose together."""
         return tuple(family(d) for d in self.drafters)
 
-    def propose_together(self, calls: Sequence[Call]) -> List[Union[DraftTree, NonFinite]]:
-        """:meth:`propose` for several requests at once (see :meth:`propose_forks`)."""
-        return self.propose_forks([self] * len(calls), calls)
-
     @staticmethod
     def propose_forks(merges: Sequence["MergedDrafter"], calls: Sequence[Call]) -> List[Union[DraftTree, NonFinite]]:
         """:meth:`propose` of each request's merge (``merges[i]`` for ``calls[i]``, merges of one
@@ -75,6 +71,11 @@ class MergedDrafter:
         # with max_tokens 0 the members only see the step (an EAGLE layer keeps its cache in step)
         return self._merge(context, max_tokens, [d.propose(context, d.budget if max_tokens > 0 else 0, last)
                                                  for d in self.drafters])
+
+    def finished(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+        """Each member hears that the request ended (:meth:`mtpctl.decode.drafter.Drafter.finished`)."""
+        for d in self.drafters:
+            finished(d, prompt_ids, output_ids)
 
     def _merge(self, context: Sequence[int], max_tokens: int, trees: Sequence[DraftTree]) -> DraftTree:
         return merge_trees(context[-1], trees, max_tokens, self.max_depth)

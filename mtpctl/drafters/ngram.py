@@ -6,11 +6,11 @@ from typing import Optional, Sequence
 
 import torch
 
-from mtpctl.decode.drafter import TargetStep
+from mtpctl.decode.drafter import Drafter, TargetStep
 from mtpctl.decode.tree import DraftTree
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Prompt lookup decoding (Saxena 2023, "Prompt Lookup Decoding"; n-gram drafting).
 
     For n from ``ngram_max`` down to ``ngram_min``, find the latest earlier occurrence of the last n

@@ -378,7 +378,7 @@ def session_drafter(session, draft_spec: str, sampling, draft_len: Optional[int]
     """
     from mtpctl.model.sources import resolve_model
 
-    model = getattr(session, "model", None)
+    model = session.model  # None: an exported graph
     if model is None:
         raise BadInput(f"draft models draft for the torch backend only, not {session.backend}", option="backend")
     folder = resolve_model(draft_spec)

@@ -25,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from mtpctl.errors import BadInput
-from mtpctl.decode.drafter import TargetStep
+from mtpctl.decode.drafter import Drafter, TargetStep
 from mtpctl.decode.tree import DraftTree
 
 DATASTORE_FILE = "mtp_datastore.safetensors"
@@ -132,7 +132,7 @@ class Datastore:
         return lo, hi
 
 
-class RetrievalDrafter:
+class RetrievalDrafter(Drafter):
     """Proposes a draft tree of the most frequent datastore continuations of the context (REST).
 
     The longest suffix of the context (``max_match`` tokens down to ``min_match``) that occurs in

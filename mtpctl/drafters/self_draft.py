@@ -115,7 +115,7 @@ def self_drafter(session, spec: str, sampling: SamplingParams, draft_len: Option
     Raises:
         BadInput: a session without a torch model, bad layers, or a stored choice that does not fit.
     """
-    model = getattr(session, "model", None)
+    model = session.model  # None: an exported graph
     if model is None:
         raise BadInput(f"the self-draft drafts for the torch backend only, not {session.backend}", option="backend")
     given = spec[len(SELF) + 1:] if spec != SELF else ""

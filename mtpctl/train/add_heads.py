@@ -62,6 +62,21 @@ from mtpctl.train.target import TargetHead
 from mtpctl.train.trainer import Trainer
 
 
+#: the trainer of each head kind
+TRAINERS = {"medusa": Trainer, "hydra": Trainer, "eagle": EagleTrainer, "eagle3": Eagle3Trainer}
+
+
+def trainer_class(kind: str):
+    """The trainer class of heads of ``kind``.
+
+    Raises:
+        BadInput: a kind no trainer trains (the message names the known kinds).
+    """
+    if kind not in TRAINERS:
+        raise BadInput(f"no trainer for head kind {kind!r} (known kinds: {', '.join(TRAINERS)})", option="kind")
+    return TRAINERS[kind]
+
+
 def write_datastore(store: FeatureStore, path: Path, vocab_size: int) -> int:
     """Write the training sequences (prompts and the target's self-distilled responses) as a
     retrieval datastore (:mod:`mtpctl.drafters.retrieval`) to ``path``, recording the target's
@@ -141,8 +156,7 @@ def add_heads(target_folder: Path, target_name: str, data: Sequence[Path], out: 
     store = ShardedFeatures(feat_dir, manifest)
     target = TargetHead.from_folder(target_folder, DTYPES[settings.target_dtype], where)
     work.mkdir(parents=True, exist_ok=True)
-    trainer = {"eagle": EagleTrainer, "eagle3": Eagle3Trainer}.get(settings.kind, Trainer)(target, store, settings,
-                                                                                          work, device=where)
+    trainer = trainer_class(settings.kind)(target, store, settings, work, device=where)
     _announce_training(trainer, settings, where)
     t0 = time.perf_counter()
     progress = trainer.train(resume)

@@ -86,6 +86,8 @@ class HeadsConfig:
     layer: Optional[EagleLayerConfig] = None  # eagle, eagle3: the draft layer's shapes (a mapping in the JSON)
 
     def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"head kind {self.kind!r} is not one of the known kinds ({', '.join(KINDS)})")
         if self.kind == "hydra" and not self.token_conditioned:
             raise ValueError("hydra heads read tokens, so token_conditioned must be true")
         if isinstance(self.layer, dict):

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtpctl.decode.attention import causal_mask, draft_rows_mask, unrolled_draft_mask
-from mtpctl.decode.drafter import TargetStep, check_finite
+from mtpctl.decode.drafter import Drafter, TargetStep, check_finite
 from mtpctl.decode.tree import DraftTree
 from mtpctl.drafters.heads.config import EagleLayerConfig, HeadsConfig
 from mtpctl.drafters.heads.tree import StaticTree
@@ -206,7 +206,7 @@ class EagleHead(DraftLayer):
         return lm_head(g).float()
 
 
-class EagleDrafter:
+class EagleDrafter(Drafter):
     """Drafts a tree with an :class:`EagleHead`, keeping the head's KV cache across steps.
 
     At each call it first runs the rows the target committed in its last pass (``last.rows``:

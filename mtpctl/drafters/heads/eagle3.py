@@ -184,5 +184,5 @@ class Eagle3Drafter(EagleDrafter):
         return Eagle3Drafter(self.head, self.tree, self.embed)
 
     def committed_features(self, last: TargetStep) -> torch.Tensor:
-        aux = aux_features(getattr(last.out, "aux_hidden_states", None), self.head.cfg.layer.aux_layers, last.rows)
+        aux = aux_features(last.out.aux_hidden_states, self.head.cfg.layer.aux_layers, last.rows)
         return self.head.fuse(aux.to(self.keys.dtype))

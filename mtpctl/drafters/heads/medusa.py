@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtpctl.decode.drafter import Call, TargetStep, check_finite
+from mtpctl.decode.drafter import Call, Drafter, TargetStep, check_finite
 from mtpctl.decode.tree import DraftTree
 from mtpctl.drafters.heads.config import HeadsConfig
 from mtpctl.drafters.heads.tree import StaticTree
@@ -304,7 +304,7 @@ class StackedHeads:
         return torch.stack(heads, dim=1)
 
 
-class MedusaDrafter:
+class MedusaDrafter(Drafter):
     """Drafts a static tree from Medusa heads at the target's last committed row.
 
     The drafter owns its heads and runs them on that row's hidden state (the K heads' vocabulary
