@@ -52,6 +52,13 @@ class NonFinite(MtpctlError):
     dtype): the request fails rather than turn it into a token."""
 
 
+class InternalFault(MtpctlError):
+    """A bug met while serving one request of a batch (its drafter's or engine's own work): it ends
+    that request alone, the original exception as its ``__cause__``; exit code 3."""
+
+    exit_code = 3
+
+
 class GateFailed(MtpctlError):
     """A benchmark gate (speedup, latency) was missed."""
 

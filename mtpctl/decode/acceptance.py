@@ -11,6 +11,13 @@ Glossary (also in docs/glossary.md):
 Greedy acceptance walks from the root and follows the child whose token equals the target's argmax,
 so the output is token for token that of plain greedy decoding, whatever the tree's shape.
 
+Sampled acceptance of a deterministic draft (prompt lookup, retrieval, MTP heads' top-k, lookahead,
+suffix: ``tree.q`` None) walks the same way, following the child whose token equals the target's
+own sample at that position, drawn with the position's uniform (:func:`~mtpctl.decode.sampling.
+position_uniform`): a draft token x is accepted with probability p(x), as by rejection sampling of a
+one-hot draft, and every committed token is the token plain sampling would have drawn there, so a
+seeded request's output is the same with any such drafter, draft size, batch or policy.
+
 Speculative rejection sampling (Leviathan et al. 2023, "Fast Inference from Transformers via
 Speculative Decoding"; Chen et al. 2023) accepts draft x with probability ``min(1, p(x) / q(x))``
 and otherwise samples from ``norm(max(0, p - q))``, which leaves the output distributed as p. Over a
@@ -23,11 +30,11 @@ rejecting x is p with x removed, renormalised, so each committed token is still 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from mtpctl.decode.sampling import SamplingParams, greedy_token, probs_from_logits, sample
+from mtpctl.decode.sampling import SamplingParams, greedy_token, probs_from_logits, sample, sample_at
 from mtpctl.decode.tree import DraftTree
 
 
@@ -59,15 +66,32 @@ def accept_greedy(tree: DraftTree, logits) -> Acceptance:
             path are not read; where the output has a row's argmax already (its ``greedy``), that row is
             not read either.
     """
+    return _follow(tree, lambda node, depth: _argmax(logits, node))
+
+
+def accept_sampled_exact(tree: DraftTree, logits, params: SamplingParams, uniform: Callable[[int], float]) -> Acceptance:
+    """Sampled verification of a deterministic draft (``tree.q`` None): from the root, follow the
+    child whose token is the target's own sample at that node, drawn by inverse CDF with
+    ``uniform(depth)`` (the uniform of the position a node at that depth predicts). The committed
+    tokens are those plain sampling draws with the same uniforms; a draft token x is accepted with
+    probability p(x), the acceptance rejection sampling gives a one-hot draft.
+
+    Args: as :func:`accept_greedy`; ``params`` the sampling settings (p is ``probs_from_logits``).
+    """
+    return _follow(tree, lambda node, depth: sample_at(probs_from_logits(logits[node], params), uniform(depth)))
+
+
+def _follow(tree: DraftTree, target: Callable[[int, int], int]) -> Acceptance:
+    """Walk from the root along the children whose token is ``target(node, depth)``, the target's
+    token after ``node`` (at ``depth``); the first token no child holds ends the walk."""
     node, path = 0, [0]
-    target = _argmax(logits, 0)
     while True:
-        match = tree.child(node, target)
+        token = target(node, len(path) - 1)
+        match = tree.child(node, token)
         if match is None:
-            return _outcome(tree, path, target)
+            return _outcome(tree, path, token)
         node = match
         path.append(node)
-        target = _argmax(logits, node)
 
 
 def _argmax(logits, i: int) -> int:
@@ -90,7 +114,9 @@ def accept_greedy_together(trees: Sequence[DraftTree], outs: Sequence) -> List[A
 def accept_rejection_sampling(tree: DraftTree, logits, params: SamplingParams,
                               generator: torch.Generator) -> Acceptance:
     """Speculative rejection sampling of a draft tree (Leviathan et al. 2023, Algorithm 1; siblings
-    tried in turn against the running residual, as in SpecInfer).
+    tried in turn against the running residual, as in SpecInfer). The loop uses it for drafts
+    sampled from the drafter's own distribution (a draft model); deterministic drafts go through
+    :func:`accept_sampled_exact`, which accepts with the same probabilities.
 
     Args:
         tree: the verified draft tree; ``tree.q`` the drafter's distribution per node, or None for a

@@ -24,14 +24,14 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 import torch
 
 from mtpctl.decode.acceptance import (Acceptance, accept_greedy, accept_greedy_together, accept_rejection_sampling,
-                                      accept_typical)
+                                      accept_sampled_exact, accept_typical)
 from mtpctl.decode.drafter import Call, Drafter, TargetStep, family, propose_all
 from mtpctl.decode.engine import Engine, StepOutput
 from mtpctl.decode.policy import AlwaysDraft, Policy, accepted_by_size
-from mtpctl.decode.sampling import SamplingParams, next_token
+from mtpctl.decode.sampling import SamplingParams, next_token, position_uniform
 from mtpctl.decode.stopping import CONTEXT, StopChecker
 from mtpctl.decode.tree import DraftTree
-from mtpctl.errors import MtpctlError, NonFinite
+from mtpctl.errors import InternalFault, MtpctlError, NonFinite, OutputClosed
 
 
 @dataclass
@@ -153,16 +153,22 @@ class _Row:
     def __init__(self, index: int, request: Request, engine: Engine, arrival: float):
         self.index, self.request, self.engine, self.arrival = index, request, engine, arrival
         self.stop, self.drafter = request.stop, request.drafter
-        self.generator = request.sampling.generator()
+        self.generator = request.sampling.generator()  # a sampled draft's rejection draws (draft models)
+        self.seed = request.sampling.stream_seed()  # the target's draws: one uniform per position
         self.context = list(request.prompt_ids)  # prompt + committed output, the pending token last
         self.stats = GenerationStats(prompt_tokens=len(self.context), kv_cache_bytes=engine.kv_cache_bytes)
         self.budget = self.drafter.budget if self.drafter is not None else 0
         self.steps = 0
         out = engine.prefill(self.context)
         self.last = TargetStep(out, len(out) - 1)
-        first = next_token(_CheckedRows(out, "prefill")[self.last.row], request.sampling, self.generator)
+        first = next_token(_CheckedRows(out, "prefill")[self.last.row], request.sampling, self.uniform(0))
         self.stats.ttft_ms = (time.perf_counter() - arrival) * 1e3
         self.done = self._commit([first])
+
+    def uniform(self, depth: int) -> float:
+        """The uniform of the token ``depth`` places after the next one this row commits: keyed by the
+        request's seed and that token's position in its sequence, whatever the step or the batch."""
+        return position_uniform(self.seed, len(self.context) + depth)
 
     def room(self) -> int:
         """The most draft tokens this step may verify: the drafter's budget, the tokens left after
@@ -189,12 +195,16 @@ class _Row:
         return _CheckedRows(out, f"step {self.steps + 1}")
 
     def accept(self, tree: DraftTree, out: StepOutput, acceptance: str) -> Acceptance:
-        """Which path of ``tree`` the target keeps (this row's sampling settings and generator)."""
+        """Which path of ``tree`` the target keeps (this row's sampling settings): greedy's argmax;
+        when sampling, the target's own sample at each position for a deterministic draft (the same
+        tokens whatever the drafter), rejection sampling for a draft sampled from the drafter's ``q``."""
         sampling, rows = self.request.sampling, self.checked(out)
         if sampling.greedy:
             return accept_greedy(tree, rows)
         if acceptance == "typical":
             return accept_typical(tree, rows, sampling, self.generator)
+        if tree.q is None:
+            return accept_sampled_exact(tree, rows, sampling, self.uniform)
         return accept_rejection_sampling(tree, rows, sampling, self.generator)
 
     def settle(self, tree: DraftTree, out: StepOutput, result: Acceptance) -> None:
@@ -259,12 +269,13 @@ def run(requests: Sequence[Request], new_engine: Callable[[Request], Engine], ve
 
     Returns:
         one outcome per request, in input order: its :class:`GenerationResult`, or the
-        :class:`~mtpctl.errors.MtpctlError` that ended it (a NaN in its logits, ...); a failed request
-        does not disturb the others.
+        :class:`~mtpctl.errors.MtpctlError` that ended it (a NaN in its logits, ...; an
+        :class:`~mtpctl.errors.InternalFault` for a bug met in its own prefill, drafting, acceptance or
+        commit, such as a draft tree not rooted at the pending token); a failed request does not
+        disturb the others. A fault in the pass shared by every row ends the run.
 
     Raises:
-        ValueError: an empty prompt, a prompt that leaves no room in its engine, or a draft tree
-            whose root is not the pending token (a drafter's bug).
+        ValueError: an empty prompt or a prompt that leaves no room in its engine.
     """
     policy = policy or AlwaysDraft()
     arrival = time.perf_counter()
@@ -323,7 +334,11 @@ def _step(rows: List[_Row], verify_many: VerifyMany, policy: Policy, acceptance:
         if result is None:
             continue
         tree = trees[row.index]
-        row.settle(tree, out, result)
+        try:
+            row.settle(tree, out, result)
+        except Exception as err:  # noqa: BLE001 - this row's fault, recorded as its outcome (_row_error)
+            outcomes[row.index], row.done = _row_error(err, "committing its tokens"), True
+            continue
         accepted = row.stats.accepted_per_step[-1] - 1
         by_size = accepted_by_size(result.path, accepted, allowed[row.index]) if tree.extra is None else None
         policy.observe(row.index, tree.rows - 1, accepted, by_size)
@@ -346,9 +361,22 @@ def _admit(index: int, request: Request, new_engine: Callable[[Request], Engine]
         raise ValueError(f"the prompt has {len(request.prompt_ids)} tokens; the context holds {engine.capacity}")
     try:
         return _Row(index, request, engine, arrival)
-    except MtpctlError as err:
-        outcomes[index] = err
+    except Exception as err:  # noqa: BLE001 - this row's fault, recorded as its outcome (_row_error)
+        outcomes[index] = _row_error(err, "prefill")
         return None
+
+
+def _row_error(err: Exception, where: str) -> MtpctlError:
+    """What ends one row: its own :class:`~mtpctl.errors.MtpctlError`, or an
+    :class:`~mtpctl.errors.InternalFault` (the exception as its cause) for any other exception its own
+    work raised (a bug), so that the other rows go on. stdout closed by its reader ends the whole run."""
+    if isinstance(err, OutputClosed):
+        raise err
+    if isinstance(err, MtpctlError):
+        return err
+    fault = InternalFault(f"internal error in this request ({where}): {type(err).__name__}: {err}")
+    fault.__cause__ = err
+    return fault
 
 
 def _propose(rows: List[_Row], sizes: Sequence[int], outcomes: list) -> dict:
@@ -365,15 +393,16 @@ def _propose(rows: List[_Row], sizes: Sequence[int], outcomes: list) -> dict:
     for group in groups.values():
         try:
             proposed = propose_all([row.drafter for row, _ in group], [row.call(size) for row, size in group])
-        except NonFinite:  # one row's values: find it, the others draft again alone
-            proposed = [None] * len(group)
+        except Exception as err:  # noqa: BLE001 - one row's fault: find it, the others draft again alone
+            _row_error(err, "drafting")  # stdout closed ends the run
+            proposed = [err] if len(group) == 1 else [None] * len(group)
         for (row, size), tree in zip(group, proposed):
             try:
-                if isinstance(tree, NonFinite):  # this row's own values (propose_forks)
+                if isinstance(tree, Exception):  # this row's own error (propose_forks, or a lone row's)
                     raise tree
                 trees[row.index] = row.check(tree if tree is not None else row.drafter.propose(*row.call(size)))
-            except MtpctlError as err:
-                outcomes[row.index], row.done = err, True
+            except Exception as err:  # noqa: BLE001 - this row's fault, recorded as its outcome (_row_error)
+                outcomes[row.index], row.done = _row_error(err, "drafting"), True
     return trees
 
 
@@ -389,7 +418,8 @@ def _accept_all(rows: List[_Row], trees: dict, outs: List[StepOutput], acceptanc
                                           [rows[i].checked(outs[i]) for i in greedy])
         for i, result in zip(greedy, together):
             results[i] = result
-    except NonFinite:  # find the row(s) at fault one by one; the others are read again from their cache
+    except Exception as err:  # noqa: BLE001 - find the row(s) at fault one by one; the others read again
+        _row_error(err, "accepting")  # re-raises stdout closed
         for i in greedy:
             results[i] = _accept_one(rows[i], trees, outs[i], acceptance, outcomes)
     for i, row in enumerate(rows):
@@ -401,8 +431,8 @@ def _accept_all(rows: List[_Row], trees: dict, outs: List[StepOutput], acceptanc
 def _accept_one(row: _Row, trees: dict, out: StepOutput, acceptance: str, outcomes: list) -> Optional[Acceptance]:
     try:
         return row.accept(trees[row.index], out, acceptance)
-    except MtpctlError as err:
-        outcomes[row.index], row.done = err, True
+    except Exception as err:  # noqa: BLE001 - this row's fault, recorded as its outcome (_row_error)
+        outcomes[row.index], row.done = _row_error(err, "accepting its draft"), True
         return None
 
 

@@ -1,11 +1,25 @@
-"""Sampling as pure functions of logits, settings and an explicit ``torch.Generator``."""
+"""Sampling as pure functions of logits, settings and explicit randomness.
+
+A sampled request draws the token at each position of its sequence from its own uniform,
+:func:`position_uniform` of (seed, position): a counter-based generator (SplitMix64's output
+function over the seed's stream, counted by position), so the token chosen at a position depends
+on the target's distribution there and on nothing else: not on the drafter, the draft sizes, the
+batch or the order in which rows were drawn. :func:`sample_at` turns that uniform into a token by
+inverse CDF. Drafters that sample from their own distribution (draft models) still draw from a
+``torch.Generator`` (:meth:`SamplingParams.generator`).
+"""
 
 from __future__ import annotations
 
+import math
+import secrets
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+_MASK = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # SplitMix64's increment: 2^64 / the golden ratio
 
 
 @dataclass(frozen=True)
@@ -25,16 +39,22 @@ class SamplingParams:
     seed: Optional[int] = None
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not -(1 << 63) <= self.seed < (1 << 64):
+            raise ValueError(f"seed must be an integer from -2**63 to 2**64 - 1, got {self.seed}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def stream_seed(self) -> int:
+        """The seed of a request's per-position uniforms: ``seed``, or a fresh one from the OS when None."""
+        return self.seed if self.seed is not None else secrets.randbits(63)
 
     def generator(self) -> torch.Generator:
         """A fresh CPU generator seeded with ``seed`` (or from the OS when None)."""
@@ -73,6 +93,29 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def _mix64(z: int) -> int:
+    """SplitMix64's output function (Steele, Lea and Flood 2014): 64 well-mixed bits of ``z``."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def position_uniform(seed: int, position: int) -> float:
+    """A uniform in [0, 1) for ``position`` (a token's index in its sequence) of the stream ``seed``:
+    the ``position + 1``-th output of SplitMix64 started at a state mixed from the seed, computed
+    directly from the counter. 53 bits, as ``random.random()``."""
+    state = (_mix64(seed & _MASK) + (position + 1) * _GOLDEN) & _MASK
+    return (_mix64(state) >> 11) * (1.0 / (1 << 53))
+
+
+def sample_at(probs: torch.Tensor, u: float) -> int:
+    """The token whose cumulative probability interval holds ``u`` (inverse CDF): ``probs [vocab]``,
+    not necessarily normalised, summed in float64; a token of probability zero is never chosen."""
+    cdf = probs.double().cumsum(-1)
+    index = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True))
+    return min(index, probs.shape[-1] - 1)
+
+
 def greedy_token(logits: torch.Tensor) -> int:
     """The index of the first largest of ``logits [vocab]``, as ``int(logits.argmax())``. A float32 CPU
     row goes through numpy's vectorized argmax: about 6 us for 49k logits, where torch's takes 40-100
@@ -82,9 +125,9 @@ def greedy_token(logits: torch.Tensor) -> int:
     return int(logits.argmax())
 
 
-def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """The next token from ``logits [vocab]``: argmax when greedy, else a draw from the processed
-    distribution."""
+def next_token(logits: torch.Tensor, params: SamplingParams, u: float) -> int:
+    """The token at a position from ``logits [vocab]``: argmax when greedy, else the processed
+    distribution's token at the position's uniform ``u`` (:func:`sample_at`)."""
     if params.greedy:
         return greedy_token(logits)
-    return sample(probs_from_logits(logits, params), generator)
+    return sample_at(probs_from_logits(logits, params), u)
