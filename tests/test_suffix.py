@@ -355,6 +355,14 @@ def test_bench_rounds_reports_each_round(capsys, tiny_folder, tmp_path):
     report = json.loads((tmp_path / "b.json").read_text())
     assert [(r["round"], r["warm"]) for r in report["rounds"]] == [(1, False), (2, True)]
     assert set(report["rounds"][-1]["suffix_index"]) == {"suffix"}
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "abcabc"}\n{"prompt": "xyzxyz"}\n')
+    code, out, err = cli(capsys, "bench", "-m", tiny_folder, "--prompts", prompts, "--methods", "plain,suffix",
+                         "--max-new-tokens", 8, "--rounds", 2, "--batch-sizes", "1,2", "--json", tmp_path / "c.json")
+    assert code == 0, err
+    report = json.loads((tmp_path / "c.json").read_text())
+    assert [(r["round"], r["warm"], len(r["rows"])) for r in report["rounds"]] == [(1, False, 4), (2, True, 4)]
+    assert "Round 2 of 2: warm" in out and "- suffix: suffix index:" in out
     code, out, err = cli(capsys, "bench", "-m", tiny_folder, "--methods", "plain,suffix", "--repeats", 2, "--limit", 1)
     assert_one_line_exit_2(code, out, err, "use --rounds")
 

@@ -101,11 +101,15 @@ def round_reports(per_round: List[Dict[str, MethodRuns]], prompts, weights: Dict
 
 def batched_reports(per_round: List[dict], weights: Dict[str, int], drafters: Dict[str, object],
                     start: int) -> List[dict]:
-    """Per round: its rows (:func:`~mtpctl.bench.batched.summarize_batched`), ``round``, ``warm``, ``heading``."""
+    """Per round: its rows (:func:`~mtpctl.bench.batched.summarize_batched`), ``round``, ``warm``, ``heading``;
+    the last also each learning method's global index (``suffix_index``)."""
     learners = learning(drafters)
-    return [{"round": number, "warm": bool(learners) and number > 1,
-             "heading": heading(number, len(per_round), learners, start), "rows": summarize_batched(runs, weights)}
-            for number, runs in enumerate(per_round, 1)]
+    reports = [{"round": number, "warm": bool(learners) and number > 1,
+                "heading": heading(number, len(per_round), learners, start), "rows": summarize_batched(runs, weights)}
+               for number, runs in enumerate(per_round, 1)]
+    if reports:  # the indexes as the last round left them
+        reports[-1]["suffix_index"] = {name: index_stats(d) for name, d in learners.items()}
+    return reports
 
 
 def format_rounds(reports: List[dict]) -> str:
