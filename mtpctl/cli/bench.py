@@ -47,12 +47,14 @@ Examples:
   mtpctl bench --methods plain,heads+ngram,heads+ngram+retrieval --heads heads/smollm2-medusa --dtype bfloat16 --limit 1
   mtpctl bench --methods plain,draft --draft smollm2-135m -m gemma3-270m --limit 1
   mtpctl bench --dtype bfloat16 --methods plain,ngram,lookahead,ngram+lookahead --limit 1
+  mtpctl bench --dtype bfloat16 --methods plain,ngram,suffix,suffix+ngram --rounds 3 --limit 1 --max-new-tokens 64
   mtpctl bench --dtype bfloat16 --methods plain,draft,heads+draft --draft self --heads heads/smollm2-medusa --limit 1
   mtpctl bench --dtype bfloat16 --methods plain,ngram,heads+ngram --heads heads/smollm2-medusa --batch-sizes 1,2,4,8 --limit 3 --max-new-tokens 64 --plot batch.png
 """)
 @click.option("--methods", default="plain,ngram", show_default=True,
               help="Comma-separated: plain, or drafters as in generate --speculate: ngram, heads (--heads), draft "
-                   "(--draft), retrieval (--datastore or the heads' datastore), lookahead (--lookahead) or several "
+                   "(--draft), retrieval (--datastore or the heads' datastore), suffix (--suffix-*; see --rounds), "
+                   "lookahead (--lookahead) or several "
                    "joined by '+' (heads+ngram merges the heads' tree with a --draft-len prompt-lookup chain).")
 @click.option("--batch-sizes", default=None,
               help="Comma-separated batch sizes (e.g. 1,2,4,8,16): every method runs the whole prompt set through "
