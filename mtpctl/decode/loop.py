@@ -25,7 +25,7 @@ import torch
 
 from mtpctl.decode.acceptance import (Acceptance, accept_greedy, accept_greedy_together, accept_rejection_sampling,
                                       accept_sampled_exact, accept_typical)
-from mtpctl.decode.drafter import Call, Drafter, TargetStep, family, propose_all
+from mtpctl.decode.drafter import Call, Drafter, TargetStep, family, finished, propose_all
 from mtpctl.decode.engine import Engine, StepOutput
 from mtpctl.decode.policy import AlwaysDraft, Policy, accepted_by_size
 from mtpctl.decode.sampling import SamplingParams, next_token, position_uniform
@@ -443,8 +443,19 @@ def _finish(rows: List[_Row], outcomes: list) -> List[_Row]:
         if not row.done:
             active.append(row)
         elif outcomes[row.index] is None:
-            outcomes[row.index] = row.result()
+            outcomes[row.index] = _result(row)
     return active
+
+
+def _result(row: _Row) -> Outcome:
+    """A finished row's result, after its drafter has been told what the request wrote
+    (:func:`~mtpctl.decode.drafter.finished`)."""
+    result = row.result()
+    try:
+        finished(row.drafter, row.request.prompt_ids, result.token_ids)
+    except Exception as err:  # noqa: BLE001 - this row's fault, recorded as its outcome (_row_error)
+        return _row_error(err, "telling its drafter it ended")
+    return result
 
 
 def generate(engine: Engine, prompt_ids: Sequence[int], stop: StopChecker, sampling: SamplingParams,
