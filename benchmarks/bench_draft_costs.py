@@ -61,7 +61,7 @@ def main(argv=None) -> None:
     p.add_argument("--model", default="smollm2-135m", help="model alias or folder")
     p.add_argument("--heads", required=True, help="MTP head folder (add-heads) for the heads methods")
     p.add_argument("--modes", default="float32,bfloat16,int4", help="numeric modes, comma-separated")
-    p.add_argument("--methods", default="ngram,heads,heads+ngram", help="--speculate values, comma-separated")
+    p.add_argument("--methods", default="ngram,suffix,heads,heads+ngram", help="--speculate values, comma-separated")
     p.add_argument("--rows", type=int, default=8, help="the larger request count timed (the other is 1)")
     p.add_argument("--reps", type=int, default=30, help="proposals per count (the median is kept)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
