@@ -416,8 +416,6 @@ def test_a_batch_of_repeated_prompts_learns_from_earlier_records_on_smollm2(caps
         runs[name] = [json.loads(line) for line in out.splitlines()]
     for name in ("suffix", "batched"):
         assert [r["token_ids"] for r in runs[name]] == [r["token_ids"] for r in runs["plain"]], name
-    if "suffix index: 0 responses" in err:
-        pytest.skip("the decoding loop does not call Drafter.finished at the end of a request yet: nothing to learn")
     taus = [r["stats"]["tau"] for r in runs["suffix"]]
     assert taus[2] > taus[0] and taus[3] > taus[1], taus  # one at a time: the repeats find the earlier responses
     assert "suffix index: 4 responses" in err
