@@ -419,3 +419,12 @@ def test_a_batch_of_repeated_prompts_learns_from_earlier_records_on_smollm2(caps
     taus = [r["stats"]["tau"] for r in runs["suffix"]]
     assert taus[2] > taus[0] and taus[3] > taus[1], taus  # one at a time: the repeats find the earlier responses
     assert "suffix index: 4 responses" in err
+
+
+def test_suffix_merges_with_heads_and_stays_plain_greedy(capsys, tiny_folder, tmp_path):
+    from helpers import generate_plain_and, make_heads
+
+    heads = make_heads(tmp_path / "heads", tiny_folder)
+    plain, merged, err = generate_plain_and(capsys, tiny_folder, "--speculate", "suffix+heads", "--heads", heads)
+    assert merged["speculate"] == "heads+suffix" and merged["token_ids"] == plain["token_ids"]
+    assert merged["draft_len"] > SuffixSettings().nodes  # the suffix budget and the heads tree
