@@ -353,7 +353,7 @@ class TorchSession(Session):
     def attention(self) -> str:
         """What decode and verify passes attend with: ``"native"`` (the C kernel,
         :mod:`mtpctl.model.native`) or ``"torch"`` (torch's ops: no compiler, a shape the kernel
-        does not take, ``MTPCTL_NATIVE_ATTENTION=0``, or the torch kernels asked for). Greedy output can
+        does not take, ``MTPCTL_NATIVE_KERNELS=0``, or the torch kernels asked for). Greedy output can
         differ between the two at near-ties; each is reproduced exactly by speculation."""
         cfg = self.model.cfg
         native = self.placement.native and kernel_runs(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
@@ -363,7 +363,7 @@ class TorchSession(Session):
     def int4_kernel(self) -> Optional[str]:
         """What the packed 4-/8-bit weights run on (int4 weights): ``"native"`` when all of them run
         on ``csrc/int4_matmul.c``, ``"torch"`` when any runs on torch's int4 kernel (no compiler,
-        ``MTPCTL_NATIVE_ATTENTION=0``, or a weight whose rows are not a multiple of 4); None for dense
+        ``MTPCTL_NATIVE_KERNELS=0``, or a weight whose rows are not a multiple of 4); None for dense
         weights."""
         packed = [m for m in self.model.modules() if isinstance(m, PackedLinear)]
         if not packed:
