@@ -1,17 +1,18 @@
 """The methods a benchmark compares: ``plain`` and drafter specs (:mod:`mtpctl.drafters.build`), each
-built once for a session and run on every prompt with the same settings."""
+a pipeline built once for a session by the one builder (:func:`mtpctl.drafters.pipeline.assemble`)
+and run on every prompt with the same settings."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Sequence
 
 from mtpctl.decode.drafter import Drafter
 from mtpctl.decode.loop import GenerationResult
-from mtpctl.decode.policy import Policy
 from mtpctl.decode.sampling import SamplingParams
 from mtpctl.decode.session import Session
-from mtpctl.drafters.build import DraftOptions, build, check, draft_member, load_parts, parse
+from mtpctl.drafters.build import check, draft_member, load_parts, parse
+from mtpctl.drafters.pipeline import Pipeline, PipelineSpec, Shared, assemble
 from mtpctl.errors import BadInput
 
 
@@ -34,44 +35,48 @@ def parse_methods(text: str) -> List[str]:
 
 @dataclass
 class Method:
-    """One way to decode: ``run(prompt ids)`` generates with ``drafter`` (None: plain decoding);
-    ``drafter_bytes`` is the memory of the drafter's own weights and data (heads, datastore, draft
-    model; a self-draft's weights are the target's), bytes."""
+    """One way to decode: ``run(prompt ids)`` generates with ``pipeline`` (its ``drafter``, None: plain
+    decoding, under a fresh policy each generation); ``drafter_bytes`` is the memory of the drafter's
+    own weights and data (heads, datastore, draft model; a self-draft's weights are the target's), bytes."""
 
     name: str
     run: Callable[[List[int]], GenerationResult]
-    drafter: Optional[Drafter] = None
+    pipeline: Pipeline
     drafter_bytes: int = 0
 
+    @property
+    def drafter(self) -> Optional[Drafter]:
+        return self.pipeline.drafter
 
-def build_methods(session: Session, names: Sequence[str], opts: DraftOptions, sampling: SamplingParams,
-                  max_new_tokens: int, acceptance: str = "exact",
-                  make_policy: Callable[[str], Optional[Policy]] = lambda name: None,
-                  progress: Optional[Callable[[str], None]] = None) -> Dict[str, Method]:
-    """Every method of ``names`` (see :func:`parse_methods`) for ``session``, the heads and datastore
-    loaded once and shared; each generation speculates under a fresh ``make_policy(name)`` (None: every
-    step drafts the whole budget); ``progress`` receives a line before a long preparation (a
-    self-draft's layer search).
+
+def build_methods(session: Session, names: Sequence[str], spec: PipelineSpec, sampling: SamplingParams,
+                  max_new_tokens: int, progress: Optional[Callable[[str], None]] = None) -> Dict[str, Method]:
+    """Every method of ``names`` (see :func:`parse_methods`) for ``session``, each a pipeline of
+    ``spec`` drafting with its spec (:func:`mtpctl.drafters.pipeline.assemble`: the policy and
+    acceptance rule of ``spec``), the heads and datastore loaded once and shared; ``progress``
+    receives a line before a long preparation (a self-draft's layer search).
 
     Raises:
-        BadInput, CorruptModel, UnsupportedModel: see :func:`mtpctl.drafters.build.build`.
+        BadInput, CorruptModel, UnsupportedModel: see :func:`mtpctl.drafters.pipeline.assemble`.
     """
     specs = {name: () if name == "plain" else parse(name) for name in names}
-    check([p for parts in specs.values() for p in parts], opts)
-    shared = load_parts(session, tuple(dict.fromkeys(p for parts in specs.values() for p in parts if p != "draft")), opts)
+    used = tuple(dict.fromkeys(p for parts in specs.values() for p in parts))
+    check(used, spec.draft)
+    shared = Shared(session, load_parts(session, tuple(p for p in used if p != "draft"), spec.draft), used)
     head_bytes = 0
-    if shared.heads is not None and shared.heads.module is not None:  # heads fused into a graph are in its weights
-        head_bytes = sum(t.numel() * t.element_size() for t in shared.heads.module.state_dict().values())
-    store_bytes = shared.store.tokens.nbytes + shared.store.keys.nbytes if shared.store is not None else 0
+    if shared.parts.heads is not None and shared.parts.heads.module is not None:  # fused heads: the graph's weights
+        head_bytes = sum(t.numel() * t.element_size() for t in shared.parts.heads.module.state_dict().values())
+    store = shared.parts.store
+    store_bytes = store.tokens.nbytes + store.keys.nbytes if store is not None else 0
     methods = {}
     for name, parts in specs.items():
-        drafter = build(session, parts, opts, sampling, shared, progress)
-        draft = draft_member(drafter)
-        size = head_bytes * ("heads" in parts) + store_bytes * ("retrieval" in parts) + (draft.weight_bytes if draft else 0)
+        pipeline = assemble(replace(spec, speculate="+".join(parts) or "none"), sampling, progress, shared)
+        draft = draft_member(pipeline.drafter)
+        size = head_bytes * ("heads" in parts) + store_bytes * ("retrieval" in parts) + \
+            (draft.weight_bytes if draft else 0)
 
-        def run(ids, drafter=drafter, name=name):
-            return session.generate(ids, max_new_tokens, sampling, drafter, acceptance=acceptance,
-                                    policy=make_policy(name))
+        def run(ids, pipeline=pipeline):
+            return pipeline.generate(ids, max_new_tokens, sampling)
 
-        methods[name] = Method(name, run, drafter, size)
+        methods[name] = Method(name, run, pipeline, size)
     return methods

@@ -7,12 +7,9 @@ import json
 import resource
 import tempfile
 from pathlib import Path
-from typing import Optional
 
 import click
 
-from mtpctl.backends import open_session
-from mtpctl.backends.torch import set_threads
 from mtpctl.bench.harness import load_prompts, run_interleaved
 from mtpctl.bench.rounds import (batched_reports, format_rounds, forgetting, gate_rows, learning, round_reports,
                                  run_batched_rounds, run_rounds)
@@ -21,11 +18,11 @@ from mtpctl.bench.peers import llamacpp_runner, transformers_runner
 from mtpctl.bench.batched import format_batched, plot_batched, run_batch_sizes, stops_paying, summarize_batched
 from mtpctl.bench.report import build_report, check_gates, format_profile, format_table, plot, select_prompts, write_json
 from mtpctl.bench.vllm_peer import apply_figures, require_vllm, vllm_batched, vllm_peers
-from mtpctl.cli.options import (Command, check_backend, debug_option, draft_line, draft_options_from, drafter_options,
-                                model_options, policy_option, sampling_from, sampling_options, session_mode)
-from mtpctl.decode.policy import make_policy
+from mtpctl.cli.options import (Command, check_backend, debug_option, draft_line, drafter_options, model_options,
+                                pipeline_spec_from, policy_option, sampling_from, sampling_options)
 from mtpctl.decode.session import GenerationRequest
-from mtpctl.drafters.build import RETRIEVAL_NODES, check, datastore_path, draft_member
+from mtpctl.drafters.build import RETRIEVAL_NODES, datastore_path, draft_member
+from mtpctl.drafters.pipeline import check_spec, open_target
 from mtpctl.drafters.lookahead import LookaheadSettings
 from mtpctl.drafters.suffix import SuffixSettings
 from mtpctl.errors import BadInput
@@ -100,10 +97,11 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ro
     sizes = parse_batch_sizes(batch_sizes) if batch_sizes is not None else None
     if sizes and baseline not in ("none", "vllm"):
         raise BadInput(f"--baseline {baseline} runs one request at a time: only vllm batches with --batch-sizes")
-    opts = draft_options_from(options)
+    spec = pipeline_spec_from(options)
+    opts = spec.draft
     used = {p for name in names if name != "plain" for p in name.split("+")}
     _check_rounds(rounds, repeats, baseline, "suffix" in used)
-    check(used, opts)  # before the model loads
+    check_spec(spec, used)  # before the model loads
     for target in (json_path, plot_path):
         if target:
             check_writable(Path(target))
@@ -119,20 +117,12 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ro
         if importlib.util.find_spec("llama_cpp") is None:
             raise BadInput("--baseline llama.cpp needs llama-cpp-python: pip install llama-cpp-python "
                            "(it compiles llama.cpp from source, several minutes)")
-        gguf = gguf_source(options["model"])
+        gguf = gguf_source(spec.model)
     prompts = select_prompts(load_prompts(Path(prompts_path) if prompts_path else None), categories, limit)
-    set_threads(options["threads"])
-    session = open_session(options["model"], options["backend"], options["dtype"], options["weights"], options["threads"],
-                           options["device"], options["kernels"])
+    session = open_target(spec)
     loaded_rss = peak_rss_bytes()
     encoded = [session.codec.encode_messages(list(p.messages)) for p in prompts]
-    mode = session_mode(session)
-
-    def policy(method: Optional[str] = None):  # each method (canonical names) priced at its drafter's cost
-        return make_policy(options["speculate_policy"], mode, method)
-
-    policy()  # a missing cost table is one error line before any run
-    built = build_methods(session, names, opts, sampling, max_new_tokens, options["acceptance"], policy,
+    built = build_methods(session, names, spec, sampling, max_new_tokens,
                           progress=lambda line: click.echo(f"mtpctl: {line}", err=True))
     draft = next((d for d in map(draft_member, (m.drafter for m in built.values())) if d is not None), None)
     if draft is not None:
@@ -140,9 +130,9 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ro
     weights = {name: session.weight_bytes + m.drafter_bytes for name, m in built.items()}
     if sizes and (rounds > 1 or learning({n: m.drafter for n, m in built.items()})):
         _bench_batched_rounds(session, built, encoded, rounds, sizes,
-                              lambda ids: GenerationRequest(ids, max_new_tokens, sampling), policy,
-                              options["acceptance"], weights, json_path, plot_path, fail_below_speedup,
-                              fail_above_p99_ms)
+                              lambda ids: GenerationRequest(ids, max_new_tokens, sampling),
+                              lambda name: built[name].pipeline.new_policy(), spec.acceptance, weights, json_path,
+                              plot_path, fail_below_speedup, fail_above_p99_ms)
         return
     if sizes:
         peers = {}
@@ -150,11 +140,10 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ro
             with tempfile.TemporaryDirectory(prefix="mtpctl-vllm-heads-") as tmp:
                 configs = vllm_configs(session, opts, Path(tmp) / "heads")
                 peers = vllm_batched(session.folder, configs, encoded * repeats, sizes, max_new_tokens,
-                                     options["dtype"], torch_threads(), session.codec.eos_ids,
+                                     spec.dtype, torch_threads(), session.codec.eos_ids,
                                      progress=lambda line: click.echo(f"mtpctl: {line}", err=True))
-        _bench_batched(session, built, encoded, repeats, sizes, max_new_tokens, sampling, policy,
-                       options["acceptance"], weights, peers, json_path, plot_path, fail_below_speedup,
-                       fail_above_p99_ms)
+        _bench_batched(session, built, encoded, repeats, sizes, max_new_tokens, sampling, spec.acceptance, weights,
+                       peers, json_path, plot_path, fail_below_speedup, fail_above_p99_ms)
         return
     runners = {name: m.run for name, m in built.items()}
     if baseline == "transformers":
@@ -168,7 +157,7 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ro
     if baseline == "vllm":
         with tempfile.TemporaryDirectory(prefix="mtpctl-vllm-heads-") as tmp:
             configs = vllm_configs(session, opts, Path(tmp) / "heads")
-            peer_runs, figures = vllm_peers(session.folder, configs, encoded, repeats, max_new_tokens, options["dtype"],
+            peer_runs, figures = vllm_peers(session.folder, configs, encoded, repeats, max_new_tokens, spec.dtype,
                                             torch_threads(), session.codec.eos_ids,
                                             progress=lambda line: click.echo(f"mtpctl: {line}", err=True))
     drafters, per_round = {name: m.drafter for name, m in built.items()}, None
@@ -180,11 +169,11 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ro
     else:
         runs = run_interleaved(runners, encoded, repeats, progress=lambda line: click.echo(line, err=True))
     runs.update(peer_runs)
-    torch_backend = options["backend"] == "torch"
+    torch_backend = spec.backend == "torch"
     settings = {
-        "model": str(session.folder), "backend": options["backend"], "dtype": options["dtype"],
-        "weights": options["weights"], "max_new_tokens": max_new_tokens, "temperature": sampling.temperature,
-        "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed, "acceptance": options["acceptance"],
+        "model": str(session.folder), "backend": spec.backend, "dtype": spec.dtype,
+        "weights": spec.weights, "max_new_tokens": max_new_tokens, "temperature": sampling.temperature,
+        "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed, "acceptance": spec.acceptance,
         "draft_len": opts.draft_len or "auto", "draft": opts.draft_model, "repeats": repeats, "prompts": len(prompts),
         "lookahead": _lookahead_field(opts.lookahead) if "lookahead" in used else None,
         "heads": opts.heads_dir, "tree": opts.tree_file, "tree_nodes": opts.tree_nodes,
@@ -200,7 +189,7 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ro
     report = build_report(runs, prompts, weights, settings)
     if per_round is not None:  # the report of the last round, and every round's
         report["rounds"] = round_reports(per_round, prompts, weights, settings, drafters, start)
-    on_host = session.weight_bytes if options["backend"] != "torch" or session.device == "cpu" else 0
+    on_host = session.weight_bytes if spec.backend != "torch" or session.device == "cpu" else 0
     report["host_memory"] = host_memory(session.weight_bytes, on_host, loaded_rss)
     click.echo(host_memory_line(report["host_memory"]), err=True)
     apply_figures(report, figures)
@@ -284,14 +273,15 @@ def parse_batch_sizes(text: str) -> list:
     return sizes
 
 
-def _bench_batched(session, built, encoded, rounds, sizes, max_new_tokens, sampling, policy, acceptance, weights,
+def _bench_batched(session, built, encoded, rounds, sizes, max_new_tokens, sampling, acceptance, weights,
                    peers, json_path, plot_path, fail_below_speedup, fail_above_p99_ms) -> None:
     """``--batch-sizes``: every method at every batch size over ``rounds`` rounds
-    (:mod:`mtpctl.bench.batched`), beside the peers' runs at the same sizes (``peers``: vLLM's, one
-    run each over every round's requests)."""
+    (:mod:`mtpctl.bench.batched`), each run under a fresh policy of its pipeline, beside the peers'
+    runs at the same sizes (``peers``: vLLM's, one run each over every round's requests)."""
     drafters = {name: m.drafter for name, m in built.items()}
     runs = run_batch_sizes(session, drafters, encoded, sizes,
-                           lambda ids: GenerationRequest(ids, max_new_tokens, sampling), policy, acceptance,
+                           lambda ids: GenerationRequest(ids, max_new_tokens, sampling),
+                           lambda name: built[name].pipeline.new_policy(), acceptance,
                            progress=lambda line: click.echo(line, err=True), rounds=rounds)
     runs.update({key: [run] for key, run in peers.items()})
     rows = summarize_batched(runs, weights)

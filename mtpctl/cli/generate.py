@@ -10,14 +10,12 @@ from typing import Optional
 
 import click
 
-from mtpctl.backends import open_session
-from mtpctl.backends.torch import set_threads
 from mtpctl.cli.batch import BadRecord, BatchRecord, read_records, record_error, result_json
-from mtpctl.cli.options import (Command, debug_option, draft_line, draft_options_from, drafter_options, model_options,
-                                policy_option, sampling_from, sampling_options, session_mode)
-from mtpctl.decode.policy import make_policy
+from mtpctl.cli.options import (Command, debug_option, draft_line, drafter_options, model_options, pipeline_spec_from,
+                                policy_option, sampling_from, sampling_options)
 from mtpctl.decode.session import GenerationRequest
-from mtpctl.drafters.build import build, check, draft_member, parse
+from mtpctl.drafters.build import draft_member
+from mtpctl.drafters.pipeline import Pipeline, assemble, check_spec
 from mtpctl.drafters.suffix import index_stats, save_cache, stats_line
 from mtpctl.errors import BadInput, OutputClosed
 from mtpctl.files import check_writable, write_file
@@ -123,18 +121,14 @@ def generate_cmd(prompt, prompt_file, batch_file, max_batch, out_path, speculate
         raise BadInput("--out writes the results of --batch-file; a single generation goes to stdout")
     else:
         text = read_prompt(prompt, prompt_file)
-    parts = parse(speculate)
-    opts = draft_options_from(options)
-    check(parts, opts)  # before the model loads
+    spec = pipeline_spec_from(options, speculate)
+    check_spec(spec)  # before the model loads
     if out_path:
         check_writable(Path(out_path))
-    set_threads(options["threads"])
-    session = open_session(options["model"], options["backend"], options["dtype"], options["weights"], options["threads"],
-                           options["device"], options["kernels"])
     sampling = sampling_from(options)
-    drafter = build(session, parts, opts, sampling, progress=lambda line: click.echo(f"mtpctl: {line}", err=True))
-    policy = make_policy(options["speculate_policy"], session_mode(session), "+".join(parts) or None)
-    fields = _settings(session, parts, drafter, opts, options)
+    pipeline = assemble(spec, sampling, progress=lambda line: click.echo(f"mtpctl: {line}", err=True))
+    session, drafter, policy = pipeline.session, pipeline.drafter, pipeline.new_policy()
+    fields = _settings(pipeline)
     if fields["draft"] is not None:
         click.echo(draft_line(fields["draft"]), err=True)
     if batch_file is not None:
@@ -229,14 +223,15 @@ def _prepare(session, record: BatchRecord, no_chat: bool, parse_special: bool):
         return record_error(record.line, err, record.id)
 
 
-def _settings(session, parts, drafter, opts, options) -> dict:
+def _settings(pipeline: Pipeline) -> dict:
     """The fields every JSON result carries about how it was generated."""
-    torch_backend = options["backend"] == "torch"
+    spec, session, drafter = pipeline.spec, pipeline.session, pipeline.drafter
+    torch_backend = spec.backend == "torch"
     draft = draft_member(drafter)
-    draft_info = None if draft is None else {**draft.describe(), "draft_len": opts.draft_len or "auto"}
-    return {"model": str(session.folder), "speculate": "+".join(parts) or "none", "draft": draft_info,
-            "draft_len": drafter.budget if drafter else 0, "speculate_policy": options["speculate_policy"],
-            "backend": options["backend"], "dtype": options["dtype"], "weights": options["weights"],
+    draft_info = None if draft is None else {**draft.describe(), "draft_len": spec.draft.draft_len or "auto"}
+    return {"model": str(session.folder), "speculate": pipeline.speculate, "draft": draft_info,
+            "draft_len": drafter.budget if drafter else 0, "speculate_policy": spec.speculate_policy,
+            "backend": spec.backend, "dtype": spec.dtype, "weights": spec.weights,
             "attention": session.attention if torch_backend else None,
             "int4_kernel": session.int4_kernel if torch_backend else None,
             "matmul_isa": session.matmul_isa if torch_backend else None,

@@ -10,7 +10,12 @@ library's settings):
 - :func:`drafter_options`: the drafters' settings (``--heads``, ``--tree``, ``--tree-nodes``,
   ``--draft-len``, ``--draft``, ``--draft-map``, ``--datastore``, ``--retrieval-nodes``,
   ``--ngram-max``, ``--ngram-min``, ``--lookahead``, ``--suffix-*``, ``--acceptance``) ->
-  :func:`draft_options_from`.
+  :func:`draft_options_from`;
+- :func:`policy_option`: ``--speculate-policy``.
+
+Their defaults are the library's (:data:`mtpctl.drafters.pipeline.DEFAULTS`, :class:`SamplingParams`),
+and :func:`pipeline_spec_from` turns the parsed values into the one builder's settings
+(:class:`~mtpctl.drafters.pipeline.PipelineSpec`).
 """
 
 from __future__ import annotations
@@ -21,13 +26,14 @@ import click
 
 from mtpctl.backends import BACKENDS
 from mtpctl.decode.policy import POLICIES
+from mtpctl.decode.session import ACCEPTANCE
 from mtpctl.decode.sampling import SamplingParams
 from mtpctl.drafters.build import DraftOptions
+from mtpctl.drafters.pipeline import DEFAULTS, PipelineSpec
 from mtpctl.drafters.lookahead import LookaheadSettings
 from mtpctl.drafters.suffix import OPTION_OF as SUFFIX_OPTIONS, SuffixSettings
 from mtpctl.errors import BadInput, MtpctlError
 from mtpctl.model.device import KERNELS
-from mtpctl.model.sources import DEFAULT_MODEL
 
 
 class Command(click.Command):
@@ -101,6 +107,8 @@ class LookaheadType(click.ParamType):
 
 LOOKAHEAD = LookaheadType()
 _LA = LookaheadSettings()  # the defaults, for --help
+_DRAFT = DEFAULTS.draft  # the drafters' defaults
+_SAMPLING = SamplingParams()  # the sampling defaults
 _SUFFIX = SuffixSettings()  # the defaults, for --help
 
 
@@ -115,9 +123,9 @@ def _apply(options) -> Callable:
 def device_options(f):
     """``--device``, ``--kernels``."""
     return _apply([
-        click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda[:N]",
+        click.option("--device", default=DEFAULTS.device, show_default=True, metavar="auto|cpu|cuda[:N]",
                      help="Where the target computes: auto takes a CUDA GPU when torch sees one, else the CPU."),
-        click.option("--kernels", type=click.Choice(KERNELS), default="auto", show_default=True,
+        click.option("--kernels", type=click.Choice(KERNELS), default=DEFAULTS.kernels, show_default=True,
                      help="native: mtpctl's C kernels (CPU only, fastest there). torch: torch's own ops, the path "
                           "CUDA runs (on the CPU too, to check it). auto: native on the CPU, torch elsewhere."),
     ])(f)
@@ -126,27 +134,31 @@ def device_options(f):
 def model_options(f):
     """``--model``, ``--backend``, ``--dtype``, ``--weights``, ``--threads``, ``--device``, ``--kernels``."""
     return device_options(_apply([
-        click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True,
+        click.option("-m", "--model", default=DEFAULTS.model, show_default=True,
                      help="Alias, checkpoint folder, .gguf file or hub repo id (an export folder for an exported "
                           "backend)."),
-        click.option("--backend", type=click.Choice(BACKENDS), default="torch", show_default=True,
+        click.option("--backend", type=click.Choice(BACKENDS), default=DEFAULTS.backend, show_default=True,
                      help="torch: the native runtime on a checkpoint. onnxruntime: an `mtpctl export --onnx` folder "
                           "given as --model. tensorrt: an export folder with an engine built by `mtpctl export "
                           "--trt` (needs a CUDA GPU and tensorrt)."),
-        click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True),
-        click.option("--weights", type=click.Choice(["dense", "int4"]), default="dense", show_default=True,
+        click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default=DEFAULTS.dtype,
+                     show_default=True),
+        click.option("--weights", type=click.Choice(["dense", "int4"]), default=DEFAULTS.weights, show_default=True,
                      help="int4: keep GGUF Q4_1/Q8_0 weights packed for the int4 kernels (needs --dtype bfloat16)."),
-        click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: torch's)."),
+        click.option("--threads", type=click.IntRange(min=1), default=DEFAULTS.threads,
+                     help="CPU threads (default: torch's)."),
     ])(f))
 
 
 def sampling_options(f):
     """``--temperature``, ``--top-k``, ``--top-p``, ``--seed``."""
     return _apply([
-        click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0 = greedy."),
-        click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 = off."),
-        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True),
-        click.option("--seed", type=int, default=None, help="Seed for sampling (same seed, same output)."),
+        click.option("--temperature", type=click.FloatRange(min=0), default=_SAMPLING.temperature, show_default=True,
+                     help="0 = greedy."),
+        click.option("--top-k", type=click.IntRange(min=0), default=_SAMPLING.top_k, show_default=True,
+                     help="0 = off."),
+        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=_SAMPLING.top_p, show_default=True),
+        click.option("--seed", type=int, default=_SAMPLING.seed, help="Seed for sampling (same seed, same output)."),
     ])(f)
 
 
@@ -158,31 +170,32 @@ def sampling_from(options: dict) -> SamplingParams:
 def drafter_options(f):
     """The drafters' settings and the acceptance rule."""
     return _apply([
-        click.option("--heads", "heads_dir", type=click.Path(file_okay=False), default=None,
-                     help="MTP head folder (mtpctl add-heads) for the heads drafter (and its datastore for retrieval)."),
-        click.option("--tree", "tree_file", type=click.Path(dir_okay=False), default=None,
+        click.option("--heads", "heads_dir", type=click.Path(file_okay=False), default=_DRAFT.heads_dir,
+                     help="MTP head folder (mtpctl add-heads) for the heads drafter (and its datastore for "
+                          "retrieval)."),
+        click.option("--tree", "tree_file", type=click.Path(dir_okay=False), default=_DRAFT.tree_file,
                      help="Draft tree for the heads drafter: YAML/JSON list of paths of top-k ranks, e.g. "
                           "[[0],[1],[0,0]]."),
-        click.option("--tree-nodes", type=click.IntRange(min=1), default=None,
+        click.option("--tree-nodes", type=click.IntRange(min=1), default=_DRAFT.tree_nodes,
                      help="Size of the draft tree grown from the heads' accuracy [default: 4; 2 with --weights int4]."),
-        click.option("--draft-len", type=DRAFT_LEN, default=3, show_default=True,
+        click.option("--draft-len", type=DRAFT_LEN, default=_DRAFT.draft_len, show_default=True,
                      help="Most draft tokens of the prompt-lookup chain or the draft model per step; auto (draft "
                           "model): longer after a fully accepted draft, shorter after a rejection."),
-        click.option("--draft", "draft_model", default=None,
+        click.option("--draft", "draft_model", default=_DRAFT.draft_model,
                      help="Draft model for the draft drafter (alias, folder, .gguf; check it with mtpctl pair), or "
                           "self[:LAYERS]: the target through some of its own layers (self:0-11,20-29; plain self "
                           "chooses them by a short search on calibration prompts, once per model and dtype)."),
-        click.option("--draft-map", type=click.Path(dir_okay=False), default=None,
+        click.option("--draft-map", type=click.Path(dir_okay=False), default=_DRAFT.draft_map,
                      help="Id map from mtpctl pair --out (else computed from the tokenizers)."),
-        click.option("--datastore", type=click.Path(dir_okay=False), default=None,
+        click.option("--datastore", type=click.Path(dir_okay=False), default=_DRAFT.datastore,
                      help="Retrieval datastore (mtp_datastore.safetensors) [default: the one in --heads]."),
-        click.option("--retrieval-nodes", type=click.IntRange(min=1), default=None,
+        click.option("--retrieval-nodes", type=click.IntRange(min=1), default=_DRAFT.retrieval_nodes,
                      help="Nodes of the retrieval drafter's tree [default: 4]."),
-        click.option("--ngram-max", type=click.IntRange(min=1), default=3, show_default=True,
+        click.option("--ngram-max", type=click.IntRange(min=1), default=_DRAFT.ngram_max, show_default=True,
                      help="Longest n-gram the prompt-lookup drafter matches."),
-        click.option("--ngram-min", type=click.IntRange(min=1), default=2, show_default=True,
+        click.option("--ngram-min", type=click.IntRange(min=1), default=_DRAFT.ngram_min, show_default=True,
                      help="Shortest n-gram the prompt-lookup drafter matches."),
-        click.option("--lookahead", type=LOOKAHEAD, default=None,
+        click.option("--lookahead", type=LOOKAHEAD, default=_DRAFT.lookahead,
                      help=f"Lookahead decoding's window W, n-gram size N and candidates G [default: "
                           f"{_LA.window},{_LA.ngram},{_LA.candidates}]: a pass carries W*(N-1)-1 window tokens and up "
                           "to G*(N-1) candidate tokens."),
@@ -204,31 +217,38 @@ def drafter_options(f):
                      help="File keeping the suffix drafter's global index between runs: loaded at the start when it "
                           "exists, written atomically at the end of generate (bench only reads it); a file made with "
                           "another tokenizer is refused."),
-        click.option("--acceptance", type=click.Choice(["exact", "typical"]), default="exact", show_default=True,
+        click.option("--acceptance", type=click.Choice(ACCEPTANCE), default=DEFAULTS.acceptance,
+                     show_default=True,
                      help="exact: lossless; typical: Medusa's typical acceptance when sampling (lossy)."),
     ])(f)
 
 
 def policy_option(f):
     """``--speculate-policy``: how many draft tokens each request verifies each step."""
-    return click.option("--speculate-policy", type=click.Choice(POLICIES), default="auto", show_default=True,
+    return click.option("--speculate-policy", type=click.Choice(POLICIES), default=DEFAULTS.speculate_policy,
+                        show_default=True,
                         help="auto: a request drafts only while its drafts are expected to pay for the rows they add "
                              "to the pass (measured pass costs of this mode), cut to the size that pays best; alone "
                              "that is almost always, in a full batch less or not at all. always: every request drafts "
                              "its whole --draft-len or tree every step.")(f)
 
 
-def session_mode(session) -> Optional[str]:
-    """The numeric mode whose pass costs the auto policy reads: the torch backend's on its native
-    kernels (float32, bfloat16, int4); None for the torch kernels and for backends that verify one
-    request per pass (:attr:`~mtpctl.backends.torch.TorchSession.policy_mode`)."""
-    return getattr(session, "policy_mode", None)
-
-
 def draft_options_from(options: dict) -> DraftOptions:
     """The drafters' settings of :func:`drafter_options`' values."""
     fields = {name: options[name] for name in DraftOptions.__dataclass_fields__ if name != "suffix"}
     return DraftOptions(**fields, suffix=suffix_settings_from(options))
+
+
+#: the settings of :class:`PipelineSpec` that the CLI's shared options set, by the same names
+SPEC_OPTIONS = ("model", "backend", "dtype", "weights", "threads", "device", "kernels", "speculate_policy",
+                "acceptance")
+
+
+def pipeline_spec_from(options: dict, speculate: str = DEFAULTS.speculate) -> PipelineSpec:
+    """The builder's settings of :func:`model_options`', :func:`drafter_options`' and
+    :func:`policy_option`'s values, drafting with ``speculate``."""
+    return PipelineSpec(speculate=speculate, draft=draft_options_from(options),
+                        **{name: options[name] for name in SPEC_OPTIONS})
 
 
 def suffix_settings_from(options: dict):
