@@ -119,7 +119,7 @@ def load_vocabulary(folder: Path) -> Vocabulary:
     folder = Path(folder)
     codec = TextCodec(folder)
     tok = codec.tokenizer
-    backend = getattr(tok, "backend_tokenizer", None)  # getattr: a Hugging Face tokenizer's; fast ones only
+    backend = getattr(tok, "backend_tokenizer", None)  # a Hugging Face tokenizer's attribute: fast ones only
     if backend is not None:
         strings = {int(i): s for s, i in backend.get_vocab(with_added_tokens=True).items()}
         added = {int(i) for i in backend.get_added_tokens_decoder()}
@@ -131,11 +131,11 @@ def load_vocabulary(folder: Path) -> Vocabulary:
             [m.split(" ", 1) if isinstance(m, str) else list(m) for m in merges]).encode()).hexdigest()
     else:  # a slow tokenizer: compare what it exposes
         strings = {int(i): s for s, i in tok.get_vocab().items()}
-        added = {int(i) for i in getattr(tok, "added_tokens_decoder", {})}  # getattr: older slow ones lack it
+        added = {int(i) for i in getattr(tok, "added_tokens_decoder", {})}  # older slow tokenizers lack it
         rule, merges_sha = {"class": type(tok).__name__}, None
     embed_rows, width = embedding_shapes(folder)
     specials = {}
-    for role in SPECIAL_ROLES:  # getattr: the tokenizer's special tokens by role name, any of them may be unset
+    for role in SPECIAL_ROLES:  # its special tokens by role name: any may be unset
         text, ident = getattr(tok, f"{role}_token", None), getattr(tok, f"{role}_token_id", None)
         specials[role] = (str(text), int(ident)) if text is not None and ident is not None else None
     return Vocabulary(folder, codec, strings, added, embed_rows, width, specials, _adds(tok, strings), rule,

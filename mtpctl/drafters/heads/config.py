@@ -134,7 +134,7 @@ class HeadsConfig:
             if raw.get("kind") not in KINDS:
                 raise UnsupportedModel(f"{path}: head kind {raw.get('kind')!r} is not supported (known: "
                                        f"{', '.join(KINDS)})")
-            cfg = cls(**raw)  # getattr below: the JSON's size fields by name, each checked to be an integer
+            cfg = cls(**raw)  # its size fields read by name below, each checked to be an integer
             if not all(isinstance(getattr(cfg, n), int) for n in ("num_heads", "head_layers", "hidden_size",
                                                                     "vocab_size", "draft_vocab_size")):
                 raise ValueError("sizes must be integers")
