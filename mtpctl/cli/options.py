@@ -210,6 +210,9 @@ def drafter_options(f):
         click.option("--suffix-factor", type=click.FloatRange(min=0, min_open=True), default=None,
                      help=f"A suffix draft holds at most this many times the match length tokens [default: "
                           f"{_SUFFIX.factor}]."),
+        click.option("--suffix-min-match", type=click.IntRange(min=1), default=None,
+                     help=f"Shortest suffix match the suffix drafter drafts from [default: {_SUFFIX.min_match}; 2 "
+                          f"skips single-token matches, which are mostly chance on chat text]."),
         click.option("--suffix-max-nodes", type=click.IntRange(min=1), default=None,
                      help=f"Most nodes of the suffix drafter's global index of earlier responses (about 140 bytes "
                           f"each); the oldest responses are evicted beyond it [default: {_SUFFIX.max_nodes}]."),
