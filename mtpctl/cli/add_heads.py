@@ -47,6 +47,17 @@ def read_recipe(path: str) -> dict:
     return raw
 
 
+def magpie_settings(recipe, count, seed):
+    """The Magpie settings: the recipe's ``magpie`` mapping with ``--magpie-prompts`` and
+    ``--magpie-seed`` over it (None when neither gives any)."""
+    if recipe is not None and not isinstance(recipe, dict):
+        return recipe  # TrainSettings refuses it with its own message
+    given = {k: v for k, v in (("count", count), ("seed", seed)) if v is not None}
+    if recipe is None and not given:
+        return None
+    return {**(recipe or {}), **given}
+
+
 #: below this expected tau (tokens a verify step commits on held-out text, bonus counted) speculation
 #: with the heads does not pay for itself here: a verify pass of the default tree costs about 0.9-1.1x
 #: a plain step with dense weights and ~1.2x with int4's 2-node tree, and heads at tau 1.21 were
@@ -62,6 +73,8 @@ Examples:
   mtpctl add-heads --recipe recipes/smollm2-135m-eagle3.yaml --out heads/smollm2-eagle3
   mtpctl add-heads -m smollm2-135m --kind medusa --num-heads 3 --self-distill \\
       --data prompts.jsonl --data notes.txt --out heads/mine --epochs 3 --seed 1
+  mtpctl add-heads --recipe recipes/smollm2-135m-medusa-magpie.yaml --out heads/smollm2-magpie
+  mtpctl add-heads -m smollm2-135m --self-distill --magpie-prompts 200 --magpie-seed 7 --out heads/own
   torchrun --nproc-per-node 2 -m mtpctl add-heads --recipe R.yaml --out heads/ddp
   torchrun --nproc-per-node 8 -m mtpctl add-heads --recipe R.yaml --device cuda --out heads/ddp
   mtpctl generate --speculate heads --heads heads/smollm2-medusa --dtype bfloat16 "Explain KV caches."
@@ -84,6 +97,13 @@ Examples:
               help="Training data: .txt, .jsonl (text/prompt/messages records) or hf://datasets/OWNER/NAME "
                    "(repeatable; replaces the recipe's data).")
 @click.option("--self-distill/--no-self-distill", default=None, help="The target answers prompt records itself.")
+@click.option("--magpie-prompts", type=click.IntRange(min=0), default=None, metavar="N",
+              help="Also let the target write N prompts itself (Magpie: sampled from its chat template's opening "
+                   "of a user turn, screened for empty, unfinished, degenerate and duplicate ones), then answer "
+                   "them; needs --self-distill and a chat template; --data becomes optional [default: the "
+                   "recipe's magpie count, else 0].")
+@click.option("--magpie-seed", type=int, default=None,
+              help="Seed of the Magpie prompts: same seed, target and settings, same prompts [default: 0].")
 @click.option("--response-tokens", type=int, default=None, help="Longest self-distilled response [default: 128].")
 @click.option("--soft-labels/--no-soft-labels", default=None,
               help="Cross-entropy to the target's top-16 distribution instead of its argmax.")
@@ -117,8 +137,9 @@ def add_heads_cmd(recipe, model, data, out, resume, overwrite, bundle, device, t
     sequences, for --speculate retrieval) to --out.
     """
     spec = read_recipe(recipe) if recipe else {"settings": {}, "data": []}
+    magpie = magpie_settings(spec["settings"].get("magpie"), options.pop("magpie_prompts"), options.pop("magpie_seed"))
     given = {k: v for k, v in options.items() if v is not None}
-    settings = TrainSettings(**{**spec["settings"], **given})  # the CLI's options override the recipe's
+    settings = TrainSettings(**{**spec["settings"], **given, "magpie": magpie})  # the CLI's options override the recipe's
     model_name = model or spec.get("model") or DEFAULT_MODEL
     files = list(data) or spec["data"]
     set_threads(threads)

@@ -2,7 +2,8 @@
 
 Pipeline (Cai et al. 2024, "Medusa", Medusa-1: the base model stays frozen):
 
-1. data: text records, or prompts answered by the target itself (:mod:`mtpctl.train.distill`);
+1. data: text records, or prompts answered by the target itself (:mod:`mtpctl.train.distill`), and
+   prompts the target writes itself (Magpie, :mod:`mtpctl.train.magpie`) added to them;
 2. features: the hidden states ``[T, hidden]`` (after the final norm) and the target's own prediction
    at each position (argmax, and with ``soft_labels`` its top-m distribution) of every sequence. For
    self-distilled sequences self-distillation keeps them as it generates (when ``distill_dtype`` equals
@@ -52,10 +53,11 @@ from mtpctl.model.config import DecoderConfig
 from mtpctl.model.tokenizer import TextCodec
 from mtpctl.model.weights import weights_hash
 from mtpctl.train import distributed
-from mtpctl.train.distill import read_records
+from mtpctl.train.distill import Record, read_records
 from mtpctl.train.eagle import Eagle3Trainer, EagleTrainer
 from mtpctl.train.extract import TargetModels, extract
 from mtpctl.train.features import FEATURES_FORMAT, build_items, data_fingerprint, run_key
+from mtpctl.train.magpie import CACHE_FILE, PROMPTS_FILE, MagpiePrompts, magpie_prompts
 from mtpctl.train.settings import DTYPES, TrainSettings, resolve_settings
 from mtpctl.train.shards import FeatureStore, Manifest, ShardedFeatures
 from mtpctl.train.target import TargetHead
@@ -111,7 +113,8 @@ def add_heads(target_folder: Path, target_name: str, data: Sequence[Path], out: 
     Args:
         target_folder: the target checkpoint (Hugging Face folder).
         target_name: how the user named it (recorded in the config).
-        data: ``.txt``/``.jsonl`` data files (see :mod:`mtpctl.train.distill`).
+        data: ``.txt``/``.jsonl`` data files (see :mod:`mtpctl.train.distill`); may be empty when
+            ``settings.magpie`` draws prompts (then the target writes every prompt).
         out: the head folder to write.
         settings: training settings.
         home: mtpctl's cache folder (features and checkpoints live under ``home/work``).
@@ -123,7 +126,8 @@ def add_heads(target_folder: Path, target_name: str, data: Sequence[Path], out: 
             ``cpu``, ``cuda`` or ``cuda:N``; under torchrun a CUDA rank takes ``cuda:LOCAL_RANK``.
 
     Returns:
-        the training summary written into the config (figures and timings).
+        the training summary written into the config (figures and timings; with Magpie prompts,
+        ``magpie``: the screening's counts and the pre-query template).
 
     Raises:
         BadInput: bad settings, data or device, or ``out`` exists without ``overwrite``.
@@ -137,13 +141,19 @@ def add_heads(target_folder: Path, target_name: str, data: Sequence[Path], out: 
     where = distributed.init_distributed(device)
     codec = TextCodec(target_folder)
     target_hash = weights_hash(target_folder)
-    records = read_records(data)
+    records = read_records(data) if data or not settings.magpie_count else []
     cfg = DecoderConfig.from_folder(Path(target_folder))
     settings = resolve_settings(_with_aux_layers(settings, cfg.num_hidden_layers), cfg.hidden_size,
                                 cfg.max_position_embeddings, where)
     feat_dir = Path(home) / "work" / f"features-{run_key(target_hash, data_fingerprint(data), feature_shape(settings))}"
     work = Path(home) / "work" / f"heads-{run_key(feat_dir.name, asdict(settings))}"
     timings = {}
+    magpie = None
+    if settings.magpie_count:
+        t0 = time.perf_counter()
+        magpie = cached_magpie_prompts(feat_dir, target_folder, settings, where)
+        records += [Record(messages=[{"role": "user", "content": p}]) for p in magpie.prompts]
+        timings["magpie_s"] = round(time.perf_counter() - t0, 1)
     manifest = Manifest.load(feat_dir)
     if manifest is None:
         t0 = time.perf_counter()
@@ -167,6 +177,8 @@ def add_heads(target_folder: Path, target_name: str, data: Sequence[Path], out: 
                "history": progress.history, "held_out_top1": [round(a[0], 4) for a in acc],
                "expected_tau": round(1 + expected_accepted(acc, tree), 3), "timings_s": timings,
                "device": str(where)}
+    if magpie is not None:
+        summary["magpie"] = magpie.record()  # its settings are in summary["settings"]
     if distributed.rank() == 0:
         trainer.hcfg.target, trainer.hcfg.target_hash = target_name, target_hash
         trainer.hcfg.tree = [list(p) for p in tree.paths]
@@ -176,12 +188,40 @@ def add_heads(target_folder: Path, target_name: str, data: Sequence[Path], out: 
         trainer.hcfg.training = summary
         extra = {DATASTORE_FILE: work / DATASTORE_FILE}
         summary["datastore_tokens"] = write_datastore(store, extra[DATASTORE_FILE], cfg.vocab_size)
+        if magpie is not None:
+            extra[PROMPTS_FILE] = work / PROMPTS_FILE
+            magpie.write_jsonl(extra[PROMPTS_FILE])
         if bundle:
             extra.update({p.name: p for p in sorted(Path(target_folder).iterdir())
                           if p.is_file() and not p.name.startswith(".")})
         write_output(out, trainer.heads.cpu(), overwrite, extra)
     distributed.barrier(where)
     return summary
+
+
+def cached_magpie_prompts(feat_dir: Path, target_folder: Path, settings: TrainSettings,
+                          where: torch.device) -> MagpiePrompts:
+    """The Magpie prompts of this run: read from ``feat_dir`` (whose key covers the target and the
+    Magpie settings) where an earlier run left them, else drawn by rank 0 from the target (in
+    ``distill_dtype``, on ``where``) and kept there; the other ranks wait and read them."""
+    from mtpctl.backends.torch import TorchSession
+
+    path = Path(feat_dir) / CACHE_FILE
+    found = MagpiePrompts.load(path)
+    if found is None and distributed.rank() == 0:
+        Path(feat_dir).mkdir(parents=True, exist_ok=True)
+        session = TorchSession(Path(target_folder), settings.distill_dtype, device=str(where))
+        meter = distributed.Meter("magpie", settings.magpie.count, "requests")
+        found = magpie_prompts(session, settings.magpie, on_done=lambda _: meter.update())
+        meter.close()
+        del session
+        found.save(path, settings.magpie)
+    elif found is not None:
+        distributed.log(f"magpie: reusing the prompts in {path}")
+    distributed.barrier(where)
+    found = found or MagpiePrompts.load(path)
+    distributed.log(f"magpie: {found.stats.line()}")
+    return found
 
 
 def _with_aux_layers(settings: TrainSettings, num_layers: int) -> TrainSettings:
@@ -205,6 +245,8 @@ def feature_shape(settings: TrainSettings) -> dict:
     shape = {k: getattr(settings, k) for k in ("self_distill", "response_tokens", "distill_dtype", "features_dtype",
                                                 "max_seq_len", "soft_labels", "soft_top", "shard_positions")}
     shape["features_format"] = FEATURES_FORMAT
+    if settings.magpie_count:
+        shape["magpie"] = asdict(settings.magpie)
     if settings.kind == "eagle3":
         shape["aux_layers"] = settings.aux_layers
     return shape

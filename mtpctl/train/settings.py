@@ -12,6 +12,7 @@ import torch
 from mtpctl.decode.attention import MAX_DRAFT_DEPTH
 from mtpctl.drafters.heads.config import KINDS
 from mtpctl.errors import BadInput
+from mtpctl.train.magpie import MagpieSettings
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -48,6 +49,15 @@ class TrainSettings:
     tree_nodes: int = 4  # nodes of the default draft tree (the size generate uses by default, session.DEFAULT_TREE_NODES)
     seed: int = 0
     aux_layers: Optional[List[int]] = None  # eagle3: the target layers it reads (None: the engines' default)
+    magpie: Optional[MagpieSettings] = None  # prompts the target writes itself, added to the data (a mapping in a recipe)
+
+    def __post_init__(self):
+        self.magpie = MagpieSettings.from_value(self.magpie)
+
+    @property
+    def magpie_count(self) -> int:
+        """Magpie requests to draw (0 without Magpie settings)."""
+        return self.magpie.count if self.magpie is not None else 0
 
     def check(self) -> None:
         """Raise BadInput on a setting that cannot work."""
@@ -81,6 +91,10 @@ class TrainSettings:
                            f"supports), got {self.num_heads}")
         if self.shard_positions < 0:
             raise BadInput(f"shard-positions must be >= 0, got {self.shard_positions}", option="shard_positions")
+        if self.magpie is not None:
+            self.magpie.check()
+            if self.magpie.count and not self.self_distill:
+                raise BadInput("Magpie prompts need self-distillation: the target answers them", option="self_distill")
         for name in ("distill_dtype", "features_dtype", "target_dtype"):
             value = getattr(self, name)
             if value not in DTYPES and not (value is None and name != "distill_dtype"):
