@@ -8,6 +8,7 @@ import pytest
 from helpers import random_heads
 from mtpctl.backends.torch import TorchSession
 from mtpctl.decode.policy import AlwaysDraft, make_policy
+from mtpctl.decode.sampling import SamplingParams
 from mtpctl.decode.session import GenerationRequest
 from mtpctl.drafters.heads.medusa import MedusaDrafter
 from mtpctl.drafters.heads.tree import StaticTree
@@ -42,7 +43,7 @@ def alone(session):
 def drafters(session):
     heads = random_heads(session.model, num_heads=2, seed=1).to(session.model.dtype)
     medusa = MedusaDrafter(StaticTree.from_paths([[0], [1], [0, 0]], 2), heads, session.model)
-    return {"ngram": NgramDrafter(3, 1, 4), "heads+ngram": MergedDrafter([medusa, NgramDrafter(3, 2, 3)])}
+    return {"ngram": NgramDrafter(3, 1, 4), "heads": medusa, "heads+ngram": MergedDrafter([medusa, NgramDrafter(3, 2, 3)])}
 
 
 @pytest.mark.parametrize("kind", ["none", "ngram", "heads+ngram"])
@@ -69,3 +70,18 @@ def test_gemma3_batches_equal_plain_decoding_alone(gemma3_folder):
     plain = [session.generate(i, 12).token_ids for i in ids]
     outcomes = session.generate_batch([GenerationRequest(i, 12) for i in ids], NgramDrafter(3, 1, 3), 2, AlwaysDraft())
     assert [o.token_ids for o in outcomes] == plain
+
+
+@pytest.mark.parametrize("max_batch", [1, 5])
+def test_seeded_sampled_requests_commit_the_same_tokens_with_any_deterministic_drafter(session, max_batch):
+    """Each sampled request draws its token at each position from its own (seed, position) uniform, so
+    the tokens are the same without a drafter, with prompt lookup and with heads, alone or batched, with
+    the auto policy's changing draft sizes."""
+    ids = [session.encode(p) for p in PROMPTS[:5]]
+    requests = [GenerationRequest(i, 24, SamplingParams(temperature=0.8, top_p=0.95, seed=seed))
+                for seed, i in enumerate(ids)]
+    plain = [o.token_ids for o in session.generate_batch(requests, None, 1)]
+    for kind, drafter in drafters(session).items():
+        for policy in (AlwaysDraft(), make_policy("auto", session.policy_mode)):
+            outcomes = session.generate_batch(requests, drafter, max_batch, policy)
+            assert [o.token_ids for o in outcomes] == plain, (kind, policy)
