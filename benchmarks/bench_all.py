@@ -111,6 +111,15 @@ SECTIONS = [
                    "machine kind at 43.5 tokens/s at batch 1 against 31.4 eager, and 188 against 215 at batch 8), in its "
                    "own process with the same thread count; one `generate` call per batch size (`max_num_seqs`).",
                    'Where speculation stops paying here, and why (what a verify row costs against a plain row, from the pass costs below): docs/decisions/verify-row-cost.md and docs/decisions/batching-throughput.md.']),
+    Section("suffix", "Suffix decoding: a drafter that learns from the requests it served",
+            "`--speculate suffix` against plain decoding and prompt lookup on the same 14 prompts of the built-in "
+            "set, run for 3 rounds in one process: round 1 starts with an empty global index (cold), rounds 2 and 3 "
+            "find the earlier rounds' responses in it (warm: the same prompts served again, as in a pipeline that "
+            "repeats its requests). Each method learns only from its own runs; greedy, so every round's outputs "
+            "are compared with plain's.",
+            lambda a: [_bench(*dt, "--methods", "plain,ngram,suffix", "--rounds", "3", "--limit", "2")
+                       for dt in (("--dtype", "bfloat16"), ("--dtype", "bfloat16", "--weights", "int4"))],
+            tables_only=False),
     Section("big", "Checkpoints at scale: memory and speed of real shapes",
             "Synthetic checkpoints of published shapes (random bfloat16 weights in 4 safetensors shards with an "
             "index, SmolLM2's tokenizer; `mtpctl.model.synthetic`): a Llama-3.2-1B-like model (hidden 2048, 16 "
@@ -262,7 +271,7 @@ def main(argv=None) -> int:
             p.error("the gpu section runs where torch sees a CUDA GPU; this machine has none")
         wanted.remove("gpu")
         print("bench_all.py: no CUDA GPU here: the gpu section stays as it is", file=sys.stderr)
-    needs_heads = [k for k in wanted if k not in ("cpu", "big", "gpu")]
+    needs_heads = [k for k in wanted if k not in ("cpu", "big", "gpu", "suffix")]
     if needs_heads and not (Path(args.heads) / "mtp_config.json").is_file():
         p.error(f"no head folder at {args.heads}: train it with {MTPCTL} add-heads --recipe "
                 f"recipes/smollm2-135m-medusa.yaml --out {args.heads} (make bench does)")

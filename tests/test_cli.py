@@ -49,6 +49,21 @@ def test_generate_json_plain_and_ngram_agree(capsys, tiny_folder):
     assert spec["speculate"] == "ngram" and spec["draft_len"] == 3
 
 
+def test_seeded_sampling_gives_the_same_tokens_with_prompt_lookup_and_json_says_so(capsys, tiny_folder):
+    results = {}
+    for speculate in ("none", "ngram"):
+        code, out, err = cli(capsys, "generate", "--model", tiny_folder, "--json", "--max-new-tokens", 24, "--temperature",
+                             0.9, "--seed", 5, "--speculate", speculate, "--speculate-policy", "always", "abcabcabc")
+        assert code == 0, err
+        results[speculate] = json.loads(out)
+    assert results["none"]["token_ids"] == results["ngram"]["token_ids"]
+    assert results["none"]["seeded_sampling"] == results["ngram"]["seeded_sampling"] == "reproducible"
+    code, out, err = cli(capsys, "generate", "--model", tiny_folder, "--json", "--max-new-tokens", 8, "--temperature",
+                         0.9, "--seed", 5, "--speculate", "draft", "--draft", tiny_folder, "abcabcabc")
+    assert code == 0, err
+    assert json.loads(out)["seeded_sampling"] == "drafter-dependent"  # a draft model samples its own chain
+
+
 def test_generate_streams_text_and_stats_go_to_stderr(capsys, tiny_folder):
     code, out, err = cli(capsys, "generate", "-m", tiny_folder, "--max-new-tokens", 8, "--stats", "--no-chat", "hello")
     assert code == 0

@@ -236,7 +236,8 @@ def _settings(pipeline: Pipeline) -> dict:
             "int4_kernel": session.int4_kernel if torch_backend else None,
             "matmul_isa": session.matmul_isa if torch_backend else None,
             "device": session.device if torch_backend else None, "kernels": session.kernels if torch_backend else None,
-            "greedy_exactness": session.greedy_exactness if torch_backend else None}
+            "greedy_exactness": session.greedy_exactness if torch_backend else None,
+            "seeded_sampling": "drafter-dependent" if drafter is not None and drafter.samples_drafts else "reproducible"}
 
 
 def _result_fields(result, settings: dict) -> dict:

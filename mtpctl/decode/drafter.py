@@ -99,13 +99,18 @@ class Drafter:
     sized for it).
 
     A subclass implements :meth:`propose` and sets ``budget``; the rest is optional, declared here
-    with its default: :attr:`aux_layers` (none), :meth:`fork` (itself), :attr:`family` (itself),
+    with its default: :attr:`aux_layers` (none), :attr:`samples_drafts` (no), :meth:`fork` (itself), :attr:`family` (itself),
     :meth:`propose_together` and :meth:`propose_forks` (one :meth:`propose` per request) and
     :meth:`finished` (nothing)."""
 
     budget: int
     #: target layers whose residual streams each pass must return to the drafter (EAGLE-3's), sorted
     aux_layers: Tuple[int, ...] = ()
+    #: whether its drafts are sampled from its own distribution (trees with ``q``: a draft model when
+    #: sampling), verified by rejection sampling, so a seeded sampled request's tokens depend on the
+    #: drafter's draws; a deterministic drafter's requests commit the target's own samples, the same
+    #: as without a drafter (:mod:`mtpctl.decode.acceptance`)
+    samples_drafts: bool = False
 
     def propose(self, context: Sequence[int], max_tokens: int, last: Optional[TargetStep] = None) -> DraftTree:
         raise NotImplementedError(f"{type(self).__name__} does not implement propose")

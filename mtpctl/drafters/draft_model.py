@@ -214,6 +214,11 @@ class DraftModelDrafter(Drafter):
         return 0 if self.shared_weights else self.model.weight_bytes
 
     # -- the Drafter protocol ------------------------------------------------------------------
+    @property
+    def samples_drafts(self) -> bool:
+        """True when it samples its chain from its own distribution (the target samples, in ids mode)."""
+        return not self.sampling.greedy and self.text is None
+
     def fork(self) -> "DraftModelDrafter":
         """The same draft model, maps and settings with a KV cache, draft length and generator of its
         own (the generator seeded from this drafter's, so forks draw reproducibly); see
