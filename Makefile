@@ -52,7 +52,7 @@ $(HEADS)/mtp_config.json: | $(STAMP)
 
 bench: install $(HEADS)/mtp_config.json
 	$(BIN)/python -c "import llama_cpp" 2>/dev/null || $(BIN)/python -m pip install --quiet "$(LLAMACPP_SPEC)"
-	$(BIN)/python benchmarks/bench_all.py --heads $(HEADS) --write BENCHMARKS.md
+	$(BIN)/python benchmarks/bench_all.py --heads $(HEADS) --write BENCHMARKS.md --readme README.md
 
 vllm-env: $(VLLM_VENV)/.installed
 

@@ -28,6 +28,7 @@ from typing import Callable, List
 
 import torch
 
+import readme_figures
 from mtpctl.bench.harness import cpu_model
 from mtpctl.bench.vllm_peer import vllm_python
 from mtpctl.model.native import matmul_isa
@@ -258,6 +259,8 @@ def main(argv=None) -> int:
     p.add_argument("--heads", default="heads/smollm2-medusa", help="head folder of the default recipe")
     p.add_argument("--sections", default=None, help=f"only these (comma-separated): {','.join(s.key for s in SECTIONS)},recipe")
     p.add_argument("--write", type=Path, default=None, help="the file to write (else stdout)")
+    p.add_argument("--readme", type=Path, default=None,
+                   help="with --write: also refill this README's current-figures table (readme_figures.py)")
     p.add_argument("--synth-dir", default="/tmp/mtpctl-synth", help="big: where the synthetic checkpoints are kept")
     p.add_argument("--tokenizer-from", default="smollm2-135m", help="gpu: the tokenizer of the synthetic checkpoint")
     args = p.parse_args(argv)
@@ -293,6 +296,9 @@ def main(argv=None) -> int:
         tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, args.write)
         print(f"wrote {args.write}", file=sys.stderr)
+        if args.readme is not None:
+            readme_figures.main(["--benchmarks", str(args.write), "--write", str(args.readme)])
+            print(f"wrote {args.readme}'s current figures", file=sys.stderr)
     else:
         print(text)
     return 0
