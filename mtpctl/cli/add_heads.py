@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Optional
 
 import click
 
@@ -47,7 +48,7 @@ def read_recipe(path: str) -> dict:
     return raw
 
 
-def magpie_settings(recipe, count, seed):
+def magpie_settings(recipe: object, count: Optional[int], seed: Optional[int]) -> object:
     """The Magpie settings: the recipe's ``magpie`` mapping with ``--magpie-prompts`` and
     ``--magpie-seed`` over it (None when neither gives any)."""
     if recipe is not None and not isinstance(recipe, dict):

@@ -85,13 +85,18 @@ class MagpieSettings:
 
     def check(self) -> None:
         """Raise BadInput on a setting that cannot work."""
-        if not isinstance(self.count, int) or self.count < 0:
-            raise BadInput(f"magpie count must be a whole number >= 0, got {self.count!r}", option="magpie")
-        if self.max_prompt_tokens < 1 or self.batch < 1:
-            raise BadInput("magpie max_prompt_tokens and batch must be at least 1", option="magpie")
-        if not 0 <= self.temperature < float("inf") or not 0 < self.top_p <= 1:
-            raise BadInput(f"magpie temperature must be >= 0 and top_p in (0, 1], got {self.temperature} and "
-                           f"{self.top_p}", option="magpie")
+        whole = {n: getattr(self, n) for n in ("count", "seed", "max_prompt_tokens", "batch")}
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in whole.values()):
+            raise BadInput(f"magpie count, seed, max_prompt_tokens and batch are whole numbers, got {whole}",
+                           option="magpie")
+        if self.count < 0 or self.max_prompt_tokens < 1 or self.batch < 1:
+            raise BadInput(f"magpie count must be >= 0, max_prompt_tokens and batch at least 1, got {whole}",
+                           option="magpie")
+        numbers = (self.temperature, self.top_p)
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers) \
+                or not 0 <= self.temperature < float("inf") or not 0 < self.top_p <= 1:
+            raise BadInput(f"magpie temperature must be >= 0 and top_p in (0, 1], got {self.temperature!r} and "
+                           f"{self.top_p!r}", option="magpie")
         if not isinstance(self.openings, list) or not all(isinstance(o, str) and o.strip() for o in self.openings):
             raise BadInput("magpie openings must be a list of non-empty strings", option="magpie")
 
