@@ -140,7 +140,8 @@ def add_heads_cmd(recipe, model, data, out, resume, overwrite, bundle, device, t
     spec = read_recipe(recipe) if recipe else {"settings": {}, "data": []}
     magpie = magpie_settings(spec["settings"].get("magpie"), options.pop("magpie_prompts"), options.pop("magpie_seed"))
     given = {k: v for k, v in options.items() if v is not None}
-    settings = TrainSettings(**{**spec["settings"], **given, "magpie": magpie})  # the CLI's options override the recipe's
+    # the CLI's options override the recipe's
+    settings = TrainSettings(**{**spec["settings"], **given, "magpie": magpie})
     model_name = model or spec.get("model") or DEFAULT_MODEL
     files = list(data) or spec["data"]
     set_threads(threads)
