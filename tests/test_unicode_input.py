@@ -103,3 +103,14 @@ def test_a_prompt_file_holding_an_encoded_surrogate_is_one_clear_error(capsys, t
     path.write_bytes(b"hello \xed\xbf\xbf")
     code, out, err = cli(capsys, "generate", "-m", tiny_folder, "--prompt-file", path)
     assert_one_line_exit_2(code, out, err, f"prompt file {path} is not UTF-8 text (byte 0xed at offset 6)")
+
+
+@pytest.mark.parametrize("line", ['{"text": "a \\ud800 b"}', '{"prompt": "x \\udfff"}',
+                                  '{"messages": [{"role": "user", "content": "\\ud800"}]}'])
+def test_training_data_that_is_not_valid_unicode_is_refused_naming_its_line(tmp_path, line):
+    from mtpctl.train.distill import read_records
+
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "fine text here"}\n' + line + "\n", encoding="utf-8")
+    with pytest.raises(BadInput, match=r"data.jsonl:2: .*not valid Unicode"):
+        read_records([data])

@@ -21,6 +21,7 @@ import torch
 from mtpctl.decode.attention import padded_batch_masks
 from mtpctl.errors import BadInput, HubUnreachable
 from mtpctl.model.decoder import Decoder
+from mtpctl.model.tokenizer import check_messages, check_text
 
 
 @dataclass
@@ -113,15 +114,29 @@ def _parse_jsonl(path: Path, content: str) -> List[Record]:
             raise BadInput(f"{path}:{number}: not a JSON object ({err.msg})") from err
         if not isinstance(row, dict):
             raise BadInput(f"{path}:{number}: expected an object with 'text', 'prompt' or 'messages'")
-        if isinstance(row.get("text"), str) and row["text"].strip():
-            out.append(Record(text=row["text"]))
-        elif isinstance(row.get("prompt"), str) and row["prompt"].strip():
-            out.append(Record(messages=[{"role": "user", "content": row["prompt"]}]))
-        elif isinstance(row.get("messages"), list) and row["messages"]:
-            out.append(Record(messages=row["messages"]))
-        else:
-            raise BadInput(f"{path}:{number}: expected a non-empty 'text', 'prompt' or 'messages' field")
+        try:
+            out.append(_record(row))
+        except BadInput as err:
+            raise BadInput(f"{path}:{number}: {err}") from err
     return out
+
+
+def _record(row: dict) -> Record:
+    """One JSONL object as a record, its text checked as a tokenizer takes it (valid Unicode).
+
+    Raises:
+        BadInput: no non-empty 'text', 'prompt' or 'messages' field, or text that is not valid Unicode.
+    """
+    if isinstance(row.get("text"), str) and row["text"].strip():
+        check_text(row["text"], "'text'")
+        return Record(text=row["text"])
+    if isinstance(row.get("prompt"), str) and row["prompt"].strip():
+        check_text(row["prompt"], "'prompt'")
+        return Record(messages=[{"role": "user", "content": row["prompt"]}])
+    if isinstance(row.get("messages"), list) and row["messages"]:
+        check_messages(row["messages"])
+        return Record(messages=row["messages"])
+    raise BadInput("expected a non-empty 'text', 'prompt' or 'messages' field")
 
 
 @dataclass
