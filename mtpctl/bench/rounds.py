@@ -45,11 +45,16 @@ def run_rounds(runners: Dict[str, Callable], prompts: Sequence[List[int]], round
     forget()
     out = []
     for number in range(1, rounds + 1):
-        def tell(line: str, number=number) -> None:
-            if progress:
-                progress(line.replace("round 1/1", f"round {number}/{rounds}", 1))
-        out.append(run_interleaved(runners, prompts, 1, warmup=False, progress=tell))
+        out.append(run_interleaved(runners, prompts, 1, warmup=False, progress=_round_progress(progress, number, rounds)))
     return out
+
+
+def _round_progress(progress: Optional[Callable[[str], None]], number: int, rounds: int) -> Callable[[str], None]:
+    """``progress`` for one round's runs: their "round 1/1" lines renamed to this round of ``rounds``."""
+    def tell(line: str) -> None:
+        if progress:
+            progress(line.replace("round 1/1", f"round {number}/{rounds}", 1))
+    return tell
 
 
 def run_batched_rounds(session, drafters: Dict[str, object], prompts: Sequence[List[int]], sizes: Sequence[int],
@@ -60,11 +65,8 @@ def run_batched_rounds(session, drafters: Dict[str, object], prompts: Sequence[L
     forget()
     out = []
     for number in range(1, rounds + 1):
-        def tell(line: str, number=number) -> None:
-            if progress:
-                progress(line.replace("round 1/1", f"round {number}/{rounds}", 1))
         out.append(run_batch_sizes(session, drafters, prompts, sizes, make_request, make_policy, acceptance,
-                                   progress=tell, rounds=1))
+                                   progress=_round_progress(progress, number, rounds), rounds=1))
     return out
 
 
