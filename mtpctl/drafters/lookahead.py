@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from mtpctl.decode.attention import MAX_DRAFT_DEPTH
 from mtpctl.decode.drafter import Drafter, TargetStep
+from mtpctl.decode.engine import StepOutput
 from mtpctl.decode.sampling import greedy_token
 from mtpctl.decode.tree import DraftTree, ExtraRows
 from mtpctl.errors import BadInput
@@ -230,7 +231,8 @@ class LookaheadDrafter(Drafter):
         layout = self._layout()
         top = len(self.levels) - 1
         rows = [0 if r < 0 else first + r for r in layout[top]]  # pass rows of the newest level, columns 0..
-        out.prefetch(rows)  # the newest level's logits in one lm_head call
+        if isinstance(out, StepOutput):  # the newest level's logits in one lm_head call (rows alone: read each)
+            out.prefetch(rows)
         new = [greedy_token(out[row]) for row in rows]
         levels = self.levels
         if top < self.settings.ngram - 2:  # warm-up: one level more, every level one column narrower
