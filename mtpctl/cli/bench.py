@@ -185,7 +185,9 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ro
         "int4_kernel": session.int4_kernel if torch_backend else None,
         "matmul_isa": session.matmul_isa if torch_backend else None,
         "device": session.device if torch_backend else None, "kernels": session.kernels if torch_backend else None,
-        "greedy_exactness": session.greedy_exactness if torch_backend else None}
+        "greedy_exactness": session.greedy_exactness if torch_backend else None,
+        "policy_table": next((m.pipeline.table.describe() for m in built.values()
+                              if getattr(m.pipeline, "table", None) is not None), None)}
     report = build_report(runs, prompts, weights, settings)
     if per_round is not None:  # the report of the last round, and every round's
         report["rounds"] = round_reports(per_round, prompts, weights, settings, drafters, start)

@@ -231,6 +231,7 @@ def _settings(pipeline: Pipeline) -> dict:
     draft_info = None if draft is None else {**draft.describe(), "draft_len": spec.draft.draft_len or "auto"}
     return {"model": str(session.folder), "speculate": pipeline.speculate, "draft": draft_info,
             "draft_len": drafter.budget if drafter else 0, "speculate_policy": spec.speculate_policy,
+            "policy_table": pipeline.table.describe() if pipeline.table is not None else None,
             "backend": spec.backend, "dtype": spec.dtype, "weights": spec.weights,
             "attention": session.attention if torch_backend else None,
             "int4_kernel": session.int4_kernel if torch_backend else None,

@@ -19,6 +19,7 @@ from mtpctl.backends import BACKENDS, open_session
 from mtpctl.backends.torch import set_threads
 from mtpctl.decode.drafter import Drafter
 from mtpctl.decode.loop import GenerationResult, Outcome
+from mtpctl.decode.cost_table import TableChoice, choose_table, measure_small, model_identity
 from mtpctl.decode.policy import POLICIES, Policy, make_policy
 from mtpctl.decode.sampling import SamplingParams
 from mtpctl.decode.session import ACCEPTANCE, GenerationRequest, Session
@@ -118,12 +119,16 @@ class Pipeline:
         session: the target's session.
         drafter: the drafter ``spec.speculate`` names, built for the session.
         parts: the parsed drafter spec (``()`` for plain decoding).
+        table: the pass-cost table the auto policy reads and where it came from (None: the policy
+            reads none, ``always`` or a session without packed passes; see
+            :func:`mtpctl.decode.cost_table.choose_table`).
     """
 
     spec: PipelineSpec
     session: Session
     drafter: Optional[Drafter]
     parts: Tuple[str, ...]
+    table: Optional[TableChoice] = None
 
     @property
     def speculate(self) -> str:
@@ -137,7 +142,7 @@ class Pipeline:
         Raises:
             BadInput: see :func:`mtpctl.decode.policy.make_policy`.
         """
-        return _policy(self.spec, self.session, self.parts)
+        return _policy(self.spec, self.session, self.parts, self.table)
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                  stop_strings: Sequence[str] = (), on_text: Optional[Callable[[str], None]] = None,
@@ -174,11 +179,23 @@ def assemble(spec: PipelineSpec = DEFAULTS, sampling: SamplingParams = SamplingP
     """
     names = check_spec(spec, shared.used if shared is not None else None)
     session = shared.session if shared is not None else open_target(spec)
-    _policy(spec, session, names)  # its cost table read before a long build
+    table = _table(spec, session)  # chosen (measured on first use) and read before a long build
+    _policy(spec, session, names, table)
     drafter = build(session, names, spec.draft, sampling, shared.parts if shared is not None else None, progress)
-    return Pipeline(spec, session, drafter, names)
+    return Pipeline(spec, session, drafter, names, table)
 
 
-def _policy(spec: PipelineSpec, session: Session, names: Sequence[str]) -> Policy:
-    """A fresh policy of ``spec`` for ``session``'s mode, priced at the drafter ``names``' measured cost."""
-    return make_policy(spec.speculate_policy, session.policy_mode, "+".join(names) or None)
+def _table(spec: PipelineSpec, session: Session) -> Optional[TableChoice]:
+    """The pass-cost table of the session's model and mode for the auto policy (None where the policy
+    reads none)."""
+    if spec.speculate_policy != "auto" or session.policy_mode is None or session.model is None:
+        return None
+    return choose_table(model_identity(session.model.cfg), session.policy_mode,
+                        lambda: measure_small(session, vocab=session.vocab_size))
+
+
+def _policy(spec: PipelineSpec, session: Session, names: Sequence[str], table: Optional[TableChoice]) -> Policy:
+    """A fresh policy of ``spec`` for ``session``'s mode, priced by ``table`` (None: this CPU's shipped
+    one) and the drafter ``names``' measured cost."""
+    costs, path = (table.costs, table.path) if table is not None else (None, None)
+    return make_policy(spec.speculate_policy, session.policy_mode, "+".join(names) or None, costs, path)

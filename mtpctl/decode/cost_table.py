@@ -1,0 +1,248 @@
+"""Which pass-cost table prices the auto speculation policy, and a small one measured on first use.
+
+A table (``mtpctl/data/pass_costs*.json``, or one cached under ``$MTPCTL_HOME/pass_costs``) records
+where it was measured (its ``source``): the model's shape (:func:`model_identity`: what a pass costs
+depends on the shape of the model, not on its weights' values), the CPU (its model name and the path
+the native matmuls take there), the threads, the commit and date. :func:`choose_table` picks, for a
+session's model and mode on this CPU:
+
+1. ``shipped``: a shipped table measured on a model of this shape, for this mode, on this CPU's kind
+   of matmuls (its ``matmul_isa``);
+2. ``cached``: a table measured here before for this model shape, mode, CPU and threads;
+3. ``measured-on-first-use``: else a small one measured now (a few pass sizes and repetitions,
+   bounded by :data:`BUDGET_S` seconds), cached (written atomically) and used;
+4. ``borrowed``: with :data:`SWITCH` set to ``off``, no measuring: the shipped table of this CPU's
+   kind, measured on another model.
+
+A cached table that does not read is refused (BadInput naming the file), left as it is.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+
+from mtpctl.decode.policy import PassCosts, costs_file, load_costs
+from mtpctl.decode.tree import DraftTree
+from mtpctl.errors import BadInput
+from mtpctl.files import mtpctl_home, write_file
+from mtpctl.model.native import matmul_isa
+
+#: environment variable: ``off`` (or 0, false, no) stops measuring a table on first use
+SWITCH = "MTPCTL_MEASURE_POLICY"
+#: the seconds a first-use measurement aims to stay within (its smallest plan runs whatever it costs)
+BUDGET_S = 5.0
+#: the format of the tables' JSON (4: a ``source`` records where the table was measured)
+TABLE_VERSION = 4
+#: the measurement plans, largest first: (request counts, draft-node counts, repetitions)
+PLANS = (((1, 2, 4, 8), (2, 4, 8), 3), ((1, 2, 4), (2, 4), 2), ((1, 4), (4,), 1))
+CONTEXT = 64  # committed tokens per sequence before a measured pass
+TREE_NODES = 4  # draft nodes per request in a measured pass
+
+
+@dataclass(frozen=True)
+class TableChoice:
+    """The table the auto policy reads and where it came from.
+
+    Attributes:
+        source: ``shipped``, ``cached``, ``measured-on-first-use`` or ``borrowed``.
+        path: the table's file.
+        costs: its pass costs for ``mode``.
+        mode: the numeric mode.
+        model: the model the table was measured on (its recorded source's ``model``).
+        cpu: the CPU it was measured on (model name and matmul path).
+    """
+
+    source: str
+    path: Path
+    costs: PassCosts
+    mode: str
+    model: dict
+    cpu: str
+
+    def describe(self) -> dict:
+        """The ``policy_table`` field of a JSON result."""
+        return {"source": self.source, "model": self.model, "mode": self.mode, "cpu": self.cpu, "path": str(self.path)}
+
+
+def model_identity(cfg) -> dict:
+    """What identifies a model's pass costs: its config's type and shape (a DecoderConfig)."""
+    return {"model_type": cfg.model_type, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+            "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
+            "vocab_size": cfg.vocab_size}
+
+
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo (or platform's answer)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def table_source(identity: dict, name: Optional[str] = None, threads: Optional[int] = None,
+                 commit: Optional[str] = None) -> dict:
+    """The ``source`` a table measured here now records: model identity (and ``name``, for people),
+    CPU, matmul path, threads, torch, commit and date."""
+    return {"model": {**identity, **({"name": name} if name else {})}, "cpu": cpu_name(), "matmul_isa": matmul_isa(),
+            "threads": threads or torch.get_num_threads(), "torch": torch.__version__, "commit": commit,
+            "date": datetime.date.today().isoformat()}
+
+
+def measuring_on() -> bool:
+    """Whether :data:`SWITCH` leaves first-use measuring on (unset, or anything but 0/false/off/no)."""
+    return os.environ.get(SWITCH, "on").strip().lower() not in ("0", "false", "off", "no")
+
+
+def read_source(path: Path) -> dict:
+    """The ``source`` a table file records ({} where it records none or does not read)."""
+    try:
+        return dict(json.loads(Path(path).read_text(encoding="utf-8")).get("source") or {})
+    except (OSError, ValueError, AttributeError, TypeError):
+        return {}
+
+
+def _same_model(source: dict, identity: dict) -> bool:
+    """Whether a table's source was measured on a model of ``identity``'s shape."""
+    recorded = source.get("model") or {}
+    return isinstance(recorded, dict) and all(recorded.get(k) == v for k, v in identity.items())
+
+
+def _cpu_label(source: dict) -> str:
+    return f"{source.get('cpu', 'unknown')} ({source.get('matmul_isa')}, {source.get('threads')} threads)"
+
+
+def cache_path(identity: dict, mode: str, threads: int) -> Path:
+    """Where the table of this model shape, mode, CPU and threads is cached."""
+    key = json.dumps([identity, mode, cpu_name(), matmul_isa(), threads], sort_keys=True)
+    return mtpctl_home() / "pass_costs" / f"{mode}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def choose_table(identity: dict, mode: str, measure: Optional[Callable[[], PassCosts]] = None) -> TableChoice:
+    """The table for a model of ``identity`` in ``mode`` here (see the module's docstring); ``measure``
+    measures one now (None: never measure, borrow).
+
+    Raises:
+        BadInput: a shipped table that does not read, or a damaged cached one (left as it is).
+    """
+    shipped = costs_file()
+    source = read_source(shipped)
+    if _same_model(source, identity) and source.get("matmul_isa") == matmul_isa():
+        return TableChoice("shipped", shipped, load_costs(mode, shipped), mode, source.get("model"), _cpu_label(source))
+    threads = torch.get_num_threads()
+    cached = cache_path(identity, mode, threads)
+    if cached.is_file():
+        try:
+            costs = load_costs(mode, cached)
+        except BadInput as err:
+            raise BadInput(f"the pass-cost table cached at {cached} is damaged ({err}): delete it to measure "
+                           "it again", option="speculate_policy") from err
+        own = read_source(cached)
+        return TableChoice("cached", cached, costs, mode, own.get("model"), _cpu_label(own))
+    if measure is None or not measuring_on():
+        return TableChoice("borrowed", shipped, load_costs(mode, shipped), mode, source.get("model"),
+                           _cpu_label(source))
+    costs = measure()
+    own = table_source(identity, threads=threads)
+    _cache(cached, table_document({mode: costs_entry(costs)}, own, "measured on first use"))
+    return TableChoice("measured-on-first-use", cached, costs, mode, own["model"], _cpu_label(own))
+
+
+def _cache(path: Path, document: dict) -> None:
+    """Write a measured table to ``path`` atomically; where the cache cannot be written, the table is
+    used uncached (measured again next time)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_file(path, json.dumps(document, indent=1) + "\n")
+    except (OSError, BadInput):
+        pass
+
+
+def costs_entry(costs: PassCosts) -> dict:
+    """A mode's entry of a table file."""
+    return {"rows": list(costs.rows), "ms": [round(m, 3) for m in costs.ms], "nodes": list(costs.nodes),
+            "node_ms": [[round(m, 3) for m in row] for row in costs.node_ms]}
+
+
+def table_document(modes: Dict[str, dict], source: dict, command: str, context: int = CONTEXT) -> dict:
+    """A table file's JSON: its modes' entries and where they were measured."""
+    return {"version": TABLE_VERSION,
+            "what": "ms of one verify pass (logits of every row read), per numeric mode: ms of S one-row requests "
+                    "(S in rows), node_ms[S][E] what E draft nodes (E in nodes) add to it (median of paired "
+                    "differences)",
+            "command": command, "source": source, "context": context, "modes": modes}
+
+
+def tree_parents(n: int) -> list:
+    """A root, a spine of depth 2 under its first child, and the rest as the root's children."""
+    return [-1, 0, 1][:n] + [0] * max(0, n - 3)
+
+
+def with_nodes(requests: int, nodes: int) -> list:
+    """The draft trees of a pass of ``requests`` requests carrying ``nodes`` draft nodes: trees of up to
+    :data:`TREE_NODES` nodes on the first requests, one-row requests after them."""
+    drafting = min(requests, max(1, -(-nodes // TREE_NODES))) if nodes else 0
+    counts = [nodes // drafting + (i < nodes % drafting) for i in range(drafting)] + [0] * (requests - drafting)
+    return [DraftTree.from_parents([5] * (n + 1), tree_parents(n + 1)) for n in counts]
+
+
+def time_pass(session, engines: Sequence, trees: Sequence) -> float:
+    """ms of one packed pass of ``trees`` over ``engines`` with every row's logits read."""
+    start = time.perf_counter()
+    outs = session.verify_together(engines, trees)
+    for out, tree in zip(outs, trees):
+        out.prefetch(range(len(tree)))
+    for out, tree in zip(outs, trees):
+        for i in range(len(tree)):
+            out[i]
+    return (time.perf_counter() - start) * 1e3
+
+
+def measure_small(session, budget_s: float = BUDGET_S, vocab: int = 1000) -> PassCosts:
+    """A small table for ``session`` (a session whose ``verify_together`` packs requests): the largest
+    of :data:`PLANS` whose passes, priced by one timed pass of the most rows, fit ``budget_s``."""
+    engines = []
+    for i in range(8):
+        engine = session.new_engine(CONTEXT + 12)
+        engine.prefill([(100 + 7 * i + j) % (vocab - 1) + 1 for j in range(CONTEXT)])
+        engines.append(engine)
+    time_pass(session, engines[:1], with_nodes(1, 0))  # warm-up
+    big = time_pass(session, engines, with_nodes(8, 8)) / 1e3
+    rows, nodes, reps = next((p for p in PLANS if big * _passes(*p) <= budget_s), PLANS[-1])
+    return _measure(session, engines, rows, nodes, reps)
+
+
+def _passes(rows: Tuple[int, ...], nodes: Tuple[int, ...], reps: int) -> int:
+    """Passes a plan times: a warm-up of each, then each pair ``reps`` times."""
+    return len(rows) * (len(nodes) + 1) + 2 * reps * len(rows) * len(nodes)
+
+
+def _measure(session, engines: Sequence, rows: Tuple[int, ...], nodes: Tuple[int, ...], reps: int) -> PassCosts:
+    """The medians of one plan: plain passes, and what the nodes add (paired, in turn first and last)."""
+    for s in rows:
+        for e in (0,) + nodes:
+            time_pass(session, engines[:s], with_nodes(s, e))
+    plain = {s: [] for s in rows}
+    added = {(s, e): [] for s in rows for e in nodes}
+    for rep in range(reps):
+        for s in rows:
+            for e in nodes:
+                order = (0, e) if rep % 2 == 0 else (e, 0)
+                t = {n: time_pass(session, engines[:s], with_nodes(s, n)) for n in order}
+                added[s, e].append(t[e] - t[0])
+                plain[s].append(t[0])
+    return PassCosts(rows, tuple(statistics.median(plain[s]) for s in rows), nodes,
+                     tuple(tuple(statistics.median(added[s, e]) for e in nodes) for s in rows))
