@@ -39,6 +39,7 @@ from safetensors.torch import save as safetensors_bytes
 from mtpctl.decode.attention import MAX_DRAFT_DEPTH
 from mtpctl.decode.drafter import Drafter, TargetStep
 from mtpctl.decode.tree import DraftTree
+from mtpctl.drafters.merged import MergedDrafter
 from mtpctl.drafters.suffix_index import GrowingIndex, SuffixIndex
 from mtpctl.errors import BadInput
 from mtpctl.files import write_file
@@ -367,7 +368,8 @@ def suffix_member(drafter) -> Optional[SuffixDrafter]:
     """The suffix drafter inside ``drafter`` (alone or merged), or None."""
     if isinstance(drafter, SuffixDrafter):
         return drafter
-    return next((m for m in map(suffix_member, getattr(drafter, "drafters", ())) if m is not None), None)
+    members = drafter.drafters if isinstance(drafter, MergedDrafter) else ()
+    return next((m for m in map(suffix_member, members) if m is not None), None)
 
 
 def save_cache(drafter) -> Optional[Path]:
