@@ -13,7 +13,9 @@ the plain pass timed next to it (before it and after it in turn): paired, so the
 more than the difference) cancels. The policy reads both (:class:`mtpctl.decode.policy.PassCosts`).
 
 Prints a Markdown table (ms) and, with ``--write FILE``, stores the tables as JSON
-(``mtpctl/data/pass_costs.json`` is the one the CLI and library read):
+(``mtpctl/data/pass_costs.json`` is the one the CLI and library read on an AVX512-BF16 CPU), each
+table recording its ``source``: the model's identity (its config's shape), CPU, matmul path,
+threads, commit and date (see :mod:`mtpctl.decode.cost_table` for how the policy picks one):
 
     python benchmarks/bench_pass_costs.py --modes float32,bfloat16,int4 --threads 2 --write mtpctl/data/pass_costs.json
 """
@@ -25,6 +27,7 @@ import json
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -32,7 +35,7 @@ import torch
 
 from bench_verify import tree_parents  # the tree shape bench_verify times (this folder)
 from mtpctl.backends.torch import TorchSession
-from mtpctl.bench.harness import cpu_model
+from mtpctl.decode.cost_table import model_identity, table_document, table_source
 from mtpctl.decode.tree import DraftTree
 from mtpctl.files import write_file
 from mtpctl.model.sources import resolve_model
@@ -118,15 +121,17 @@ def main(argv=None) -> None:
         for s in rows:
             print(f"| {mode} | {s} | {plain[s]:.1f} | " + " | ".join(f"{added[s, e]:+.1f}" for e in nodes) + " |")
     if args.write:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        doc = {"version": 3, "what": "ms of one verify pass (logits of every row read), per numeric mode: ms of S "
-                                     "one-row requests (S in rows), node_ms[S][E] what E draft nodes (E in nodes) "
-                                     "add to it (median of paired differences)",
-               "command": "python benchmarks/bench_pass_costs.py " + " ".join(argv or __import__("sys").argv[1:]),
-               "machine": f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-                          f"Python {platform.python_version()}",
-               "model": args.model, "context": args.context, "commit": commit or None, "modes": table}
-        write_file(Path(args.write), json.dumps(doc, indent=1) + "\n")
+        write_table(Path(args.write), table, model_identity(session.model.cfg), args, argv)
+
+
+def write_table(path: Path, modes: dict, identity: dict, args, argv) -> None:
+    """Store the measured ``modes`` at ``path`` with their source: the model's identity (its config's
+    shape, and the name it was given), the CPU, matmul path, threads, torch, Python, commit and date."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    source = {**table_source(identity, args.model, torch.get_num_threads(), commit or None),
+              "python": platform.python_version()}
+    command = "python benchmarks/bench_pass_costs.py " + " ".join(argv or sys.argv[1:])
+    write_file(path, json.dumps(table_document(modes, source, command, args.context), indent=1) + "\n")
 
 
 if __name__ == "__main__":
