@@ -231,7 +231,8 @@ def _passes(rows: Tuple[int, ...], nodes: Tuple[int, ...], reps: int) -> int:
 
 
 def _measure(session, engines: Sequence, rows: Tuple[int, ...], nodes: Tuple[int, ...], reps: int) -> PassCosts:
-    """The medians of one plan: plain passes, and what the nodes add (paired, in turn first and last)."""
+    """The medians of one plan, ms to 3 places as stored: plain passes, and what the nodes add (paired, in
+    turn first and last)."""
     for s in rows:
         for e in (0,) + nodes:
             time_pass(session, engines[:s], with_nodes(s, e))
@@ -244,5 +245,5 @@ def _measure(session, engines: Sequence, rows: Tuple[int, ...], nodes: Tuple[int
                 t = {n: time_pass(session, engines[:s], with_nodes(s, n)) for n in order}
                 added[s, e].append(t[e] - t[0])
                 plain[s].append(t[0])
-    return PassCosts(rows, tuple(statistics.median(plain[s]) for s in rows), nodes,
-                     tuple(tuple(statistics.median(added[s, e]) for e in nodes) for s in rows))
+    return PassCosts(rows, tuple(round(statistics.median(plain[s]), 3) for s in rows), nodes,
+                     tuple(tuple(round(statistics.median(added[s, e]), 3) for e in nodes) for s in rows))
