@@ -133,3 +133,18 @@ def test_a_damaged_cache_is_one_line_error_in_the_cli(capsys, tiny_folder):
     out, err = capsys.readouterr()
     assert code == 2 and "damaged" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert pipeline.table.path.read_text() == "{not json"
+
+
+def test_bench_json_says_which_table_decided(capsys, tiny_folder, tmp_path):
+    _native(tiny_folder)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"category": "copy", "prompt": "abc abc abc abc"}))
+    capsys.readouterr()
+    code = main(["bench", "--model", str(tiny_folder), "--prompts", str(prompts), "--max-new-tokens", "6",
+                 "--repeats", "1", "--json", str(tmp_path / "b.json")])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    report = json.loads((tmp_path / "b.json").read_text())
+    settings = report.get("settings", report)
+    assert settings["policy_table"]["source"] in ("measured-on-first-use", "cached")
+    assert settings["policy_table"]["mode"] == "float32"
