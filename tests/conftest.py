@@ -4,12 +4,16 @@ their GGUF files; imported once into $MTPCTL_HOME)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+# tests decode under the shipped pass-cost table unless they ask for measuring (tests/test_policy_tables.py
+# turns it back on): a fresh $MTPCTL_HOME per test would otherwise measure a table for each tiny model
+os.environ.setdefault("MTPCTL_MEASURE_POLICY", "off")
 
 from helpers import PROMPT, greedy_reference, random_decoder, write_tiny_checkpoint  # noqa: E402
 

@@ -131,6 +131,10 @@ def test_a_damaged_cache_is_one_line_error_in_the_cli(capsys, tiny_folder):
     capsys.readouterr()
     code = main(["generate", "--model", str(tiny_folder), "--json", "--max-new-tokens", "4", "abc"])
     out, err = capsys.readouterr()
+    assert code == 0 and json.loads(out)["policy_table"] is None  # plain decoding decides no draft sizes: no table
+    code = main(["generate", "--model", str(tiny_folder), "--json", "--max-new-tokens", "4", "--speculate", "ngram",
+                 "abc"])
+    out, err = capsys.readouterr()
     assert code == 2 and "damaged" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert pipeline.table.path.read_text() == "{not json"
 

@@ -32,11 +32,14 @@ Examples:
 Environment:
   MTPCTL_HOME              cache root (default $XDG_CACHE_HOME/mtpctl, else ~/.cache/mtpctl): models/
                            and gguf/ (imported models), hub/, work/ (add-heads' cached features and
-                           --resume checkpoints) and kernels/ (the native kernel library); all but
+                           --resume checkpoints), kernels/ (the native kernel library) and
+                           pass_costs/ (the auto policy's tables measured on first use); all but
                            models/ and gguf/ are rebuilt when deleted
   CC                       C compiler (may carry arguments, e.g. "ccache gcc") for the native kernels
                            (attention, RMSNorm, RoPE, int4); default cc
   MTPCTL_NATIVE_KERNELS    0, false, off or no: torch's ops instead of the native kernels
+  MTPCTL_MEASURE_POLICY    off: the auto policy never measures a pass-cost table for a model without
+                           one, it borrows the shipped table of this CPU's kind
   MTPCTL_DEBUG             1: as --debug
 """)
 @click.version_option(__version__, prog_name="mtpctl")

@@ -179,7 +179,7 @@ def assemble(spec: PipelineSpec = DEFAULTS, sampling: SamplingParams = SamplingP
     """
     names = check_spec(spec, shared.used if shared is not None else None)
     session = shared.session if shared is not None else open_target(spec)
-    table = _table(spec, session)  # chosen (measured on first use) and read before a long build
+    table = _table(spec, session) if names else None  # chosen (measured on first use) before a long build
     _policy(spec, session, names, table)
     drafter = build(session, names, spec.draft, sampling, shared.parts if shared is not None else None, progress)
     return Pipeline(spec, session, drafter, names, table)
@@ -187,7 +187,8 @@ def assemble(spec: PipelineSpec = DEFAULTS, sampling: SamplingParams = SamplingP
 
 def _table(spec: PipelineSpec, session: Session) -> Optional[TableChoice]:
     """The pass-cost table of the session's model and mode for the auto policy (None where the policy
-    reads none)."""
+    reads none; :func:`assemble` asks only where a drafter is built: plain decoding decides no draft
+    sizes, so it never measures one)."""
     if spec.speculate_policy != "auto" or session.policy_mode is None or session.model is None:
         return None
     return choose_table(model_identity(session.model.cfg), session.policy_mode,
