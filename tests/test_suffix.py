@@ -200,6 +200,18 @@ def test_forks_share_the_global_index_and_finished_responses_teach_it():
     assert tree.tokens == [20, 21, 22, 23]  # match 12 13 20 (3 tokens, factor 1): 3 nodes
 
 
+def test_a_long_response_served_again_is_drafted_a_whole_budget_at_every_step():
+    """Past the index's depth the match is held short enough for the draft to fit below it: a response
+    of 150 tokens served again drafts its next 8 tokens at every position, not 1 once the context's
+    match would reach the depth."""
+    drafter = SuffixDrafter(SuffixSettings(max_depth=32, nodes=8))
+    prompt, output = list(range(1000, 1020)), list(range(2000, 2150))
+    drafter.fork().finished(prompt, output)
+    again = drafter.fork()
+    for k in range(8, 140):
+        assert again.propose(prompt + output[:k], 8).tokens[1:] == output[k:k + 8], k
+
+
 def test_a_drafter_reused_without_forks_starts_over_on_another_request():
     drafter = SuffixDrafter(SuffixSettings(prompt_tail=0))
     assert drafter.propose([1, 2, 3, 1, 2], 8).tokens == [2, 3, 1]

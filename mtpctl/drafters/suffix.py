@@ -9,7 +9,8 @@ request of the process (a batch, a benchmark's rounds, a library ``LLM`` across 
 nodes (oldest responses evicted first) and optionally kept in a file between runs.
 
 Each step, in each index, the longest suffix of the context that occurred before with a continuation
-(up to ``max_depth - 1`` tokens, found by binary search over its length: a pattern that occurs with a
+(up to ``max_depth - budget`` tokens, so that the index's depth leaves the draft room for a whole
+budget below the match; found by binary search over its length: a pattern that occurs with a
 continuation has every suffix occurring with one too) is the match. Its continuations are expanded
 best-first by estimated probability (the product of count(child) / count(parent) along the path,
 occurrences cut off by the end of the context not counted), down to ``min_prob``, to at most
@@ -285,7 +286,8 @@ class SuffixDrafter(Drafter):
     def _draft(self, index, context: Sequence[int]) -> Optional[_Draft]:
         """The best-first draft from ``index`` (a :class:`GrowingIndex` or :class:`SuffixIndex`) after
         the longest match of ``context``'s suffix; None when nothing matches or nothing is likely."""
-        length, place = longest_match(index, context, self.settings.max_depth - 1)
+        # a match of L tokens leaves max_depth - L below it: the longest match the draft still fits under
+        length, place = longest_match(index, context, max(1, self.settings.max_depth - self.budget))
         cap = min(self.budget, int(self.settings.factor * length))
         if place is None or cap < 1 or length < self.settings.min_match:
             return None
