@@ -144,11 +144,11 @@ def generate_cmd(prompt, prompt_file, batch_file, max_batch, out_path, speculate
     on_text = None if as_json else _stream
     result = session.generate(prompt_ids, max_new_tokens, sampling, drafter, stop_strings, on_text,
                               options["acceptance"], policy)
+    if not as_json:
+        _stream("\n")  # the text's end before any figures reach the terminal
     fields = _finish_suffix(drafter, fields, echo=stats)
     if as_json:
         _stream(json.dumps(_result_fields(result, fields)) + "\n")
-    else:
-        _stream("\n")
     if stats:
         click.echo(format_stats(result.stats.to_dict()), err=True)
 
