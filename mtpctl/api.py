@@ -66,6 +66,8 @@ class LLM:
         if items and isinstance(items[0], dict):
             return self.session.codec.encode_messages(items)
         try:
+            if any(isinstance(i, bool) for i in items):
+                raise TypeError("True and False are not token ids")
             ids = [operator.index(i) for i in items]
         except TypeError as err:
             raise BadInput(f"a prompt of token ids must hold integers ({err})") from err
@@ -88,7 +90,10 @@ class LLM:
         Raises:
             BadInput: an empty prompt, one that does not fit the context, or bad settings.
         """
-        sampling = SamplingParams(temperature, top_k, top_p, seed)
+        try:
+            sampling = SamplingParams(temperature, top_k, top_p, seed)
+        except ValueError as err:
+            raise BadInput(str(err)) from err
         return self.pipeline.generate(self.encode(prompt, chat), max_new_tokens, sampling, stop, on_text, acceptance)
 
     def generate_batch(self, requests: Sequence[GenerationRequest], max_batch: int = 8,

@@ -119,7 +119,10 @@ def write_file(path: Path, data: Union[str, bytes]) -> None:
     folder = path.parent if str(path.parent) else Path(".")
     if path.is_dir() or not folder.is_dir():
         raise BadInput(f"cannot write {path}: its folder does not exist, or it is a folder")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=str(folder))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=str(folder))
+    except OSError as err:
+        raise BadInput(f"cannot write {path}: {err.strerror or err}") from err
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data.encode("utf-8") if isinstance(data, str) else data)

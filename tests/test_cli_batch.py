@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from helpers import assert_one_line_exit_2
 from mtpctl.cli.main import main
 
 
@@ -72,6 +73,23 @@ def test_batch_results_go_atomically_to_out(capsys, tiny_folder, tmp_path):
     assert code == 0 and out == ""
     assert json.loads(out_file.read_text())["line"] == 1
     assert {p.name for p in tmp_path.iterdir()} <= {"batch.jsonl", "results.jsonl", "home"}  # no temporary left
+
+
+def test_out_replaces_an_existing_file_only_with_overwrite(capsys, tiny_folder, tmp_path):
+    path = tmp_path / "batch.jsonl"
+    path.write_text('{"prompt": "hello", "max_new_tokens": 4}\n')
+    code, out, err = cli(capsys, "generate", "-m", tiny_folder, "--batch-file", path, "--out", path)
+    assert_one_line_exit_2(code, out, err, "exists: pass --overwrite")
+    assert path.read_text() == '{"prompt": "hello", "max_new_tokens": 4}\n'  # the input is left as it was
+    code, out, err = cli(capsys, "generate", "-m", tiny_folder, "--batch-file", path, "--out", path, "--overwrite")
+    assert code == 0 and json.loads(path.read_text())["line"] == 1
+
+
+@pytest.mark.parametrize("setting", [("--seed", 2 ** 64), ("--temperature", "nan"), ("--temperature", "inf"),
+                                     ("--top-p", "nan")])
+def test_sampling_values_out_of_range_are_bad_input(capsys, tiny_folder, setting):
+    code, out, err = cli(capsys, "generate", "-m", tiny_folder, "--max-new-tokens", 4, *setting, "hi")
+    assert_one_line_exit_2(code, out, err, "must be")
 
 
 @pytest.mark.parametrize("args, fragment", [

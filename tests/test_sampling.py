@@ -140,3 +140,10 @@ def test_sampled_exact_acceptance_follows_the_target_and_accepts_with_p():
     assert chi_square_rejects(first, {0: 0.48, 1: 0.05, 2: 0.27, 3: 0.2})  # power: a 2% shift is seen
     assert not chi_square_rejects(Counter(accepted=accepted, rejected=20000 - accepted),
                                   {"accepted": 0.25, "rejected": 0.75})
+
+
+def test_a_tiny_temperature_samples_the_argmax_not_noise():
+    logits = torch.tensor([0.5, 2.0, -1.0, 1.9])
+    for temperature in (1e-45, 1e-300, 1e-30):
+        probs = probs_from_logits(logits, SamplingParams(temperature=temperature))
+        assert probs.tolist() == [0.0, 1.0, 0.0, 0.0], temperature

@@ -85,6 +85,7 @@ Examples:
               help="With --batch-file: the most requests decoded at once (continuous batching).")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False),
               help="With --batch-file: write the results to this file (atomically) instead of stdout.")
+@click.option("--overwrite", is_flag=True, help="With --out: replace the file if it exists.")
 @click.option("--speculate", default="none", show_default=True,
               help="Drafter: none (plain decoding), or one or more of heads (MTP heads, --heads), draft (a draft "
                    "model or the target's own layers, --draft), ngram (prompt lookup, a chain of --draft-len tokens), "
@@ -106,8 +107,8 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, ids, stats) instead of text.")
 @click.option("--stats", is_flag=True, help="Print speculation and speed figures to stderr.")
 @debug_option
-def generate_cmd(prompt, prompt_file, batch_file, max_batch, out_path, speculate, max_new_tokens, stop_strings, no_chat,
-                 parse_special, as_json, stats, debug, **options) -> None:
+def generate_cmd(prompt, prompt_file, batch_file, max_batch, out_path, overwrite, speculate, max_new_tokens, stop_strings,
+                 no_chat, parse_special, as_json, stats, debug, **options) -> None:
     """Generate text from PROMPT ('-' reads stdin), streaming it to stdout; or every request of
     --batch-file, many at once.
 
@@ -124,7 +125,7 @@ def generate_cmd(prompt, prompt_file, batch_file, max_batch, out_path, speculate
     spec = pipeline_spec_from(options, speculate)
     check_spec(spec)  # before the model loads
     if out_path:
-        check_writable(Path(out_path))
+        _check_out(Path(out_path), overwrite)
     sampling = sampling_from(options)
     pipeline = assemble(spec, sampling, progress=lambda line: click.echo(f"mtpctl: {line}", err=True))
     session, drafter, policy = pipeline.session, pipeline.drafter, pipeline.new_policy()
@@ -163,6 +164,13 @@ def _finish_suffix(drafter, fields: dict, echo: bool) -> dict:
     if echo:
         click.echo(f"mtpctl: {stats_line(figures)}", err=True)
     return {**fields, "suffix_index": figures}
+
+
+def _check_out(path: Path, overwrite: bool) -> None:
+    """``--out`` can be written, and replaces an existing file only with ``--overwrite``."""
+    if path.exists() and not overwrite:
+        raise BadInput(f"--out {path} exists: pass --overwrite to replace it")
+    check_writable(path)
 
 
 def _refuse_with_batch(prompt, prompt_file, as_json, stats) -> None:

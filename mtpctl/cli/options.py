@@ -163,8 +163,16 @@ def sampling_options(f):
 
 
 def sampling_from(options: dict) -> SamplingParams:
-    """The sampling settings of :func:`sampling_options`' values."""
-    return SamplingParams(options["temperature"], options["top_k"], options["top_p"], options["seed"])
+    """The sampling settings of :func:`sampling_options`' values.
+
+    Raises:
+        BadInput: a value :class:`SamplingParams` refuses (a temperature that is not finite, a seed
+            out of range, ...), naming it.
+    """
+    try:
+        return SamplingParams(options["temperature"], options["top_k"], options["top_p"], options["seed"])
+    except ValueError as err:
+        raise BadInput(str(err)) from err
 
 
 def drafter_options(f):

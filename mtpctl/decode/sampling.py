@@ -74,7 +74,10 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     """
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(torch.float32)
-    logits = logits.float() / params.temperature
+    # shifted so the max is 0 and divided in float64: a tiny temperature (1e-45, 1e-300) sends the others
+    # to -inf, where float32 would turn every logit into +-inf or 0/0 (NaN after softmax)
+    logits = logits.double()
+    logits = ((logits - logits.max(-1, keepdim=True).values) / params.temperature).float()
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
