@@ -29,7 +29,7 @@ from typing import Callable, List
 import torch
 
 import readme_figures
-from mtpctl.bench.harness import cpu_model
+from mtpctl.decode.cost_table import cpu_name
 from mtpctl.bench.vllm_peer import vllm_python
 from mtpctl.model.native import matmul_isa
 
@@ -191,7 +191,7 @@ def recipe_section(heads: str) -> str:
 
 
 def machine() -> str:
-    return (f"{cpu_model()}, {os.cpu_count()} logical CPUs (native matmul: {matmul_isa() or 'none'}), {THREADS} "
+    return (f"{cpu_name()}, {os.cpu_count()} logical CPUs (native matmul: {matmul_isa() or 'none'}), {THREADS} "
             f"threads, torch {torch.__version__}, Python {platform.python_version()}")
 
 

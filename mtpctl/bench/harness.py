@@ -18,7 +18,6 @@ affects all methods alike. Figures (glossary in docs/glossary.md):
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,17 +75,6 @@ class MethodRuns:
     name: str
     results: List[GenerationResult] = field(default_factory=list)
     prompt_index: List[int] = field(default_factory=list)
-
-
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (or platform's answer)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def percentile(values: Sequence[float], q: float) -> Optional[float]:

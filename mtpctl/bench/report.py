@@ -11,7 +11,8 @@ import platform
 from pathlib import Path
 from typing import Dict, Optional
 
-from mtpctl.bench.harness import cpu_model, summarize
+from mtpctl.bench.harness import summarize
+from mtpctl.decode.cost_table import cpu_name
 from mtpctl.errors import BadInput, GateFailed
 from mtpctl.files import write_file
 
@@ -45,7 +46,7 @@ def build_report(runs, prompts, weight_bytes: Dict[str, int], settings: dict) ->
             cat[0] += result.stats.new_tokens
             cat[1] += result.stats.total_ms
     per_category = {c: {n: t / (ms / 1e3) if ms else 0.0 for n, (t, ms) in m.items()} for c, m in categories.items()}
-    machine = {"cpu": cpu_model(), "logical_cpus": os.cpu_count(), "threads": torch.get_num_threads(),
+    machine = {"cpu": cpu_name(), "logical_cpus": os.cpu_count(), "threads": torch.get_num_threads(),
                "torch": torch.__version__, "python": platform.python_version()}
     return {"format_version": 1, "settings": settings, "machine": machine, "methods": methods,
             "tokens_per_s_by_category": per_category}
