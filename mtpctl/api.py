@@ -115,7 +115,8 @@ def load(model: str = DEFAULTS.model, speculate: str = DEFAULTS.speculate, heads
          acceptance: str = DEFAULTS.acceptance, **drafter_settings) -> LLM:
     """Load ``model`` (an alias, checkpoint folder, .gguf file or hub id; an ``mtpctl export`` folder
     for the ``onnxruntime`` and ``tensorrt`` backends) and the drafter ``speculate`` names
-    (``none``, ``ngram``, ``heads``, ``retrieval``, ``draft``, ``lookahead``, or several joined by ``+``),
+    (``none``, ``ngram``, ``heads``, ``retrieval``, ``suffix``, ``draft``, ``lookahead``, or several joined by
+    ``+``),
     as ``mtpctl generate`` does with the same settings (:func:`mtpctl.drafters.pipeline.assemble`).
 
     Args:
