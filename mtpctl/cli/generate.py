@@ -128,23 +128,21 @@ def generate_cmd(prompt, prompt_file, batch_file, max_batch, out_path, overwrite
         _check_out(Path(out_path), overwrite)
     sampling = sampling_from(options)
     pipeline = assemble(spec, sampling, progress=lambda line: click.echo(f"mtpctl: {line}", err=True))
-    session, drafter, policy = pipeline.session, pipeline.drafter, pipeline.new_policy()
+    session, drafter = pipeline.session, pipeline.drafter
     fields = _settings(pipeline)
     if fields["draft"] is not None:
         click.echo(draft_line(fields["draft"]), err=True)
     if batch_file is not None:
         data = sys.stdin.buffer.read() if batch_file == "-" else _read_bytes(batch_file)
         records = read_records(data, max_new_tokens, sampling, tuple(stop_strings))
-        failed = _run_batch(session, records, drafter, policy, max_batch, no_chat, parse_special, fields, out_path,
-                            options["acceptance"])
+        failed = _run_batch(pipeline, records, max_batch, no_chat, parse_special, fields, out_path)
         _finish_suffix(drafter, fields, echo=True)
         if failed:
             raise BadInput(f"{failed} of {len(records)} requests failed (their lines hold the errors)")
         return
     prompt_ids = session.encode(text, chat=not no_chat, parse_special=parse_special)
     on_text = None if as_json else _stream
-    result = session.generate(prompt_ids, max_new_tokens, sampling, drafter, stop_strings, on_text,
-                              options["acceptance"], policy)
+    result = pipeline.generate(prompt_ids, max_new_tokens, sampling, stop_strings, on_text)
     if not as_json:
         _stream("\n")  # the text's end before any figures reach the terminal
     fields = _finish_suffix(drafter, fields, echo=stats)
@@ -188,14 +186,13 @@ def _read_bytes(path: str) -> bytes:
         raise BadInput(f"cannot read batch file {path}: {err.strerror or err}") from err
 
 
-def _run_batch(session, records, drafter, policy, max_batch, no_chat, parse_special, fields, out_path,
-               acceptance) -> int:
+def _run_batch(pipeline, records, max_batch, no_chat, parse_special, fields, out_path) -> int:
     """Generate every usable record, write one line per record in input order; the number that failed.
 
     Whatever goes wrong with one record (reading it, tokenizing it, a prompt the context cannot hold,
     its decoding) becomes that record's error line; the other records are produced as usual."""
     requests, where = [], []
-    outputs = [record if isinstance(record, BadRecord) else _prepare(session, record, no_chat, parse_special)
+    outputs = [record if isinstance(record, BadRecord) else _prepare(pipeline.session, record, no_chat, parse_special)
                for record in records]
     for i, prepared in enumerate(outputs):
         if isinstance(prepared, GenerationRequest):
@@ -208,7 +205,7 @@ def _run_batch(session, records, drafter, policy, max_batch, no_chat, parse_spec
         done += 1
         click.echo(f"mtpctl: batch: {done}/{len(requests)} done", err=True)
 
-    outcomes = session.generate_batch(requests, drafter, max_batch, policy, acceptance, on_done=progress)
+    outcomes = pipeline.generate_batch(requests, max_batch, on_done=progress)
     for i, outcome in zip(where, outcomes):
         outputs[i] = record_error(records[i].line, outcome, records[i].id) if isinstance(outcome, Exception) \
             else result_json(records[i], _result_fields(outcome, fields))
