@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,12 +164,13 @@ def choose_table(identity: dict, mode: str, measure: Optional[Callable[[], PassC
 
 def _cache(path: Path, document: dict) -> None:
     """Write a measured table to ``path`` atomically; where the cache cannot be written, the table is
-    used uncached (measured again next time)."""
+    used uncached (measured again next time), with one warning line on stderr."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_file(path, json.dumps(document, indent=1) + "\n")
-    except (OSError, BadInput):
-        pass
+    except (OSError, BadInput) as err:
+        print(f"mtpctl: warning: the measured pass-cost table was not cached ({err}); it will be measured again "
+              "next time", file=sys.stderr)
 
 
 def costs_entry(costs: PassCosts) -> dict:
