@@ -481,3 +481,62 @@ def test_no_held_out_data_is_said_plainly(tiny_folder, tmp_path, capsys, monkeyp
     err = capsys.readouterr().err
     assert code == 0 and "no sequence was held out" in err and "predict little" not in err
     assert "(no held-out figures)" in err and "held-out top-1 per head" not in err
+
+
+def test_add_heads_measures_tau_on_held_out_prompts(tiny_folder, tmp_path):
+    """The head folder records the tau its heads reach decoding held-out prompts (greedy, every step drafting),
+    equal to what the library measures decoding those prompts with the folder itself, and the outputs equal
+    plain decoding; a run resumed with another measure_prompts reuses the checkpoint (no training)."""
+    import mtpctl
+
+    data = write_data(tmp_path)
+    settings = TrainSettings(**{**SMALL, "holdout": 0.3, "measure_prompts": 3})
+    summary = add_heads(tiny_folder, "tiny", [data], tmp_path / "out", settings, tmp_path / "home")
+    measured = HeadsConfig.load(tmp_path / "out").training["measured"]
+    assert measured == summary["measured"]
+    assert measured["prompts"] == 3 and measured["policy"] == "always" and measured["dtype"] == "bfloat16"
+    assert measured["same_as_plain"] == {"heads": "3/3", "heads+ngram": "3/3"}
+    # the same prompts decoded one at a time by the library with the written folder
+    prompts = _held_out_prompt_ids(tmp_path / "home", settings)
+    for method in ("heads", "heads+ngram"):
+        llm = mtpctl.load(str(tiny_folder), speculate=method, heads=str(tmp_path / "out"), dtype="bfloat16",
+                          speculate_policy="always")
+        steps = committed = 0
+        for ids in prompts:
+            stats = llm.pipeline.generate(ids, settings.response_tokens).stats
+            steps, committed = steps + stats.decode_steps, committed + sum(stats.accepted_per_step)
+        assert measured["tau"][method] == round(committed / steps, 3)
+        assert measured["tau"][method] >= 1.0
+    again = add_heads(tiny_folder, "tiny", [data], tmp_path / "out", TrainSettings(**{**vars(settings),
+                      "measure_prompts": 0}), tmp_path / "home", resume=True, overwrite=True)
+    assert "measured" not in again and "measured" not in HeadsConfig.load(tmp_path / "out").training
+    assert again["history"] == summary["history"]  # the checkpoint's: nothing trained again
+
+
+def _held_out_prompt_ids(home, settings):
+    """The held-out prompts of a finished run, read back through the trainer's own split."""
+    from mtpctl.train.measure import held_out_prompts
+    from mtpctl.train.shards import ShardedFeatures, Manifest
+
+    feats = [p for p in (Path(home) / "work").glob("features-*") if Manifest.load(p) is not None]
+    assert len(feats) == 1
+    store = ShardedFeatures(feats[0], Manifest.load(feats[0]))
+    n = store.num_sequences
+    split = torch.randperm(n, generator=torch.Generator().manual_seed(settings.seed)).tolist()
+    n_eval = max(1, int(round(settings.holdout * n)))
+    return held_out_prompts(store, sorted(split[:n_eval]), settings.measure_prompts)
+
+
+def test_a_failed_measurement_keeps_the_trained_heads(tiny_folder, tmp_path, monkeypatch):
+    """The measurement comes last: an error in it is recorded in the config, the folder is still written."""
+    import mtpctl.train.add_heads as module
+
+    def fail(*args, **kwargs):
+        raise BadInput("no such drafter here")
+
+    monkeypatch.setattr(module, "measure_tau", fail)
+    summary = add_heads(tiny_folder, "tiny", [write_data(tmp_path)], tmp_path / "out",
+                        TrainSettings(**{**SMALL, "holdout": 0.3}), tmp_path / "home")
+    assert summary["measured"] == {"error": "no such drafter here"}
+    assert HeadsConfig.load(tmp_path / "out").training["measured"] == {"error": "no such drafter here"}
+    assert (tmp_path / "out" / "mtp_heads.safetensors").is_file()

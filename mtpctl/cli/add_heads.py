@@ -115,6 +115,10 @@ Examples:
 @click.option("--tree-nodes", type=int, default=None,
               help="Nodes of the draft tree stored in the head folder and used for its expected tau "
                    "[default: 4, what generate grows by default in float32 and bfloat16; 2 with int4].")
+@click.option("--measure-prompts", type=click.IntRange(min=0), default=None, metavar="N",
+              help="At the end, decode N held-out prompts plainly, with heads and with heads+ngram (greedy, "
+                   "every step drafting) and record their tau and whether each output equals plain decoding in "
+                   "mtp_config.json (training.measured); 0 skips it [default: 16].")
 @click.option("--seed", type=int, default=None, help="Same seed and data, same heads [default: 0].")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Head folder to write.")
 @click.option("--resume", is_flag=True,
@@ -168,3 +172,6 @@ def add_heads_cmd(recipe, model, data, out, resume, overwrite, bundle, device, t
         unit = "draft step" if settings.kind in ("eagle", "eagle3") else "head"
         click.echo(f"mtpctl: wrote {out}: held-out top-1 per {unit} {summary['held_out_top1']}, expected tau "
                    f"of the default tree {summary['expected_tau']} (on held-out prompts of the training set)", err=True)
+        if "tau" in summary.get("measured", {}):
+            taus = ", ".join(f"{m} {t}" for m, t in summary["measured"]["tau"].items())
+            click.echo(f"mtpctl: measured tau on {summary['measured']['prompts']} held-out prompts: {taus}", err=True)

@@ -23,7 +23,10 @@ Pipeline (Cai et al. 2024, "Medusa", Medusa-1: the base model stays frozen):
 4. evaluation: per-head top-k accuracy on held-out sequences; the default draft tree is grown from
    it (:func:`mtpctl.drafters.heads.tree.tree_from_accuracy`);
 5. output: ``mtp_config.json`` + ``mtp_heads.safetensors`` + ``mtp_datastore.safetensors`` (the training
-   sequences as a retrieval datastore) written to a temporary folder and renamed.
+   sequences as a retrieval datastore) written to a temporary folder and renamed;
+6. measurement (before the rename): the folder decodes up to ``measure_prompts`` held-out prompts
+   plainly, with heads and with heads+ngram (:mod:`mtpctl.train.measure`); their tau and whether each
+   output equals plain decoding go into ``mtp_config.json`` (``training.measured``).
 
 Everything runs on one device (``device``: ``auto``, ``cpu``, ``cuda``, ``cuda:N``): on CUDA the target
 is bfloat16 by default and heads train under bfloat16 autocast. Under ``torchrun --nproc-per-node N``
@@ -37,8 +40,9 @@ from __future__ import annotations
 import shutil
 import time
 from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
-from typing import Dict, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -47,7 +51,7 @@ from mtpctl.drafters.heads.eagle3 import check_aux_layers, default_aux_layers
 from mtpctl.drafters.heads.folder import save_heads
 from mtpctl.drafters.heads.tree import expected_accepted, tree_from_accuracy
 from mtpctl.drafters.retrieval import DATASTORE_FILE, Datastore
-from mtpctl.errors import BadInput
+from mtpctl.errors import BadInput, MtpctlError
 from mtpctl.files import output_folder
 from mtpctl.model.config import DecoderConfig
 from mtpctl.model.tokenizer import TextCodec
@@ -57,7 +61,8 @@ from mtpctl.train.distill import Record, read_records
 from mtpctl.train.eagle import Eagle3Trainer, EagleTrainer
 from mtpctl.train.extract import TargetModels, extract
 from mtpctl.train.features import FEATURES_FORMAT, build_items, data_fingerprint, run_key
-from mtpctl.train.magpie import CACHE_FILE, PROMPTS_FILE, MagpiePrompts, magpie_prompts
+from mtpctl.train.measure import MeasureSettings, held_out_prompts, measure_tau, measured_line
+from mtpctl.train.magpie import CACHE_FILE, DRAW_LOG_FILE, PROMPTS_FILE, DrawLog, MagpiePrompts, magpie_prompts
 from mtpctl.train.settings import DTYPES, TrainSettings, resolve_settings
 from mtpctl.train.shards import FeatureStore, Manifest, ShardedFeatures
 from mtpctl.train.target import TargetHead
@@ -92,8 +97,10 @@ def write_datastore(store: FeatureStore, path: Path, vocab_size: int) -> int:
     return sum(len(s) for s in sequences)
 
 
-def write_output(out: Path, heads: torch.nn.Module, overwrite: bool, extra_files: Dict[str, Path]) -> None:
-    """Write the head folder to ``out`` atomically: a temporary sibling folder, renamed when complete;
+def write_output(out: Path, heads: torch.nn.Module, overwrite: bool, extra_files: Dict[str, Path],
+                 finish: Optional[Callable[[Path], None]] = None) -> None:
+    """Write the head folder to ``out`` atomically: a temporary sibling folder, renamed when complete
+    (``finish`` receives it complete, before the rename: the tau measurement, which decodes with it);
     an existing ``out`` is replaced only with ``overwrite`` (after the new one is complete).
 
     Raises:
@@ -103,6 +110,25 @@ def write_output(out: Path, heads: torch.nn.Module, overwrite: bool, extra_files
         save_heads(heads, tmp)
         for name, src in extra_files.items():
             shutil.copy2(src, tmp / name)
+        if finish is not None:
+            finish(tmp)
+
+
+def measure_in_folder(folder: Path, heads: torch.nn.Module, target_folder: Path, prompts: List[List[int]],
+                      settings: TrainSettings, where: torch.device) -> None:
+    """Decode ``prompts`` with the complete head folder ``folder`` (:func:`mtpctl.train.measure.measure_tau`)
+    and record the figures in its config (``training.measured``) and the training summary."""
+    t0 = time.perf_counter()
+    try:
+        measured = measure_tau(MeasureSettings(str(target_folder), str(folder), settings.distill_dtype, str(where),
+                                               settings.response_tokens), prompts)
+        distributed.log(measured_line(measured))
+    except MtpctlError as err:  # the trained heads are kept: the measurement is recorded as failed
+        distributed.log(f"warning: could not measure tau with the heads ({err}); the folder is written without it")
+        measured = {"error": str(err)}
+    heads.cfg.training["measured"] = measured
+    heads.cfg.training["timings_s"]["measure_s"] = round(time.perf_counter() - t0, 1)
+    heads.cfg.save(folder)
 
 
 def add_heads(target_folder: Path, target_name: str, data: Sequence[Path], out: Path, settings: TrainSettings,
@@ -146,12 +172,12 @@ def add_heads(target_folder: Path, target_name: str, data: Sequence[Path], out: 
     settings = resolve_settings(_with_aux_layers(settings, cfg.num_hidden_layers), cfg.hidden_size,
                                 cfg.max_position_embeddings, where)
     feat_dir = Path(home) / "work" / f"features-{run_key(target_hash, data_fingerprint(data), feature_shape(settings))}"
-    work = Path(home) / "work" / f"heads-{run_key(feat_dir.name, asdict(settings))}"
+    work = Path(home) / "work" / f"heads-{run_key(feat_dir.name, training_shape(settings))}"
     timings = {}
     magpie = None
     if settings.magpie_count:
         t0 = time.perf_counter()
-        magpie = cached_magpie_prompts(feat_dir, target_folder, settings, where)
+        magpie = cached_magpie_prompts(feat_dir, target_folder, settings, where, resume)
         records += [Record(messages=[{"role": "user", "content": p}]) for p in magpie.prompts]
         timings["magpie_s"] = round(time.perf_counter() - t0, 1)
     manifest = Manifest.load(feat_dir)
@@ -194,28 +220,44 @@ def add_heads(target_folder: Path, target_name: str, data: Sequence[Path], out: 
         if bundle:
             extra.update({p.name: p for p in sorted(Path(target_folder).iterdir())
                           if p.is_file() and not p.name.startswith(".")})
-        write_output(out, trainer.heads.cpu(), overwrite, extra)
+        prompts = held_out_prompts(store, trainer.eval_seqs, settings.measure_prompts)
+        finish = None
+        if prompts:
+            distributed.log(f"measuring tau on {len(prompts)} held-out prompts")
+            finish = partial(measure_in_folder, heads=trainer.heads, target_folder=Path(target_folder),
+                             prompts=prompts, settings=settings, where=where)
+        write_output(out, trainer.heads.cpu(), overwrite, extra, finish)
     distributed.barrier(where)
     return summary
 
 
 def cached_magpie_prompts(feat_dir: Path, target_folder: Path, settings: TrainSettings,
-                          where: torch.device) -> MagpiePrompts:
+                          where: torch.device, resume: bool = False) -> MagpiePrompts:
     """The Magpie prompts of this run: read from ``feat_dir`` (whose key covers the target and the
     Magpie settings) where an earlier run left them, else drawn by rank 0 from the target (in
-    ``distill_dtype``, on ``where``) and kept there; the other ranks wait and read them."""
+    ``distill_dtype``, on ``where``) and kept there; the other ranks wait and read them. Each request is
+    logged as it finishes (:class:`~mtpctl.train.magpie.DrawLog`); ``resume`` keeps the requests an
+    interrupted run drew, otherwise they are drawn again."""
     from mtpctl.backends.torch import TorchSession
 
     path = Path(feat_dir) / CACHE_FILE
     found = MagpiePrompts.load(path)
     if found is None and distributed.rank() == 0:
         Path(feat_dir).mkdir(parents=True, exist_ok=True)
+        log = DrawLog(Path(feat_dir) / DRAW_LOG_FILE)
+        done = log.read() if resume else {}
+        if not resume:
+            log.remove()
+        elif done:
+            distributed.log(f"magpie: --resume: keeping the {len(done)} requests drawn before")
         session = TorchSession(Path(target_folder), settings.distill_dtype, device=str(where))
-        meter = distributed.Meter("magpie", settings.magpie.count, "requests")
-        found = magpie_prompts(session, settings.magpie, on_done=lambda _: meter.update())
+        meter = distributed.Meter("magpie", settings.magpie.count, "requests", done=len(done))
+        found = magpie_prompts(session, settings.magpie, on_done=lambda _: meter.update(), done=done,
+                               on_draw=log.append)
         meter.close()
         del session
         found.save(path, settings.magpie)
+        log.remove()
     elif found is not None:
         distributed.log(f"magpie: reusing the prompts in {path}")
     distributed.barrier(where)
@@ -249,6 +291,14 @@ def feature_shape(settings: TrainSettings) -> dict:
         shape["magpie"] = asdict(settings.magpie)
     if settings.kind == "eagle3":
         shape["aux_layers"] = settings.aux_layers
+    return shape
+
+
+def training_shape(settings: TrainSettings) -> dict:
+    """The settings that shape the trained heads (the key of a run's checkpoints): all but the final
+    measurement's, so a run resumed to measure again reuses the checkpoint."""
+    shape = asdict(settings)
+    del shape["measure_prompts"]
     return shape
 
 

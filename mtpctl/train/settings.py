@@ -46,6 +46,7 @@ class TrainSettings:
     grad_accum: int = 1
     head_decay: float = 0.8  # loss weight of head k is head_decay ** (k - 1)
     holdout: float = 0.05  # fraction of sequences held out for accuracy
+    measure_prompts: int = 16  # held-out prompts decoded at the end to measure tau (0: none; mtpctl.train.measure)
     tree_nodes: int = 4  # nodes of the default draft tree (the size generate uses by default, session.DEFAULT_TREE_NODES)
     seed: int = 0
     aux_layers: Optional[List[int]] = None  # eagle3: the target layers it reads (None: the engines' default)
@@ -89,6 +90,8 @@ class TrainSettings:
         if self.num_heads > MAX_DRAFT_DEPTH:
             raise BadInput(f"num-heads must be at most {MAX_DRAFT_DEPTH} (the deepest draft tree verification "
                            f"supports), got {self.num_heads}")
+        if self.measure_prompts < 0:
+            raise BadInput(f"measure-prompts must be >= 0, got {self.measure_prompts}", option="measure_prompts")
         if self.shard_positions < 0:
             raise BadInput(f"shard-positions must be >= 0, got {self.shard_positions}", option="shard_positions")
         if self.magpie is not None:
