@@ -125,11 +125,15 @@ def fake_draws(monkeypatch):
     screening, the cache and add-heads' wiring stay real. Returns the calls' settings."""
     calls = []
 
-    def draw(session, settings, on_done=None):
+    def draw(session, settings, on_done=None, done=None, on_draw=None):
         calls.append(settings)
         assert session.codec.has_chat_template
-        return [Draw(KEPT[0], True), Draw("Hi", True), Draw(KEPT[1], True), Draw(KEPT[0] + "!", True),
-                Draw(KEPT[2], True)][:settings.count]
+        draws = [Draw(KEPT[0], True), Draw("Hi", True), Draw(KEPT[1], True), Draw(KEPT[0] + "!", True),
+                 Draw(KEPT[2], True)][:settings.count]
+        for i, d in enumerate(draws):
+            if i not in (done or {}) and on_draw:
+                on_draw(i, d)
+        return draws
 
     monkeypatch.setattr(magpie, "draw_requests", draw)
     return calls
@@ -190,3 +194,64 @@ def test_add_heads_on_smollm2_with_its_own_prompts(smollm2_folder, tmp_path):
     stats = summary["magpie"]["stats"]
     assert stats["drawn"] == 6 and stats["kept"] == len(kept) > 0
     assert summary["magpie"]["pre_query"] == SMOLLM2_PRE_QUERY
+
+
+@pytest.mark.real
+def test_a_resumed_draw_keeps_the_requests_drawn_before(smollm2_bf16):
+    """Each request has its own seed: the requests an interrupted run drew, given back as ``done``, are
+    not drawn again, and the rest come out as one uninterrupted draw gives them."""
+    settings = MagpieSettings(count=5, seed=2, max_prompt_tokens=20)
+    whole = draw_requests(smollm2_bf16, settings)
+    drawn = []
+    again = draw_requests(smollm2_bf16, settings, done={0: whole[0], 3: whole[3]},
+                          on_draw=lambda i, d: drawn.append((i, d)))
+    assert again == whole and sorted(drawn) == [(i, whole[i]) for i in (1, 2, 4)]
+
+
+def test_the_draw_log_reads_back_complete_lines_only(tmp_path):
+    log = magpie.DrawLog(tmp_path / "draws.jsonl")
+    assert log.read() == {}
+    log.append(0, Draw("first \u00e9 request", True))
+    log.append(2, Draw("third", False))
+    with log.path.open("a") as f:
+        f.write('{"index": 3, "text": "cut sh')  # an interruption in the middle of a line
+    assert log.read() == {0: Draw("first \u00e9 request", True), 2: Draw("third", False)}
+    log.append(3, Draw("fourth", True))  # starts on its own line after the cut one
+    assert log.read() == {0: Draw("first \u00e9 request", True), 2: Draw("third", False), 3: Draw("fourth", True)}
+    log.remove()
+    assert not log.path.exists()
+
+
+def test_add_heads_resumes_an_interrupted_magpie_draw(tiny_folder, tmp_path, capsys, monkeypatch, fake_draws):
+    """An add-heads run stopped while the target writes its prompts keeps each request drawn (the draw
+    log in the features folder); --resume draws only the others and trains on the same prompts as an
+    uninterrupted run; without --resume they are drawn again."""
+    monkeypatch.setenv("MTPCTL_HOME", str(tmp_path / "home"))
+    base = ["add-heads", "-m", str(tiny_folder), "--self-distill", "--num-heads", "2", "--response-tokens", "8",
+            "--epochs", "1", "--magpie-prompts", "5"]
+    fake = magpie.draw_requests
+    seen_done = []
+
+    def interrupted(session, settings, on_done=None, done=None, on_draw=None):
+        seen_done.append(sorted(done or {}))
+
+        def stop_after_two(i, d):
+            on_draw(i, d)
+            if i == 1:
+                raise KeyboardInterrupt
+
+        return fake(session, settings, on_done, done, stop_after_two)
+
+    monkeypatch.setattr(magpie, "draw_requests", interrupted)
+    assert main([*base, "--out", str(tmp_path / "a")]) == 130 and seen_done == [[]]
+    logs = list((tmp_path / "home" / "work").glob(f"features-*/{magpie.DRAW_LOG_FILE}"))
+    assert len(logs) == 1 and sorted(magpie.DrawLog(logs[0]).read()) == [0, 1]
+    seen = []
+    monkeypatch.setattr(magpie, "draw_requests",
+                        lambda s, st, on_done=None, done=None, on_draw=None: (seen.append(sorted(done or {})),
+                                                                              fake(s, st, on_done, done, on_draw))[1])
+    assert main([*base, "--resume", "--out", str(tmp_path / "a")]) == 0
+    assert seen == [[0, 1]] and "keeping the 2 requests drawn before" in capsys.readouterr().err
+    assert not logs[0].exists()  # the cache holds them now
+    lines = (tmp_path / "a" / magpie.PROMPTS_FILE).read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [{"prompt": p} for p in KEPT]

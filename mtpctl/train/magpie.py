@@ -38,6 +38,8 @@ PROMPTS_FILE = "magpie_prompts.jsonl"
 
 #: the file that keeps the generated prompts with their settings and counts in a features cache folder
 CACHE_FILE = "magpie.json"
+#: the requests drawn so far by an unfinished run, in the same folder (:class:`DrawLog`)
+DRAW_LOG_FILE = "magpie-draws.jsonl"
 CACHE_VERSION = 1
 
 
@@ -174,9 +176,13 @@ class Draw:
 
 
 def draw_requests(session: Session, settings: MagpieSettings,
-                  on_done: Optional[Callable[[int], None]] = None) -> List[Draw]:
+                  on_done: Optional[Callable[[int], None]] = None, done: Optional[Dict[int, Draw]] = None,
+                  on_draw: Optional[Callable[[int, Draw], None]] = None) -> List[Draw]:
     """Sample ``settings.count`` user requests from the target in ``session`` (see the module
-    docstring), in order; ``on_done(index)`` is called as each finishes.
+    docstring), in order; ``on_done(index)`` is called as each finishes and ``on_draw(index, draw)``
+    with what it wrote. Requests in ``done`` (index -> draw, from an interrupted run with the same
+    settings: each request has its own seed, so a draw does not depend on which others ran with it)
+    are not drawn again.
 
     Raises:
         BadInput: bad settings, no chat template (:func:`pre_query_template`).
@@ -184,17 +190,26 @@ def draw_requests(session: Session, settings: MagpieSettings,
     """
     settings.check()
     pre = pre_query_template(session.codec)
-    openings = [_opening_ids(session.codec, settings.opening(i)) for i in range(settings.count)]
+    draws: Dict[int, Draw] = {i: d for i, d in (done or {}).items() if 0 <= i < settings.count}
+    todo = [i for i in range(settings.count) if i not in draws]
+    openings = {i: _opening_ids(session.codec, settings.opening(i)) for i in todo}
     requests = [GenerationRequest(pre.ids + openings[i], settings.max_prompt_tokens, settings.sampling(i))
-                for i in range(settings.count)]
-    outcomes = session.generate_batch(requests, max_batch=settings.batch,
-                                      on_done=(lambda i, _: on_done(i)) if on_done else None)
-    draws = []
-    for i, outcome in enumerate(outcomes):
+                for i in todo]
+
+    def finished(j: int, outcome) -> None:
+        i = todo[j]
+        if not isinstance(outcome, MtpctlError):
+            draws[i] = _draw(session.codec, openings[i], outcome.token_ids, outcome.finish_reason, pre.end_of_turn)
+            if on_draw:
+                on_draw(i, draws[i])
+        if on_done:
+            on_done(i)
+
+    outcomes = session.generate_batch(requests, max_batch=settings.batch, on_done=finished) if todo else []
+    for outcome in outcomes:
         if isinstance(outcome, MtpctlError):
             raise outcome
-        draws.append(_draw(session.codec, openings[i], outcome.token_ids, outcome.finish_reason, pre.end_of_turn))
-    return draws
+    return [draws[i] for i in range(settings.count)]
 
 
 def _opening_ids(codec, opening: str) -> List[int]:
@@ -330,6 +345,41 @@ def _duplicate_verdict(words: List[str], seen: Set[str], kept: List[Set[Tuple[st
     return None
 
 
+class DrawLog:
+    """The requests drawn so far, one JSON line each (``{"index", "text", "ended"}``), appended and
+    flushed as each finishes, so an interrupted run resumes without drawing them again; a last line cut
+    short by the interruption is ignored when read."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def read(self) -> Dict[int, Draw]:
+        """index -> draw of every complete line (none where there is no file)."""
+        done: Dict[int, Draw] = {}
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            return done
+        if text and not text.endswith("\n"):  # the next line starts on its own
+            with self.path.open("a", encoding="utf-8") as f:
+                f.write("\n")
+        lines = text.splitlines()
+        for line in lines:
+            try:
+                raw = json.loads(line)
+                done[int(raw["index"])] = Draw(str(raw["text"]), bool(raw["ended"]))
+            except (ValueError, KeyError, TypeError):
+                continue  # the line an interruption cut short
+        return done
+
+    def append(self, index: int, draw: Draw) -> None:
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps({"index": index, "text": draw.text, "ended": draw.ended}, ensure_ascii=False) + "\n")
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
 @dataclass
 class MagpiePrompts:
     """The prompts kept, in draw order, the counts of the screening, and the pre-query template."""
@@ -365,15 +415,16 @@ class MagpiePrompts:
 
 
 def magpie_prompts(session: Session, settings: MagpieSettings, rules: PromptFilter = PromptFilter(),
-                   on_done: Optional[Callable[[int], None]] = None) -> MagpiePrompts:
-    """Draw ``settings.count`` requests from the target in ``session`` (:func:`draw_requests`) and
-    keep the ones :func:`screen` passes.
+                   on_done: Optional[Callable[[int], None]] = None, done: Optional[Dict[int, Draw]] = None,
+                   on_draw: Optional[Callable[[int, Draw], None]] = None) -> MagpiePrompts:
+    """Draw ``settings.count`` requests from the target in ``session`` (:func:`draw_requests`, which
+    takes ``done``, ``on_done`` and ``on_draw``) and keep the ones :func:`screen` passes.
 
     Raises:
         BadInput: bad settings, or a model without a chat template.
         MtpctlError: a request that failed.
     """
-    draws = draw_requests(session, settings, on_done)
+    draws = draw_requests(session, settings, on_done, done, on_draw)
     verdicts = screen(draws, rules)
     kept = [d.text for d, v in zip(draws, verdicts) if v is None]
     return MagpiePrompts(kept, MagpieStats.of(verdicts), pre_query_template(session.codec).text)
