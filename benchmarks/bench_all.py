@@ -2,9 +2,11 @@
 that produced it (run here as a subprocess, so the command shown is exactly what ran).
 
     .venv/bin/python benchmarks/bench_all.py --heads heads/smollm2-medusa --write BENCHMARKS.md
+    .venv/bin/python benchmarks/bench_all.py --heads heads/smollm2-medusa-long --recipe recipes/smollm2-135m-medusa-long.yaml --write BENCHMARKS.md
     .venv/bin/python benchmarks/bench_all.py --heads heads/smollm2-medusa --sections methods,heads --write BENCHMARKS.md
 
-``make bench`` trains the heads with the default recipe first when they are missing. ``--sections``
+``make bench`` trains the heads with the recipe it is given (``RECIPE=``, the default recipe otherwise) first
+when they are missing; the recipe section names the recipe and what its heads measured. ``--sections``
 reruns only the named sections and keeps the others as the file has them. Progress goes to stderr.
 Time it on a quiet machine: nothing else running (figures on this 2-core machine move by 10% and
 more under load).
@@ -58,7 +60,7 @@ def _bench(*args: str) -> str:
 SECTIONS = [
     Section("peers", "Plain decoding against its peers",
             "mtpctl's plain and prompt-lookup decoding against HF transformers' `generate` (float32, plain and "
-            "prompt lookup), and mtpctl's int4 methods (the heads of the default recipe) against llama.cpp decoding "
+            "prompt lookup), and mtpctl's int4 methods (the heads of the recipe section's recipe) against llama.cpp decoding "
             "the same GGUF file (`--weights int4`), on the same prompt ids in one run each. The speedup column is "
             "against mtpctl plain of the same run.",
             lambda a: [_bench("--methods", "plain,ngram", "--baseline", "transformers", "--limit", "1"),
@@ -68,7 +70,7 @@ SECTIONS = [
                    "'same as plain' compares other numerics with mtpctl's (a near-tie may flip a token)."]),
     Section("methods", "Speculation methods, per numeric mode",
             "Every lossless drafter of `--speculate` against plain decoding, in float32, dense bfloat16 and "
-            "bfloat16 with int4 weights; the heads are those of the default recipe (see the recipe section). "
+            "bfloat16 with int4 weights; the heads are those of the recipe section's recipe. "
             "14 prompts of the built-in set, none seen in training.",
             lambda a: [_bench(*dt, "--methods", "plain,ngram,retrieval,heads,heads+ngram,heads+ngram+retrieval",
                               "--heads", a.heads, "--limit", "2")
@@ -178,15 +180,26 @@ SECTIONS = [
 
 
 def recipe_section(heads: str) -> str:
-    """What the default recipe's heads took to train and what they predict (their mtp_config.json)."""
+    """What the recipe's heads took to train and what they predict (their mtp_config.json): held-out
+    top-1 per head, the tau expected from it, and the tau measured decoding held-out prompts."""
     cfg = json.loads((Path(heads) / "mtp_config.json").read_text(encoding="utf-8"))
     t = cfg.get("training", {})
     times = t.get("timings_s", {})
+    measured = t.get("measured") or {}
+    magpie = (t.get("magpie") or {}).get("stats") or {}
     rows = [("positions trained", t.get("positions")), ("sequences held out", t.get("held_out")),
-            ("held-out top-1 per head", t.get("held_out_top1")), ("expected tau of the default tree", t.get("expected_tau")),
-            ("self-distillation (s)", times.get("data_s")), ("features (s)", times.get("features_s")),
-            ("training (s)", times.get("train_s")), ("total (s)", times.get("total_s"))]
-    lines = ["| figure | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
+            ("held-out top-1 per head", t.get("held_out_top1")), ("expected tau of the default tree", t.get("expected_tau"))]
+    if "tau" in measured:
+        where = (f"{measured['prompts']} held-out prompts, {measured['dtype']}, greedy, {measured['max_new_tokens']} new "
+                 f"tokens, every step drafting")
+        rows += [(f"measured tau, {m} ({where})", f"{tau} (same tokens as plain: {measured['same_as_plain'][m]})")
+                 for m, tau in measured["tau"].items()]
+    if magpie:
+        rows.append(("Magpie prompts drawn / kept", f"{magpie.get('drawn')} / {magpie.get('kept')}"))
+    rows += [("Magpie prompts (s)", times.get("magpie_s")), ("features, self-distillation included (s)", times.get("features_s")),
+             ("training (s)", times.get("train_s")), ("measuring tau (s)", times.get("measure_s")),
+             ("total (s)", times.get("total_s"))]
+    lines = ["| figure | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows if v is not None]
     return "\n".join(lines)
 
 
@@ -256,7 +269,8 @@ def gpu_present() -> bool:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--heads", default="heads/smollm2-medusa", help="head folder of the default recipe")
+    p.add_argument("--heads", default="heads/smollm2-medusa", help="head folder of the recipe")
+    p.add_argument("--recipe", default="recipes/smollm2-135m-medusa.yaml", help="the recipe that trained --heads")
     p.add_argument("--sections", default=None, help=f"only these (comma-separated): {','.join(s.key for s in SECTIONS)},recipe")
     p.add_argument("--write", type=Path, default=None, help="the file to write (else stdout)")
     p.add_argument("--readme", type=Path, default=None,
@@ -277,17 +291,18 @@ def main(argv=None) -> int:
     needs_heads = [k for k in wanted if k not in ("cpu", "big", "gpu", "suffix")]
     if needs_heads and not (Path(args.heads) / "mtp_config.json").is_file():
         p.error(f"no head folder at {args.heads}: train it with {MTPCTL} add-heads --recipe "
-                f"recipes/smollm2-135m-medusa.yaml --out {args.heads} (make bench does)")
+                f"{args.recipe} --out {args.heads} (make bench does)")
     fresh = {}
     for section in SECTIONS:
         if section.key in wanted:
             fresh[section.key] = render(section, args)
     if "recipe" in wanted:
         fresh["recipe"] = "\n".join([
-            "<!-- section:recipe -->", "## The default recipe: time and what the heads predict", "",
-            "What training the heads of the sections above took here, and their held-out figures (from the head "
-            "folder's `mtp_config.json`).", "",
-            f"`{MTPCTL} add-heads --recipe recipes/smollm2-135m-medusa.yaml --out {args.heads}`", "",
+            "<!-- section:recipe -->", "## The recipe: time and what the heads predict", "",
+            f"What training the heads of the sections above (`{args.recipe}`) took here, and their figures on "
+            "held-out prompts of the training data (from the head folder's `mtp_config.json`). The other "
+            "sections' tau is on the benchmark's built-in prompts, which are unlike the training data.", "",
+            f"`{MTPCTL} add-heads --recipe {args.recipe} --out {args.heads}`", "",
             recipe_section(args.heads), ""])
     old = args.write.read_text(encoding="utf-8") if args.write and args.write.exists() else ""
     text = assemble(old, fresh, order)

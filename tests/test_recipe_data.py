@@ -54,3 +54,15 @@ def test_hand_written_records_are_prompts_or_chats_ending_with_a_user_turn():
                 assert roles[-1] == "user" and set(roles) <= {"user", "assistant"}, f"{path.name}:{number}"
             else:
                 assert row["prompt"].strip(), f"{path.name}:{number}"
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_recipe_settings_are_valid(recipe):
+    """Every recipe's settings fill TrainSettings and pass its checks (a typo is caught here, not an hour in)."""
+    from mtpctl.cli.add_heads import read_recipe
+    from mtpctl.train.settings import TrainSettings
+
+    spec = read_recipe(str(recipe))
+    settings = TrainSettings(**spec["settings"])
+    settings.check()
+    assert settings.self_distill and spec["model"] == "smollm2-135m"
