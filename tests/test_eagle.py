@@ -66,6 +66,67 @@ def test_eagle_decoding_is_lossless(tiny_model, tiny_reference, shape, draft_voc
     assert sum(result.stats.drafted_per_step) > 0
 
 
+def reference_dynamic_tree(model, head, out, pending, max_tokens, width):
+    """EAGLE-2's dynamic tree computed from the training-time unrolled layer: each node's children's
+    log-probabilities from :meth:`EagleHead.forward` run on the prompt plus the node's own path; the
+    same expansion and selection rule as the drafter, written out plainly. Returns (tokens, parents)."""
+    n = len(PROMPT)
+
+    def children_logp(chain):
+        tokens = PROMPT[1:] + [pending] + chain
+        feats = torch.zeros(1, len(tokens), model.cfg.hidden_size)
+        feats[0, :n] = out.prompt_hidden_states
+        outs = head(feats, model.embed[torch.tensor([tokens])], torch.ones(1, len(tokens), dtype=torch.bool),
+                    len(chain) + 1)
+        logp = head.logits(outs[len(chain)][0, n - 1 + len(chain)], model.logits).float().log_softmax(-1)
+        top = logp.topk(width)
+        ids = head.token_map[top.indices] if head.token_map is not None else top.indices
+        return list(zip(top.values.tolist(), ids.tolist()))
+
+    nodes = []  # (token, parent, score, depth, chain)
+    expand = [-1]
+    for d in range(1, min(head.cfg.num_heads, max_tokens) + 1):
+        children = []
+        for parent in expand:
+            chain = nodes[parent][4] if parent >= 0 else []
+            base = nodes[parent][2] if parent >= 0 else 0.0
+            for lp, token in children_logp(chain):
+                children.append(len(nodes))
+                nodes.append((token, parent, base + lp, d, chain + [token]))
+        expand = sorted(children, key=lambda i: (-nodes[i][2], i))[:width]
+    kept = sorted(range(len(nodes)), key=lambda i: (-nodes[i][2], nodes[i][3], i))[:max_tokens]
+    order = sorted(kept, key=lambda i: (nodes[i][3], i))
+    index = {-1: 0, **{i: k + 1 for k, i in enumerate(order)}}
+    return [pending] + [nodes[i][0] for i in order], [-1] + [index[nodes[i][1]] for i in order]
+
+
+@pytest.mark.parametrize("max_tokens", [2, 5, 8])
+@pytest.mark.parametrize("draft_vocab", [0, 64])
+def test_the_dynamic_tree_is_eagle2s_from_the_unrolled_layer(tiny_model, max_tokens, draft_vocab):
+    """The dynamic tree holds the nodes with the highest path log-probability of the ones drafted level by
+    level, exactly as computed from the training-time unrolled layer along each path (KV cache, positions
+    and masks of the expanded rows agree with training's)."""
+    head = random_eagle(tiny_model, seed=2, draft_vocab=draft_vocab)
+    out = TorchEngine(tiny_model, 64).prefill(PROMPT)
+    pending = int(out[0].argmax())
+    static = StaticTree.from_paths(TREES["mixed"] + [[0, 0, 1], [2]], 4)  # 8 nodes: the dynamic tree's size
+    d = EagleDrafter(head, static, lambda ids: tiny_model.embed[ids], tiny_model.logits, dynamic=True)
+    draft = d.propose(PROMPT + [pending], max_tokens, TargetStep(out, 0))
+    width = min(max_tokens, 4)
+    assert (draft.tokens, draft.parents) == reference_dynamic_tree(tiny_model, head, out, pending, max_tokens, width)
+    assert len(draft) == max_tokens + 1 and (max_tokens < 5 or max(draft.depths) >= 2)  # not only siblings
+
+
+@pytest.mark.parametrize("draft_vocab", [0, 64])
+def test_eagle_decoding_with_a_dynamic_tree_is_lossless(tiny_model, tiny_reference, draft_vocab):
+    head = random_eagle(tiny_model, draft_vocab=draft_vocab)
+    d = EagleDrafter(head, StaticTree.from_paths(TREES["mixed"], 4), lambda ids: tiny_model.embed[ids],
+                     tiny_model.logits, dynamic=True)
+    result = run(tiny_model, d)
+    assert result.token_ids == tiny_reference
+    assert sum(result.stats.drafted_per_step) > 0 and d.fork().dynamic
+
+
 def test_the_drafter_must_see_every_target_pass(tiny_model):
     head = random_eagle(tiny_model)
     d = drafter(tiny_model, head, [[0]])

@@ -91,6 +91,16 @@ def test_eagle3_decoding_is_lossless(tiny_model, tiny_reference, shape, draft_vo
     assert sum(result.stats.drafted_per_step) > 0
 
 
+@pytest.mark.parametrize("draft_vocab", [0, 64])
+def test_eagle3_decoding_with_a_dynamic_tree_is_lossless(tiny_model, tiny_reference, draft_vocab):
+    head = random_eagle3(tiny_model, draft_vocab=draft_vocab)
+    d = Eagle3Drafter(head, StaticTree.from_paths(TREES["mixed"], head.cfg.num_heads),
+                      lambda ids: tiny_model.embed[ids], dynamic=True)
+    result = decode(tiny_model, d)
+    assert result.token_ids == tiny_reference
+    assert sum(result.stats.drafted_per_step) > 0 and d.fork().dynamic and d.fork().aux_layers == d.aux_layers
+
+
 def test_drafting_without_the_aux_layers_is_an_error(tiny_model):
     head = random_eagle3(tiny_model)
     out = TorchEngine(tiny_model, 64).prefill(PROMPT)  # no aux_layers

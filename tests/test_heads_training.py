@@ -540,3 +540,17 @@ def test_a_failed_measurement_keeps_the_trained_heads(tiny_folder, tmp_path, mon
     assert summary["measured"] == {"error": "no such drafter here"}
     assert HeadsConfig.load(tmp_path / "out").training["measured"] == {"error": "no such drafter here"}
     assert (tmp_path / "out" / "mtp_heads.safetensors").is_file()
+
+
+def test_a_dynamic_tree_needs_eagle_heads(tiny_folder, tmp_path, capsys, monkeypatch):
+    """--dynamic-tree drafts EAGLE-2's tree with EAGLE kinds only: with Medusa heads, or without the
+    heads drafter, it is one error line and exit 2."""
+    monkeypatch.setenv("MTPCTL_HOME", str(tmp_path / "home"))
+    add_heads(tiny_folder, "tiny", [write_data(tmp_path)], tmp_path / "medusa", TrainSettings(**SMALL),
+              tmp_path / "home")
+    base = ["generate", "-m", str(tiny_folder), "--max-new-tokens", "4", "--dynamic-tree"]
+    for extra, words in ((["--speculate", "heads", "--heads", str(tmp_path / "medusa")], "not by medusa heads"),
+                         (["--speculate", "ngram"], "goes with the heads drafter")):
+        assert main([*base, *extra, "hello"]) == 2
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("mtpctl: error:")]
+        assert len(lines) == 1 and words in lines[0] and "--dynamic-tree" in lines[0]

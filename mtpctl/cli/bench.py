@@ -176,7 +176,7 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ro
         "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed, "acceptance": spec.acceptance,
         "draft_len": opts.draft_len or "auto", "draft": opts.draft_model, "repeats": repeats, "prompts": len(prompts),
         "lookahead": _lookahead_field(opts.lookahead) if "lookahead" in used else None,
-        "heads": opts.heads_dir, "tree": opts.tree_file, "tree_nodes": opts.tree_nodes,
+        "heads": opts.heads_dir, "tree": opts.tree_file, "tree_nodes": opts.tree_nodes, "dynamic_tree": opts.dynamic_tree,
         "ngram_max": opts.ngram_max, "ngram_min": opts.ngram_min, "rounds": rounds,
         "suffix": (opts.suffix or SuffixSettings()).recorded() if "suffix" in used else None,
         "datastore": str(datastore_path(opts)) if "retrieval" in used else None,

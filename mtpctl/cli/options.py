@@ -186,6 +186,9 @@ def drafter_options(f):
                           "[[0],[1],[0,0]]."),
         click.option("--tree-nodes", type=click.IntRange(min=1), default=_DRAFT.tree_nodes,
                      help="Size of the draft tree grown from the heads' accuracy [default: 4; 2 with --weights int4]."),
+        click.option("--dynamic-tree", is_flag=True, default=_DRAFT.dynamic_tree,
+                     help="EAGLE and EAGLE-3 heads draft EAGLE-2's dynamic tree of the same size: the nodes with the "
+                          "highest path probability under the draft layer's own distribution, chosen each step."),
         click.option("--draft-len", type=DRAFT_LEN, default=_DRAFT.draft_len, show_default=True,
                      help="Most draft tokens of the prompt-lookup chain or the draft model per step; auto (draft "
                           "model): longer after a fully accepted draft, shorter after a rejection."),

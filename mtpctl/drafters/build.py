@@ -67,6 +67,7 @@ class DraftOptions:
     heads_dir: Optional[str] = None  # an MTP head folder made by add-heads [heads; retrieval: its datastore]
     tree_file: Optional[str] = None  # the heads' draft tree: YAML/JSON paths of top-k ranks [heads]
     tree_nodes: Optional[int] = None  # size of a tree grown from the heads' accuracy [heads]
+    dynamic_tree: bool = False  # EAGLE-2's dynamic tree of that size instead of the static one [heads: eagle kinds]
     draft_len: Optional[int] = 3  # tokens of the prompt-lookup chain [ngram]; draft-model tokens, None = auto [draft]
     ngram_max: int = 3  # longest n-gram matched [ngram]
     ngram_min: int = 2  # shortest n-gram matched [ngram]
@@ -102,7 +103,7 @@ def check(parts: Sequence[str], opts: DraftOptions) -> None:
         raise BadInput("this setting goes with the lookahead drafter", option="lookahead")
     if opts.heads_dir and not parts & {"heads", "retrieval"}:
         raise BadInput("a head folder goes with the heads or retrieval drafters", option="heads_dir")
-    for name in ("tree_file", "tree_nodes"):
+    for name in ("tree_file", "tree_nodes", "dynamic_tree"):
         if values[name] and "heads" not in parts:
             raise BadInput("this setting goes with the heads drafter", option=name)
     for name in ("datastore", "retrieval_nodes"):
@@ -227,15 +228,20 @@ def _fused_heads(session: Session, folder: Path) -> LoadedHeads:
 
 
 def heads_drafter(session: Session, heads: LoadedHeads, tree: Optional[StaticTree] = None,
-                  tree_nodes: Optional[int] = None) -> Drafter:
+                  tree_nodes: Optional[int] = None, dynamic: bool = False) -> Drafter:
     """A drafter for ``heads`` over ``tree``; else a tree of ``tree_nodes`` grown from the heads'
     held-out accuracy; else the default size for the session's mode (:data:`DEFAULT_TREE_NODES`).
+    ``dynamic``: EAGLE heads draft EAGLE-2's dynamic tree of that tree's size instead.
 
     Raises:
         BadInput: a tree deeper than the heads or than verification supports, a rank past the
-            heads' candidates, or a size < 1.
+            heads' candidates, a size < 1, or ``dynamic`` with heads other than EAGLE's.
     """
     cfg = heads.cfg
+    if dynamic and (cfg.kind not in ("eagle", "eagle3") or heads.module is None):
+        raise BadInput(f"a dynamic draft tree is drafted by EAGLE and EAGLE-3 heads run by torch, not by {cfg.kind} "
+                       "heads" + (" fused into an exported graph" if heads.module is None else ""),
+                       option="dynamic_tree")
     if tree is None:
         nodes = tree_nodes or DEFAULT_TREE_NODES[session.mode]
         tree = tree_from_accuracy(cfg.topk_accuracy, nodes) if cfg.topk_accuracy else \
@@ -251,20 +257,21 @@ def heads_drafter(session: Session, heads: LoadedHeads, tree: Optional[StaticTre
     if tree.depth > MAX_DRAFT_DEPTH:
         raise BadInput(f"the draft tree is {tree.depth} deep; verification supports trees up to {MAX_DRAFT_DEPTH}",
                        option="tree_file")
-    return _torch_heads_drafter(session.model, cfg.kind, heads.module, tree)
+    return _torch_heads_drafter(session.model, cfg.kind, heads.module, tree, dynamic)
 
 
-def _torch_heads_drafter(model, kind: str, module: torch.nn.Module, tree: StaticTree) -> Drafter:
-    """The drafter of heads of ``kind`` run beside the target ``model`` (a Decoder).
+def _torch_heads_drafter(model, kind: str, module: torch.nn.Module, tree: StaticTree, dynamic: bool = False) -> Drafter:
+    """The drafter of heads of ``kind`` run beside the target ``model`` (a Decoder); ``dynamic``: the
+    EAGLE kinds draft a dynamic tree.
 
     Raises:
         UnsupportedModel: a kind no drafter runs (:data:`~mtpctl.drafters.heads.config.KINDS`).
     """
     dtype = model.dtype
     if kind == "eagle":
-        return EagleDrafter(module, tree, lambda ids: model.embed[ids].to(dtype), model.logits)
+        return EagleDrafter(module, tree, lambda ids: model.embed[ids].to(dtype), model.logits, dynamic)
     if kind == "eagle3":  # its aux_layers: the target's layers each pass must return to it
-        return Eagle3Drafter(module, tree, lambda ids: model.embed[ids].to(dtype))
+        return Eagle3Drafter(module, tree, lambda ids: model.embed[ids].to(dtype), dynamic)
     if kind == "hydra":
         return HydraDrafter(tree, module, model)
     if kind == "medusa":
@@ -346,7 +353,7 @@ def member_drafter(session: Session, name: str, opts: DraftOptions, sampling: Sa
     """
     if name == "heads":
         tree = read_tree(opts.tree_file, parts.heads.cfg.num_heads) if opts.tree_file else None
-        return heads_drafter(session, parts.heads, tree, opts.tree_nodes)
+        return heads_drafter(session, parts.heads, tree, opts.tree_nodes, opts.dynamic_tree)
     if name == "draft":
         return draft_drafter(session, opts, sampling, progress)
     if name == "ngram":

@@ -35,6 +35,9 @@ from mtpctl.model.config import RopeConfig
 from mtpctl.model.decoder import _rms_norm, _rotate, rope_inv_freq
 from mtpctl.model.linears import projection_copy
 
+#: children drafted per node, and nodes expanded per level, of a dynamic tree at most
+DYNAMIC_WIDTH = 4
+
 
 class DraftLayer(nn.Module):
     """What the EAGLE and EAGLE-3 draft layers share: one decoder layer's rotary attention over a
@@ -222,11 +225,13 @@ class EagleDrafter(Drafter):
         tree: the static tree of ranks (:class:`~mtpctl.drafters.heads.tree.StaticTree`).
         embed: token ids ``[M]`` -> embeddings ``[M, H]`` in the head's dtype.
         lm_head: the target's projection ``[..., H] -> [..., vocab]`` (heads without a draft vocabulary).
+        dynamic: draft EAGLE-2's dynamic tree (:meth:`_draft_dynamic`) of the static tree's size instead
+            of the static tree.
     """
 
     def __init__(self, head: EagleHead, tree: StaticTree, embed: Callable[[torch.Tensor], torch.Tensor],
-                 lm_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
-        self.head, self.tree, self.embed, self.lm_head = head, tree, embed, lm_head
+                 lm_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, dynamic: bool = False):
+        self.head, self.tree, self.embed, self.lm_head, self.dynamic = head, tree, embed, lm_head, dynamic
         self.budget = len(tree.paths)
         lc = head.cfg.layer
         dtype, device = head.fc.dtype, head.fc.device
@@ -237,7 +242,7 @@ class EagleDrafter(Drafter):
     def fork(self) -> "EagleDrafter":
         """The same EAGLE layer and tree with an empty KV cache of its own (see
         :meth:`mtpctl.decode.drafter.Drafter.fork`)."""
-        return EagleDrafter(self.head, self.tree, self.embed, self.lm_head)
+        return EagleDrafter(self.head, self.tree, self.embed, self.lm_head, self.dynamic)
 
     def propose(self, context: Sequence[int], max_tokens: int, last: Optional[TargetStep] = None) -> DraftTree:
         """See :class:`~mtpctl.decode.drafter.Drafter`. The drafter must see every target pass:
@@ -265,6 +270,8 @@ class EagleDrafter(Drafter):
             self.length = n
             if max_tokens <= 0:
                 return DraftTree(pending)
+            if self.dynamic:
+                return self._draft_dynamic(g[-1], pending, n, min(max_tokens, self.budget))
             return self._draft(g[-1], pending, n, max_tokens)
 
     def committed_features(self, last: TargetStep) -> torch.Tensor:
@@ -328,6 +335,58 @@ class EagleDrafter(Drafter):
                 outputs[p] = g[i]
                 candidates[p] = top[i]
         return self.tree.fill(pending, tokens, max_tokens)
+
+    def _draft_dynamic(self, g_root: torch.Tensor, pending: int, n: int, max_tokens: int) -> DraftTree:
+        """EAGLE-2's dynamic tree (Li et al. 2024, "EAGLE-2: Faster Inference of Language Models with
+        Dynamic Draft Trees") of ``max_tokens`` nodes: each level drafts the top ``width`` children of
+        the ``width`` nodes of the level above with the highest path log-probability (the sum of the
+        draft's log-probabilities along the path; ``width = min(max_tokens, DYNAMIC_WIDTH)``), as deep
+        as the head's draft steps and ``max_tokens`` allow; the tree keeps the ``max_tokens`` nodes
+        with the highest path log-probability of every node drafted (a node's is at most its parent's,
+        so the kept nodes are a tree). Its layer calls are the static tree's: one a level."""
+        width = min(max_tokens, DYNAMIC_WIDTH)
+        tokens: List[int] = []  # node i: its token, parent (-1: the pending token) and path log-probability
+        parents: List[int] = []
+        scores: List[float] = []
+        depths: List[int] = []
+        outputs: Dict[int, torch.Tensor] = {-1: g_root}  # an expanded node's layer output (its children's logits)
+        slot_of: Dict[int, int] = {}
+        expand, next_slot = [-1], n
+        for d in range(1, min(self.head.cfg.num_heads, max_tokens) + 1):
+            if d > 1:  # run the rows of the chosen nodes of depth d - 1 (each reads its parent's output)
+                slots = torch.arange(next_slot, next_slot + len(expand))
+                slot_of.update({node: int(slot) for node, slot in zip(expand, slots)})
+                mask = draft_rows_mask(n, [self._path_slots(node, parents, slot_of) for node in expand],
+                                       int(slots[-1]) + 1)
+                g = self._rows(torch.stack([outputs[parents[node]] for node in expand]),
+                               torch.tensor([tokens[node] for node in expand]), torch.full((len(expand),), n + d - 2),
+                               slots, mask)
+                next_slot += len(expand)
+                outputs.update({node: g[i] for i, node in enumerate(expand)})
+            logits = self.head.logits(torch.stack([outputs[node] for node in expand]), self.lm_head)
+            top = check_finite(logits, "the EAGLE layer").float().log_softmax(-1).topk(width, dim=-1)
+            ids = self.head.token_map[top.indices] if self.head.token_map is not None else top.indices
+            children = []
+            for node, logp, cand in zip(expand, top.values.tolist(), ids.tolist()):
+                base = scores[node] if node >= 0 else 0.0
+                for lp, token in zip(logp, cand):
+                    children.append(len(tokens))
+                    tokens.append(int(token)), parents.append(node), scores.append(base + lp), depths.append(d)
+            expand = sorted(children, key=lambda i: (-scores[i], i))[:width]
+        kept = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i], i))[:max_tokens]
+        tree, index = DraftTree(pending), {-1: 0}
+        for i in sorted(kept, key=lambda i: (depths[i], i)):  # parents first
+            index[i] = tree.add(index[parents[i]], tokens[i])
+        return tree
+
+    @staticmethod
+    def _path_slots(node: int, parents: Sequence[int], slot_of: Dict[int, int]) -> List[int]:
+        """The slots of the rows along ``node``'s path, its first draft token's first, its own last."""
+        path = []
+        while node >= 0:
+            path.append(slot_of[node])
+            node = parents[node]
+        return path[::-1]
 
     def _top(self, g: torch.Tensor, paths: Sequence[Tuple[int, ...]], depth: int) -> List[List[int]]:
         """Candidate ids ``[M][ranks]`` for the children at ``depth`` of each row's node."""

@@ -173,15 +173,16 @@ class Eagle3Drafter(EagleDrafter):
         head: the EAGLE-3 head (in the target's dtype).
         tree: the static tree of ranks.
         embed: token ids ``[M]`` -> the target's embeddings ``[M, H]`` in the head's dtype.
+        dynamic: draft EAGLE-2's dynamic tree of the static tree's size instead of the static tree.
     """
 
-    def __init__(self, head: Eagle3Head, tree, embed: Callable[[torch.Tensor], torch.Tensor]):
-        super().__init__(head, tree, embed)
+    def __init__(self, head: Eagle3Head, tree, embed: Callable[[torch.Tensor], torch.Tensor], dynamic: bool = False):
+        super().__init__(head, tree, embed, dynamic=dynamic)
         self.aux_layers = tuple(head.cfg.layer.aux_layers)  # the target's passes must return these layers
 
     def fork(self) -> "Eagle3Drafter":
         """The same head and tree with an empty KV cache of its own."""
-        return Eagle3Drafter(self.head, self.tree, self.embed)
+        return Eagle3Drafter(self.head, self.tree, self.embed, self.dynamic)
 
     def committed_features(self, last: TargetStep) -> torch.Tensor:
         aux = aux_features(last.out.aux_hidden_states, self.head.cfg.layer.aux_layers, last.rows)
