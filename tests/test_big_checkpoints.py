@@ -208,8 +208,8 @@ def test_heads_trained_on_it_decode_and_export_for_an_engine(tmp_path, capsys, m
                             for i in range(24)))
     heads = tmp_path / "heads"
     code = main(["add-heads", "-m", str(folder), "--kind", "eagle3", "--num-heads", "2", "--data", str(data),
-                 "--self-distill", "--response-tokens", "24", "--epochs", "1", "--device", "cpu", "--out", str(heads),
-                 "--json"])
+                 "--self-distill", "--response-tokens", "24", "--epochs", "1", "--device", "cpu",
+                 "--measure-prompts", "0", "--out", str(heads), "--json"])
     out, err = capsys.readouterr()
     assert code == 0, err
     assert 200 <= json.loads(out)["positions"] <= 1000

@@ -46,7 +46,8 @@ def trained(tmp_path_factory):
     lines = (REPO / "recipes" / "data" / "distill_prompts.jsonl").read_text().splitlines()
     data.write_text("\n".join(lines[:96]) + "\n")
     folder = resolve_model("smollm2-135m")
-    common = dict(self_distill=True, response_tokens=64, distill_batch=32, num_heads=CHAIN, epochs=2, seed=0)
+    common = dict(self_distill=True, response_tokens=64, distill_batch=32, num_heads=CHAIN, epochs=2, seed=0,
+                  measure_prompts=0)
     add_heads(folder, "smollm2-135m", [data], root / "eagle3", TrainSettings(
         kind="eagle3", draft_vocab=2048, lr=3e-3, batch_tokens=1024, **common), root / "home")
     add_heads(folder, "smollm2-135m", [data], root / "medusa", TrainSettings(
