@@ -123,6 +123,16 @@ SECTIONS = [
             lambda a: [_bench(*dt, "--methods", "plain,ngram,suffix", "--rounds", "3", "--limit", "2")
                        for dt in (("--dtype", "bfloat16"), ("--dtype", "bfloat16", "--weights", "int4"))],
             tables_only=False),
+    Section("recipes", "Recipes by budget: what each recipe's heads predict",
+            "Each recipe's heads found under heads/ (the Makefile's names: `make bench RECIPE=...` trains one): what "
+            "training took here and the heads' figures on held-out prompts of their training data (from their "
+            "`mtp_config.json`: held-out top-1, expected tau, and tau measured by decoding 16 held-out prompts with "
+            "the heads' tree, greedy, every step drafting), then heads+ngram against plain decoding on the "
+            "benchmark's 14 built-in prompts, which no recipe trains on, per numeric mode (default policy).",
+            lambda a: [f"{PYTHON} benchmarks/bench_recipes.py --heads {','.join(a.recipe_heads)} --threads {THREADS}"]
+            if a.recipe_heads else [], tables_only=False,
+            notes=["A recipe's wall time is its own run's, whatever else the machine did then: see each recipe's "
+                   "header (recipes/) for how it was measured."]),
     Section("big", "Checkpoints at scale: memory and speed of real shapes",
             "Synthetic checkpoints of published shapes (random bfloat16 weights in 4 safetensors shards with an "
             "index, SmolLM2's tokenizer; `mtpctl.model.synthetic`): a Llama-3.2-1B-like model (hidden 2048, 16 "
@@ -278,6 +288,8 @@ def main(argv=None) -> int:
     p.add_argument("--synth-dir", default="/tmp/mtpctl-synth", help="big: where the synthetic checkpoints are kept")
     p.add_argument("--tokenizer-from", default="smollm2-135m", help="gpu: the tokenizer of the synthetic checkpoint")
     args = p.parse_args(argv)
+    args.recipe_heads = [str(h.relative_to(ROOT)) for h in sorted((ROOT / "heads").glob("smollm2-medusa*"))
+                         if (h / "mtp_config.json").is_file()]  # the recipes' head folders (the Makefile's names)
     order = [s.key for s in SECTIONS] + ["recipe"]
     wanted = order if args.sections is None else [k.strip() for k in args.sections.split(",")]
     unknown = set(wanted) - set(order)
@@ -288,7 +300,7 @@ def main(argv=None) -> int:
             p.error("the gpu section runs where torch sees a CUDA GPU; this machine has none")
         wanted.remove("gpu")
         print("bench_all.py: no CUDA GPU here: the gpu section stays as it is", file=sys.stderr)
-    needs_heads = [k for k in wanted if k not in ("cpu", "big", "gpu", "suffix")]
+    needs_heads = [k for k in wanted if k not in ("cpu", "big", "gpu", "suffix", "recipes")]
     if needs_heads and not (Path(args.heads) / "mtp_config.json").is_file():
         p.error(f"no head folder at {args.heads}: train it with {MTPCTL} add-heads --recipe "
                 f"{args.recipe} --out {args.heads} (make bench does)")

@@ -495,12 +495,13 @@ def test_add_heads_measures_tau_on_held_out_prompts(tiny_folder, tmp_path):
     measured = HeadsConfig.load(tmp_path / "out").training["measured"]
     assert measured == summary["measured"]
     assert measured["prompts"] == 3 and measured["policy"] == "always" and measured["dtype"] == "bfloat16"
+    assert measured["tree_nodes"] == settings.tree_nodes
     assert measured["same_as_plain"] == {"heads": "3/3", "heads+ngram": "3/3"}
     # the same prompts decoded one at a time by the library with the written folder
     prompts = _held_out_prompt_ids(tmp_path / "home", settings)
     for method in ("heads", "heads+ngram"):
         llm = mtpctl.load(str(tiny_folder), speculate=method, heads=str(tmp_path / "out"), dtype="bfloat16",
-                          speculate_policy="always")
+                          speculate_policy="always", tree_nodes=settings.tree_nodes)
         steps = committed = 0
         for ids in prompts:
             stats = llm.pipeline.generate(ids, settings.response_tokens).stats

@@ -121,7 +121,7 @@ def measure_in_folder(folder: Path, heads: torch.nn.Module, target_folder: Path,
     t0 = time.perf_counter()
     try:
         measured = measure_tau(MeasureSettings(str(target_folder), str(folder), settings.distill_dtype, str(where),
-                                               settings.response_tokens), prompts)
+                                               settings.response_tokens, settings.tree_nodes), prompts)
         distributed.log(measured_line(measured))
     except MtpctlError as err:  # the trained heads are kept: the measurement is recorded as failed
         distributed.log(f"warning: could not measure tau with the heads ({err}); the folder is written without it")

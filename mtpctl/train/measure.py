@@ -4,8 +4,9 @@
 Held-out accuracy predicts tau (``expected_tau``); this decodes. The prompts are those of the held-out
 self-distilled sequences (the trainer's seeded split: no head saw them or their responses), each
 decoded greedily for ``response_tokens`` new tokens plainly and with every method of
-:data:`METHODS` under the ``always`` policy (every step drafts its whole budget, so tau does not
-depend on the machine's timing), in the self-distillation's dtype, batched. Tau is pooled over the
+:data:`METHODS` (the heads' tree of ``tree_nodes`` nodes, the one ``expected_tau`` describes) under
+the ``always`` policy (every step drafts its whole budget, so tau does not depend on the machine's
+timing), in the self-distillation's dtype, batched. Tau is pooled over the
 prompts: committed tokens over decode steps. Each method's output is compared with plain greedy
 decoding token for token (lossless: every prompt must be the same).
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from mtpctl.decode.session import GenerationRequest
 from mtpctl.drafters.build import DraftOptions, load_parts
@@ -39,13 +40,14 @@ class MeasureSettings:
     dtype: str = "bfloat16"
     device: str = "cpu"
     max_new_tokens: int = 128
+    tree_nodes: Optional[int] = None  # the heads' tree size (None: generate's default for the dtype)
 
 
 def measure_tau(settings: MeasureSettings, prompts: Sequence[Sequence[int]]) -> dict:
     """Decode ``prompts`` (token ids, chat template applied) plainly and with each of :data:`METHODS`.
 
     Returns:
-        ``{"prompts", "max_new_tokens", "dtype", "policy", "tau": {method: pooled tau},
+        ``{"prompts", "max_new_tokens", "dtype", "tree_nodes", "policy", "tau": {method: pooled tau},
         "new_tokens": {method: n}, "same_as_plain": {method: "k/n"}}``.
 
     Raises:
@@ -53,14 +55,15 @@ def measure_tau(settings: MeasureSettings, prompts: Sequence[Sequence[int]]) -> 
             target or the heads raises.
     """
     spec = PipelineSpec(model=settings.model, dtype=settings.dtype, device=settings.device,
-                        draft=DraftOptions(heads_dir=settings.heads_dir), speculate_policy="always")
+                        draft=DraftOptions(heads_dir=settings.heads_dir, tree_nodes=settings.tree_nodes),
+                        speculate_policy="always")
     session = open_target(spec)
     used = tuple(dict.fromkeys(p for m in METHODS for p in m.split("+")))
     shared = Shared(session, load_parts(session, used, spec.draft), used)
     requests = [GenerationRequest(list(p), settings.max_new_tokens) for p in prompts]
     plain = _decode(assemble(spec, shared=shared), requests)
     out = {"prompts": len(prompts), "max_new_tokens": settings.max_new_tokens, "dtype": settings.dtype,
-           "policy": "always", "tau": {}, "new_tokens": {}, "same_as_plain": {}}
+           "tree_nodes": settings.tree_nodes, "policy": "always", "tau": {}, "new_tokens": {}, "same_as_plain": {}}
     for method in METHODS:
         pipeline = assemble(replace(spec, speculate=method), shared=shared)
         results = _decode(pipeline, requests)
@@ -102,4 +105,5 @@ def measured_line(measured: Dict) -> str:
     taus = ", ".join(f"{m} {t}" for m, t in measured["tau"].items())
     same = ", ".join(f"{m} {s}" for m, s in measured["same_as_plain"].items())
     return (f"measured tau on {measured['prompts']} held-out prompts ({measured['dtype']}, greedy, "
-            f"{measured['max_new_tokens']} new tokens): {taus}; same tokens as plain: {same}")
+            f"{measured['max_new_tokens']} new tokens, {measured['tree_nodes']}-node tree): {taus}; same tokens as "
+            f"plain: {same}")
