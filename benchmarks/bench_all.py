@@ -124,7 +124,8 @@ SECTIONS = [
                        for dt in (("--dtype", "bfloat16"), ("--dtype", "bfloat16", "--weights", "int4"))],
             tables_only=False),
     Section("recipes", "Recipes by budget: what each recipe's heads predict",
-            "Each recipe's heads found under heads/ (the Makefile's names: `make bench RECIPE=...` trains one): what "
+            "Each recipe's heads found under heads/ (`heads/smollm2-*`, the Makefile's names: `make bench "
+            "RECIPE=...` trains one; Medusa, Hydra, EAGLE and EAGLE-3 alike): what "
             "training took here and the heads' figures on held-out prompts of their training data (from their "
             "`mtp_config.json`: held-out top-1, expected tau, and tau measured by decoding 16 held-out prompts with "
             "the heads' tree, greedy, every step drafting), then heads+ngram against plain decoding on the "
@@ -288,7 +289,7 @@ def main(argv=None) -> int:
     p.add_argument("--synth-dir", default="/tmp/mtpctl-synth", help="big: where the synthetic checkpoints are kept")
     p.add_argument("--tokenizer-from", default="smollm2-135m", help="gpu: the tokenizer of the synthetic checkpoint")
     args = p.parse_args(argv)
-    args.recipe_heads = [str(h.relative_to(ROOT)) for h in sorted((ROOT / "heads").glob("smollm2-medusa*"))
+    args.recipe_heads = [str(h.relative_to(ROOT)) for h in sorted((ROOT / "heads").glob("smollm2-*"))
                          if (h / "mtp_config.json").is_file()]  # the recipes' head folders (the Makefile's names)
     order = [s.key for s in SECTIONS] + ["recipe"]
     wanted = order if args.sections is None else [k.strip() for k in args.sections.split(",")]
