@@ -371,7 +371,10 @@ class EagleDrafter(Drafter):
                 base = scores[node] if node >= 0 else 0.0
                 for lp, token in zip(logp, cand):
                     children.append(len(tokens))
-                    tokens.append(int(token)), parents.append(node), scores.append(base + lp), depths.append(d)
+                    tokens.append(int(token))
+                    parents.append(node)
+                    scores.append(base + lp)
+                    depths.append(d)
             expand = sorted(children, key=lambda i: (-scores[i], i))[:width]
         kept = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i], i))[:max_tokens]
         tree, index = DraftTree(pending), {-1: 0}
