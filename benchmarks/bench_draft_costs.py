@@ -16,43 +16,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
-import time
 from pathlib import Path
 
 import torch
 
 from mtpctl.backends.torch import TorchSession
 from mtpctl.bench.harness import load_prompts
-from mtpctl.decode.drafter import TargetStep, propose_all
-from mtpctl.decode.tree import DraftTree
+from mtpctl.decode.cost_table import draft_cost, propose_ms
 from mtpctl.drafters.build import DraftOptions, build
 from mtpctl.files import write_file
 from mtpctl.model.sources import resolve_model
 
 MODES = {"float32": ("float32", "dense"), "bfloat16": ("bfloat16", "dense"), "int4": ("bfloat16", "int4")}
-
-
-def propose_ms(session: TorchSession, drafter, prompts: list, rows: int, reps: int) -> float:
-    """Median ms of one proposal of ``rows`` requests together, each timed after a plain pass."""
-    room = drafter.budget
-    engines = []
-    for i in range(rows):
-        engine = session.new_engine(len(prompts[i % len(prompts)]) + room + 8, getattr(drafter, "aux_layers", ()))
-        engine.prefill(prompts[i % len(prompts)][:-1])
-        engines.append(engine)
-    contexts = [prompts[i % len(prompts)] for i in range(rows)]
-    trees = [DraftTree(context[-1]) for context in contexts]
-    forks = [drafter.fork() for _ in range(rows)]
-    times = []
-    for _ in range(reps + 2):
-        outs = session.verify_together(engines, trees)  # untimed: evicts what the drafter read last
-        calls = [(context, room, TargetStep(out, 0, [0], tree)) for context, out, tree in zip(contexts, outs, trees)]
-        start = time.perf_counter()
-        propose_all(forks, calls)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times[2:])
 
 
 def main(argv=None) -> None:
@@ -84,10 +60,9 @@ def main(argv=None) -> None:
                 drafter = build(session, method, DraftOptions(heads_dir=args.heads))
                 one = propose_ms(session, drafter, prompts, 1, args.reps)
                 many = propose_ms(session, drafter, prompts, args.rows, args.reps)
-                row_ms = max(0.0, (many - one) / (args.rows - 1))
-                call_ms = max(0.0, one - row_ms)
-                costs[method] = [round(call_ms, 3), round(row_ms, 3)]
-                print(f"| {mode} | {method} | {one:.2f} | {many:.2f} | {call_ms:.2f} | {row_ms:.2f} |")
+                cost = draft_cost(one, many, args.rows)
+                costs[method] = [cost.call_ms, cost.row_ms]
+                print(f"| {mode} | {method} | {one:.2f} | {many:.2f} | {cost.call_ms:.2f} | {cost.row_ms:.2f} |")
         if table is not None:
             table["modes"][mode]["draft_ms"] = costs
     if table is not None:

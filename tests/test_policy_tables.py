@@ -1,6 +1,7 @@
 """Which pass-cost table the auto policy reads: the shipped tables' sources, a table measured on first
 use for a model without one (cached under $MTPCTL_HOME), borrowing with measuring off, a damaged
-cache refused, --json's policy_table, and greedy tokens whatever the table."""
+cache refused, --json's policy_table, and greedy tokens whatever the table; the drafter's own cost
+measured on first use beside a table measured here, or read from a shipped one."""
 
 import dataclasses
 import json
@@ -9,8 +10,8 @@ import pytest
 
 from mtpctl.cli.main import main
 from mtpctl.decode import cost_table
-from mtpctl.decode.cost_table import SWITCH, cache_path, choose_table, read_source
-from mtpctl.decode.policy import COSTS_FILE, PassCosts, load_costs
+from mtpctl.decode.cost_table import SWITCH, cache_path, choose_table, read_source, with_draft_cost
+from mtpctl.decode.policy import COSTS_FILE, PassCosts, load_costs, load_draft_cost
 from mtpctl.drafters.pipeline import PipelineSpec, assemble
 from mtpctl.errors import BadInput
 
@@ -152,3 +153,41 @@ def test_bench_json_says_which_table_decided(capsys, tiny_folder, tmp_path):
     settings = report.get("settings", report)
     assert settings["policy_table"]["source"] in ("measured-on-first-use", "cached")
     assert settings["policy_table"]["mode"] == "float32"
+
+
+def test_a_table_measured_here_measures_the_drafters_cost_once_per_setting(tiny_folder):
+    _native(tiny_folder)
+    first = assemble(_spec(tiny_folder))
+    assert first.table.draft_source == "measured-on-first-use"
+    assert first.table.draft.call_ms + first.table.draft.row_ms > 0 and first.table.draft.row_ms >= 0
+    stored = json.loads(first.table.path.read_text())["modes"]["float32"]["draft_ms"]
+    assert [k.split()[0] for k in stored] == ["ngram"]
+    assert first.new_policy().draft == first.table.draft  # the policy is priced by it
+    second = assemble(_spec(tiny_folder))
+    assert second.table.draft_source == "cached" and second.table.draft == first.table.draft
+    assert second.table.describe()["draft"] == {"source": "cached", "call_ms": first.table.draft.call_ms,
+                                                "row_ms": first.table.draft.row_ms}
+    longer = assemble(_spec(tiny_folder, draft=dataclasses.replace(first.spec.draft, draft_len=5)))
+    assert longer.table.draft_source == "measured-on-first-use"  # other settings: their own cost
+    assert len(json.loads(first.table.path.read_text())["modes"]["float32"]["draft_ms"]) == 2
+    assert first.table.costs == longer.table.costs  # the pass costs kept as they were
+
+
+def test_measuring_off_prices_an_unmeasured_drafter_by_the_shipped_table(tiny_folder, monkeypatch):
+    _native(tiny_folder)
+    measured = assemble(_spec(tiny_folder))
+    monkeypatch.setenv(SWITCH, "off")
+    other = assemble(_spec(tiny_folder, draft=dataclasses.replace(measured.spec.draft, draft_len=5)))
+    assert other.table.source == "cached" and other.table.draft_source == "shipped"
+    assert other.table.draft == load_draft_cost("float32", "ngram", cost_table.costs_file())
+    assert len(json.loads(measured.table.path.read_text())["modes"]["float32"]["draft_ms"]) == 1
+
+
+def test_a_shipped_table_prices_the_drafter_by_its_draft_ms(monkeypatch):
+    monkeypatch.setattr(cost_table, "matmul_isa", lambda: "avx512-bf16")
+    monkeypatch.setattr(cost_table, "costs_file", lambda: COSTS_FILE)
+    identity = {k: v for k, v in read_source(COSTS_FILE)["model"].items() if k != "name"}
+    choice = choose_table(identity, "bfloat16")
+    priced = with_draft_cost(choice, "heads+ngram", "heads+ngram 0", measure=lambda: pytest.fail("measured"))
+    shipped = json.loads(COSTS_FILE.read_text())["modes"]["bfloat16"]["draft_ms"]["heads+ngram"]
+    assert priced.draft_source == "shipped" and [priced.draft.call_ms, priced.draft.row_ms] == shipped

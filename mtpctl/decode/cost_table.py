@@ -14,11 +14,18 @@ session's model and mode on this CPU:
 4. ``borrowed``: with :data:`SWITCH` set to ``off``, no measuring: the shipped table of this CPU's
    kind, measured on another model.
 
+What drafting adds to a step outside the pass (a :class:`~mtpctl.decode.policy.DraftCost`) goes with
+the table: :func:`with_draft_cost` reads a shipped or borrowed table's ``draft_ms`` of the method
+(measured by ``benchmarks/bench_draft_costs.py``), and for a table measured here measures the
+session's own drafter on first use (:func:`measure_draft`, under a key naming the method and its
+settings) and adds it to the cached file.
+
 A cached table that does not read is refused (BadInput naming the file), left as it is.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -33,7 +40,8 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from mtpctl.decode.policy import PassCosts, costs_file, load_costs
+from mtpctl.decode.drafter import TargetStep, propose_all
+from mtpctl.decode.policy import DraftCost, PassCosts, costs_file, load_costs, load_draft_cost
 from mtpctl.decode.tree import DraftTree
 from mtpctl.errors import BadInput
 from mtpctl.files import mtpctl_home, write_file
@@ -49,6 +57,10 @@ TABLE_VERSION = 4
 PLANS = (((1, 2, 4, 8), (2, 4, 8), 3), ((1, 2, 4), (2, 4), 2), ((1, 4), (4,), 1))
 CONTEXT = 64  # committed tokens per sequence before a measured pass
 TREE_NODES = 4  # draft nodes per request in a measured pass
+#: a drafter's cost on first use: the request counts proposed for together (row_ms from their
+#: difference) and the timed proposals of each (their median is kept)
+DRAFT_ROWS = (1, 4)
+DRAFT_REPS = 5
 
 
 @dataclass(frozen=True)
@@ -62,6 +74,10 @@ class TableChoice:
         mode: the numeric mode.
         model: the model the table was measured on (its recorded source's ``model``).
         cpu: the CPU it was measured on (model name and matmul path).
+        draft: what the session's drafter adds to a step where rows draft (zero until
+            :func:`with_draft_cost` prices it).
+        draft_source: where ``draft`` came from: ``shipped`` (the table's ``draft_ms`` of the method),
+            ``cached``, ``measured-on-first-use``, or None before it is priced.
     """
 
     source: str
@@ -70,10 +86,14 @@ class TableChoice:
     mode: str
     model: dict
     cpu: str
+    draft: DraftCost = DraftCost()
+    draft_source: Optional[str] = None
 
     def describe(self) -> dict:
         """The ``policy_table`` field of a JSON result."""
-        return {"source": self.source, "model": self.model, "mode": self.mode, "cpu": self.cpu, "path": str(self.path)}
+        draft = {"source": self.draft_source, "call_ms": self.draft.call_ms, "row_ms": self.draft.row_ms}
+        return {"source": self.source, "model": self.model, "mode": self.mode, "cpu": self.cpu, "path": str(self.path),
+                "draft": draft}
 
 
 def model_identity(cfg) -> dict:
@@ -162,6 +182,47 @@ def choose_table(identity: dict, mode: str, measure: Optional[Callable[[], PassC
     return TableChoice("measured-on-first-use", cached, costs, mode, own["model"], _cpu_label(own))
 
 
+def with_draft_cost(choice: TableChoice, method: str, key: str,
+                    measure: Optional[Callable[[], DraftCost]] = None) -> TableChoice:
+    """``choice`` with its drafter's cost: for a table measured here (``cached`` or
+    ``measured-on-first-use``), the cost stored in it under ``key`` (the method and a fingerprint of
+    its settings), else one measured now by ``measure`` and added to the cached file; for a shipped or
+    borrowed table, or with measuring off or ``measure`` None, the table's ``draft_ms`` of ``method``
+    (zero where none was measured).
+
+    Raises:
+        BadInput: a ``draft_ms`` entry that does not read (:func:`mtpctl.decode.policy.load_draft_cost`).
+    """
+    if choice.source in ("cached", "measured-on-first-use"):
+        stored = _stored_draft_cost(choice, key)
+        if stored is not None:
+            return dataclasses.replace(choice, draft=stored, draft_source="cached")
+        if measure is not None and measuring_on():
+            draft = measure()
+            _cache_draft_cost(choice, key, draft)
+            return dataclasses.replace(choice, draft=draft, draft_source="measured-on-first-use")
+        shipped = costs_file()
+        return dataclasses.replace(choice, draft=load_draft_cost(choice.mode, method, shipped), draft_source="shipped")
+    return dataclasses.replace(choice, draft=load_draft_cost(choice.mode, method, choice.path), draft_source="shipped")
+
+
+def _stored_draft_cost(choice: TableChoice, key: str) -> Optional[DraftCost]:
+    """The cost a table measured here keeps under ``key`` (None where it keeps none)."""
+    try:
+        stored = json.loads(choice.path.read_text(encoding="utf-8"))["modes"][choice.mode].get("draft_ms", {})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise BadInput(f"the pass-cost table cached at {choice.path} is damaged ({err}): delete it to measure it "
+                       "again", option="speculate_policy") from err
+    return load_draft_cost(choice.mode, key, choice.path) if key in stored else None
+
+
+def _cache_draft_cost(choice: TableChoice, key: str, draft: DraftCost) -> None:
+    """Add ``draft`` under ``key`` to the cached table ``choice`` read (rewritten atomically)."""
+    document = json.loads(choice.path.read_text(encoding="utf-8"))
+    document["modes"][choice.mode].setdefault("draft_ms", {})[key] = [draft.call_ms, draft.row_ms]
+    _cache(choice.path, document)
+
+
 def _cache(path: Path, document: dict) -> None:
     """Write a measured table to ``path`` atomically; where the cache cannot be written, the table is
     used uncached (measured again next time), with one warning line on stderr."""
@@ -211,6 +272,45 @@ def time_pass(session, engines: Sequence, trees: Sequence) -> float:
         for i in range(len(tree)):
             out[i]
     return (time.perf_counter() - start) * 1e3
+
+
+def propose_ms(session, drafter, contexts: Sequence[Sequence[int]], rows: int, reps: int) -> float:
+    """Median ms of one proposal of ``rows`` requests together (each a fork of ``drafter`` over one of
+    ``contexts``, in turn), each timed after an untimed packed pass of them (so the drafter's weights
+    are as cold as in the decoding loop, where the target's pass runs between two drafts); the first
+    two are warm-ups."""
+    room = drafter.budget
+    engines, chosen = [], [contexts[i % len(contexts)] for i in range(rows)]
+    for context in chosen:
+        engine = session.new_engine(len(context) + room + 8, getattr(drafter, "aux_layers", ()))
+        engine.prefill(context[:-1])
+        engines.append(engine)
+    trees = [DraftTree(context[-1]) for context in chosen]
+    forks = [drafter.fork() for _ in range(rows)]
+    times = []
+    for _ in range(reps + 2):
+        outs = session.verify_together(engines, trees)
+        calls = [(context, room, TargetStep(out, 0, [0], tree)) for context, out, tree in zip(chosen, outs, trees)]
+        start = time.perf_counter()
+        propose_all(forks, calls)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times[2:])
+
+
+def draft_cost(one_ms: float, many_ms: float, many: int) -> DraftCost:
+    """``call_ms`` and ``row_ms`` from the medians of proposals for one row and for ``many`` rows, ms to
+    3 places as stored."""
+    row_ms = max(0.0, (many_ms - one_ms) / (many - 1))
+    return DraftCost(round(max(0.0, one_ms - row_ms), 3), round(row_ms, 3))
+
+
+def measure_draft(session, drafter, vocab: int = 1000, reps: int = DRAFT_REPS) -> DraftCost:
+    """What ``drafter`` adds to a step of ``session`` outside the pass: proposals for
+    :data:`DRAFT_ROWS` requests over synthetic contexts of :data:`CONTEXT` tokens."""
+    contexts = [[(100 + 7 * i + j) % (vocab - 1) + 1 for j in range(CONTEXT)] for i in range(max(DRAFT_ROWS))]
+    with torch.inference_mode():
+        one, many = (propose_ms(session, drafter, contexts, rows, reps) for rows in DRAFT_ROWS)
+    return draft_cost(one, many, max(DRAFT_ROWS))
 
 
 def measure_small(session, budget_s: float = BUDGET_S, vocab: int = 1000) -> PassCosts:

@@ -365,12 +365,13 @@ def load_draft_cost(mode: str, method: Optional[str], path: Optional[Path] = Non
 
 
 def make_policy(name: str, mode: Optional[str], method: Optional[str] = None, costs: Optional[PassCosts] = None,
-                draft_path: Optional[Path] = None) -> Policy:
+                draft: Optional[DraftCost] = None) -> Policy:
     """The policy ``name`` (:data:`POLICIES`) for a session running in ``mode`` (None: a backend
     that verifies one request per pass, where every row drafts as alone), its requests drafting with
     ``method`` (the ``--speculate`` value, which names the drafter's measured cost), priced by
-    ``costs`` (default: this CPU's shipped table; see :mod:`mtpctl.decode.cost_table` for the table of
-    the model in use) and the drafter's cost in ``draft_path`` (default: this CPU's shipped table).
+    ``costs`` (default: this CPU's shipped table) and ``draft``, the drafter's cost (default: the
+    shipped table's of ``method``); see :mod:`mtpctl.decode.cost_table` for the tables of the model
+    and drafter in use.
 
     Raises:
         BadInput: an unknown name, or see :func:`load_costs` and :func:`load_draft_cost`.
@@ -379,4 +380,5 @@ def make_policy(name: str, mode: Optional[str], method: Optional[str] = None, co
         raise BadInput(f"speculation policy {name!r}: choose {' or '.join(POLICIES)}", option="speculate_policy")
     if name == "always" or mode is None:
         return AlwaysDraft()
-    return CostModelPolicy(load_costs(mode) if costs is None else costs, load_draft_cost(mode, method, draft_path))
+    return CostModelPolicy(load_costs(mode) if costs is None else costs,
+                           load_draft_cost(mode, method) if draft is None else draft)

@@ -12,14 +12,18 @@ the threads, opens the session, builds the drafter and checks the policy's cost 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from mtpctl.backends import BACKENDS, open_session
 from mtpctl.backends.torch import set_threads
 from mtpctl.decode.drafter import Drafter
 from mtpctl.decode.loop import GenerationResult, Outcome
-from mtpctl.decode.cost_table import TableChoice, choose_table, measure_small, model_identity
+from mtpctl.decode.cost_table import (TableChoice, choose_table, measure_draft, measure_small, model_identity,
+                                      with_draft_cost)
 from mtpctl.decode.policy import POLICIES, Policy, make_policy
 from mtpctl.decode.sampling import SamplingParams
 from mtpctl.decode.session import ACCEPTANCE, GenerationRequest, Session
@@ -182,7 +186,19 @@ def assemble(spec: PipelineSpec = DEFAULTS, sampling: SamplingParams = SamplingP
     table = _table(spec, session) if names else None  # chosen (measured on first use) before a long build
     _policy(spec, session, names, table)
     drafter = build(session, names, spec.draft, sampling, shared.parts if shared is not None else None, progress)
+    if table is not None:
+        table = with_draft_cost(table, "+".join(names), draft_key(spec, names),
+                                lambda: measure_draft(session, drafter, vocab=session.vocab_size))
     return Pipeline(spec, session, drafter, names, table)
+
+
+def draft_key(spec: PipelineSpec, names: Sequence[str]) -> str:
+    """The key a drafter's cost is cached under in a table measured here: the method and a fingerprint
+    of what its cost depends on (the drafters' settings and the head folder's ``mtp_config.json``)."""
+    settings = json.dumps(asdict(spec.draft), sort_keys=True, default=str)
+    config = Path(spec.draft.heads_dir or "") / "mtp_config.json"
+    heads = config.read_bytes() if spec.draft.heads_dir and config.is_file() else b""
+    return f"{'+'.join(names)} {hashlib.sha256(settings.encode() + heads).hexdigest()[:12]}"
 
 
 def _table(spec: PipelineSpec, session: Session) -> Optional[TableChoice]:
@@ -197,6 +213,7 @@ def _table(spec: PipelineSpec, session: Session) -> Optional[TableChoice]:
 
 def _policy(spec: PipelineSpec, session: Session, names: Sequence[str], table: Optional[TableChoice]) -> Policy:
     """A fresh policy of ``spec`` for ``session``'s mode, priced by ``table`` (None: this CPU's shipped
-    one) and the drafter ``names``' measured cost."""
-    costs, path = (table.costs, table.path) if table is not None else (None, None)
-    return make_policy(spec.speculate_policy, session.policy_mode, "+".join(names) or None, costs, path)
+    one) and its drafter cost (where not priced yet, the shipped table's of the drafter ``names``)."""
+    costs = table.costs if table is not None else None
+    draft = table.draft if table is not None and table.draft_source is not None else None
+    return make_policy(spec.speculate_policy, session.policy_mode, "+".join(names) or None, costs, draft)
