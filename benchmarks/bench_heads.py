@@ -4,7 +4,7 @@ in one process.
 For each mode (float32, dense bfloat16, bfloat16 with int4 weights) it loads the target and the
 heads once, then runs plain decoding, the heads with each tree size, and (with ``--ngram``) prompt
 lookup alone and merged with each tree (``--retrieval``: and a retrieval tree of the heads'
-datastore), interleaved on the same prompts of the built-in set (none of which the heads were
+datastore; ``--dynamic``: EAGLE-2's dynamic tree of each size beside the static one, EAGLE heads only), interleaved on the same prompts of the built-in set (none of which the heads were
 trained on), with ``mtpctl.bench``'s harness and figures. Prints one markdown table on stdout:
 tokens/s, the paired speedup over plain (median over prompts, p10-p90), tau, acceptance by depth and
 whether the output is plain greedy's, token for token.
@@ -55,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--retrieval", type=int, default=0,
                    help="also merge a retrieval tree of this many nodes (the heads' datastore) into each heads+ngram "
                         "tree (0 = off; needs --ngram)")
+    p.add_argument("--dynamic", action="store_true",
+                   help="also run EAGLE-2's dynamic tree of each size (EAGLE and EAGLE-3 heads), beside the static one")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     args = p.parse_args(argv)
     if args.retrieval and not args.ngram:
@@ -71,9 +73,13 @@ def methods_of(session, args):
     for k in args.ngram:
         out[f"ngram-{k}"] = ("ngram", DraftOptions(draft_len=k))
     for n in args.trees:
-        out[f"heads-{n}"] = ("heads", DraftOptions(heads_dir=args.heads, tree_nodes=n))
+        for dynamic in (False, True) if args.dynamic else (False,):
+            tree = f"{n}-dynamic" if dynamic else f"{n}"
+            out[f"heads-{tree}"] = ("heads", DraftOptions(heads_dir=args.heads, tree_nodes=n, dynamic_tree=dynamic))
+            for k in args.ngram:
+                out[f"heads-{tree}+ngram-{k}"] = ("heads+ngram", DraftOptions(heads_dir=args.heads, tree_nodes=n,
+                                                                               draft_len=k, dynamic_tree=dynamic))
         for k in args.ngram:
-            out[f"heads-{n}+ngram-{k}"] = ("heads+ngram", DraftOptions(heads_dir=args.heads, tree_nodes=n, draft_len=k))
             if args.retrieval:
                 out[f"heads-{n}+ngram-{k}+retrieval-{args.retrieval}"] = (
                     "heads+ngram+retrieval", DraftOptions(heads_dir=args.heads, tree_nodes=n, draft_len=k,

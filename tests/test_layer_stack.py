@@ -8,7 +8,7 @@ import torch
 
 from mtpctl.backends.torch import TorchEngine, verify_packed
 from mtpctl.decode.tree import DraftTree
-from mtpctl.model.native import layer_stack, load_kernel
+from mtpctl.model.native import layer_stack, load_kernel, stack_part
 
 from helpers import gguf_grid_decoder, random_decoder
 
@@ -137,3 +137,37 @@ def test_the_stack_refuses_tensors_that_do_not_fit():
         layer_stack(x.float(), model.stack, model.norm.detach(), rot, rot, kv, dest, False, plan)
     with pytest.raises(ValueError, match="layer_stack takes"):
         layer_stack(x, model.stack, model.norm.detach(), rot[:1], rot[:1], kv, dest, False, plan)
+
+
+@STACKED
+def test_a_pass_returning_intermediate_layers_runs_the_stack_in_parts_with_the_same_bits(build):
+    """EAGLE-3's passes return the residual streams of some layers: the stack runs in parts ending at
+    them, each part writing its own layers' KV, so hidden states, caches and the next pass are the
+    stack's own bits, and the layers returned agree with the layer-by-layer path to rounding."""
+    model = build(seed=3)
+    layers = model.cfg.num_hidden_layers
+    aux = (0, 1, layers)
+    whole, parts, layered = (TorchEngine(m, 48, aux_layers=a) for m, a in
+                             ((model, ()), (model, aux), (layer_by_layer(model), aux)))
+    for engine in (whole, parts, layered):
+        engine.prefill(PROMPTS[2])
+    for tree in TREES[:2]:
+        outs = [engine.verify(tree) for engine in (whole, parts, layered)]
+        assert torch.equal(outs[0].hidden_states, outs[1].hidden_states)
+        assert sorted(outs[1].aux_hidden_states) == sorted(aux)
+        for layer in aux:
+            got, want = outs[1].aux_hidden_states[layer].float(), outs[2].aux_hidden_states[layer].float()
+            assert got.shape == (len(tree), model.cfg.hidden_size)
+            assert torch.allclose(got, want, rtol=0.02, atol=0.02)
+        for engine in (whole, parts, layered):
+            engine.commit([0, 1] if len(tree) > 1 else [0])
+    assert torch.equal(whole.cache.k, parts.cache.k) and torch.equal(whole.cache.v, parts.cache.v)
+
+
+def test_a_part_of_the_stack_is_refused_outside_its_layers():
+    model = gguf_grid_decoder()
+    kv = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="layers"):
+        stack_part(model.stack, kv, False, 1, 1)
+    with pytest.raises(ValueError, match="layers"):
+        stack_part(model.stack, kv, False, 0, model.cfg.num_hidden_layers + 1)

@@ -275,22 +275,27 @@ def time_pass(session, engines: Sequence, trees: Sequence) -> float:
 
 
 def propose_ms(session, drafter, contexts: Sequence[Sequence[int]], rows: int, reps: int) -> float:
-    """Median ms of one proposal of ``rows`` requests together (each a fork of ``drafter`` over one of
-    ``contexts``, in turn), each timed after an untimed packed pass of them (so the drafter's weights
-    are as cold as in the decoding loop, where the target's pass runs between two drafts); the first
-    two are warm-ups."""
+    """Median ms of one decode step's proposal for ``rows`` requests together, each a fork of
+    ``drafter`` over one of ``contexts`` in turn: each rep forks afresh and lets the forks read the
+    prompt's prefill (untimed, as after a request's prefill), runs an untimed packed pass of the pending
+    tokens (so the drafter's weights are as cold as in the loop, where the target's pass runs between
+    two drafts), then times the proposal after that pass committed one token; the first two reps are
+    warm-ups."""
     room = drafter.budget
-    engines, chosen = [], [contexts[i % len(contexts)] for i in range(rows)]
+    chosen = [list(contexts[i % len(contexts)]) for i in range(rows)]
+    engines, prefills = [], []
     for context in chosen:
         engine = session.new_engine(len(context) + room + 8, getattr(drafter, "aux_layers", ()))
-        engine.prefill(context[:-1])
+        prefills.append(engine.prefill(context[:-1]))
         engines.append(engine)
     trees = [DraftTree(context[-1]) for context in chosen]
-    forks = [drafter.fork() for _ in range(rows)]
     times = []
     for _ in range(reps + 2):
+        forks = [drafter.fork() for _ in range(rows)]
+        propose_all(forks, [(context, room, TargetStep(out, 0)) for context, out in zip(chosen, prefills)])
         outs = session.verify_together(engines, trees)
-        calls = [(context, room, TargetStep(out, 0, [0], tree)) for context, out, tree in zip(chosen, outs, trees)]
+        calls = [(context + [context[0]], room, TargetStep(out, 0, [0], tree))
+                 for context, out, tree in zip(chosen, outs, trees)]
         start = time.perf_counter()
         propose_all(forks, calls)
         times.append((time.perf_counter() - start) * 1e3)

@@ -26,7 +26,7 @@ from torch import nn
 from mtpctl.errors import CorruptModel, UnsupportedModel
 from mtpctl.model.config import DecoderConfig, RopeConfig
 from mtpctl.model.kv_cache import KVCache, PassSlots
-from mtpctl.model.native import (SlotPlan, StackWeights, attend, kernel_takes, layer_stack,
+from mtpctl.model.native import (SlotPlan, StackWeights, attend, kernel_takes, layer_stack, stack_part,
                                  norm_takes, rms_norm, rotate_write)
 from mtpctl.model.linears import (BlockedLinear, FixedRowsLinear, PackedLinear, TiledLinear, blocked_layout_available,
                                   pack_exact, tiles_take)
@@ -702,8 +702,8 @@ class Decoder(nn.Module):
             hidden_states after the final norm, ``[batch, N, hidden]``.
         """
         plan = None if plans is None or len(plans) != 1 else next(iter(plans.values()))
-        if aux is None and isinstance(plan, SlotPlan) and isinstance(cache, PassSlots) and self.stack is not None:
-            return self._stacked(input_ids, position_ids, cache, plan)
+        if isinstance(plan, SlotPlan) and isinstance(cache, PassSlots) and self.stack is not None:
+            return self._stacked(input_ids, position_ids, cache, plan, aux)
         x = F.embedding(input_ids, self.embed)
         if self.embed_scale is not None:
             x = x * self.embed_scale
@@ -725,11 +725,25 @@ class Decoder(nn.Module):
         return (rms_norm if native else self.final_norm)(x, self.norm, self.cfg.rms_norm_eps)
 
     def _stacked(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: PassSlots,
-                 plan: SlotPlan) -> torch.Tensor:
-        """:meth:`forward` of a decode or verify pass through the native layer stack (``self.stack``)."""
+                 plan: SlotPlan, aux: Optional[Dict[int, Optional[torch.Tensor]]] = None) -> torch.Tensor:
+        """:meth:`forward` of a decode or verify pass through the native layer stack (``self.stack``): in
+        one call, or with ``aux`` in parts that end at its layers (each part computes what the whole
+        stack does, so the tokens are the same either way)."""
         x = F.embedding(input_ids[0], self.embed)
         cos, sin = self.rope_cos[position_ids[0]], self.rope_sin[position_ids[0]]
-        return layer_stack(x, self.stack, self.norm.detach(), cos, sin, cache.kv, cache.dest, cache.kv_bf16, plan)[None]
+        norm, layers = self.norm.detach(), self.cfg.num_hidden_layers
+        if not aux:
+            return layer_stack(x, self.stack, norm, cos, sin, cache.kv, cache.dest, cache.kv_bf16, plan)[None]
+        if 0 in aux:
+            aux[0] = x.clone()[None]
+        start, out = 0, None
+        for end in sorted({i for i in aux if 0 < i < layers} | {layers}):
+            stack, kv = stack_part(self.stack, cache.kv, cache.kv_bf16, start, end)
+            out = layer_stack(x, stack, norm, cos, sin, kv, cache.dest, cache.kv_bf16, plan)
+            if end in aux:
+                aux[end] = x.clone()[None]  # x holds the residual stream after layer ``end`` now
+            start = end
+        return out[None]
 
     @property
     def device(self) -> torch.device:

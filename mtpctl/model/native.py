@@ -627,6 +627,27 @@ class StackWeights:
     scale: float
 
 
+def stack_part(stack: StackWeights, kv: torch.Tensor, kv_bf16: bool, start: int, end: int
+               ) -> Tuple[StackWeights, torch.Tensor]:
+    """Layers ``[start, end)`` of ``stack`` as a stack of their own, and the cache table ``kv`` ``[N, 4]``
+    (:func:`cache_rows`) moved on to layer ``start`` of every token's cache, so that
+    :func:`layer_stack` over them computes and writes what those layers of the whole stack do (a pass
+    that returns intermediate layers runs the stack in parts, each part's ``x`` out being the residual
+    stream after its last layer).
+
+    Raises:
+        ValueError: a layer range outside the stack, or an empty one.
+    """
+    layers = int(stack.shape[0])
+    if not 0 <= start < end <= layers:
+        raise ValueError(f"layers [{start}, {end}) of a stack of {layers}")
+    shape = stack.shape.clone()
+    shape[0] = end - start
+    moved = kv.clone()
+    moved[:, :2] += start * kv[:, 2:3] * (2 if kv_bf16 else 4)  # elements between two layers, in bytes
+    return StackWeights(stack.table[start:end], shape, stack.keep, stack.eps, stack.scale), moved
+
+
 def layer_stack(x: torch.Tensor, stack: StackWeights, final_norm: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, kv: torch.Tensor, dest: torch.Tensor, kv_bf16: bool, plan: SlotPlan,
                 lib: Optional[Kernels] = None) -> torch.Tensor:
