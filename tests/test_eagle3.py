@@ -9,7 +9,8 @@ import pytest
 import torch
 from helpers import PROMPT, TREES, perturbed
 
-from mtpctl.backends.torch import TorchEngine
+from mtpctl.backends.torch import TorchEngine, TorchSession
+from mtpctl.decode.cost_table import measure_draft
 from mtpctl.decode.drafter import TargetStep
 from mtpctl.decode.loop import generate
 from mtpctl.decode.sampling import SamplingParams
@@ -179,3 +180,14 @@ def test_a_head_trained_on_the_targets_output_gets_drafts_accepted_and_stays_los
     result = decode(tiny_model, drafter(tiny_model, head, TREES["mixed"]))
     assert result.token_ids == tiny_reference
     assert result.stats.accepted_tokens >= 15 and max(result.stats.accepted_per_step) >= 3
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_drafter_cost_measured_on_first_use_times_an_eagle3_step(tiny_folder, dtype):
+    """The auto policy's first-use measurement (mtpctl.decode.cost_table.measure_draft) lets each fork
+    read the prompt's prefill before timing a step: an EAGLE-3 drafter refuses a step it has not
+    seen the prompt for."""
+    session = TorchSession(tiny_folder, dtype)
+    head = random_eagle3(session.model).to(session.model.dtype)
+    cost = measure_draft(session, drafter(session.model, head, TREES["mixed"]), vocab=session.vocab_size, reps=2)
+    assert cost.call_ms > 0 and cost.row_ms >= 0
