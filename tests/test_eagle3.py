@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import PROMPT, TREES, perturbed
 
 from mtpctl.backends.torch import TorchEngine, TorchSession
@@ -21,6 +22,7 @@ from mtpctl.drafters.heads.folder import load_heads, save_heads
 from mtpctl.drafters.heads.tree import StaticTree
 from mtpctl.errors import CorruptModel
 from mtpctl.model.decoder import _rms_norm
+from mtpctl.model.linears import tiles_take
 
 
 def random_eagle3(model, depth=4, seed=0, draft_vocab=0, norm_before_residual=False):
@@ -190,4 +192,23 @@ def test_a_drafter_cost_measured_on_first_use_times_an_eagle3_step(tiny_folder, 
     session = TorchSession(tiny_folder, dtype)
     head = random_eagle3(session.model).to(session.model.dtype)
     cost = measure_draft(session, drafter(session.model, head, TREES["mixed"]), vocab=session.vocab_size, reps=2)
-    assert cost.call_ms > 0 and cost.row_ms >= 0
+    assert cost.call_ms + cost.row_ms > 0 and min(cost.call_ms, cost.row_ms) >= 0
+
+
+@pytest.mark.skipif(not tiles_take(torch.bfloat16, (64, 64)), reason="the native kernels do not build here")
+def test_a_decoding_bfloat16_head_runs_its_products_on_tiles_and_trains_on_torch(tiny_model):
+    """A decoding head (``blocked``) of bfloat16 weights: every product of the layer and lm_head on the
+    native tiles, each equal to torch's to bfloat16 rounding; with autograd on (training), torch's."""
+    head = random_eagle3(tiny_model, draft_vocab=8).to(torch.bfloat16)
+    head.blocked = True
+    assert set(head.tiles()) == {"fc", "qkv", "o_proj", "gate_up", "down", "lm_head"}
+    for name, tiled in head.tiles().items():
+        weight = getattr(head, name)
+        x = torch.randn(3, weight.shape[1]).to(torch.bfloat16)
+        with torch.no_grad():
+            torch.testing.assert_close(head.linear(x, name).float(), F.linear(x, weight).float(), rtol=0.02, atol=0.02)
+            assert torch.equal(head.linear(x, name), tiled(x))
+    x = torch.randn(2, head.qkv.shape[1]).to(torch.bfloat16)
+    head.requires_grad_(True)
+    out = head.linear(x, "qkv")
+    assert out.requires_grad and torch.equal(out, F.linear(x, head.qkv))  # training: torch's product, with gradients

@@ -33,7 +33,7 @@ from mtpctl.drafters.heads.config import EagleLayerConfig, HeadsConfig
 from mtpctl.drafters.heads.tree import StaticTree
 from mtpctl.model.config import RopeConfig
 from mtpctl.model.decoder import _rms_norm, _rotate, rope_inv_freq
-from mtpctl.model.linears import projection_copy
+from mtpctl.model.linears import TiledLinear, projection_copy, tiles_take
 
 #: children drafted per node, and nodes expanded per level, of a dynamic tree at most
 DYNAMIC_WIDTH = 4
@@ -47,7 +47,36 @@ class DraftLayer(nn.Module):
     ``finish`` (residual and attention -> the row's output, the feature the next draft step reads)
     and ``logits`` (that output -> draft logits). Parameters made here: ``qkv [(A + 2G) D, qkv_in]``,
     ``o_proj [H, A D]``, ``post_attention_norm [H]``, ``gate_up [2I, H]``, ``down [H, I]``.
+
+    A decoding head (``blocked``, set by the subclass) of bfloat16 weights runs its products
+    (:meth:`linear`) on the native matmul's tiles where the kernels build, as the target's own dense
+    bfloat16 layers do (:class:`~mtpctl.model.linears.TiledLinear`: a draft's values equal torch's to
+    bfloat16 rounding, which only changes what is drafted); the tiles are made at the first draft,
+    after the weights are loaded, and held outside the state dict.
     """
+
+    #: the products :meth:`linear` may run on tiles (those without a bias)
+    TILED = ("fc", "qkv", "o_proj", "gate_up", "down", "lm_head")
+    blocked = False
+    _tiles: Optional[Dict[str, nn.Module]] = None
+
+    def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """``x @ W.T`` of the weight parameter ``name``: on its tiles for a decoding head's bfloat16 rows
+        outside autograd, else torch's ``F.linear``."""
+        weight = getattr(self, name)
+        if self.blocked and x.dtype == torch.bfloat16 and not torch.is_grad_enabled():
+            tiled = self.tiles().get(name)
+            if tiled is not None:
+                return tiled(x)
+        return F.linear(x, weight)
+
+    def tiles(self) -> Dict[str, nn.Module]:
+        """The decoding tiles of the :data:`TILED` weights that take them (made once)."""
+        if self._tiles is None:
+            self._tiles = {name: TiledLinear(getattr(self, name).detach()) for name in self.TILED
+                           if isinstance(getattr(self, name, None), torch.Tensor)
+                           and tiles_take(getattr(self, name).dtype, tuple(getattr(self, name).shape))}
+        return self._tiles
 
     def _init_layer(self, cfg: HeadsConfig, dtype: torch.dtype, qkv_in: int) -> None:
         lc: EagleLayerConfig = cfg.layer
@@ -64,7 +93,7 @@ class DraftLayer(nn.Module):
         """Attention input ``[..., T, qkv_in]`` at ``positions [..., T]`` -> rotated queries
         ``[..., A, T, D]`` and keys ``[..., G, T, D]``, values ``[..., G, T, D]``."""
         lc = self.cfg.layer
-        qkv = F.linear(inp, self.qkv)
+        qkv = self.linear(inp, "qkv")
         angles = positions[..., None].float() * self.inv_freq
         cos = torch.cat((angles.cos(), angles.cos()), dim=-1)[..., None, :].to(inp.dtype)
         sin = torch.cat((angles.sin(), angles.sin()), dim=-1)[..., None, :].to(inp.dtype)
@@ -84,9 +113,9 @@ class DraftLayer(nn.Module):
         """Residual stream ``[..., T, H]`` and attention ``[..., A, T, D]`` -> the stream after the
         attention's output projection and the MLP, each added to it (before any final norm)."""
         eps = self.cfg.layer.rms_norm_eps
-        x = x + F.linear(attn.transpose(-2, -3).flatten(-2), self.o_proj)
-        gate, up = F.linear(_rms_norm(x, self.post_attention_norm, eps), self.gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down)
+        x = x + self.linear(attn.transpose(-2, -3).flatten(-2), "o_proj")
+        gate, up = self.linear(_rms_norm(x, self.post_attention_norm, eps), "gate_up").chunk(2, dim=-1)
+        return x + self.linear(F.silu(gate) * up, "down")
 
     def forward(self, feats: torch.Tensor, token_embeds: torch.Tensor, valid: torch.Tensor, steps: int) -> List[torch.Tensor]:
         """Training-time test: ``steps`` draft steps at every row of a batch of sequences, each step
@@ -171,8 +200,9 @@ class EagleHead(DraftLayer):
         else:
             self.token_map = None
             self.projection = None
-        # decoding: the projection in a decoding layout too (no state_dict entry)
+        # decoding: the projection in a decoding layout too (no state_dict entry), the layer's products on tiles
         self.projection_kernel = projection_copy(self.projection, self.token_map, blocked, target_kernel)
+        self.blocked = blocked
 
     def attention_inputs(self, feats: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor) -> tuple:
         """Rows ``(f_p, e(x_{p+1}))`` -> ``(x, q, k, v)``: the residual stream ``x [..., T, H]``, rotated
@@ -183,7 +213,8 @@ class EagleHead(DraftLayer):
             token_embeds: ``[..., T, H]`` embeddings of the next tokens x_{p+1}.
             positions: ``[..., T]`` positions p (int64).
         """
-        x = F.linear(torch.cat((feats, token_embeds), dim=-1), self.fc, self.fc_bias)
+        joined = torch.cat((feats, token_embeds), dim=-1)
+        x = F.linear(joined, self.fc, self.fc_bias) if self.fc_bias is not None else self.linear(joined, "fc")
         inp = x if self.input_norm is None else _rms_norm(x, self.input_norm, self.cfg.layer.rms_norm_eps)
         return (x,) + self.rotary_qkv(inp, positions)
 

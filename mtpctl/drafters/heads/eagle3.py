@@ -85,7 +85,8 @@ class Eagle3Head(DraftLayer):
         dtype: parameter dtype.
         target_lm_head: ``[vocab, hidden]`` the target's lm_head (``lm_head``'s first value).
         token_map: ``[V_d]`` target ids of the draft vocabulary (with ``draft_vocab_size``).
-        blocked: also hold ``lm_head`` in oneDNN's blocked layout (decoding only).
+        blocked: a decoding head: bfloat16 products on the native tiles (:meth:`DraftLayer.linear`), else
+            ``lm_head`` in oneDNN's blocked layout.
 
     Raises:
         ValueError: no ``target_lm_head``, or a draft vocabulary without ``token_map``.
@@ -112,12 +113,12 @@ class Eagle3Head(DraftLayer):
             self.token_map = None
             rows = target_lm_head
         self.lm_head = nn.Parameter(rows.detach().to(dtype).clone())
-        self.blocked = blocked
-        self.lm_head_kernel = None  # decoding: lm_head in the blocked layout, made at the first draft (after loading)
+        self.blocked = blocked  # decoding: the products on tiles (DraftLayer.linear), else lm_head in oneDNN's layout
+        self.lm_head_kernel = None  # made at the first draft (after loading) where lm_head takes no tiles
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """The target's aux layers' residual streams side by side ``[..., k H]`` -> the fused feature ``[..., H]``."""
-        return F.linear(aux, self.fc)
+        return self.linear(aux, "fc")
 
     def attention_inputs(self, feats: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor) -> tuple:
         """Rows ``(u_p, e(x_{p+1}))`` -> ``(residual, q, k, v)`` (see the module docstring); ``feats``
@@ -136,10 +137,11 @@ class Eagle3Head(DraftLayer):
         """Outputs ``[..., H]`` -> float32 logits over the draft vocabulary ``[..., V_d]`` (``lm_head``,
         the target's, is not used: the head has its own)."""
         normed = _rms_norm(g, self.norm, self.cfg.layer.rms_norm_eps)
+        if self.blocked and normed.dtype == torch.bfloat16 and "lm_head" in self.tiles():
+            return self.tiles()["lm_head"](normed, out_dtype=torch.float32)
         if self.blocked and self.lm_head_kernel is None:
-            self.lm_head_kernel = blocked_copy(self.lm_head.detach(), True)
-            self.blocked = self.lm_head_kernel is not None
-        if self.lm_head_kernel is not None:
+            self.lm_head_kernel = blocked_copy(self.lm_head.detach(), True) or False  # False: oneDNN lacks it
+        if self.lm_head_kernel:
             return self.lm_head_kernel(normed).float()
         return F.linear(normed, self.lm_head).float()
 
