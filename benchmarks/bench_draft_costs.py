@@ -71,6 +71,8 @@ def main(argv=None) -> None:
                                "call_ms once where any row drafts, row_ms per drafting row")
         table["draft_command"] = "python benchmarks/bench_draft_costs.py " + " ".join(argv or __import__("sys").argv[1:])
         table["draft_commit"] = commit or None
+        config = Path(args.heads) / "mtp_config.json"  # the heads methods' costs hold for heads of this kind
+        table["draft_heads"] = json.loads(config.read_text(encoding="utf-8")).get("kind") if config.is_file() else None
         write_file(Path(args.write), json.dumps(table, indent=1) + "\n")
 
 

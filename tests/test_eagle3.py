@@ -14,6 +14,8 @@ from mtpctl.backends.torch import TorchEngine, TorchSession
 from mtpctl.decode.cost_table import measure_draft
 from mtpctl.decode.drafter import TargetStep
 from mtpctl.decode.loop import generate
+from mtpctl.decode.policy import AlwaysDraft
+from mtpctl.decode.tree import DraftTree
 from mtpctl.decode.sampling import SamplingParams
 from mtpctl.decode.stopping import StopChecker
 from mtpctl.drafters.heads.config import HeadsConfig
@@ -212,3 +214,48 @@ def test_a_decoding_bfloat16_head_runs_its_products_on_tiles_and_trains_on_torch
     head.requires_grad_(True)
     out = head.linear(x, "qkv")
     assert out.requires_grad and torch.equal(out, F.linear(x, head.qkv))  # training: torch's product, with gradients
+
+
+class EveryThirdStep(AlwaysDraft):
+    """A policy that lets the row draft its whole budget on every third step only."""
+
+    def __init__(self):
+        self.steps = 0
+
+    def draft_sizes(self, rooms, rows):
+        self.steps += 1
+        return list(rooms) if self.steps % 3 == 0 else [0] * len(rooms)
+
+
+class Recorded:
+    """A drafter that records the trees it proposes; ``eager``: it runs the layer every step (drafting
+    its whole budget and keeping the tree only where the step asks for one)."""
+
+    def __init__(self, inner, eager=False):
+        self.inner, self.eager, self.trees, self.budget = inner, eager, [], inner.budget
+        self.aux_layers = inner.aux_layers
+
+    def fork(self):
+        return Recorded(self.inner.fork(), self.eager)
+
+    def propose(self, context, max_tokens, last=None):
+        eager = self.eager and last is not None and max_tokens <= 0
+        tree = self.inner.propose(context, self.budget if eager else max_tokens, last)
+        if max_tokens <= 0:
+            return DraftTree(context[-1])
+        self.trees.append((len(context), tree.tokens))
+        return tree
+
+
+def test_steps_that_draft_nothing_keep_their_rows_for_the_next_draft(tiny_model, tiny_reference):
+    """Rows committed on steps where the policy drafts nothing run together at the next step that
+    drafts: the same trees as running them every step, and the output stays plain greedy's."""
+    runs = {}
+    for eager in (False, True):
+        d = Recorded(drafter(tiny_model, random_eagle3(tiny_model, draft_vocab=64), TREES["mixed"]), eager)
+        engine = TorchEngine(tiny_model, len(PROMPT) + 40 + d.budget + 1, aux_layers=d.aux_layers)
+        result = generate(engine, PROMPT, StopChecker(set(), (), 40, lambda ids: ""), SamplingParams(), d,
+                          policy=EveryThirdStep())
+        assert result.token_ids == tiny_reference
+        runs[eager] = d.trees
+    assert len(runs[False]) >= 5 and runs[False] == runs[True]

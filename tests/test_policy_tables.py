@@ -11,7 +11,7 @@ import pytest
 from mtpctl.cli.main import main
 from mtpctl.decode import cost_table
 from mtpctl.decode.cost_table import SWITCH, cache_path, choose_table, read_source, with_draft_cost
-from mtpctl.decode.policy import COSTS_FILE, PassCosts, load_costs, load_draft_cost
+from mtpctl.decode.policy import COSTS_FILE, DraftCost, PassCosts, load_costs, load_draft_cost
 from mtpctl.drafters.pipeline import PipelineSpec, assemble
 from mtpctl.errors import BadInput
 
@@ -188,6 +188,29 @@ def test_a_shipped_table_prices_the_drafter_by_its_draft_ms(monkeypatch):
     monkeypatch.setattr(cost_table, "costs_file", lambda: COSTS_FILE)
     identity = {k: v for k, v in read_source(COSTS_FILE)["model"].items() if k != "name"}
     choice = choose_table(identity, "bfloat16")
-    priced = with_draft_cost(choice, "heads+ngram", "heads+ngram 0", measure=lambda: pytest.fail("measured"))
+    priced = with_draft_cost(choice, "heads+ngram", "heads+ngram 0", measure=lambda: pytest.fail("measured"),
+                             heads_kind="medusa")
     shipped = json.loads(COSTS_FILE.read_text())["modes"]["bfloat16"]["draft_ms"]["heads+ngram"]
     assert priced.draft_source == "shipped" and [priced.draft.call_ms, priced.draft.row_ms] == shipped
+    lookup = with_draft_cost(choice, "ngram", "ngram 0", measure=lambda: pytest.fail("measured"))
+    assert lookup.draft_source == "shipped"  # prompt lookup's cost does not depend on heads
+
+
+def test_heads_of_another_kind_than_the_shipped_tables_are_measured_once_beside_it(monkeypatch):
+    monkeypatch.setattr(cost_table, "matmul_isa", lambda: "avx512-bf16")
+    monkeypatch.setattr(cost_table, "costs_file", lambda: COSTS_FILE)
+    identity = {k: v for k, v in read_source(COSTS_FILE)["model"].items() if k != "name"}
+    choice = choose_table(identity, "bfloat16")
+    eagle3 = DraftCost(3.5, 2.4)
+    first = with_draft_cost(choice, "heads+ngram", "heads+ngram abc", measure=lambda: eagle3, heads_kind="eagle3")
+    assert first.draft_source == "measured-on-first-use" and first.draft == eagle3
+    assert first.costs == choice.costs and first.path == COSTS_FILE  # the shipped pass costs still decide
+    again = with_draft_cost(choice, "heads+ngram", "heads+ngram abc", measure=lambda: pytest.fail("measured again"),
+                            heads_kind="eagle3")
+    assert again.draft_source == "cached" and again.draft == eagle3
+    kept = cost_table.draft_cache_path(choice.model, "bfloat16", cost_table.torch.get_num_threads())
+    assert json.loads(kept.read_text())["modes"]["bfloat16"]["draft_ms"] == {"heads+ngram abc": [3.5, 2.4]}
+    monkeypatch.setenv(SWITCH, "off")
+    unmeasured = with_draft_cost(choice, "heads+ngram", "heads+ngram other", measure=lambda: pytest.fail("measured"),
+                                 heads_kind="eagle3")
+    assert unmeasured.draft_source == "shipped"  # measuring off: the shipped cost, whatever it was measured with

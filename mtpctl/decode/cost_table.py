@@ -15,10 +15,10 @@ session's model and mode on this CPU:
    kind, measured on another model.
 
 What drafting adds to a step outside the pass (a :class:`~mtpctl.decode.policy.DraftCost`) goes with
-the table: :func:`with_draft_cost` reads a shipped or borrowed table's ``draft_ms`` of the method
-(measured by ``benchmarks/bench_draft_costs.py``), and for a table measured here measures the
-session's own drafter on first use (:func:`measure_draft`, under a key naming the method and its
-settings) and adds it to the cached file.
+the table: :func:`with_draft_cost` reads a shipped table's ``draft_ms`` of the method where it was
+measured with this drafter (``benchmarks/bench_draft_costs.py``; heads of the kind its ``draft_heads``
+names), and otherwise measures the session's own drafter on first use (:func:`measure_draft`, under a
+key naming the method and its settings), kept in the cached table or beside the shipped one.
 
 A cached table that does not read is refused (BadInput naming the file), left as it is.
 """
@@ -182,45 +182,83 @@ def choose_table(identity: dict, mode: str, measure: Optional[Callable[[], PassC
     return TableChoice("measured-on-first-use", cached, costs, mode, own["model"], _cpu_label(own))
 
 
-def with_draft_cost(choice: TableChoice, method: str, key: str,
-                    measure: Optional[Callable[[], DraftCost]] = None) -> TableChoice:
-    """``choice`` with its drafter's cost: for a table measured here (``cached`` or
-    ``measured-on-first-use``), the cost stored in it under ``key`` (the method and a fingerprint of
-    its settings), else one measured now by ``measure`` and added to the cached file; for a shipped or
-    borrowed table, or with measuring off or ``measure`` None, the table's ``draft_ms`` of ``method``
-    (zero where none was measured).
+def with_draft_cost(choice: TableChoice, method: str, key: str, measure: Optional[Callable[[], DraftCost]] = None,
+                    heads_kind: Optional[str] = None) -> TableChoice:
+    """``choice`` with its drafter's cost (what a step spends drafting outside the pass):
+
+    - a shipped or borrowed table's ``draft_ms`` of ``method``, where it has one measured with this
+      drafter (heads methods: heads of ``heads_kind``, the kind the table's ``draft_heads`` names);
+    - else a cost measured here before under ``key`` (the method and a fingerprint of its settings),
+      kept in the table's own file for a table measured here, else in :func:`draft_cache_path`;
+    - else one measured now by ``measure`` and kept there;
+    - with measuring off or ``measure`` None, the shipped table's ``draft_ms`` of ``method`` whatever
+      it was measured with (zero where it has none).
 
     Raises:
-        BadInput: a ``draft_ms`` entry that does not read (:func:`mtpctl.decode.policy.load_draft_cost`).
+        BadInput: a ``draft_ms`` entry that does not read, or a damaged cache file (left as it is).
     """
-    if choice.source in ("cached", "measured-on-first-use"):
-        stored = _stored_draft_cost(choice, key)
-        if stored is not None:
-            return dataclasses.replace(choice, draft=stored, draft_source="cached")
-        if measure is not None and measuring_on():
-            draft = measure()
-            _cache_draft_cost(choice, key, draft)
-            return dataclasses.replace(choice, draft=draft, draft_source="measured-on-first-use")
-        shipped = costs_file()
-        return dataclasses.replace(choice, draft=load_draft_cost(choice.mode, method, shipped), draft_source="shipped")
-    return dataclasses.replace(choice, draft=load_draft_cost(choice.mode, method, choice.path), draft_source="shipped")
+    measured_here = choice.source in ("cached", "measured-on-first-use")
+    if not measured_here:
+        shipped = shipped_draft_cost(choice.path, choice.mode, method, heads_kind)
+        if shipped is not None:
+            return dataclasses.replace(choice, draft=shipped, draft_source="shipped")
+    path = choice.path if measured_here else draft_cache_path(choice.model, choice.mode, torch.get_num_threads())
+    stored = _stored_draft_cost(path, choice.mode, key)
+    if stored is not None:
+        return dataclasses.replace(choice, draft=stored, draft_source="cached")
+    if measure is not None and measuring_on():
+        draft = measure()
+        _cache_draft_cost(path, choice.mode, key, draft, choice.model)
+        return dataclasses.replace(choice, draft=draft, draft_source="measured-on-first-use")
+    return dataclasses.replace(choice, draft=load_draft_cost(choice.mode, method, costs_file()), draft_source="shipped")
 
 
-def _stored_draft_cost(choice: TableChoice, key: str) -> Optional[DraftCost]:
-    """The cost a table measured here keeps under ``key`` (None where it keeps none)."""
+def shipped_draft_cost(path: Path, mode: str, method: str, heads_kind: Optional[str]) -> Optional[DraftCost]:
+    """The ``draft_ms`` of ``method`` in the table at ``path``, where it was measured with this drafter
+    (for heads methods, heads of the kind its ``draft_heads`` names); None where it has none."""
     try:
-        stored = json.loads(choice.path.read_text(encoding="utf-8"))["modes"][choice.mode].get("draft_ms", {})
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        raise BadInput(f"the pass-cost table cached at {choice.path} is damaged ({err}): delete it to measure it "
-                       "again", option="speculate_policy") from err
-    return load_draft_cost(choice.mode, key, choice.path) if key in stored else None
+        document = json.loads(Path(path).read_text(encoding="utf-8"))
+        entry = document["modes"][mode].get("draft_ms", {}).get(method)
+        measured_with = document.get("draft_heads")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # the pass costs of this file were read already: load_costs names what is wrong with it
+    if entry is None or ("heads" in method.split("+") and measured_with != heads_kind):
+        return None
+    return load_draft_cost(mode, method, path)
 
 
-def _cache_draft_cost(choice: TableChoice, key: str, draft: DraftCost) -> None:
-    """Add ``draft`` under ``key`` to the cached table ``choice`` read (rewritten atomically)."""
-    document = json.loads(choice.path.read_text(encoding="utf-8"))
-    document["modes"][choice.mode].setdefault("draft_ms", {})[key] = [draft.call_ms, draft.row_ms]
-    _cache(choice.path, document)
+def draft_cache_path(model: dict, mode: str, threads: int) -> Path:
+    """Where drafter costs measured here beside a shipped table are kept, for a model of this shape,
+    mode, CPU and threads."""
+    key = json.dumps([model, mode, cpu_name(), matmul_isa(), threads], sort_keys=True)
+    return mtpctl_home() / "pass_costs" / f"draft-{mode}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def _stored_draft_cost(path: Path, mode: str, key: str) -> Optional[DraftCost]:
+    """The drafter cost the file at ``path`` keeps under ``key`` (None where it keeps none).
+
+    Raises:
+        BadInput: a file that does not read (left as it is).
+    """
+    if not path.is_file():
+        return None
+    try:
+        stored = json.loads(path.read_text(encoding="utf-8")).get("modes", {}).get(mode, {}).get("draft_ms", {})
+        return load_draft_cost(mode, key, path) if key in stored else None
+    except (OSError, ValueError, TypeError, AttributeError, BadInput) as err:
+        raise BadInput(f"the cost table cached at {path} is damaged ({err}): delete it to measure it again",
+                       option="speculate_policy") from err
+
+
+def _cache_draft_cost(path: Path, mode: str, key: str, draft: DraftCost, model: dict) -> None:
+    """Keep ``draft`` under ``key`` in the file at ``path`` (a table measured here, or a drafter-cost
+    file made now), rewritten atomically."""
+    document = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {
+        "version": TABLE_VERSION, "what": "draft_ms[method and settings]: [call_ms, row_ms] of drafters measured "
+        "here on first use, beside a shipped pass-cost table", "source": table_source(
+            {k: v for k, v in model.items() if k != "name"}, model.get("name")), "modes": {}}
+    document["modes"].setdefault(mode, {}).setdefault("draft_ms", {})[key] = [draft.call_ms, draft.row_ms]
+    _cache(path, document)
 
 
 def _cache(path: Path, document: dict) -> None:

@@ -188,8 +188,19 @@ def assemble(spec: PipelineSpec = DEFAULTS, sampling: SamplingParams = SamplingP
     drafter = build(session, names, spec.draft, sampling, shared.parts if shared is not None else None, progress)
     if table is not None:
         table = with_draft_cost(table, "+".join(names), draft_key(spec, names),
-                                lambda: measure_draft(session, drafter, vocab=session.vocab_size))
+                                lambda: measure_draft(session, drafter, vocab=session.vocab_size), heads_kind(spec))
     return Pipeline(spec, session, drafter, names, table)
+
+
+def heads_kind(spec: PipelineSpec) -> Optional[str]:
+    """The kind of the heads ``spec`` drafts with (their folder's ``mtp_config.json``), None without any."""
+    config = Path(spec.draft.heads_dir or "") / "mtp_config.json"
+    if not spec.draft.heads_dir or not config.is_file():
+        return None
+    try:
+        return json.loads(config.read_text(encoding="utf-8")).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return None  # the heads' loader says what is wrong with the folder
 
 
 def draft_key(spec: PipelineSpec, names: Sequence[str]) -> str:

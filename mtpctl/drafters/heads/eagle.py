@@ -269,6 +269,7 @@ class EagleDrafter(Drafter):
         self.keys = torch.zeros(lc.kv_heads, 0, lc.head_dim, dtype=dtype, device=device)  # [G, capacity, D]
         self.values = torch.zeros(lc.kv_heads, 0, lc.head_dim, dtype=dtype, device=device)
         self.length = 0  # positions whose KV was computed from the target's true features
+        self.kept: List[torch.Tensor] = []  # committed rows' inputs [m, ...] not run yet (steps that drafted nothing)
 
     def fork(self) -> "EagleDrafter":
         """The same EAGLE layer and tree with an empty KV cache of its own (see
@@ -277,7 +278,10 @@ class EagleDrafter(Drafter):
 
     def propose(self, context: Sequence[int], max_tokens: int, last: Optional[TargetStep] = None) -> DraftTree:
         """See :class:`~mtpctl.decode.drafter.Drafter`. The drafter must see every target pass:
-        after prefill ``last.out.prompt_hidden_states``, after a verify pass ``last.rows``.
+        after prefill ``last.out.prompt_hidden_states``, after a verify pass ``last.rows``. A step
+        that drafts nothing (``max_tokens`` 0: the policy holds the row back) only keeps the committed
+        rows' inputs; the next step that drafts runs every kept row in one call (the layer's weights
+        read once for them all).
 
         Raises:
             ValueError: committed positions were skipped (the drafter missed a target pass), or a
@@ -288,26 +292,30 @@ class EagleDrafter(Drafter):
             return DraftTree(pending)
         n = len(context) - 1  # position of the pending token
         with torch.inference_mode():
-            feats = self.committed_features(last).to(self.keys.dtype)
-            start = n - feats.shape[0]
+            inputs = self.committed_inputs(last)
+            start = n - inputs.shape[0]
             if start == 0:
-                self.length = 0
-            if start != self.length:
-                raise ValueError(f"the EAGLE drafter holds {self.length} positions but the target's last pass "
+                self.length, self.kept = 0, []
+            held = self.length + sum(k.shape[0] for k in self.kept)
+            if start != held:
+                raise ValueError(f"the EAGLE drafter holds {held} positions but the target's last pass "
                                  f"committed positions from {start}: it must see every target pass")
-            tokens = torch.tensor(list(context[start + 1:n + 1]), dtype=torch.long)
-            positions = torch.arange(start, n)
-            g = self._rows(feats, tokens, positions, torch.arange(start, n), causal_mask(positions, n))
-            self.length = n
+            self.kept.append(inputs)
             if max_tokens <= 0:
                 return DraftTree(pending)
+            feats = self.features(torch.cat(self.kept) if len(self.kept) > 1 else inputs).to(self.keys.dtype)
+            first, self.kept = self.length, []
+            tokens = torch.tensor(list(context[first + 1:n + 1]), dtype=torch.long)
+            positions = torch.arange(first, n)
+            g = self._rows(feats, tokens, positions, torch.arange(first, n), causal_mask(positions, n))
+            self.length = n
             if self.dynamic:
                 return self._draft_dynamic(g[-1], pending, n, min(max_tokens, self.budget))
             return self._draft(g[-1], pending, n, max_tokens)
 
-    def committed_features(self, last: TargetStep) -> torch.Tensor:
-        """The features ``[m, H]`` of the rows the target's last pass committed (after prefill: every
-        prompt row): its hidden states after the final norm.
+    def committed_inputs(self, last: TargetStep) -> torch.Tensor:
+        """What the layer reads of the rows the target's last pass committed (after prefill: every
+        prompt row), before :meth:`features`: their hidden states after the final norm ``[m, H]``.
 
         Raises:
             ValueError: a prefill output without the prompt's hidden states (backends other than torch).
@@ -317,6 +325,10 @@ class EagleDrafter(Drafter):
         if last.out.prompt_hidden_states is None:
             raise ValueError("EAGLE drafting needs every prompt row's hidden states (the torch backend)")
         return last.out.prompt_hidden_states
+
+    def features(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The features ``[m, H]`` the layer's committed rows read, from :meth:`committed_inputs`."""
+        return inputs
 
     def _rows(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
               mask: torch.Tensor) -> torch.Tensor:

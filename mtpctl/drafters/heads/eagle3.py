@@ -186,6 +186,9 @@ class Eagle3Drafter(EagleDrafter):
         """The same head and tree with an empty KV cache of its own."""
         return Eagle3Drafter(self.head, self.tree, self.embed, self.dynamic)
 
-    def committed_features(self, last: TargetStep) -> torch.Tensor:
-        aux = aux_features(last.out.aux_hidden_states, self.head.cfg.layer.aux_layers, last.rows)
-        return self.head.fuse(aux.to(self.keys.dtype))
+    def committed_inputs(self, last: TargetStep) -> torch.Tensor:
+        """The committed rows' aux layers side by side ``[m, k H]`` (fused by :meth:`features`)."""
+        return aux_features(last.out.aux_hidden_states, self.head.cfg.layer.aux_layers, last.rows)
+
+    def features(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.head.fuse(inputs.to(self.keys.dtype))
