@@ -57,7 +57,7 @@ def parse_args(argv=None):
                         "tree (0 = off; needs --ngram)")
     p.add_argument("--dynamic", action="store_true",
                    help="also run EAGLE-2's dynamic tree of each size (EAGLE and EAGLE-3 heads), beside the static one")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (None: torch's default)")
     args = p.parse_args(argv)
     if args.retrieval and not args.ngram:
         p.error("--retrieval merges into the heads+ngram trees: give --ngram too")

@@ -146,13 +146,16 @@ def test_bench_json_says_which_table_decided(capsys, tiny_folder, tmp_path):
     prompts.write_text(json.dumps({"category": "copy", "prompt": "abc abc abc abc"}))
     capsys.readouterr()
     code = main(["bench", "--model", str(tiny_folder), "--prompts", str(prompts), "--max-new-tokens", "6",
-                 "--repeats", "1", "--json", str(tmp_path / "b.json")])
+                 "--repeats", "1", "--methods", "plain,ngram,lookahead", "--json", str(tmp_path / "b.json")])
     out, err = capsys.readouterr()
     assert code == 0, err
     report = json.loads((tmp_path / "b.json").read_text())
     settings = report.get("settings", report)
     assert settings["policy_table"]["source"] in ("measured-on-first-use", "cached")
     assert settings["policy_table"]["mode"] == "float32"
+    drafts = settings["policy_table"]["draft"]  # each drafting method's drafter cost, by method
+    assert set(drafts) == {m["method"] for m in report["methods"]} - {"plain"} and drafts
+    assert all(d["source"] in ("measured-on-first-use", "cached") for d in drafts.values())
 
 
 def test_a_table_measured_here_measures_the_drafters_cost_once_per_setting(tiny_folder):

@@ -7,6 +7,7 @@ import json
 import resource
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 import click
 
@@ -186,8 +187,7 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ro
         "matmul_isa": session.matmul_isa if torch_backend else None,
         "device": session.device if torch_backend else None, "kernels": session.kernels if torch_backend else None,
         "greedy_exactness": session.greedy_exactness if torch_backend else None,
-        "policy_table": next((m.pipeline.table.describe() for m in built.values()
-                              if getattr(m.pipeline, "table", None) is not None), None)}
+        "policy_table": _policy_tables(built)}
     report = build_report(runs, prompts, weights, settings)
     if per_round is not None:  # the report of the last round, and every round's
         report["rounds"] = round_reports(per_round, prompts, weights, settings, drafters, start)
@@ -215,6 +215,15 @@ def _check_rounds(rounds: int, repeats: int, baseline: str, learns: bool) -> Non
         raise BadInput("--rounds does not run the vllm peer: drop --baseline vllm")
     if repeats > 1 and learns:
         raise BadInput("a suffix drafter learns from round to round, which --repeats would pool: use --rounds")
+
+
+def _policy_tables(built: dict) -> Optional[dict]:
+    """The ``policy_table`` of a report: the pass-cost table the methods share, its ``draft`` the cost
+    of each drafting method's drafter by method name (None where no method's policy reads a table)."""
+    tables = {name: m.pipeline.table for name, m in built.items() if getattr(m.pipeline, "table", None) is not None}
+    if not tables:
+        return None
+    return {**next(iter(tables.values())).describe(), "draft": {name: t.describe()["draft"] for name, t in tables.items()}}
 
 
 def _bench_batched_rounds(session, built, encoded, rounds, sizes, make_request, make_policy, acceptance, weights,

@@ -143,7 +143,8 @@ def _same_model(source: dict, identity: dict) -> bool:
 
 
 def _cpu_label(source: dict) -> str:
-    return f"{source.get('cpu', 'unknown')} ({source.get('matmul_isa')}, {source.get('threads')} threads)"
+    threads = source.get("threads")
+    return f"{source.get('cpu', 'unknown')} ({source.get('matmul_isa')}, {threads} thread{'' if threads == 1 else 's'})"
 
 
 def cache_path(identity: dict, mode: str, threads: int) -> Path:
