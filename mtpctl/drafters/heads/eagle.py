@@ -60,15 +60,14 @@ class DraftLayer(nn.Module):
     blocked = False
     _tiles: Optional[Dict[str, nn.Module]] = None
 
-    def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, name: str, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """``x @ W.T`` of the weight parameter ``name``: on its tiles for a decoding head's bfloat16 rows
-        outside autograd, else torch's ``F.linear``."""
-        weight = getattr(self, name)
-        if self.blocked and x.dtype == torch.bfloat16 and not torch.is_grad_enabled():
-            tiled = self.tiles().get(name)
-            if tiled is not None:
-                return tiled(x)
-        return F.linear(x, weight)
+        outside autograd (``out_dtype``: bfloat16, or the float32 sums), else torch's ``F.linear`` (in
+        ``x``'s dtype)."""
+        tiled = self.tiles().get(name) if self.blocked and x.dtype == torch.bfloat16 else None
+        if tiled is not None and not torch.is_grad_enabled():
+            return tiled(x, out_dtype=out_dtype)
+        return F.linear(x, getattr(self, name))
 
     def tiles(self) -> Dict[str, nn.Module]:
         """The decoding tiles of the :data:`TILED` weights that take them (made once)."""

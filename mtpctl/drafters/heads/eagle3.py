@@ -29,7 +29,6 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mtpctl.decode.drafter import TargetStep
@@ -137,13 +136,12 @@ class Eagle3Head(DraftLayer):
         """Outputs ``[..., H]`` -> float32 logits over the draft vocabulary ``[..., V_d]`` (``lm_head``,
         the target's, is not used: the head has its own)."""
         normed = _rms_norm(g, self.norm, self.cfg.layer.rms_norm_eps)
-        if self.blocked and normed.dtype == torch.bfloat16 and "lm_head" in self.tiles():
-            return self.tiles()["lm_head"](normed, out_dtype=torch.float32)
-        if self.blocked and self.lm_head_kernel is None:
-            self.lm_head_kernel = blocked_copy(self.lm_head.detach(), True) or False  # False: oneDNN lacks it
-        if self.lm_head_kernel:
-            return self.lm_head_kernel(normed).float()
-        return F.linear(normed, self.lm_head).float()
+        if self.blocked and "lm_head" not in self.tiles():
+            if self.lm_head_kernel is None:
+                self.lm_head_kernel = blocked_copy(self.lm_head.detach(), True) or False  # False: oneDNN lacks it
+            if self.lm_head_kernel:
+                return self.lm_head_kernel(normed).float()
+        return self.linear(normed, "lm_head", torch.float32).float()
 
     def forward(self, aux: torch.Tensor, token_embeds: torch.Tensor, valid: torch.Tensor, steps: int):
         """Training-time test over the target's aux layers ``aux [B, T, k H]`` (see
