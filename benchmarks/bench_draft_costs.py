@@ -25,6 +25,7 @@ from mtpctl.backends.torch import TorchSession
 from mtpctl.bench.harness import load_prompts
 from mtpctl.decode.cost_table import draft_cost, propose_ms
 from mtpctl.drafters.build import DraftOptions, build
+from mtpctl.drafters.pipeline import heads_config, heads_kind
 from mtpctl.files import write_file
 from mtpctl.model.sources import resolve_model
 
@@ -71,8 +72,7 @@ def main(argv=None) -> None:
                                "call_ms once where any row drafts, row_ms per drafting row")
         table["draft_command"] = "python benchmarks/bench_draft_costs.py " + " ".join(argv or __import__("sys").argv[1:])
         table["draft_commit"] = commit or None
-        config = Path(args.heads) / "mtp_config.json"  # the heads methods' costs hold for heads of this kind
-        table["draft_heads"] = json.loads(config.read_text(encoding="utf-8")).get("kind") if config.is_file() else None
+        table["draft_heads"] = heads_kind(heads_config(args.heads))  # the heads methods' costs hold for this kind
         write_file(Path(args.write), json.dumps(table, indent=1) + "\n")
 
 

@@ -4,8 +4,9 @@ in one process.
 For each mode (float32, dense bfloat16, bfloat16 with int4 weights) it loads the target and the
 heads once, then runs plain decoding, the heads with each tree size, and (with ``--ngram``) prompt
 lookup alone and merged with each tree (``--retrieval``: and a retrieval tree of the heads'
-datastore; ``--dynamic``: EAGLE-2's dynamic tree of each size beside the static one, EAGLE heads only), interleaved on the same prompts of the built-in set (none of which the heads were
-trained on), with ``mtpctl.bench``'s harness and figures. Prints one markdown table on stdout:
+datastore; ``--dynamic``: EAGLE-2's dynamic tree of each size beside the static one, EAGLE heads
+only), interleaved on the same prompts of the built-in set (none of which the heads were trained
+on), with ``mtpctl.bench``'s harness and figures. Prints one markdown table on stdout:
 tokens/s, the paired speedup over plain (median over prompts, p10-p90), tau, acceptance by depth and
 whether the output is plain greedy's, token for token.
 

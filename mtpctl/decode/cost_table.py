@@ -147,10 +147,11 @@ def _cpu_label(source: dict) -> str:
     return f"{source.get('cpu', 'unknown')} ({source.get('matmul_isa')}, {threads} thread{'' if threads == 1 else 's'})"
 
 
-def cache_path(identity: dict, mode: str, threads: int) -> Path:
-    """Where the table of this model shape, mode, CPU and threads is cached."""
+def cache_path(identity: dict, mode: str, threads: int, prefix: str = "") -> Path:
+    """Where the table of this model shape, mode, CPU and threads is cached (``prefix``: another file of
+    the same key, :func:`draft_cache_path`)."""
     key = json.dumps([identity, mode, cpu_name(), matmul_isa(), threads], sort_keys=True)
-    return mtpctl_home() / "pass_costs" / f"{mode}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    return mtpctl_home() / "pass_costs" / f"{prefix}{mode}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
 def choose_table(identity: dict, mode: str, measure: Optional[Callable[[], PassCosts]] = None) -> TableChoice:
@@ -231,8 +232,7 @@ def shipped_draft_cost(path: Path, mode: str, method: str, heads_kind: Optional[
 def draft_cache_path(model: dict, mode: str, threads: int) -> Path:
     """Where drafter costs measured here beside a shipped table are kept, for a model of this shape,
     mode, CPU and threads."""
-    key = json.dumps([model, mode, cpu_name(), matmul_isa(), threads], sort_keys=True)
-    return mtpctl_home() / "pass_costs" / f"draft-{mode}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    return cache_path(model, mode, threads, prefix="draft-")
 
 
 def _stored_draft_cost(path: Path, mode: str, key: str) -> Optional[DraftCost]:

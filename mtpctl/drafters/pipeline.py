@@ -187,29 +187,31 @@ def assemble(spec: PipelineSpec = DEFAULTS, sampling: SamplingParams = SamplingP
     _policy(spec, session, names, table)
     drafter = build(session, names, spec.draft, sampling, shared.parts if shared is not None else None, progress)
     if table is not None:
-        table = with_draft_cost(table, "+".join(names), draft_key(spec, names),
-                                lambda: measure_draft(session, drafter, vocab=session.vocab_size), heads_kind(spec))
+        config = heads_config(spec.draft.heads_dir)
+        table = with_draft_cost(table, "+".join(names), draft_key(spec, names, config),
+                                lambda: measure_draft(session, drafter, vocab=session.vocab_size), heads_kind(config))
     return Pipeline(spec, session, drafter, names, table)
 
 
-def heads_kind(spec: PipelineSpec) -> Optional[str]:
-    """The kind of the heads ``spec`` drafts with (their folder's ``mtp_config.json``), None without any."""
-    config = Path(spec.draft.heads_dir or "") / "mtp_config.json"
-    if not spec.draft.heads_dir or not config.is_file():
-        return None
+def heads_config(heads_dir: Optional[str]) -> bytes:
+    """The bytes of a head folder's ``mtp_config.json`` (empty without a folder or that file)."""
+    config = Path(heads_dir or "") / "mtp_config.json"
+    return config.read_bytes() if heads_dir and config.is_file() else b""
+
+
+def heads_kind(config: bytes) -> Optional[str]:
+    """The head kind a folder's ``mtp_config.json`` bytes (:func:`heads_config`) name, None without any."""
     try:
-        return json.loads(config.read_text(encoding="utf-8")).get("kind")
-    except (OSError, ValueError, AttributeError):
+        return json.loads(config).get("kind") if config else None
+    except (ValueError, AttributeError):
         return None  # the heads' loader says what is wrong with the folder
 
 
-def draft_key(spec: PipelineSpec, names: Sequence[str]) -> str:
-    """The key a drafter's cost is cached under in a table measured here: the method and a fingerprint
-    of what its cost depends on (the drafters' settings and the head folder's ``mtp_config.json``)."""
+def draft_key(spec: PipelineSpec, names: Sequence[str], config: bytes) -> str:
+    """The key a drafter's cost is cached under: the method and a fingerprint of what its cost depends on
+    (the drafters' settings and the head folder's ``mtp_config.json`` bytes, :func:`heads_config`)."""
     settings = json.dumps(asdict(spec.draft), sort_keys=True, default=str)
-    config = Path(spec.draft.heads_dir or "") / "mtp_config.json"
-    heads = config.read_bytes() if spec.draft.heads_dir and config.is_file() else b""
-    return f"{'+'.join(names)} {hashlib.sha256(settings.encode() + heads).hexdigest()[:12]}"
+    return f"{'+'.join(names)} {hashlib.sha256(settings.encode() + config).hexdigest()[:12]}"
 
 
 def _table(spec: PipelineSpec, session: Session) -> Optional[TableChoice]:
