@@ -45,16 +45,57 @@ def test_every_shipped_table_says_where_it_was_measured(path):
     assert doc["version"] == 4 and IDENTITY_KEYS <= set(source["model"])
     assert source["cpu"] and source["threads"] >= 1 and source["commit"] and source["date"]
     assert source["matmul_isa"] == (path.stem.split("-", 1)[1] if "-" in path.stem else "avx512-bf16")
+    assert cost_table.class_of(source) == source["cpu_class"]
     assert {"float32", "bfloat16", "int4"} <= set(doc["modes"])
 
 
 def test_a_model_of_the_shipped_tables_shape_uses_the_shipped_table(monkeypatch):
-    monkeypatch.setattr(cost_table, "matmul_isa", lambda: "avx512-bf16")
+    monkeypatch.setattr(cost_table, "cpu_class", lambda: "amd avx512-bf16")
     monkeypatch.setattr(cost_table, "costs_file", lambda: COSTS_FILE)
     identity = {k: v for k, v in read_source(COSTS_FILE)["model"].items() if k != "name"}
     choice = choose_table(identity, "int4", measure=lambda: pytest.fail("measured a shipped model"))
     assert choice.source == "shipped" and choice.path == COSTS_FILE
     assert choice.costs == load_costs("int4", COSTS_FILE) and choice.describe()["model"]["name"] == "smollm2-135m"
+    assert choice.describe()["cpu_class"] == choice.describe()["running_cpu_class"] == "amd avx512-bf16"
+
+
+@pytest.mark.parametrize("running", ["intel avx512-bf16 amx", "intel avx512-bf16", "portable", "torch"])
+def test_the_shipped_table_does_not_price_another_class_of_cpu(monkeypatch, running):
+    """On an Intel CPU (AMX or not), or another matmul path, the AMD table of the same model is not used:
+    a table is measured on first use, or (measuring off) the shipped one is borrowed and says so."""
+    monkeypatch.setattr(cost_table, "cpu_class", lambda: running)
+    monkeypatch.setattr(cost_table, "costs_file", lambda: COSTS_FILE)
+    identity = {k: v for k, v in read_source(COSTS_FILE)["model"].items() if k != "name"}
+    costs = PassCosts((1, 2), (1.0, 2.0), (2,), ((0.5,), (0.7,)))
+    measured = choose_table(identity, "bfloat16", measure=lambda: costs)
+    assert measured.source == "measured-on-first-use" and measured.costs == costs
+    assert measured.describe()["cpu_class"] == running and read_source(measured.path)["cpu_class"] == running
+    monkeypatch.setenv(SWITCH, "off")
+    borrowed = choose_table(identity, "int4", measure=lambda: pytest.fail("measured with measuring off"))
+    assert borrowed.source == "borrowed" and borrowed.path == COSTS_FILE
+    assert borrowed.describe()["cpu_class"] == "amd avx512-bf16" and borrowed.describe()["running_cpu_class"] == running
+
+
+@pytest.mark.parametrize("source, expected", [
+    ({"cpu": "AMD EPYC", "matmul_isa": "avx512-bf16"}, "amd avx512-bf16"),
+    ({"cpu": "Intel(R) Xeon(R) Platinum 8480+", "matmul_isa": "avx512-bf16"}, "intel avx512-bf16"),
+    ({"cpu": "Intel(R) Xeon(R) Platinum 8480+", "matmul_isa": "avx512-bf16", "cpu_class": "intel avx512-bf16 amx"},
+     "intel avx512-bf16 amx"),
+    ({"cpu": "AMD EPYC", "matmul_isa": "avx2"}, "avx2"), ({"cpu": "?", "matmul_isa": None}, "torch")])
+def test_a_tables_cpu_class_is_read_from_its_source(source, expected):
+    assert cost_table.class_of(source) == expected
+
+
+def test_this_cpus_class_names_its_vendor_and_amx_on_avx512_bf16(monkeypatch):
+    monkeypatch.setattr(cost_table, "matmul_isa", lambda: "avx512-bf16")
+    monkeypatch.setattr(cost_table, "_cpuinfo", lambda field: {"vendor_id": "GenuineIntel"}.get(field))
+    monkeypatch.setattr(cost_table, "cpu_flags", lambda: {"avx512_bf16", "amx_bf16", "amx_tile"})
+    assert cost_table.cpu_class() == "intel avx512-bf16 amx"
+    monkeypatch.setattr(cost_table, "cpu_flags", lambda: {"avx512_bf16"})
+    monkeypatch.setattr(cost_table, "_cpuinfo", lambda field: {"vendor_id": "AuthenticAMD"}.get(field))
+    assert cost_table.cpu_class() == "amd avx512-bf16"
+    monkeypatch.setattr(cost_table, "matmul_isa", lambda: "avx2")
+    assert cost_table.cpu_class() == "avx2"
 
 
 def test_another_model_is_measured_once_then_read_from_the_cache():

@@ -19,6 +19,7 @@ from mtpctl.model.device import Placement, resolve_placement
 from mtpctl.model.linears import PackedLinear, TiledLinear
 from mtpctl.model.kv_cache import PassSlots
 from mtpctl.model.native import check_plan, kernel_runs, matmul_isa
+from mtpctl.model.row_invariance import path_of, verdicts
 from mtpctl.model.tokenizer import TextCodec
 from mtpctl.model.weights import weights_hash
 
@@ -391,13 +392,31 @@ class TorchSession(Session):
         return self.placement.kernels
 
     @property
+    def matmul_paths(self) -> Dict[str, str]:
+        """Each checked path the target's products take on this CPU (:mod:`mtpctl.model.row_invariance`:
+        its linear layers' kernels, and attention's products where torch's ops run it) and its verdict
+        here: ``row-invariant`` or ``not row-invariant: WHERE``. {} off the CPU (nothing is checked there)."""
+        if self.placement.device.type != "cpu":
+            return {}
+        paths = {path_of(m) for m in self.model.modules()} - {None}
+        if self.attention == "torch":
+            paths.add("torch-attention-float32")
+        return {path: "row-invariant" if v.invariant else f"not row-invariant: {v.detail}"
+                for path, v in sorted(verdicts(sorted(paths)).items())}
+
+    @property
     def greedy_exactness(self) -> str:
         """What is known of greedy speculation against plain greedy on this path: ``"bit-exact"`` on the
-        CPU (either kernel path; tests/test_real_smollm2.py, tests/test_torch_kernels.py), ``"unverified"``
-        elsewhere: the pure-torch path runs every product in fixed-shape blocks there too, but whether
+        CPU where every product's path passed its row-invariance check here (:attr:`matmul_paths`);
+        ``"not-bit-exact"`` where one failed all the same (the decoder falls back from a path that fails to
+        one that holds; torch's matmul in fixed blocks is the last resort, and attention's torch products
+        have none); ``"unverified"``
+        off the CPU: the pure-torch path runs every product in fixed-shape blocks there too, but whether
         the GPU's kernels then compute a row alike in every pass is measured by benchmarks/gpu_check.sh
         (docs/numerics.md), not promised."""
-        return "bit-exact" if self.placement.device.type == "cpu" else "unverified"
+        if self.placement.device.type != "cpu":
+            return "unverified"
+        return "bit-exact" if all(v == "row-invariant" for v in self.matmul_paths.values()) else "not-bit-exact"
 
     @property
     def policy_mode(self) -> Optional[str]:

@@ -187,6 +187,7 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ro
         "matmul_isa": session.matmul_isa if torch_backend else None,
         "device": session.device if torch_backend else None, "kernels": session.kernels if torch_backend else None,
         "greedy_exactness": session.greedy_exactness if torch_backend else None,
+        "matmul_paths": session.matmul_paths if torch_backend else None,
         "policy_table": _policy_tables(built)}
     report = build_report(runs, prompts, weights, settings)
     if per_round is not None:  # the report of the last round, and every round's

@@ -2,17 +2,18 @@
 
 A table (``mtpctl/data/pass_costs*.json``, or one cached under ``$MTPCTL_HOME/pass_costs``) records
 where it was measured (its ``source``): the model's shape (:func:`model_identity`: what a pass costs
-depends on the shape of the model, not on its weights' values), the CPU (its model name and the path
-the native matmuls take there), the threads, the commit and date. :func:`choose_table` picks, for a
-session's model and mode on this CPU:
+depends on the shape of the model, not on its weights' values), the CPU (its model name, its class:
+:func:`cpu_class`, and the path the native matmuls take there), the threads, the commit and date.
+:func:`choose_table` picks, for a session's model and mode on this CPU:
 
-1. ``shipped``: a shipped table measured on a model of this shape, for this mode, on this CPU's kind
-   of matmuls (its ``matmul_isa``);
+1. ``shipped``: a shipped table measured on a model of this shape, for this mode, on a CPU of this
+   class (an AMD AVX512-BF16 table does not price an Intel CPU with AMX, nor an AVX2 one);
 2. ``cached``: a table measured here before for this model shape, mode, CPU and threads;
 3. ``measured-on-first-use``: else a small one measured now (a few pass sizes and repetitions,
    bounded by :data:`BUDGET_S` seconds), cached (written atomically) and used;
 4. ``borrowed``: with :data:`SWITCH` set to ``off``, no measuring: the shipped table of this CPU's
-   kind, measured on another model.
+   matmul path, measured on another model or another class of CPU (``policy_table.cpu_class`` and
+   ``running_cpu_class`` in ``--json`` say which).
 
 What drafting adds to a step outside the pass (a :class:`~mtpctl.decode.policy.DraftCost`) goes with
 the table: :func:`with_draft_cost` reads a shipped table's ``draft_ms`` of the method where it was
@@ -46,6 +47,7 @@ from mtpctl.decode.tree import DraftTree
 from mtpctl.errors import BadInput
 from mtpctl.files import mtpctl_home, write_file
 from mtpctl.model.native import matmul_isa
+from mtpctl.model.native_build import cpu_flags
 
 #: environment variable: ``off`` (or 0, false, no) stops measuring a table on first use
 SWITCH = "MTPCTL_MEASURE_POLICY"
@@ -74,6 +76,7 @@ class TableChoice:
         mode: the numeric mode.
         model: the model the table was measured on (its recorded source's ``model``).
         cpu: the CPU it was measured on (model name and matmul path).
+        cpu_class: that CPU's class (:func:`cpu_class`).
         draft: what the session's drafter adds to a step where rows draft (zero until
             :func:`with_draft_cost` prices it).
         draft_source: where ``draft`` came from: ``shipped`` (the table's ``draft_ms`` of the method),
@@ -88,12 +91,13 @@ class TableChoice:
     cpu: str
     draft: DraftCost = DraftCost()
     draft_source: Optional[str] = None
+    cpu_class: str = ""
 
     def describe(self) -> dict:
         """The ``policy_table`` field of a JSON result."""
         draft = {"source": self.draft_source, "call_ms": self.draft.call_ms, "row_ms": self.draft.row_ms}
-        return {"source": self.source, "model": self.model, "mode": self.mode, "cpu": self.cpu, "path": str(self.path),
-                "draft": draft}
+        return {"source": self.source, "model": self.model, "mode": self.mode, "cpu": self.cpu,
+                "cpu_class": self.cpu_class, "running_cpu_class": cpu_class(), "path": str(self.path), "draft": draft}
 
 
 def model_identity(cfg) -> dict:
@@ -103,22 +107,57 @@ def model_identity(cfg) -> dict:
             "vocab_size": cfg.vocab_size}
 
 
-def cpu_name() -> str:
-    """The CPU's model name from /proc/cpuinfo (or platform's answer)."""
+def _cpuinfo(field: str) -> Optional[str]:
+    """The first value of ``field`` in /proc/cpuinfo (None where there is none or it cannot be read)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.split(":")[0].strip() == field:
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    return None
+
+
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo (or platform's answer)."""
+    return _cpuinfo("model name") or platform.processor() or "unknown"
+
+
+#: /proc/cpuinfo's vendor_id -> the vendor a CPU class names
+VENDORS = {"AuthenticAMD": "amd", "GenuineIntel": "intel"}
+
+
+def cpu_class() -> str:
+    """The class of CPU a pass-cost table holds for: where verify rows cost alike. ``avx2`` and
+    ``portable`` (the native matmul's path, any vendor), ``torch`` (no native matmul), and for
+    AVX512-BF16 the vendor too, with ``amx`` where the CPU has AMX tiles (``amd avx512-bf16``, ``intel
+    avx512-bf16 amx``): the libraries under torch pick other kernels there."""
+    isa = matmul_isa()
+    if isa != "avx512-bf16":
+        return isa or "torch"
+    vendor = VENDORS.get(_cpuinfo("vendor_id") or "", "other")
+    return f"{vendor} {isa}" + (" amx" if "amx_bf16" in cpu_flags() else "")
+
+
+def class_of(source: dict) -> str:
+    """The CPU class a table's ``source`` was measured on: its ``cpu_class``, or for a table that
+    records none, one read from its CPU's name and matmul path (AMX unknown: taken as absent)."""
+    if source.get("cpu_class"):
+        return str(source["cpu_class"])
+    isa = source.get("matmul_isa")
+    if isa != "avx512-bf16":
+        return isa or "torch"
+    name = str(source.get("cpu", ""))
+    vendor = "amd" if "AMD" in name else "intel" if "Intel" in name else "other"
+    return f"{vendor} {isa}"
 
 
 def table_source(identity: dict, name: Optional[str] = None, threads: Optional[int] = None,
                  commit: Optional[str] = None) -> dict:
     """The ``source`` a table measured here now records: model identity (and ``name``, for people),
     CPU, matmul path, threads, torch, commit and date."""
-    return {"model": {**identity, **({"name": name} if name else {})}, "cpu": cpu_name(), "matmul_isa": matmul_isa(),
+    return {"model": {**identity, **({"name": name} if name else {})}, "cpu": cpu_name(), "cpu_class": cpu_class(),
+            "matmul_isa": matmul_isa(),
             "threads": threads or torch.get_num_threads(), "torch": torch.__version__, "commit": commit,
             "date": datetime.date.today().isoformat()}
 
@@ -163,8 +202,9 @@ def choose_table(identity: dict, mode: str, measure: Optional[Callable[[], PassC
     """
     shipped = costs_file()
     source = read_source(shipped)
-    if _same_model(source, identity) and source.get("matmul_isa") == matmul_isa():
-        return TableChoice("shipped", shipped, load_costs(mode, shipped), mode, source.get("model"), _cpu_label(source))
+    if _same_model(source, identity) and class_of(source) == cpu_class():
+        return TableChoice("shipped", shipped, load_costs(mode, shipped), mode, source.get("model"), _cpu_label(source),
+                           cpu_class=class_of(source))
     threads = torch.get_num_threads()
     cached = cache_path(identity, mode, threads)
     if cached.is_file():
@@ -174,14 +214,15 @@ def choose_table(identity: dict, mode: str, measure: Optional[Callable[[], PassC
             raise BadInput(f"the pass-cost table cached at {cached} is damaged ({err}): delete it to measure "
                            "it again", option="speculate_policy") from err
         own = read_source(cached)
-        return TableChoice("cached", cached, costs, mode, own.get("model"), _cpu_label(own))
+        return TableChoice("cached", cached, costs, mode, own.get("model"), _cpu_label(own), cpu_class=class_of(own))
     if measure is None or not measuring_on():
         return TableChoice("borrowed", shipped, load_costs(mode, shipped), mode, source.get("model"),
-                           _cpu_label(source))
+                           _cpu_label(source), cpu_class=class_of(source))
     costs = measure()
     own = table_source(identity, threads=threads)
     _cache(cached, table_document({mode: costs_entry(costs)}, own, "measured on first use"))
-    return TableChoice("measured-on-first-use", cached, costs, mode, own["model"], _cpu_label(own))
+    return TableChoice("measured-on-first-use", cached, costs, mode, own["model"], _cpu_label(own),
+                       cpu_class=own["cpu_class"])
 
 
 def with_draft_cost(choice: TableChoice, method: str, key: str, measure: Optional[Callable[[], DraftCost]] = None,

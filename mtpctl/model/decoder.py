@@ -28,8 +28,8 @@ from mtpctl.model.config import DecoderConfig, RopeConfig
 from mtpctl.model.kv_cache import KVCache, PassSlots
 from mtpctl.model.native import (SlotPlan, StackWeights, attend, kernel_takes, layer_stack, stack_part,
                                  norm_takes, rms_norm, rotate_write)
-from mtpctl.model.linears import (BlockedLinear, FixedRowsLinear, PackedLinear, TiledLinear, blocked_layout_available,
-                                  pack_exact, tiles_take)
+from mtpctl.model.linears import BlockedLinear, FixedRowsLinear, PackedLinear, TiledLinear, pack_exact
+from mtpctl.model.row_invariance import CPU_FIXED_ROWS, dense_path, int4_path
 from mtpctl.model.weights import CheckpointReader, MemoryTensors, shard_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -429,7 +429,8 @@ class _Filler:
     def __init__(self, model: "Decoder", source, packed: bool, blocked: bool, native_int4: Optional[bool]):
         self.model, self.source = model, source
         self.packed, self.blocked, self.native_int4 = packed, blocked, native_int4
-        self.onednn = blocked and blocked_layout_available(model.dtype)
+        # where the codes run: a path checked row-invariant on this CPU (None: none holds, held dense)
+        self.int4 = int4_path(model.dtype, native_int4) if packed else None
         self.where: Dict[str, Tuple[_Slot, int]] = {}
         self.open: Dict[_Slot, Tuple[torch.Tensor, set, bool]] = {}  # destination, names to come, for a kernel
 
@@ -484,7 +485,7 @@ class _Filler:
 
     def _may_hold(self, attr: str, shape: tuple) -> bool:
         """Whether :meth:`_hold` may take this linear weight (packing depends on its values)."""
-        return attr in LINEARS and (self.packed or self.blocked and (self.onednn or tiles_take(self.model.dtype, shape)))
+        return attr in LINEARS and (self.int4 is not None or self.blocked)
 
     def _mappable(self, slot: _Slot, placeholder: torch.Tensor) -> bool:
         return (slot.attr in ("embed", "lm_head") and placeholder.is_meta and self.model._home.type == "cpu"
@@ -511,16 +512,22 @@ class _Filler:
             model.lm_head = model.embed
 
     def _hold(self, owner: nn.Module, attr: str, value: torch.Tensor) -> bool:
-        """Hold a linear weight packed (int4), tiled (native bfloat16) or blocked (oneDNN) instead of
-        as a Parameter."""
+        """Hold a linear weight for a decoding kernel instead of as a Parameter: packed (int4) where its
+        values are on a 4-/8-bit grid, else (``blocked``) dense on the fastest path that computes a row
+        alike in any pass on this CPU (:func:`mtpctl.model.row_invariance.dense_path`: the native tiles,
+        oneDNN's blocked layout, or torch's matmul in fixed blocks of rows)."""
+        if attr not in LINEARS:
+            return False
         dtype = self.model.dtype
-        module = pack_exact(value, dtype, self.native_int4) if self.packed and attr in LINEARS else None
+        native = None if self.int4 == "native-int4" else False
+        module = pack_exact(value, dtype, native) if self.int4 is not None else None
         if module is not None:
             self.model.packed_weights.append(f"{getattr(owner, 'index', 'model')}.{attr}")
-        elif self.blocked and attr in LINEARS and tiles_take(dtype, tuple(value.shape)):  # native tiles
-            module = TiledLinear(value.to(dtype))
-        elif self.onednn and attr in LINEARS:  # oneDNN's blocked layout, same values
-            module = BlockedLinear(value.to(dtype))
+        elif self.blocked:
+            path = dense_path(dtype, tuple(value.shape))
+            module = TiledLinear(value.to(dtype)) if path == "native-tiles" else \
+                BlockedLinear(value.to(dtype)) if path.startswith("onednn-") else \
+                FixedRowsLinear(value.to(dtype), CPU_FIXED_ROWS)
         else:
             return False
         owner._parameters.pop(attr, None)  # a Parameter slot cannot hold a module

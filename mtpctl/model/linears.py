@@ -118,7 +118,7 @@ class PackedLinear(nn.Module):
             four_bit = [half for q, scale, zero in parts
                         for half in ([(q, scale, zero)] if zero is not None else split_q8(q, scale))]
             self.parts = [_torch_pack(q, scale, zero, dtype) for q, scale, zero in four_bit]
-        self.out_features = out_features
+        self.out_features, self.dtype = out_features, dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])

@@ -40,18 +40,53 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 120.0
 
 
+#: environment variable forcing the kernels' matmul path below the CPU's best, to run what another CPU
+#: runs: ``avx2`` (built without AVX-512: the path of a CPU with AVX2 and FMA only), ``portable`` (plain
+#: C, no -march=native); unset, empty or ``auto``: the best this CPU has
+ISA_SWITCH = "MTPCTL_MATMUL_ISA"
+FORCED_ISAS = ("auto", "avx2", "portable")
+
+
+def forced_isa() -> str:
+    """The matmul path :data:`ISA_SWITCH` forces (``avx2``, ``portable``), or ``auto``.
+
+    Raises:
+        OSError: a value that is not one of :data:`FORCED_ISAS`, or ``avx2`` on a CPU without AVX2 and
+            FMA (a library built for them would stop the process on its first instruction).
+    """
+    forced = os.environ.get(ISA_SWITCH, "").strip().lower() or "auto"
+    if forced not in FORCED_ISAS:
+        raise OSError(f"{ISA_SWITCH}={os.environ[ISA_SWITCH]!r} is not one of {', '.join(FORCED_ISAS)}")
+    if forced == "avx2" and not {"avx2", "fma"} <= cpu_flags():
+        raise OSError(f"{ISA_SWITCH}=avx2 asked for, but this CPU lacks AVX2 or FMA")
+    return forced
+
+
+def build_flags(portable: bool = False) -> Tuple[str, ...]:
+    """The compiler flags of a build: :data:`FLAGS`, without ``-march=native`` for ``portable`` (or
+    :data:`ISA_SWITCH` ``portable``), with AVX-512 turned off for :data:`ISA_SWITCH` ``avx2``.
+
+    Raises:
+        OSError: see :func:`forced_isa`.
+    """
+    forced = forced_isa()
+    if portable or forced == "portable":
+        return tuple(f for f in FLAGS if not f.startswith("-march"))
+    return FLAGS + (("-mno-avx512f",) if forced == "avx2" else ())
+
+
 def build(portable: bool = False) -> Path:
     """The path of the library built from :data:`SOURCES` for this CPU, compiled into
     ``$MTPCTL_HOME/kernels`` if no intact build is there yet.
 
     ``portable`` builds without ``-march=native``: the kernels' plain-C path, which the default
-    build takes on CPUs without AVX-512.
+    build takes on CPUs without AVX-512 (:func:`build_flags`; :data:`ISA_SWITCH` forces a path too).
 
     Raises:
         OSError: a source is missing, there is no compiler (and no build by another), the compiler
-            fails or does not finish in :data:`BUILD_TIMEOUT_S`.
+            fails or does not finish in :data:`BUILD_TIMEOUT_S`; a bad :data:`ISA_SWITCH`.
     """
-    flags = tuple(f for f in FLAGS if not (portable and f.startswith("-march")))
+    flags = build_flags(portable)
     key = build_key(flags)
     kernels = mtpctl_home() / "kernels"
     try:
@@ -71,7 +106,7 @@ def build_key(flags: Tuple[str, ...]) -> str:
     """What a build depends on besides its compiler: the sources and headers, ``flags`` and the CPU
     (a change to any of them builds anew). Raises OSError where a source cannot be read."""
     source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
-    return hashlib.sha256(source + " ".join(flags).encode() + _cpu_signature()).hexdigest()[:12]
+    return hashlib.sha256(source + " ".join(flags).encode() + cpu_signature()).hexdigest()[:12]
 
 
 def _first_error(stderr: str) -> str:
@@ -149,7 +184,15 @@ def _build(out: Path, flags: Tuple[str, ...], command: List[str]) -> None:
         os.replace(digest, _digest_file(out))
 
 
-def _cpu_signature() -> bytes:
+def cpu_flags() -> set:
+    """The CPU's feature flags (/proc/cpuinfo's ``flags``; empty where it cannot be read)."""
+    for line in cpu_signature().decode(errors="replace").splitlines():
+        if line.split(":")[0].strip() in ("flags", "Features"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def cpu_signature() -> bytes:
     """What -march=native compiles for: the CPU's model and feature flags (a cache shared by different
     machines must not hand one a kernel built for another's instructions)."""
     try:
