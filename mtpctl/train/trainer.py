@@ -280,7 +280,8 @@ class Trainer:
 
     def _batches(self):
         """Micro-batches of positions for each optimizer step from ``progress.step`` on; every rank
-        takes its slice of each micro-batch."""
+        takes its slice of each micro-batch (empty where the micro-batch has fewer positions than there
+        are ranks: :meth:`_no_inputs`)."""
         s = self.s
         per_step = s.batch_tokens * s.grad_accum
         step = self.progress.step
@@ -309,7 +310,10 @@ class Trainer:
 
     def _inputs(self, pos: Positions) -> tuple:
         """(hidden states ``[B, H]``, pending-token embeddings or None, soft labels or None) of positions,
-        on the training device; the rows read from each shard they touch."""
+        on the training device; the rows read from each shard they touch (see :meth:`_no_inputs` for
+        no position)."""
+        if len(pos) == 0:
+            return self._no_inputs()
         hidden, tokens, soft_ids, soft_probs = [], [], [], []
         k, order = self.s.num_heads, []
         for shard, idx in pos.by_shard():
@@ -332,6 +336,18 @@ class Trainer:
                 ids = self.vocab_index[ids]
             soft = (ids.to(self.device), torch.cat(soft_probs)[where].to(self.device))
         return torch.cat(hidden)[where].to(self.device).float(), embeds, soft
+
+    def _no_inputs(self) -> tuple:
+        """The inputs of no position: hidden states ``[0, H]``, pending-token embeddings of the shape the
+        heads read (``[0, H]``, Hydra ``[0, K, H]``) or None, no soft labels. A rank whose slice of a
+        micro-batch is empty (fewer positions than ranks) runs the heads on these: its loss is a zero
+        whose backward still gives every parameter a gradient, so it joins each of DDP's all-reduces
+        as the other ranks do instead of leaving them waiting."""
+        hidden = torch.zeros(0, self.target.cfg.hidden_size, device=self.device)
+        tokens = pending_tokens(self.heads, self.store.index(0), torch.zeros(0, dtype=torch.long))
+        if tokens is None:
+            return hidden, None, None
+        return hidden, self.target.embed[tokens.to(self.target.embed.device)].to(self.device).float(), None
 
     def _loss(self, pos: Positions, counts: torch.Tensor) -> tuple:
         """(weighted loss, per-head losses ``[K]``) of this rank's positions ``pos``; each head's loss
