@@ -40,32 +40,9 @@ ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate=
 
 
 def expected_tensors(cfg: DecoderConfig) -> Dict[str, tuple]:
-    """Tensor name -> shape of a Hugging Face checkpoint of this config."""
-    h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    q_out, kv_out = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,),
-              "lm_head.weight": (cfg.vocab_size, h)}
-    for n in range(cfg.num_hidden_layers):
-        p = f"model.layers.{n}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q_out, h), p + "self_attn.k_proj.weight": (kv_out, h),
-            p + "self_attn.v_proj.weight": (kv_out, h), p + "self_attn.o_proj.weight": (h, q_out),
-            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
-        })
-        if cfg.attention_bias:
-            shapes.update({p + "self_attn.q_proj.bias": (q_out,), p + "self_attn.k_proj.bias": (kv_out,),
-                           p + "self_attn.v_proj.bias": (kv_out,)})
-        if cfg.mlp_bias:
-            shapes.update({p + "mlp.gate_proj.bias": (i,), p + "mlp.up_proj.bias": (i,),
-                           p + "mlp.down_proj.bias": (h,)})
-        if cfg.qk_norm:
-            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
-        if cfg.sandwich_norms:
-            shapes.update({p + "pre_feedforward_layernorm.weight": (h,),
-                           p + "post_feedforward_layernorm.weight": (h,)})
-    return shapes
+    """Tensor name -> shape of a Hugging Face checkpoint of this config (its family's tensor map,
+    :meth:`mtpctl.model.families.Family.shapes`)."""
+    return cfg.family.shapes(cfg)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -385,34 +362,15 @@ class _Slot:
 
 
 def _slots(model: "Decoder") -> List[_Slot]:
-    """Every parameter of ``model`` that checkpoint tensors fill (a tied lm_head is none: it follows
-    the embedding)."""
-    slots = [_Slot(model, "embed", (EMBED,)), _Slot(model, "norm", ("model.norm.weight",), True)]
-    if not model.cfg.tie_word_embeddings:
-        slots.append(_Slot(model, "lm_head", ("lm_head.weight",)))
+    """Every parameter of ``model`` that checkpoint tensors fill, as its family's tensor map names them
+    (:meth:`mtpctl.model.families.Family.slots`; a tied lm_head is none: it follows the embedding)."""
+    cfg = model.cfg
+    family = cfg.family
+    slots = [_Slot(model, attr, names, norm) for attr, names, norm in family.slots(cfg)
+             if attr != "lm_head" or not cfg.tie_word_embeddings]
     for i, layer in enumerate(model.layers):
-        slots += _layer_slots(layer, f"model.layers.{i}.")
+        slots += [_Slot(layer, attr, names, norm) for attr, names, norm in family.slots(cfg, i)]
     return slots
-
-
-def _layer_slots(layer: DecoderLayer, p: str) -> List[_Slot]:
-    """The slots of one layer, its checkpoint tensors named from prefix ``p``."""
-    norms = {"input_norm": "input_layernorm"}
-    if layer.attn_out_norm is not None:  # Gemma: norms after attention and MLP, one before MLP
-        norms.update(attn_out_norm="post_attention_layernorm", post_attention_norm="pre_feedforward_layernorm",
-                     mlp_out_norm="post_feedforward_layernorm")
-    else:
-        norms["post_attention_norm"] = "post_attention_layernorm"
-    if layer.q_norm is not None:
-        norms.update(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
-    fused = {"qkv": [f"self_attn.{x}_proj.weight" for x in "qkv"], "o_proj": ["self_attn.o_proj.weight"],
-             "gate_up": ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "down": ["mlp.down_proj.weight"]}
-    if layer.qkv_bias is not None:
-        fused["qkv_bias"] = [f"self_attn.{x}_proj.bias" for x in "qkv"]
-    if layer.gate_up_bias is not None:
-        fused.update(gate_up_bias=["mlp.gate_proj.bias", "mlp.up_proj.bias"], down_bias=["mlp.down_proj.bias"])
-    return ([_Slot(layer, attr, (p + name + ".weight",), True) for attr, name in norms.items()]
-            + [_Slot(layer, attr, tuple(p + n for n in names)) for attr, names in fused.items()])
 
 
 class _Filler:
@@ -635,13 +593,15 @@ class Decoder(nn.Module):
 
     def native_stack(self) -> Optional[StackWeights]:
         """What the native layer stack (:func:`mtpctl.model.native.layer_stack`) reads of this model's
-        layers, or None where it does not cover them: it covers bfloat16 Llama-family blocks whose four
+        layers, or None where it does not cover them: it covers bfloat16 blocks of the families that
+        allow it (:attr:`mtpctl.model.families.Family.native_stack`) whose four
         linear weights all run on the native kernels (int4 codes or bfloat16 tiles), without biases,
         q/k norms, sandwich norms, scaled embeddings, sliding windows or a second rope, with SiLU and
         shapes the native attention and norms take."""
         cfg, layers = self.cfg, list(self.layers)
         linears = ("qkv", "o_proj", "gate_up", "down")
-        covered = self.dtype == torch.bfloat16 and cfg.hidden_act == "silu" and not cfg.norm_offset \
+        covered = cfg.family.native_stack and self.dtype == torch.bfloat16 and cfg.hidden_act == "silu" \
+            and not cfg.norm_offset \
             and self.embed_scale is None and all(w is None for w in cfg.layer_windows) \
             and norm_takes(cfg.hidden_size) and kernel_takes(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) \
             and all(_native_blob(getattr(layer, name)) is not None for layer in layers for name in linears) \
