@@ -50,11 +50,12 @@ from mtpctl.errors import CorruptModel, UnsupportedModel
 from mtpctl.export.heads import exportable_heads
 from mtpctl.files import output_folder, sha256_file
 from mtpctl.model.decoder import Decoder, _linear, _rotate
+from mtpctl.model.families import FAMILIES
 from mtpctl.model.weights import weights_hash
 
 OPSET = 17
-#: model types whose layer math FusedStep reproduces (every family of mtpctl.model.decoder today)
-EXPORTABLE = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+#: model types whose layer math FusedStep reproduces (the families that say they are exportable)
+EXPORTABLE = tuple(t for t, family in FAMILIES.items() if family.exportable)
 #: files of a checkpoint folder copied next to the graph (tokenizer, chat template, configs)
 COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
           "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
@@ -123,7 +124,7 @@ class FusedStep(nn.Module):
 
     def __init__(self, model: Decoder, heads: Optional[MedusaHeads] = None):
         super().__init__()
-        if model.cfg.model_type not in EXPORTABLE:
+        if not model.cfg.family.exportable:
             raise UnsupportedModel(f"model_type {model.cfg.model_type!r} cannot be exported yet "
                                    f"(exportable: {', '.join(EXPORTABLE)})")
         if model.packed_weights:
