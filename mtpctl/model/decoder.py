@@ -5,7 +5,8 @@ Written for mtpctl from the published architectures (Touvron et al. 2023, "LLaMA
 rotary embeddings, grouped-query attention; Gemma Team 2025, "Gemma 3 Technical Report": interleaved
 local sliding-window and global layers with their own rope bases, QK-norm, sandwich norms, GELU-tanh
 MLP, scaled embeddings) and the Hugging Face checkpoint layout. What a family changes in the block is
-read from :class:`mtpctl.model.config.DecoderConfig` flags, never from the model type or name. Q/K/V
+read from :class:`mtpctl.model.config.DecoderConfig` flags, and its checkpoint's tensors from its
+family's description (``cfg.family``, :mod:`mtpctl.model.families`), never from a model's name. Q/K/V
 and gate/up projections are fused at load time so a step runs one matmul where the checkpoint has three
 or two. Positions and the attention mask are explicit, so a chain or a tree of draft tokens is
 verified in one call.
@@ -288,7 +289,6 @@ class DecoderLayer(nn.Module):
         """
         cfg = self.cfg
         b, n, _ = x.shape
-        hd = cfg.head_dim
         heads = cfg.num_attention_heads
         native = isinstance(plan, SlotPlan)
         norm = rms_norm if self.native_norms and native else self.norm
@@ -298,13 +298,7 @@ class DecoderLayer(nn.Module):
                              cfg.num_key_value_heads, kv_bf16=cache.kv_bf16)
             attn = attend(q, cache.kv, self.index, cfg.num_key_value_heads, cfg.scale, plan, kv_bf16=cache.kv_bf16)
             return self._attention_out_and_mlp(x, attn.transpose(0, 1)[None].to(x.dtype), b, n, norm)
-        qk = qkv[..., :self.q_size + self.kv_size].unflatten(-1, (heads + cfg.num_key_value_heads, hd))
-        if self.q_norm is not None:
-            qk = torch.cat((norm(qk[:, :, :heads], self.q_norm, cfg.rms_norm_eps),
-                            norm(qk[:, :, heads:], self.k_norm, cfg.rms_norm_eps)), dim=2)
-        qk = _rotate(qk, cos, sin).transpose(1, 2)  # queries and keys rotated in one go
-        q, k = qk[:, :heads], qk[:, heads:]
-        v = qkv[..., self.q_size + self.kv_size:].unflatten(-1, (cfg.num_key_value_heads, hd)).transpose(1, 2)
+        q, k, v = qkv_heads(self, qkv, cos, sin, norm)
         if native:
             cache.write(self.index, k, v)
             attn = attend(q[0].transpose(0, 1).float().contiguous(), cache.kv, self.index, cfg.num_key_value_heads,
@@ -324,19 +318,45 @@ class DecoderLayer(nn.Module):
         return self._attention_out_and_mlp(x, attn, b, n, norm)
 
     def _attention_out_and_mlp(self, x, attn, b: int, n: int, norm):
-        """The rest of the block after attention ``attn [batch, heads, N, head_dim]``: output
-        projection and residual, then the MLP and its residual."""
-        cfg = self.cfg
-        out = _linear(attn.transpose(1, 2).reshape(b, n, self.q_size), self.o_proj)
-        if self.attn_out_norm is not None:
-            out = norm(out, self.attn_out_norm, cfg.rms_norm_eps)
-        x = x + out
-        gate, up = _linear(norm(x, self.post_attention_norm, cfg.rms_norm_eps),
-                           self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
-        out = _linear(self.act(gate) * up, self.down, self.down_bias)
-        if self.mlp_out_norm is not None:
-            out = norm(out, self.mlp_out_norm, cfg.rms_norm_eps)
-        return x + out
+        """The rest of the block after attention ``attn [batch, heads, N, head_dim]``
+        (:func:`attention_out_and_mlp`)."""
+        return attention_out_and_mlp(self, x, attn.transpose(1, 2).reshape(b, n, self.q_size), norm)
+
+
+# The block's math around attention, shared by DecoderLayer.forward and the ONNX graph's layer step
+# (mtpctl.export.onnx._layer_step): each computes attention its own way (batch-invariant over the
+# runtime's cache; one masked softmax over a functional cache) between these two. Written with
+# non-negative dims, so a traced graph needs no Mod op.
+
+def qkv_heads(layer: DecoderLayer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm):
+    """Queries ``[batch, heads, N, head_dim]``, keys and values ``[batch, kv_heads, N, head_dim]``
+    from the fused q/k/v projection ``qkv [batch, N, q + 2 kv]``: with the family's QK-norm
+    (``norm``: the RMSNorm function to apply), queries and keys rotated in one go."""
+    cfg = layer.cfg
+    hd, heads, kv_heads = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    qk = qkv[..., :layer.q_size + layer.kv_size].unflatten(2, (heads + kv_heads, hd))
+    if layer.q_norm is not None:
+        qk = torch.cat((norm(qk[:, :, :heads], layer.q_norm, cfg.rms_norm_eps),
+                        norm(qk[:, :, heads:], layer.k_norm, cfg.rms_norm_eps)), dim=2)
+    qk = _rotate(qk, cos, sin).transpose(1, 2)
+    q, k = qk[:, :heads], qk[:, heads:]
+    v = qkv[..., layer.q_size + layer.kv_size:].unflatten(2, (kv_heads, hd)).transpose(1, 2)
+    return q, k, v
+
+
+def attention_out_and_mlp(layer: DecoderLayer, x: torch.Tensor, attn: torch.Tensor, norm) -> torch.Tensor:
+    """The rest of the block after attention ``attn [batch, N, heads * head_dim]``: output projection
+    (normed first with sandwich norms) and residual, then the gated MLP and its residual."""
+    eps = layer.cfg.rms_norm_eps
+    out = _linear(attn, layer.o_proj)
+    if layer.attn_out_norm is not None:
+        out = norm(out, layer.attn_out_norm, eps)
+    x = x + out
+    gate, up = _linear(norm(x, layer.post_attention_norm, eps), layer.gate_up, layer.gate_up_bias).chunk(2, dim=2)
+    out = _linear(layer.act(gate) * up, layer.down, layer.down_bias)
+    if layer.mlp_out_norm is not None:
+        out = norm(out, layer.mlp_out_norm, eps)
+    return x + out
 
 
 def _native_blob(linear) -> Optional[torch.Tensor]:
