@@ -322,7 +322,7 @@ def test_verifier_architectures_are_the_targets_own(model_type, architectures, t
 
 def test_every_family_has_an_architecture_for_configs_without_one():
     from mtpctl.export.serving import ARCHITECTURES
-    from mtpctl.model.config import FAMILIES
+    from mtpctl.model.families import FAMILIES
 
     assert set(ARCHITECTURES) == set(FAMILIES)
 

@@ -101,10 +101,9 @@ class TableChoice:
 
 
 def model_identity(cfg) -> dict:
-    """What identifies a model's pass costs: its config's type and shape (a DecoderConfig)."""
-    return {"model_type": cfg.model_type, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-            "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
-            "vocab_size": cfg.vocab_size}
+    """What identifies a model's pass costs: its config's type and shape (a DecoderConfig), as its family
+    says (:meth:`mtpctl.model.families.Family.cost_identity`)."""
+    return cfg.family.cost_identity(cfg)
 
 
 def _cpuinfo(field: str) -> Optional[str]:

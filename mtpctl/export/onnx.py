@@ -49,12 +49,13 @@ from mtpctl.drafters.heads.medusa import MedusaHeads
 from mtpctl.errors import CorruptModel, UnsupportedModel
 from mtpctl.export.heads import exportable_heads
 from mtpctl.files import output_folder, sha256_file
-from mtpctl.model.decoder import Decoder, _linear, _rotate
+from mtpctl.model.decoder import Decoder, _linear, attention_out_and_mlp, qkv_heads
+from mtpctl.model.families import FAMILIES
 from mtpctl.model.weights import weights_hash
 
 OPSET = 17
-#: model types whose layer math FusedStep reproduces (every family of mtpctl.model.decoder today)
-EXPORTABLE = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+#: model types whose layer math FusedStep reproduces (the families that say they are exportable)
+EXPORTABLE = tuple(t for t, family in FAMILIES.items() if family.exportable)
 #: files of a checkpoint folder copied next to the graph (tokenizer, chat template, configs)
 COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
           "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
@@ -74,22 +75,18 @@ COPY_BYTES = 16 << 20
 def _layer_step(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past_k: torch.Tensor,
                 past_v: torch.Tensor, mask: torch.Tensor):
     """One :class:`mtpctl.model.decoder.DecoderLayer` with a functional KV cache: the layer's own
-    parameters, norm function, activation and flags (QK-norm, sandwich norms, attention scale).
+    parameters, norm function, activation and flags (QK-norm, sandwich norms, attention scale), and the
+    block's own math around attention (:func:`~mtpctl.model.decoder.qkv_heads`,
+    :func:`~mtpctl.model.decoder.attention_out_and_mlp`); attention here is one masked softmax.
 
     x ``[batch, N, hidden]``; cos/sin ``[batch, N, 1, head_dim]``; past_k/past_v ``[batch, kv_heads,
     past, head_dim]``; mask bool ``[batch, N, past + N]``. Returns the layer output ``[batch, N,
     hidden]`` and the present keys/values ``[batch, kv_heads, past + N, head_dim]``.
     """
     cfg = layer.cfg
-    hd, heads, kv_heads = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    norm, eps = layer.norm, cfg.rms_norm_eps
-    qkv = _linear(norm(x, layer.input_norm, eps), layer.qkv, layer.qkv_bias)
-    qk = qkv[..., :layer.q_size + layer.kv_size].unflatten(2, (heads + kv_heads, hd))  # dims >= 0: no Mod op
-    if layer.q_norm is not None:
-        qk = torch.cat((norm(qk[:, :, :heads], layer.q_norm, eps), norm(qk[:, :, heads:], layer.k_norm, eps)), dim=2)
-    qk = _rotate(qk, cos, sin).transpose(1, 2)
-    q, k = qk[:, :heads], qk[:, heads:]
-    v = qkv[..., layer.q_size + layer.kv_size:].unflatten(2, (kv_heads, hd)).transpose(1, 2)
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    q, k, v = qkv_heads(layer, _linear(layer.norm(x, layer.input_norm, cfg.rms_norm_eps), layer.qkv, layer.qkv_bias),
+                        cos, sin, layer.norm)
     keys = torch.cat((past_k, k.float()), dim=2)
     values = torch.cat((past_v, v.float()), dim=2)
     # grouped-query attention: the query heads of one KV group share its keys (no repeat_kv copy)
@@ -98,15 +95,7 @@ def _layer_step(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pa
     scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
     attn = torch.matmul(torch.softmax(scores, dim=-1), values.unsqueeze(2))  # [b, kvh, g, N, hd]
     attn = attn.flatten(1, 2).transpose(1, 2).flatten(2).to(x.dtype)  # [b, N, heads * hd]
-    out = _linear(attn, layer.o_proj)
-    if layer.attn_out_norm is not None:
-        out = norm(out, layer.attn_out_norm, eps)
-    x = x + out
-    gate, up = _linear(norm(x, layer.post_attention_norm, eps), layer.gate_up, layer.gate_up_bias).chunk(2, dim=2)
-    out = _linear(layer.act(gate) * up, layer.down, layer.down_bias)
-    if layer.mlp_out_norm is not None:
-        out = norm(out, layer.mlp_out_norm, eps)
-    return x + out, keys, values
+    return attention_out_and_mlp(layer, x, attn, layer.norm), keys, values
 
 
 class FusedStep(nn.Module):
@@ -123,7 +112,7 @@ class FusedStep(nn.Module):
 
     def __init__(self, model: Decoder, heads: Optional[MedusaHeads] = None):
         super().__init__()
-        if model.cfg.model_type not in EXPORTABLE:
+        if not model.cfg.family.exportable:
             raise UnsupportedModel(f"model_type {model.cfg.model_type!r} cannot be exported yet "
                                    f"(exportable: {', '.join(EXPORTABLE)})")
         if model.packed_weights:

@@ -43,6 +43,7 @@ from mtpctl.errors import BadInput, CorruptModel, UnsupportedModel
 from mtpctl.export import eagle_layouts, medusa_layouts
 from mtpctl.files import output_folder
 from mtpctl.model.config import DecoderConfig, read_json
+from mtpctl.model.families import FAMILIES
 from mtpctl.model.weights import read_lm_head, weights_hash
 
 FORMATS = ("speculators", "eagle", "vllm", "trtllm")
@@ -55,10 +56,9 @@ RECIPES = {"eagle3": "mtpctl add-heads --recipe recipes/smollm2-135m-eagle3.yaml
 FULL_VOCABULARY = RECIPES["medusa"] + " --draft-vocab 0"  # Medusa heads TensorRT-LLM's layout takes
 #: the dtypes heads may be written in (``dtype``)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-#: model_type -> its causal LM's Hugging Face architecture, for a target whose config.json does not
+#: model_type -> its causal LM's Hugging Face architecture (its family's), for a target whose config.json does not
 #: name its ``architectures`` (transformers writes them on save; hand-written configs may lack them)
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+ARCHITECTURES = {t: family.architecture for t, family in FAMILIES.items()}
 #: torch dtype -> its name in a safetensors header
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",

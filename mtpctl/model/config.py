@@ -1,6 +1,9 @@
 """Decoder configuration: a small dataclass read from a Hugging Face ``config.json``.
 
-The architecture is chosen by the config's documented ``model_type`` field, never by the model's name.
+The architecture is chosen by the config's documented ``model_type`` field, never by the model's name:
+its :class:`~mtpctl.model.families.Family` (:mod:`mtpctl.model.families`) says how the family's config is
+read (its defaults, activation key, q/k/v bias default, which layers slide) and which parts of the block
+it uses; :meth:`DecoderConfig.from_dict` turns that and config.json into plain fields.
 """
 
 from __future__ import annotations
@@ -8,57 +11,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 from mtpctl.errors import CorruptModel, UnsupportedModel
+from mtpctl.model.families import FAMILIES, Family, family_of  # noqa: F401 (FAMILIES: its old home)
 
-
-@dataclass(frozen=True)
-class Family:
-    """How one architecture family's block departs from Llama's (facts from each family's published
-    architecture and its Hugging Face config class; chosen by ``model_type``, never by a model's name).
-
-    Attributes:
-        attention_bias: q/k/v projection bias when config.json has no ``attention_bias`` key.
-        qk_norm: per-head RMSNorm on queries and keys before the rotary embedding (Qwen3, Gemma 3).
-        activation_key: the config key naming the MLP activation.
-        norm_offset: RMSNorm weight applied as ``norm_offset + w``, scaled in float32 before the cast
-            back (Gemma); 0 = Llama's ``w * x.to(dtype)``.
-        sandwich_norms: RMSNorm on the attention and MLP outputs before each residual add, and a
-            separate pre-MLP norm (Gemma 2/3: pre/post attention and pre/post feedforward norms).
-        scaled_embeddings: embeddings multiplied by ``sqrt(hidden_size)`` (Gemma).
-        defaults: values of config keys the family's config class fills in when config.json omits
-            them (e.g. Gemma 3's rope bases, sliding window and query_pre_attn_scalar).
-        sliding_pattern: when config.json has no ``layer_types``, every ``sliding_pattern``-th layer is
-            global and the others slide (Gemma 3's ``sliding_window_pattern``, default 6); None: the
-            Mistral/Qwen2 rules.
-    """
-
-    attention_bias: bool = False
-    qk_norm: bool = False
-    activation_key: str = "hidden_act"
-    norm_offset: float = 0.0
-    sandwich_norms: bool = False
-    scaled_embeddings: bool = False
-    defaults: Tuple[Tuple[str, object], ...] = ()
-    sliding_pattern: Optional[int] = None
-
-
-#: model_type -> the family's description
-FAMILIES: Dict[str, Family] = {
-    "llama": Family(),
-    "mistral": Family(),
-    "qwen2": Family(attention_bias=True),
-    "qwen3": Family(qk_norm=True),
-    # Gemma 3 (Gemma Team 2025, "Gemma 3 Technical Report"): 5 local sliding-window layers per global
-    # one, local rope base 10k and global 1M, QK-norm, sandwich norms, GELU-tanh, scaled embeddings.
-    "gemma3_text": Family(qk_norm=True, activation_key="hidden_activation", norm_offset=1.0,
-                          sandwich_norms=True, scaled_embeddings=True, sliding_pattern=6,
-                          defaults=(("hidden_activation", "gelu_pytorch_tanh"), ("head_dim", 256),
-                                    ("rope_theta", 1_000_000.0), ("rope_local_base_freq", 10_000.0),
-                                    ("sliding_window", 4096), ("query_pre_attn_scalar", 256),
-                                    ("tie_word_embeddings", True))),
-}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 #: config activation name -> the activation the model applies (GELU-tanh: Hendrycks & Gimpel 2016)
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -85,7 +42,8 @@ class DecoderConfig:
     rotary embedding of the sliding-window layers when it differs from ``rope`` (Gemma 3's
     ``rope_local_base_freq``), else None. ``attention_scale`` multiplies q.k (``head_dim ** -0.5``, or
     Gemma's ``query_pre_attn_scalar ** -0.5``); ``hidden_act`` is one of :data:`SUPPORTED_ACTIVATIONS`;
-    ``norm_offset``, ``sandwich_norms`` and ``scaled_embeddings`` are the :class:`Family` flags;
+    ``qk_norm``, ``norm_offset``, ``sandwich_norms`` and ``scaled_embeddings`` are the family's
+    :class:`~mtpctl.model.families.Block` flags;
     ``final_logit_softcapping`` caps logits as ``cap * tanh(logits / cap)`` (None: no cap).
     """
 
@@ -114,6 +72,11 @@ class DecoderConfig:
     final_logit_softcapping: Optional[float] = None
 
     @property
+    def family(self) -> Family:
+        """The description of this config's family (:mod:`mtpctl.model.families`)."""
+        return family_of(self.model_type)
+
+    @property
     def scale(self) -> float:
         """The factor on attention scores q.k."""
         return self.attention_scale if self.attention_scale is not None else self.head_dim ** -0.5
@@ -127,13 +90,8 @@ class DecoderConfig:
             CorruptModel: a required key is missing or has the wrong type.
         """
         model_type = cfg.get("model_type")
-        if model_type not in FAMILIES:
-            raise UnsupportedModel(
-                f"model_type {model_type!r} is not supported by the native runtime "
-                f"(supported: {', '.join(sorted(FAMILIES))})"
-            )
-        family = FAMILIES[model_type]
-        cfg = {**dict(family.defaults), **cfg}
+        family = family_of(model_type)
+        cfg = family.with_defaults(cfg)
         act = cfg.get(family.activation_key, "silu")
         if act not in SUPPORTED_ACTIVATIONS:
             raise UnsupportedModel(f"{family.activation_key} {act!r} is not supported "
@@ -152,11 +110,6 @@ class DecoderConfig:
             scalar = cfg.get("query_pre_attn_scalar")
             cap = cfg.get("final_logit_softcapping")
             rope, rope_local = _ropes_from_dict(cfg)
-            if family.sliding_pattern and cfg.get("layer_types") is None:
-                pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
-                              or family.sliding_pattern)
-                cfg["layer_types"] = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                                      for i in range(layers)]
             return cls(
                 model_type=model_type,
                 vocab_size=int(cfg["vocab_size"]),
@@ -172,14 +125,14 @@ class DecoderConfig:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(attention_bias),
                 mlp_bias=bool(cfg.get("mlp_bias", False)),
-                qk_norm=family.qk_norm,
-                layer_windows=_layer_windows(cfg, layers),
+                qk_norm=family.block.qk_norm,
+                layer_windows=_layer_windows(cfg, layers, family),
                 hidden_act=act,
                 rope_local=rope_local,
                 attention_scale=float(scalar) ** -0.5 if scalar is not None else None,
-                norm_offset=family.norm_offset,
-                sandwich_norms=family.sandwich_norms,
-                scaled_embeddings=family.scaled_embeddings,
+                norm_offset=family.block.norm_offset,
+                sandwich_norms=family.block.sandwich_norms,
+                scaled_embeddings=family.block.scaled_embeddings,
                 final_logit_softcapping=float(cap) if cap else None,
             )
         except (KeyError, TypeError, ValueError) as err:
@@ -247,15 +200,15 @@ def _rope_from_dict(cfg: dict, params: dict, theta_default) -> RopeConfig:
     )
 
 
-def _layer_windows(cfg: dict, layers: int) -> tuple:
-    """Per-layer sliding window from ``layer_types`` (HF v5 configs) or the older keys."""
+def _layer_windows(cfg: dict, layers: int, family: Family) -> tuple:
+    """Per-layer sliding window from ``layer_types`` (HF v5 configs), else the family's rule for the
+    older keys (:attr:`Family.layer_types <mtpctl.model.families.Family.layer_types>`)."""
     window: Optional[int] = cfg.get("sliding_window")
     if not window or cfg.get("use_sliding_window") is False:
         return (None,) * layers
     types = cfg.get("layer_types")
-    if types is None:  # qwen2: layers from max_window_layers on slide; mistral: all layers slide
-        start = int(cfg.get("max_window_layers", 0)) if cfg.get("model_type") == "qwen2" else 0
-        types = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
+    if types is None:
+        types = family.layer_types(cfg, layers)
     if len(types) != layers:
         raise CorruptModel(f"config.json: layer_types has {len(types)} entries for {layers} layers")
     return tuple(int(window) if t == "sliding_attention" else None for t in types)

@@ -5,7 +5,8 @@ Written for mtpctl from the published architectures (Touvron et al. 2023, "LLaMA
 rotary embeddings, grouped-query attention; Gemma Team 2025, "Gemma 3 Technical Report": interleaved
 local sliding-window and global layers with their own rope bases, QK-norm, sandwich norms, GELU-tanh
 MLP, scaled embeddings) and the Hugging Face checkpoint layout. What a family changes in the block is
-read from :class:`mtpctl.model.config.DecoderConfig` flags, never from the model type or name. Q/K/V
+read from :class:`mtpctl.model.config.DecoderConfig` flags, and its checkpoint's tensors from its
+family's description (``cfg.family``, :mod:`mtpctl.model.families`), never from a model's name. Q/K/V
 and gate/up projections are fused at load time so a step runs one matmul where the checkpoint has three
 or two. Positions and the attention mask are explicit, so a chain or a tree of draft tokens is
 verified in one call.
@@ -40,32 +41,9 @@ ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate=
 
 
 def expected_tensors(cfg: DecoderConfig) -> Dict[str, tuple]:
-    """Tensor name -> shape of a Hugging Face checkpoint of this config."""
-    h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    q_out, kv_out = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,),
-              "lm_head.weight": (cfg.vocab_size, h)}
-    for n in range(cfg.num_hidden_layers):
-        p = f"model.layers.{n}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q_out, h), p + "self_attn.k_proj.weight": (kv_out, h),
-            p + "self_attn.v_proj.weight": (kv_out, h), p + "self_attn.o_proj.weight": (h, q_out),
-            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
-        })
-        if cfg.attention_bias:
-            shapes.update({p + "self_attn.q_proj.bias": (q_out,), p + "self_attn.k_proj.bias": (kv_out,),
-                           p + "self_attn.v_proj.bias": (kv_out,)})
-        if cfg.mlp_bias:
-            shapes.update({p + "mlp.gate_proj.bias": (i,), p + "mlp.up_proj.bias": (i,),
-                           p + "mlp.down_proj.bias": (h,)})
-        if cfg.qk_norm:
-            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
-        if cfg.sandwich_norms:
-            shapes.update({p + "pre_feedforward_layernorm.weight": (h,),
-                           p + "post_feedforward_layernorm.weight": (h,)})
-    return shapes
+    """Tensor name -> shape of a Hugging Face checkpoint of this config (its family's tensor map,
+    :meth:`mtpctl.model.families.Family.shapes`)."""
+    return cfg.family.shapes(cfg)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -311,7 +289,6 @@ class DecoderLayer(nn.Module):
         """
         cfg = self.cfg
         b, n, _ = x.shape
-        hd = cfg.head_dim
         heads = cfg.num_attention_heads
         native = isinstance(plan, SlotPlan)
         norm = rms_norm if self.native_norms and native else self.norm
@@ -321,13 +298,7 @@ class DecoderLayer(nn.Module):
                              cfg.num_key_value_heads, kv_bf16=cache.kv_bf16)
             attn = attend(q, cache.kv, self.index, cfg.num_key_value_heads, cfg.scale, plan, kv_bf16=cache.kv_bf16)
             return self._attention_out_and_mlp(x, attn.transpose(0, 1)[None].to(x.dtype), b, n, norm)
-        qk = qkv[..., :self.q_size + self.kv_size].unflatten(-1, (heads + cfg.num_key_value_heads, hd))
-        if self.q_norm is not None:
-            qk = torch.cat((norm(qk[:, :, :heads], self.q_norm, cfg.rms_norm_eps),
-                            norm(qk[:, :, heads:], self.k_norm, cfg.rms_norm_eps)), dim=2)
-        qk = _rotate(qk, cos, sin).transpose(1, 2)  # queries and keys rotated in one go
-        q, k = qk[:, :heads], qk[:, heads:]
-        v = qkv[..., self.q_size + self.kv_size:].unflatten(-1, (cfg.num_key_value_heads, hd)).transpose(1, 2)
+        q, k, v = qkv_heads(self, qkv, cos, sin, norm)
         if native:
             cache.write(self.index, k, v)
             attn = attend(q[0].transpose(0, 1).float().contiguous(), cache.kv, self.index, cfg.num_key_value_heads,
@@ -347,19 +318,45 @@ class DecoderLayer(nn.Module):
         return self._attention_out_and_mlp(x, attn, b, n, norm)
 
     def _attention_out_and_mlp(self, x, attn, b: int, n: int, norm):
-        """The rest of the block after attention ``attn [batch, heads, N, head_dim]``: output
-        projection and residual, then the MLP and its residual."""
-        cfg = self.cfg
-        out = _linear(attn.transpose(1, 2).reshape(b, n, self.q_size), self.o_proj)
-        if self.attn_out_norm is not None:
-            out = norm(out, self.attn_out_norm, cfg.rms_norm_eps)
-        x = x + out
-        gate, up = _linear(norm(x, self.post_attention_norm, cfg.rms_norm_eps),
-                           self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
-        out = _linear(self.act(gate) * up, self.down, self.down_bias)
-        if self.mlp_out_norm is not None:
-            out = norm(out, self.mlp_out_norm, cfg.rms_norm_eps)
-        return x + out
+        """The rest of the block after attention ``attn [batch, heads, N, head_dim]``
+        (:func:`attention_out_and_mlp`)."""
+        return attention_out_and_mlp(self, x, attn.transpose(1, 2).reshape(b, n, self.q_size), norm)
+
+
+# The block's math around attention, shared by DecoderLayer.forward and the ONNX graph's layer step
+# (mtpctl.export.onnx._layer_step): each computes attention its own way (batch-invariant over the
+# runtime's cache; one masked softmax over a functional cache) between these two. Written with
+# non-negative dims, so a traced graph needs no Mod op.
+
+def qkv_heads(layer: DecoderLayer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm):
+    """Queries ``[batch, heads, N, head_dim]``, keys and values ``[batch, kv_heads, N, head_dim]``
+    from the fused q/k/v projection ``qkv [batch, N, q + 2 kv]``: with the family's QK-norm
+    (``norm``: the RMSNorm function to apply), queries and keys rotated in one go."""
+    cfg = layer.cfg
+    hd, heads, kv_heads = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    qk = qkv[..., :layer.q_size + layer.kv_size].unflatten(2, (heads + kv_heads, hd))
+    if layer.q_norm is not None:
+        qk = torch.cat((norm(qk[:, :, :heads], layer.q_norm, cfg.rms_norm_eps),
+                        norm(qk[:, :, heads:], layer.k_norm, cfg.rms_norm_eps)), dim=2)
+    qk = _rotate(qk, cos, sin).transpose(1, 2)
+    q, k = qk[:, :heads], qk[:, heads:]
+    v = qkv[..., layer.q_size + layer.kv_size:].unflatten(2, (kv_heads, hd)).transpose(1, 2)
+    return q, k, v
+
+
+def attention_out_and_mlp(layer: DecoderLayer, x: torch.Tensor, attn: torch.Tensor, norm) -> torch.Tensor:
+    """The rest of the block after attention ``attn [batch, N, heads * head_dim]``: output projection
+    (normed first with sandwich norms) and residual, then the gated MLP and its residual."""
+    eps = layer.cfg.rms_norm_eps
+    out = _linear(attn, layer.o_proj)
+    if layer.attn_out_norm is not None:
+        out = norm(out, layer.attn_out_norm, eps)
+    x = x + out
+    gate, up = _linear(norm(x, layer.post_attention_norm, eps), layer.gate_up, layer.gate_up_bias).chunk(2, dim=2)
+    out = _linear(layer.act(gate) * up, layer.down, layer.down_bias)
+    if layer.mlp_out_norm is not None:
+        out = norm(out, layer.mlp_out_norm, eps)
+    return x + out
 
 
 def _native_blob(linear) -> Optional[torch.Tensor]:
@@ -385,34 +382,15 @@ class _Slot:
 
 
 def _slots(model: "Decoder") -> List[_Slot]:
-    """Every parameter of ``model`` that checkpoint tensors fill (a tied lm_head is none: it follows
-    the embedding)."""
-    slots = [_Slot(model, "embed", (EMBED,)), _Slot(model, "norm", ("model.norm.weight",), True)]
-    if not model.cfg.tie_word_embeddings:
-        slots.append(_Slot(model, "lm_head", ("lm_head.weight",)))
+    """Every parameter of ``model`` that checkpoint tensors fill, as its family's tensor map names them
+    (:meth:`mtpctl.model.families.Family.slots`; a tied lm_head is none: it follows the embedding)."""
+    cfg = model.cfg
+    family = cfg.family
+    slots = [_Slot(model, attr, names, norm) for attr, names, norm in family.slots(cfg)
+             if attr != "lm_head" or not cfg.tie_word_embeddings]
     for i, layer in enumerate(model.layers):
-        slots += _layer_slots(layer, f"model.layers.{i}.")
+        slots += [_Slot(layer, attr, names, norm) for attr, names, norm in family.slots(cfg, i)]
     return slots
-
-
-def _layer_slots(layer: DecoderLayer, p: str) -> List[_Slot]:
-    """The slots of one layer, its checkpoint tensors named from prefix ``p``."""
-    norms = {"input_norm": "input_layernorm"}
-    if layer.attn_out_norm is not None:  # Gemma: norms after attention and MLP, one before MLP
-        norms.update(attn_out_norm="post_attention_layernorm", post_attention_norm="pre_feedforward_layernorm",
-                     mlp_out_norm="post_feedforward_layernorm")
-    else:
-        norms["post_attention_norm"] = "post_attention_layernorm"
-    if layer.q_norm is not None:
-        norms.update(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
-    fused = {"qkv": [f"self_attn.{x}_proj.weight" for x in "qkv"], "o_proj": ["self_attn.o_proj.weight"],
-             "gate_up": ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "down": ["mlp.down_proj.weight"]}
-    if layer.qkv_bias is not None:
-        fused["qkv_bias"] = [f"self_attn.{x}_proj.bias" for x in "qkv"]
-    if layer.gate_up_bias is not None:
-        fused.update(gate_up_bias=["mlp.gate_proj.bias", "mlp.up_proj.bias"], down_bias=["mlp.down_proj.bias"])
-    return ([_Slot(layer, attr, (p + name + ".weight",), True) for attr, name in norms.items()]
-            + [_Slot(layer, attr, tuple(p + n for n in names)) for attr, names in fused.items()])
 
 
 class _Filler:
@@ -642,13 +620,15 @@ class Decoder(nn.Module):
 
     def native_stack(self) -> Optional[StackWeights]:
         """What the native layer stack (:func:`mtpctl.model.native.layer_stack`) reads of this model's
-        layers, or None where it does not cover them: it covers bfloat16 Llama-family blocks whose four
+        layers, or None where it does not cover them: it covers bfloat16 blocks of the families that
+        allow it (:attr:`mtpctl.model.families.Family.native_stack`) whose four
         linear weights all run on the native kernels (int4 codes or bfloat16 tiles), without biases,
         q/k norms, sandwich norms, scaled embeddings, sliding windows or a second rope, with SiLU and
         shapes the native attention and norms take."""
         cfg, layers = self.cfg, list(self.layers)
         linears = ("qkv", "o_proj", "gate_up", "down")
-        covered = self.dtype == torch.bfloat16 and cfg.hidden_act == "silu" and not cfg.norm_offset \
+        covered = cfg.family.native_stack and self.dtype == torch.bfloat16 and cfg.hidden_act == "silu" \
+            and not cfg.norm_offset \
             and self.embed_scale is None and all(w is None for w in cfg.layer_windows) \
             and norm_takes(cfg.hidden_size) and kernel_takes(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) \
             and all(_native_blob(getattr(layer, name)) is not None for layer in layers for name in linears) \

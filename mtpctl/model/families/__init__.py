@@ -1,0 +1,30 @@
+"""The supported model families, one module each (:mod:`.llama`, :mod:`.mistral`, :mod:`.qwen2`,
+:mod:`.qwen3`, :mod:`.gemma3_text`), each a :class:`Family` description; :data:`FAMILIES` maps
+config.json's ``model_type`` to it. Adding a family: docs/architecture.md, "Adding a model family".
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+from mtpctl.errors import UnsupportedModel
+from mtpctl.model.families import gemma3_text, llama, mistral, qwen2, qwen3
+from mtpctl.model.families.base import Block, Family, Tensor
+
+__all__ = ["Block", "FAMILIES", "Family", "Tensor", "family_of"]
+
+#: model_type -> the family's description
+FAMILIES: Dict[str, Family] = {m.FAMILY.model_type: m.FAMILY for m in (llama, mistral, qwen2, qwen3, gemma3_text)}
+
+
+def family_of(model_type) -> Family:
+    """The family of config.json's ``model_type``.
+
+    Raises:
+        UnsupportedModel: a model_type no family describes, in one line naming the supported ones.
+    """
+    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        raise UnsupportedModel(f"model_type {model_type!r} is not supported by the native runtime "
+                               f"(supported: {', '.join(sorted(FAMILIES))})")
+    return family

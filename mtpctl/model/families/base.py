@@ -1,0 +1,188 @@
+"""What a model family's description holds (:class:`Family`), and the Llama block's checkpoint
+tensors that every family's tensor map is built from.
+
+Pure data and small functions over a parsed ``config.json`` (a dict) or a
+:class:`~mtpctl.model.config.DecoderConfig` (read by attribute): nothing here imports the runtime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+#: the config's dimensions a tensor's shape is written in (:meth:`Family.shapes`)
+DIMS = {
+    "h": lambda c: c.hidden_size,
+    "i": lambda c: c.intermediate_size,
+    "q": lambda c: c.num_attention_heads * c.head_dim,
+    "kv": lambda c: c.num_key_value_heads * c.head_dim,
+    "d": lambda c: c.head_dim,
+    "V": lambda c: c.vocab_size,
+}
+#: the per-layer attention types of a config (Hugging Face's ``layer_types`` values)
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One checkpoint tensor and the parameter it fills.
+
+    Attributes:
+        name: its name in the checkpoint; a layer's tensor after the layer's prefix ``model.layers.{i}.``.
+        shape: its dimensions, by :data:`DIMS` symbol.
+        param: the :class:`~mtpctl.model.decoder.DecoderLayer` (or, for a model tensor,
+            :class:`~mtpctl.model.decoder.Decoder`) parameter it fills; the tensors of one parameter are
+            stacked by rows in table order (q, k, v -> ``qkv``; gate, up -> ``gate_up``).
+        norm: a norm weight (held as ``norm_offset + w`` in float32 where the family has an offset).
+        when: the :class:`~mtpctl.model.config.DecoderConfig` flag the tensor exists under
+            (``attention_bias``, ``mlp_bias``: config.json's choice), or "" (always).
+    """
+
+    name: str
+    shape: Tuple[str, ...]
+    param: str
+    norm: bool = False
+    when: str = ""
+
+
+def _norm(name: str, param: str, dim: str = "h") -> Tensor:
+    return Tensor(name + ".weight", (dim,), param, norm=True)
+
+
+#: the model's own tensors (embeddings, final norm, lm_head; a tied lm_head is optional in a
+#: checkpoint and follows the embeddings)
+MODEL_TENSORS = (Tensor("model.embed_tokens.weight", ("V", "h"), "embed"),
+                 _norm("model.norm", "norm"),
+                 Tensor("lm_head.weight", ("V", "h"), "lm_head"))
+#: Llama's pre-attention and pre-MLP norms
+LLAMA_NORMS = (_norm("input_layernorm", "input_norm"), _norm("post_attention_layernorm", "post_attention_norm"))
+#: the attention and MLP projections of the Llama block, fused at load time
+PROJECTIONS = (Tensor("self_attn.q_proj.weight", ("q", "h"), "qkv"),
+               Tensor("self_attn.k_proj.weight", ("kv", "h"), "qkv"),
+               Tensor("self_attn.v_proj.weight", ("kv", "h"), "qkv"),
+               Tensor("self_attn.o_proj.weight", ("h", "q"), "o_proj"),
+               Tensor("mlp.gate_proj.weight", ("i", "h"), "gate_up"),
+               Tensor("mlp.up_proj.weight", ("i", "h"), "gate_up"),
+               Tensor("mlp.down_proj.weight", ("h", "i"), "down"))
+#: projection biases, where config.json asks for them (``attention_bias``, ``mlp_bias``)
+BIASES = (Tensor("self_attn.q_proj.bias", ("q",), "qkv_bias", when="attention_bias"),
+          Tensor("self_attn.k_proj.bias", ("kv",), "qkv_bias", when="attention_bias"),
+          Tensor("self_attn.v_proj.bias", ("kv",), "qkv_bias", when="attention_bias"),
+          Tensor("mlp.gate_proj.bias", ("i",), "gate_up_bias", when="mlp_bias"),
+          Tensor("mlp.up_proj.bias", ("i",), "gate_up_bias", when="mlp_bias"),
+          Tensor("mlp.down_proj.bias", ("h",), "down_bias", when="mlp_bias"))
+#: per-head query and key RMSNorm weights (Qwen3, Gemma 3)
+QK_NORMS = (_norm("self_attn.q_norm", "q_norm", "d"), _norm("self_attn.k_norm", "k_norm", "d"))
+#: the Llama block's tensors, in Hugging Face's order
+LLAMA_LAYER = LLAMA_NORMS + PROJECTIONS + BIASES
+
+
+@dataclass(frozen=True)
+class Block:
+    """Which parts of the functional block (:class:`~mtpctl.model.decoder.DecoderLayer`, and the ONNX
+    graph's :func:`~mtpctl.export.onnx._layer_step`) a family uses besides Llama's.
+
+    Attributes:
+        qk_norm: per-head RMSNorm on queries and keys before the rotary embedding (Qwen3, Gemma 3).
+        norm_offset: RMSNorm weight applied as ``norm_offset + w``, scaled in float32 before the cast
+            back (Gemma); 0 = Llama's ``w * x.to(dtype)``.
+        sandwich_norms: RMSNorm on the attention and MLP outputs before each residual add, and a
+            separate pre-MLP norm (Gemma 2/3: pre/post attention and pre/post feedforward norms).
+        scaled_embeddings: embeddings multiplied by ``sqrt(hidden_size)`` (Gemma).
+    """
+
+    qk_norm: bool = False
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    scaled_embeddings: bool = False
+
+
+def every_layer_slides(cfg: dict, layers: int) -> List[str]:
+    """Layer types of a config with a sliding window and no ``layer_types``: every layer slides
+    (Mistral's rule)."""
+    return [SLIDING] * layers
+
+
+#: the kernel paths (:mod:`mtpctl.model.device`) that run a family's block
+KERNELS = ("native", "torch")
+#: what identifies a model's pass costs (:func:`mtpctl.decode.cost_table.model_identity`): key ->
+#: DecoderConfig field, after its ``model_type``
+COST_IDENTITY = (("hidden_size", "hidden_size"), ("intermediate_size", "intermediate_size"),
+                 ("layers", "num_hidden_layers"), ("heads", "num_attention_heads"),
+                 ("kv_heads", "num_key_value_heads"), ("vocab_size", "vocab_size"))
+
+
+@dataclass(frozen=True)
+class Family:
+    """One architecture family, chosen by config.json's ``model_type`` (never by a model's name): how
+    its config is read, its checkpoint's tensors, the parts of the block it uses, how serving engines
+    and the exporter see it, and which kernels run it. Facts from each family's published
+    architecture and its Hugging Face config class.
+
+    Attributes:
+        model_type: config.json's ``model_type``.
+        architecture: its causal LM's Hugging Face architecture (``architectures`` of a serving
+            engine's target config where config.json names none).
+        layer_tensors: one layer's checkpoint tensors, in Hugging Face's order, and the parameters
+            they fill (:class:`Tensor`).
+        block: the parts of the functional block it uses (:class:`Block`).
+        attention_bias: q/k/v projection bias when config.json has no ``attention_bias`` key.
+        activation_key: the config key naming the MLP activation.
+        defaults: values of config keys the family's config class fills in when config.json omits
+            them (e.g. Gemma 3's rope bases, sliding window and query_pre_attn_scalar).
+        layer_types: ``(config dict with defaults, layers) -> layer_types`` for a config with a
+            sliding window and no ``layer_types`` (Mistral: every layer; Qwen2: from
+            ``max_window_layers``; Gemma 3: every ``sliding_window_pattern``-th layer global).
+        exportable: the ONNX export (:mod:`mtpctl.export.onnx`) reproduces its block.
+        kernels: the kernel paths that run it (:data:`KERNELS`).
+        native_stack: the native layer stack (all layers in one C call) may cover its block; it still
+            checks the config and the weights (:meth:`mtpctl.model.decoder.Decoder.native_stack`).
+        model_tensors: the model's own checkpoint tensors (:data:`MODEL_TENSORS`).
+    """
+
+    model_type: str
+    architecture: str
+    layer_tensors: Tuple[Tensor, ...] = LLAMA_LAYER
+    block: Block = Block()
+    attention_bias: bool = False
+    activation_key: str = "hidden_act"
+    defaults: Tuple[Tuple[str, object], ...] = ()
+    layer_types: Callable[[dict, int], List[str]] = every_layer_slides
+    exportable: bool = True
+    kernels: Tuple[str, ...] = KERNELS
+    native_stack: bool = True
+    model_tensors: Tuple[Tensor, ...] = MODEL_TENSORS
+
+    def with_defaults(self, cfg: dict) -> dict:
+        """``cfg`` (a parsed config.json) with the family's :attr:`defaults` where it omits them."""
+        return {**dict(self.defaults), **cfg}
+
+    def tensors(self, cfg, layer: Optional[int] = None) -> List[Tensor]:
+        """The tensors a checkpoint of ``cfg`` (a DecoderConfig) holds: one layer's (names after its
+        prefix) or, with ``layer`` None, the model's own; those of a flag ``cfg`` lacks left out."""
+        table = self.model_tensors if layer is None else self.layer_tensors
+        return [t for t in table if not t.when or getattr(cfg, t.when)]
+
+    def shapes(self, cfg) -> Dict[str, tuple]:
+        """Tensor name -> shape of every tensor of a checkpoint of ``cfg``: the model's own, then layer
+        by layer."""
+        def shape(t: Tensor) -> tuple:
+            return tuple(DIMS[d](cfg) for d in t.shape)
+
+        out = {t.name: shape(t) for t in self.tensors(cfg)}
+        for n in range(cfg.num_hidden_layers):
+            out.update((f"model.layers.{n}.{t.name}", shape(t)) for t in self.tensors(cfg, n))
+        return out
+
+    def slots(self, cfg, layer: Optional[int] = None) -> List[Tuple[str, Tuple[str, ...], bool]]:
+        """(parameter, its checkpoint tensors' full names stacked by rows, is a norm) of one layer of
+        ``cfg``, or with ``layer`` None of the model's own parameters, in table order."""
+        prefix = "" if layer is None else f"model.layers.{layer}."
+        out: Dict[str, Tuple[List[str], bool]] = {}
+        for t in self.tensors(cfg, layer):
+            out.setdefault(t.param, ([], t.norm))[0].append(prefix + t.name)
+        return [(param, tuple(names), norm) for param, (names, norm) in out.items()]
+
+    def cost_identity(self, cfg) -> dict:
+        """What identifies the pass costs of a model of ``cfg``: its type and shape."""
+        return {"model_type": self.model_type, **{key: getattr(cfg, field) for key, field in COST_IDENTITY}}

@@ -1,0 +1,111 @@
+"""The model-family registry (mtpctl.model.families): every supported model_type resolves, an unknown
+one is refused in one line, and each family's tensor map is exactly the checkpoint the runtime
+expects and fills exactly the parameters its block holds."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from helpers import tiny_config_dict
+
+from mtpctl.decode.cost_table import model_identity
+from mtpctl.errors import UnsupportedModel
+from mtpctl.export.onnx import EXPORTABLE
+from mtpctl.export.serving import ARCHITECTURES
+from mtpctl.model.config import DecoderConfig
+from mtpctl.model.decoder import Decoder, _slots, expected_tensors
+from mtpctl.model.families import FAMILIES, Family, family_of
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+#: config.json flags that add tensors, each family checked with and without them
+FLAGS = ({}, {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": False})
+
+
+def test_every_supported_model_type_resolves_to_its_own_family():
+    assert tuple(FAMILIES) == SUPPORTED
+    for model_type in SUPPORTED:
+        family = family_of(model_type)
+        assert isinstance(family, Family) and family.model_type == model_type
+        assert DecoderConfig.from_dict(tiny_config_dict(model_type=model_type)).family is family
+        assert set(family.kernels) <= {"native", "torch"} and family.architecture.endswith("ForCausalLM")
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", None, "", "Llama"])
+def test_an_unknown_model_type_is_refused_in_one_line(model_type):
+    want = f"model_type {model_type!r} is not supported by the native runtime (supported: " \
+           "gemma3_text, llama, mistral, qwen2, qwen3)"
+    with pytest.raises(UnsupportedModel) as caught:
+        family_of(model_type)
+    assert str(caught.value) == want and "\n" not in str(caught.value)
+    with pytest.raises(UnsupportedModel, match="is not supported by the native runtime"):
+        DecoderConfig.from_dict(tiny_config_dict(model_type=model_type))
+
+
+@pytest.mark.parametrize("flags", FLAGS, ids=["defaults", "biases-untied"])
+@pytest.mark.parametrize("model_type", SUPPORTED)
+def test_tensor_map_is_the_expected_checkpoint_and_fills_every_parameter(model_type, flags):
+    cfg = DecoderConfig.from_dict(tiny_config_dict(model_type=model_type, **flags))
+    model = Decoder(cfg, lazy=True)
+    slots = _slots(model)
+    names = [n for slot in slots for n in slot.names]
+    expected = set(expected_tensors(cfg)) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    assert len(names) == len(set(names)) and set(names) == expected
+    # the slots are exactly the parameters the block holds (a tied lm_head is the embedding itself)
+    filled = {(id(slot.owner), slot.attr) for slot in slots}
+    held = {(id(owner), name) for owner in (model, *model.layers) for name, p in owner._parameters.items()
+            if p is not None and not (name == "lm_head" and cfg.tie_word_embeddings)}
+    assert filled == held
+    # stacked by rows, the tensors' shapes make the parameter's
+    shapes = expected_tensors(cfg)
+    for slot in slots:
+        param = slot.owner._parameters[slot.attr]
+        rows = sum(shapes[n][0] for n in slot.names)
+        assert (rows, *shapes[slot.names[0]][1:]) == tuple(param.shape), slot.names
+        assert slot.norm == (param.dim() == 1 and slot.attr.endswith("norm"))
+
+
+def test_the_family_describes_what_config_block_export_serving_and_costs_read():
+    for model_type, family in FAMILIES.items():
+        cfg = DecoderConfig.from_dict(tiny_config_dict(model_type=model_type))
+        block = family.block
+        assert (cfg.qk_norm, cfg.norm_offset, cfg.sandwich_norms, cfg.scaled_embeddings) == \
+               (block.qk_norm, block.norm_offset, block.sandwich_norms, block.scaled_embeddings)
+        assert ARCHITECTURES[model_type] == family.architecture
+        assert (model_type in EXPORTABLE) == family.exportable
+        assert model_identity(cfg) == {"model_type": model_type, "hidden_size": 64, "intermediate_size": 128,
+                                       "layers": 2, "heads": 4, "kv_heads": 2, "vocab_size": 259}
+    raw = tiny_config_dict(model_type="gemma3_text")
+    del raw["head_dim"]
+    gemma = DecoderConfig.from_dict(raw)  # the family's defaults fill what config.json omits
+    assert gemma.head_dim == 256 and gemma.hidden_act == "gelu_pytorch_tanh" and gemma.tie_word_embeddings
+    assert gemma.layer_windows == (4096, 4096)  # the default window; every 6th layer global, not these two
+    six = DecoderConfig.from_dict({**raw, "num_hidden_layers": 6})
+    assert six.layer_windows == (4096,) * 5 + (None,)
+    qwen2 = DecoderConfig.from_dict(tiny_config_dict(model_type="qwen2", num_hidden_layers=3, sliding_window=4,
+                                                     max_window_layers=1))
+    assert qwen2.layer_windows == (None, 4, 4)  # the family's rule: layers from max_window_layers on slide
+
+
+def test_the_native_layer_stack_runs_only_families_that_allow_it(monkeypatch):
+    from helpers import random_decoder
+
+    model = random_decoder(dtype=torch.bfloat16, blocked=True)
+    if model.native_stack() is None:
+        pytest.skip("the native kernels do not build here")
+    monkeypatch.setitem(FAMILIES, "llama", dataclasses.replace(FAMILIES["llama"], native_stack=False))
+    assert model.native_stack() is None
+
+
+@pytest.mark.parametrize("model_type", SUPPORTED)
+def test_tensor_map_names_what_transformers_saves(model_type):
+    """The family's checkpoint is the one Hugging Face's own implementation writes (untied, so the
+    lm_head is there; biases as the family's config class sets them)."""
+    transformers = pytest.importorskip("transformers")
+
+    raw = tiny_config_dict(model_type=model_type, tie_word_embeddings=False)
+    raw.pop("architectures")
+    reference = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**raw), dtype=torch.float32)
+    saved = {name: tuple(t.shape) for name, t in reference.state_dict().items() if "rotary" not in name}
+    assert saved == expected_tensors(DecoderConfig.from_dict(raw))
