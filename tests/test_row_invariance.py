@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from helpers import PROMPT, ScriptedDrafter, greedy_reference, random_decoder, run, write_gguf_grid_checkpoint
 from mtpctl.backends.torch import TorchSession
+from mtpctl.errors import UnsupportedModel
 from mtpctl.model import row_invariance
 from mtpctl.model.linears import FixedRowsLinear, PackedLinear
 from mtpctl.model.native import load_kernel
@@ -134,3 +135,12 @@ def test_the_session_reports_each_path_and_its_verdict(monkeypatch, tmp_path, ti
     monkeypatch.setattr(row_invariance, "verdict", lambda path: Verdict(path, path != "torch-int4-bfloat16", "row 1"))
     assert fallback.greedy_exactness == "not-bit-exact"
     assert fallback.matmul_paths["torch-int4-bfloat16"] == "not row-invariant: row 1"
+
+
+def test_int4_weights_with_no_row_invariant_kernel_are_refused_with_the_reason(monkeypatch, tmp_path):
+    grid = write_gguf_grid_checkpoint(tmp_path / "grid")
+    failing(monkeypatch, "native-int4", "torch-int4-bfloat16")
+    monkeypatch.setattr(row_invariance, "verdict", lambda path: Verdict(path, False, "row 2 alone"))
+    with pytest.raises(UnsupportedModel, match=r"no int4 kernel computes a row alike.*torch-int4-bfloat16 "
+                                               r"\(row 2 alone\).*load the dense weights"):
+        TorchSession(grid, dtype="bfloat16", weights="int4")
