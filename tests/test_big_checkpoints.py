@@ -18,7 +18,7 @@ from mtpctl.cli.main import main
 from mtpctl.errors import CorruptModel
 from mtpctl.model.config import DecoderConfig
 from mtpctl.model.decoder import Decoder, expected_tensors
-from mtpctl.model.linears import BlockedLinear, PackedLinear, TiledLinear
+from mtpctl.model.linears import BlockedLinear, FixedRowsLinear, PackedLinear, TiledLinear
 from mtpctl.model.synthetic import (checkpoint_bytes, checkpoint_tensors, shard_names, write_index, write_shard,
                                     write_synthetic_checkpoint)
 from mtpctl.model.weights import INDEX, load_tensors, safetensors_files
@@ -61,7 +61,7 @@ def weights_of(model: Decoder) -> dict:
     out = {}
     for prefix, module in model.named_modules():
         out.update((f"{prefix}.{k}", p.detach()) for k, p in module._parameters.items() if p is not None)
-        if isinstance(module, (TiledLinear, BlockedLinear)):
+        if isinstance(module, (TiledLinear, BlockedLinear, FixedRowsLinear)):
             out[prefix] = module.dense()
     return out
 

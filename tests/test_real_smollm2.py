@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from helpers import SMOLLM2_PROMPTS as PROMPTS, ScriptedDrafter, assert_lossless
-from mtpctl.model.linears import BlockedLinear, blocked_layout_available
+from mtpctl.model.linears import blocked_layout_available
+from mtpctl.model.row_invariance import path_of, row_invariant
 from mtpctl.drafters.ngram import NgramDrafter
 from mtpctl.backends.torch import TorchEngine
 from mtpctl.decode.sampling import SamplingParams
@@ -149,11 +150,13 @@ def test_bfloat16_verify_rows_equal_plain_decoding_bit_for_bit(smollm2_bf16):
     assert_verify_rows_equal_plain_decoding(smollm2_bf16)
 
 
-@pytest.mark.skipif(not blocked_layout_available(), reason="this torch build has no oneDNN linear ops")
 def test_float32_verify_rows_equal_plain_decoding_bit_for_bit(smollm2):
-    """float32 with the linear weights in oneDNN's blocked layout (what a Session uses): batch-invariant
-    too, unlike torch's default float32 kernel, so float32 verification is bit-exact as well."""
-    assert isinstance(smollm2.model.layers[0].gate_up, BlockedLinear)
+    """float32 with the linear weights on the path a Session takes on this CPU (oneDNN's blocked layout
+    where it passed its row-invariance check here, else torch's matmul in fixed blocks of rows):
+    batch-invariant, unlike torch's default float32 kernel, so float32 verification is bit-exact as well."""
+    path = path_of(smollm2.model.layers[0].gate_up)
+    assert path == ("onednn-float32" if blocked_layout_available() and row_invariant("onednn-float32")
+                    else "fixed-rows-float32")
     assert_verify_rows_equal_plain_decoding(smollm2)
 
 
