@@ -192,6 +192,13 @@ SECTIONS = [
             + [_bench("--dtype", "bfloat16", "--methods", "plain,ngram", "--batch-sizes", "1,2,4,8", "--limit", "1",
                       "--repeats", "2", "--max-new-tokens", "48", "--speculate-policy", policy)
                for policy in ("auto", "always")], tables_only=False),
+    Section("exactness", "Greedy speculation against plain on every matmul path this CPU can run",
+            "Each numeric mode on the native kernels' own path and with the AVX2 and portable paths forced "
+            "(`MTPCTL_MATMUL_ISA`, oneDNN and torch's kernels held to the same instruction sets: what a CPU with "
+            "only those runs), on 3 prompts: the path each product took with its row-invariance verdict on this "
+            "CPU (checked on first use, docs/numerics.md), and prompt lookup's tokens, alone and in a batch of 3, "
+            "against plain greedy's. Equality, not speed: the machine may be busy.",
+            lambda a: [f"{PYTHON} benchmarks/bench_exactness.py"], tables_only=False),
     Section("verify", "What one verify pass costs",
             "The target's forward pass alone (no drafting, no logits) for a plain step and for chains and trees of "
             "N tokens, after 200 committed tokens: a pass of N tokens costing r plain steps pays only when a step "
