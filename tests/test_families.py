@@ -17,7 +17,15 @@ from mtpctl.model.config import DecoderConfig
 from mtpctl.model.decoder import Decoder, _slots, expected_tensors
 from mtpctl.model.families import FAMILIES, Family, family_of
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral")
+#: tiny MoE blocks for the MoE families (their config classes' defaults are 128 and 8 large experts)
+MOE = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1]),
+       "mixtral": dict(num_local_experts=4, num_experts_per_tok=2)}
+
+
+def tiny(model_type, **overrides):
+    """The tiny config of ``model_type``, with a tiny MoE block for a MoE family."""
+    return tiny_config_dict(model_type=model_type, **MOE.get(model_type, {}), **overrides)
 #: config.json flags that add tensors, each family checked with and without them
 FLAGS = ({}, {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": False})
 
@@ -27,14 +35,14 @@ def test_every_supported_model_type_resolves_to_its_own_family():
     for model_type in SUPPORTED:
         family = family_of(model_type)
         assert isinstance(family, Family) and family.model_type == model_type
-        assert DecoderConfig.from_dict(tiny_config_dict(model_type=model_type)).family is family
+        assert DecoderConfig.from_dict(tiny(model_type)).family is family
         assert set(family.kernels) <= {"native", "torch"} and family.architecture.endswith("ForCausalLM")
 
 
 @pytest.mark.parametrize("model_type", ["gpt2", None, "", "Llama"])
 def test_an_unknown_model_type_is_refused_in_one_line(model_type):
     want = f"model_type {model_type!r} is not supported by the native runtime (supported: " \
-           "gemma3_text, llama, mistral, qwen2, qwen3)"
+           "gemma3_text, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe)"
     with pytest.raises(UnsupportedModel) as caught:
         family_of(model_type)
     assert str(caught.value) == want and "\n" not in str(caught.value)
@@ -45,7 +53,7 @@ def test_an_unknown_model_type_is_refused_in_one_line(model_type):
 @pytest.mark.parametrize("flags", FLAGS, ids=["defaults", "biases-untied"])
 @pytest.mark.parametrize("model_type", SUPPORTED)
 def test_tensor_map_is_the_expected_checkpoint_and_fills_every_parameter(model_type, flags):
-    cfg = DecoderConfig.from_dict(tiny_config_dict(model_type=model_type, **flags))
+    cfg = DecoderConfig.from_dict(tiny(model_type, **flags))
     model = Decoder(cfg, lazy=True)
     slots = _slots(model)
     names = [n for slot in slots for n in slot.names]
@@ -67,14 +75,17 @@ def test_tensor_map_is_the_expected_checkpoint_and_fills_every_parameter(model_t
 
 def test_the_family_describes_what_config_block_export_serving_and_costs_read():
     for model_type, family in FAMILIES.items():
-        cfg = DecoderConfig.from_dict(tiny_config_dict(model_type=model_type))
+        cfg = DecoderConfig.from_dict(tiny(model_type))
         block = family.block
         assert (cfg.qk_norm, cfg.norm_offset, cfg.sandwich_norms, cfg.scaled_embeddings) == \
                (block.qk_norm, block.norm_offset, block.sandwich_norms, block.scaled_embeddings)
         assert ARCHITECTURES[model_type] == family.architecture
         assert (model_type in EXPORTABLE) == family.exportable
+        moe = {} if family.experts is None else {
+            "experts": 4, "experts_per_token": 2, "expert_intermediate_size": cfg.moe.intermediate_size,
+            "moe_layers": sum(cfg.moe.is_moe_layer(i) for i in range(2))}
         assert model_identity(cfg) == {"model_type": model_type, "hidden_size": 64, "intermediate_size": 128,
-                                       "layers": 2, "heads": 4, "kv_heads": 2, "vocab_size": 259}
+                                       "layers": 2, "heads": 4, "kv_heads": 2, "vocab_size": 259, **moe}
     raw = tiny_config_dict(model_type="gemma3_text")
     del raw["head_dim"]
     gemma = DecoderConfig.from_dict(raw)  # the family's defaults fill what config.json omits
@@ -103,7 +114,7 @@ def test_tensor_map_names_what_transformers_saves(model_type):
     lm_head is there; biases as the family's config class sets them)."""
     transformers = pytest.importorskip("transformers")
 
-    raw = tiny_config_dict(model_type=model_type, tie_word_embeddings=False)
+    raw = tiny(model_type, tie_word_embeddings=False)
     raw.pop("architectures")
     reference = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.for_model(**raw), dtype=torch.float32)

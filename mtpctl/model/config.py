@@ -15,6 +15,7 @@ from typing import Optional, Tuple
 
 from mtpctl.errors import CorruptModel, UnsupportedModel
 from mtpctl.model.families import FAMILIES, Family, family_of  # noqa: F401 (FAMILIES: its old home)
+from mtpctl.model.moe import MoeConfig
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 #: config activation name -> the activation the model applies (GELU-tanh: Hendrycks & Gimpel 2016)
@@ -45,6 +46,8 @@ class DecoderConfig:
     ``qk_norm``, ``norm_offset``, ``sandwich_norms`` and ``scaled_embeddings`` are the family's
     :class:`~mtpctl.model.families.Block` flags;
     ``final_logit_softcapping`` caps logits as ``cap * tanh(logits / cap)`` (None: no cap).
+    ``moe``: a Mixture-of-Experts family's block (:class:`~mtpctl.model.moe.MoeConfig`, which also says
+    which layers have it), None for a dense model.
     """
 
     model_type: str
@@ -70,6 +73,7 @@ class DecoderConfig:
     sandwich_norms: bool = False
     scaled_embeddings: bool = False
     final_logit_softcapping: Optional[float] = None
+    moe: Optional[MoeConfig] = None
 
     @property
     def family(self) -> Family:
@@ -134,6 +138,7 @@ class DecoderConfig:
                 sandwich_norms=family.block.sandwich_norms,
                 scaled_embeddings=family.block.scaled_embeddings,
                 final_logit_softcapping=float(cap) if cap else None,
+                moe=MoeConfig.from_hf(cfg, model_type) if family.experts is not None else None,
             )
         except (KeyError, TypeError, ValueError) as err:
             raise CorruptModel(f"config.json is missing or has a bad value for {err}") from err

@@ -30,8 +30,10 @@ from mtpctl.model.kv_cache import KVCache, PassSlots
 from mtpctl.model.native import (SlotPlan, StackWeights, attend, kernel_takes, layer_stack, stack_part,
                                  norm_takes, rms_norm, rotate_write)
 from mtpctl.model.linears import BlockedLinear, FixedRowsLinear, PackedLinear, TiledLinear, pack_exact
+from mtpctl.model.device import FIXED_ROWS
+from mtpctl.model.moe import MoeWeights, moe_mlp
 from mtpctl.model.row_invariance import CPU_FIXED_ROWS, dense_path, int4_path
-from mtpctl.model.weights import CheckpointReader, MemoryTensors, shard_files
+from mtpctl.model.weights import CheckpointReader, MemoryTensors, read_headers, shard_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LINEARS = ("qkv", "o_proj", "gate_up", "down", "lm_head")  # weights that may be held packed
@@ -40,10 +42,11 @@ EMBED = "model.embed_tokens.weight"
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 
 
-def expected_tensors(cfg: DecoderConfig) -> Dict[str, tuple]:
+def expected_tensors(cfg: DecoderConfig, names=None) -> Dict[str, tuple]:
     """Tensor name -> shape of a Hugging Face checkpoint of this config (its family's tensor map,
-    :meth:`mtpctl.model.families.Family.shapes`)."""
-    return cfg.family.shapes(cfg)
+    :meth:`mtpctl.model.families.Family.shapes`); a MoE model's experts in the layout the checkpoint's
+    ``names`` (a set) hold them in, per expert or stacked (None: stacked)."""
+    return cfg.family.shapes(cfg, names)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -269,10 +272,21 @@ class DecoderLayer(nn.Module):
         self.qkv = param(self.q_size + 2 * self.kv_size, h)
         self.qkv_bias = param(self.q_size + 2 * self.kv_size) if cfg.attention_bias else None
         self.o_proj = param(h, self.q_size)
-        self.gate_up = param(2 * cfg.intermediate_size, h)
-        self.gate_up_bias = param(2 * cfg.intermediate_size) if cfg.mlp_bias else None
-        self.down = param(h, cfg.intermediate_size)
-        self.down_bias = param(h) if cfg.mlp_bias else None
+        # a MoE layer (cfg.moe says which): router and stacked experts instead of the dense MLP, run by
+        # moe_mlp in blocks of ``moe_rows`` rows (the placement's fixed row count, hold_fixed_rows)
+        self.moe = cfg.moe if cfg.family.is_moe_layer(cfg, index) else None
+        self.moe_rows = FIXED_ROWS.get(torch.device(device).type, FIXED_ROWS["cuda"])
+        if self.moe is None:
+            self.gate_up = param(2 * cfg.intermediate_size, h)
+            self.gate_up_bias = param(2 * cfg.intermediate_size) if cfg.mlp_bias else None
+            self.down = param(h, cfg.intermediate_size)
+            self.down_bias = param(h) if cfg.mlp_bias else None
+        else:
+            e, i = self.moe.num_experts, self.moe.intermediate_size
+            self.router = param(e, h)
+            self.experts_gate_up = param(e, 2 * i, h)
+            self.experts_down = param(e, h, i)
+            self.gate_up = self.gate_up_bias = self.down = self.down_bias = None
         self.q_norm = param(hd, dtype=norm_dtype) if cfg.qk_norm else None
         self.k_norm = param(hd, dtype=norm_dtype) if cfg.qk_norm else None
 
@@ -352,8 +366,13 @@ def attention_out_and_mlp(layer: DecoderLayer, x: torch.Tensor, attn: torch.Tens
     if layer.attn_out_norm is not None:
         out = norm(out, layer.attn_out_norm, eps)
     x = x + out
-    gate, up = _linear(norm(x, layer.post_attention_norm, eps), layer.gate_up, layer.gate_up_bias).chunk(2, dim=2)
-    out = _linear(layer.act(gate) * up, layer.down, layer.down_bias)
+    moe = getattr(layer, "moe", None)
+    if moe is not None:  # each row's experts computed alike in any pass (mtpctl.model.moe)
+        weights = MoeWeights(router=layer.router, gate_up=layer.experts_gate_up, down=layer.experts_down)
+        out = moe_mlp(norm(x, layer.post_attention_norm, eps), moe, weights, layer.moe_rows)
+    else:
+        gate, up = _linear(norm(x, layer.post_attention_norm, eps), layer.gate_up, layer.gate_up_bias).chunk(2, dim=2)
+        out = _linear(layer.act(gate) * up, layer.down, layer.down_bias)
     if layer.mlp_out_norm is not None:
         out = norm(out, layer.mlp_out_norm, eps)
     return x + out
@@ -381,16 +400,31 @@ class _Slot:
     norm: bool = False
 
 
-def _slots(model: "Decoder") -> List[_Slot]:
+def _slots(model: "Decoder", present=None) -> List[_Slot]:
     """Every parameter of ``model`` that checkpoint tensors fill, as its family's tensor map names them
-    (:meth:`mtpctl.model.families.Family.slots`; a tied lm_head is none: it follows the embedding)."""
+    (:meth:`mtpctl.model.families.Family.slots`; a tied lm_head is none: it follows the embedding); a MoE
+    layer's experts in the layout of the checkpoint's names ``present`` (a set; None: stacked)."""
     cfg = model.cfg
     family = cfg.family
     slots = [_Slot(model, attr, names, norm) for attr, names, norm in family.slots(cfg)
              if attr != "lm_head" or not cfg.tie_word_embeddings]
     for i, layer in enumerate(model.layers):
-        slots += [_Slot(layer, attr, names, norm) for attr, names, norm in family.slots(cfg, i)]
+        slots += [_Slot(layer, attr, names, norm) for attr, names, norm in family.slots(cfg, i, present)]
     return slots
+
+
+def _rows(shape: tuple) -> int:
+    """Rows a tensor of ``shape`` fills in its stacked parameter: its first dim, or for a tensor of more
+    than two dims its rows of the last dim (an expert stack ``[E, R, C]``: E * R)."""
+    return math.prod(shape[:-1]) if len(shape) > 2 else shape[0]
+
+
+def _rows_of(dest: torch.Tensor, row: int, shape: tuple) -> torch.Tensor:
+    """The part of stacked parameter ``dest`` that a tensor of ``shape`` fills from row ``row`` (rows
+    counted as :func:`_rows` does), viewed in that shape."""
+    if dest.dim() <= 2 and len(shape) == dest.dim():
+        return dest.narrow(0, row, shape[0])
+    return dest.view(-1, dest.shape[-1]).narrow(0, row, _rows(shape)).view(shape)
 
 
 class _Filler:
@@ -414,13 +448,14 @@ class _Filler:
 
     def run(self) -> None:
         """Fill every slot (raises CorruptModel when the source lacks a tensor)."""
-        for slot in _slots(self.model):
+        present = set(self.source.names) if self.model.cfg.moe is not None else None
+        for slot in _slots(self.model, present):
             row = 0
             for name in slot.names:
                 if name not in self.source:
                     raise CorruptModel(f"{self.source.source}: missing tensor {name!r}")
                 self.where[name] = (slot, row)
-                row += self.source.shape(name)[0]
+                row += _rows(self.source.shape(name))
         for name in self.source.names:
             if name in self.where:
                 self._put(name)
@@ -435,7 +470,7 @@ class _Filler:
                 return
             self.open[slot] = (dest, set(slot.names), held)
         dest, left, held = self.open[slot]
-        self.source.read_into(name, dest.narrow(0, row, self.source.shape(name)[0]))
+        self.source.read_into(name, _rows_of(dest, row, self.source.shape(name)))
         left.discard(name)
         if not left:
             del self.open[slot]
@@ -587,7 +622,9 @@ class Decoder(nn.Module):
         if packed and dtype != torch.bfloat16:
             raise UnsupportedModel("int4 weights run with bfloat16 activations, not float32", option="dtype")
         optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
-        reader = CheckpointReader(shard_files(Path(folder)), expected_tensors(cfg), optional)  # headers only
+        files = shard_files(Path(folder))
+        names = set(read_headers(files)) if cfg.moe is not None else None  # the experts' layout
+        reader = CheckpointReader(files, expected_tensors(cfg, names), optional)  # headers only
         model = cls(cfg, dtype, device, lazy=True)
         _Filler(model, reader, packed, blocked, native_int4).run()
         return model
@@ -740,8 +777,10 @@ class Decoder(nn.Module):
     def hold_fixed_rows(self, rows: int) -> None:
         """Hold every dense linear weight (fused projections and the lm_head) as a
         :class:`FixedRowsLinear` of ``rows`` rows a block: the pure-torch path's batch-invariant linears
-        (:mod:`mtpctl.model.device`). The tensors are the same; packed, tiled or blocked weights stay
-        as they are."""
+        (:mod:`mtpctl.model.device`), and MoE layers' experts in blocks of as many rows. The tensors are
+        the same; packed, tiled or blocked weights stay as they are."""
+        for layer in self.layers:
+            layer.moe_rows = rows
         for owner in (self, *self.layers):
             for name in LINEARS:
                 weight = owner._parameters.get(name)

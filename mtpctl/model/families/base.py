@@ -18,6 +18,9 @@ DIMS = {
     "kv": lambda c: c.num_key_value_heads * c.head_dim,
     "d": lambda c: c.head_dim,
     "V": lambda c: c.vocab_size,
+    "e": lambda c: c.moe.num_experts,
+    "mi": lambda c: c.moe.intermediate_size,
+    "2mi": lambda c: 2 * c.moe.intermediate_size,
 }
 #: the per-layer attention types of a config (Hugging Face's ``layer_types`` values)
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -103,6 +106,56 @@ def every_layer_slides(cfg: dict, layers: int) -> List[str]:
     return [SLIDING] * layers
 
 
+#: the parameters of a dense layer's MLP, which a MoE layer holds none of
+DENSE_MLP = ("gate_up", "down", "gate_up_bias", "down_bias")
+
+
+@dataclass(frozen=True)
+class Experts:
+    """Where a MoE layer's router and experts are in a checkpoint (the layer's block config:
+    :class:`~mtpctl.model.moe.MoeConfig`, ``DecoderConfig.moe``). Two layouts load, chosen per layer from
+    the checkpoint's names: the released one, one tensor per expert and projection
+    (``{prefix}experts.{e}.{gate}.weight``, ...), which transformers 5's ``save_pretrained`` writes
+    too; and transformers 5's in-memory one, the experts stacked
+    (``{fused_prefix}experts.gate_up_proj [E, 2I, H]``, ``{fused_prefix}experts.down_proj [E, H, I]``),
+    its ``state_dict``. Both fill the parameters ``router [E, H]``, ``experts_gate_up [E, 2I, H]``
+    (each expert's gate rows, then its up rows) and ``experts_down [E, H, I]``.
+
+    Attributes:
+        prefix: the block's prefix in the per-expert layout (``mlp.``; Mixtral's ``block_sparse_moe.``).
+        names: the per-expert projections' names: gate, up, down (Mixtral: ``w1``, ``w3``, ``w2``).
+        fused_prefix: the block's prefix in the stacked layout (``mlp.`` for both).
+    """
+
+    prefix: str = "mlp."
+    names: Tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    fused_prefix: str = "mlp."
+
+    def per_expert(self, names, layer: int) -> bool:
+        """Whether checkpoint ``names`` (a set, or None: the stacked layout) hold layer ``layer``'s experts
+        one tensor each."""
+        if names is None:
+            return False
+        stem = f"model.layers.{layer}.{self.prefix}experts.0."
+        return any(f"{stem}{n}.weight" in names for n in self.names)
+
+    def tensors(self, cfg, per_expert: bool) -> Tuple[Tensor, ...]:
+        """One MoE layer's router and expert tensors of ``cfg`` in either layout."""
+        if not per_expert:
+            p = self.fused_prefix
+            return (Tensor(p + "gate.weight", ("e", "h"), "router"),
+                    Tensor(p + "experts.gate_up_proj", ("e", "2mi", "h"), "experts_gate_up"),
+                    Tensor(p + "experts.down_proj", ("e", "h", "mi"), "experts_down"))
+        out = [Tensor(self.prefix + "gate.weight", ("e", "h"), "router")]
+        gate, up, down = self.names
+        for e in range(cfg.moe.num_experts):
+            stem = f"{self.prefix}experts.{e}."
+            out += [Tensor(f"{stem}{gate}.weight", ("mi", "h"), "experts_gate_up"),
+                    Tensor(f"{stem}{up}.weight", ("mi", "h"), "experts_gate_up"),
+                    Tensor(f"{stem}{down}.weight", ("h", "mi"), "experts_down")]
+        return tuple(out)
+
+
 #: the kernel paths (:mod:`mtpctl.model.device`) that run a family's block
 KERNELS = ("native", "torch")
 #: what identifies a model's pass costs (:func:`mtpctl.decode.cost_table.model_identity`): key ->
@@ -138,6 +191,9 @@ class Family:
         native_stack: the native layer stack (all layers in one C call) may cover its block; it still
             checks the config and the weights (:meth:`mtpctl.model.decoder.Decoder.native_stack`).
         model_tensors: the model's own checkpoint tensors (:data:`MODEL_TENSORS`).
+        experts: a Mixture-of-Experts family's router and experts (:class:`Experts`): its config.json is
+            read into ``DecoderConfig.moe`` (:meth:`mtpctl.model.moe.MoeConfig.from_hf`), and the layers
+            that config makes MoE hold them instead of the dense MLP; None: a dense family.
     """
 
     model_type: str
@@ -152,37 +208,59 @@ class Family:
     kernels: Tuple[str, ...] = KERNELS
     native_stack: bool = True
     model_tensors: Tuple[Tensor, ...] = MODEL_TENSORS
+    experts: Optional[Experts] = None
 
     def with_defaults(self, cfg: dict) -> dict:
         """``cfg`` (a parsed config.json) with the family's :attr:`defaults` where it omits them."""
         return {**dict(self.defaults), **cfg}
 
-    def tensors(self, cfg, layer: Optional[int] = None) -> List[Tensor]:
+    def is_moe_layer(self, cfg, layer: int) -> bool:
+        """Whether layer ``layer`` of ``cfg`` holds router and experts instead of the dense MLP."""
+        moe = getattr(cfg, "moe", None)
+        return self.experts is not None and moe is not None and moe.is_moe_layer(layer)
+
+    def tensors(self, cfg, layer: Optional[int] = None, names=None) -> List[Tensor]:
         """The tensors a checkpoint of ``cfg`` (a DecoderConfig) holds: one layer's (names after its
-        prefix) or, with ``layer`` None, the model's own; those of a flag ``cfg`` lacks left out."""
-        table = self.model_tensors if layer is None else self.layer_tensors
+        prefix) or, with ``layer`` None, the model's own; those of a flag ``cfg`` lacks left out. A MoE
+        layer's experts in the layout checkpoint ``names`` hold them in (a set; None: the stacked one,
+        :class:`Experts`)."""
+        if layer is None:
+            table = self.model_tensors
+        elif self.is_moe_layer(cfg, layer):
+            table = tuple(t for t in self.layer_tensors if t.param not in DENSE_MLP) + \
+                self.experts.tensors(cfg, self.experts.per_expert(names, layer))
+        else:
+            table = self.layer_tensors
         return [t for t in table if not t.when or getattr(cfg, t.when)]
 
-    def shapes(self, cfg) -> Dict[str, tuple]:
+    def shapes(self, cfg, names=None) -> Dict[str, tuple]:
         """Tensor name -> shape of every tensor of a checkpoint of ``cfg``: the model's own, then layer
-        by layer."""
+        by layer (MoE layers' experts in the layout of checkpoint ``names``, :meth:`tensors`)."""
         def shape(t: Tensor) -> tuple:
             return tuple(DIMS[d](cfg) for d in t.shape)
 
         out = {t.name: shape(t) for t in self.tensors(cfg)}
         for n in range(cfg.num_hidden_layers):
-            out.update((f"model.layers.{n}.{t.name}", shape(t)) for t in self.tensors(cfg, n))
+            out.update((f"model.layers.{n}.{t.name}", shape(t)) for t in self.tensors(cfg, n, names))
         return out
 
-    def slots(self, cfg, layer: Optional[int] = None) -> List[Tuple[str, Tuple[str, ...], bool]]:
+    def slots(self, cfg, layer: Optional[int] = None, names=None) -> List[Tuple[str, Tuple[str, ...], bool]]:
         """(parameter, its checkpoint tensors' full names stacked by rows, is a norm) of one layer of
-        ``cfg``, or with ``layer`` None of the model's own parameters, in table order."""
+        ``cfg``, or with ``layer`` None of the model's own parameters, in table order (a tensor of more
+        than two dims stacks as its rows of the last dim: expert after expert)."""
         prefix = "" if layer is None else f"model.layers.{layer}."
         out: Dict[str, Tuple[List[str], bool]] = {}
-        for t in self.tensors(cfg, layer):
+        for t in self.tensors(cfg, layer, names):
             out.setdefault(t.param, ([], t.norm))[0].append(prefix + t.name)
         return [(param, tuple(names), norm) for param, (names, norm) in out.items()]
 
     def cost_identity(self, cfg) -> dict:
-        """What identifies the pass costs of a model of ``cfg``: its type and shape."""
-        return {"model_type": self.model_type, **{key: getattr(cfg, field) for key, field in COST_IDENTITY}}
+        """What identifies the pass costs of a model of ``cfg``: its type and shape (a MoE model's
+        expert count, experts per token and expert size too)."""
+        out = {"model_type": self.model_type, **{key: getattr(cfg, field) for key, field in COST_IDENTITY}}
+        moe = getattr(cfg, "moe", None)
+        if self.experts is not None and moe is not None:
+            out.update(experts=moe.num_experts, experts_per_token=moe.top_k,
+                       expert_intermediate_size=moe.intermediate_size,
+                       moe_layers=sum(moe.is_moe_layer(i) for i in range(cfg.num_hidden_layers)))
+        return out

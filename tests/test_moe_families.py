@@ -1,0 +1,175 @@
+"""The Mixture-of-Experts families (qwen3_moe, mixtral) on tiny random checkpoints written by
+transformers' own classes: the layout ``save_pretrained`` writes (one tensor per expert) and
+transformers 5's stacked in-memory layout (its ``state_dict``) both load, strictly; greedy decoding and
+every prefill logit equal transformers' in float32; speculation (prompt lookup, a scripted drafter) and
+batches equal plain decoding in float32 and bfloat16; the CLI runs them."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from helpers import ScriptedDrafter, cli, run, write_tiny_checkpoint
+
+from mtpctl.backends.torch import TorchEngine
+from mtpctl.decode.cost_table import model_identity
+from mtpctl.decode.tree import DraftTree
+from mtpctl.errors import CorruptModel
+from mtpctl.model.config import DecoderConfig
+from mtpctl.model.decoder import Decoder
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = dict(vocab_size=259, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
+              bos_token_id=257, eos_token_id=258)
+#: model_type -> its config's MoE keys (Qwen3-MoE: layer 1 dense, through mlp_only_layers)
+EXTRA = {"qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96,
+                           norm_topk_prob=True, mlp_only_layers=[1]),
+         "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)}
+MODEL_TYPES = tuple(EXTRA)
+LAYOUTS = ("per_expert", "stacked")
+PROMPTS = ([5, 77, 200, 31, 9], [100, 101, 102, 100, 101, 102, 100, 101, 102], [44] * 3 + [12, 250, 7, 61, 3, 90, 18])
+NEW = 32
+
+
+def reference_model(model_type: str):
+    config = transformers.AutoConfig.for_model(model_type, **COMMON, **EXTRA[model_type])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # larger weights than the default init: logits and router choices well apart
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    return model
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """model_type -> (transformers' model, layout -> checkpoint folder with the tiny tokenizer)."""
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("moe")
+    tokenizer = write_tiny_checkpoint(root / "tokenizer")
+    out = {}
+    for model_type in MODEL_TYPES:
+        reference = reference_model(model_type)
+        per_expert, stacked = root / model_type / "per_expert", root / model_type / "stacked"
+        reference.save_pretrained(str(per_expert))  # transformers 5 writes the experts one tensor each
+        stacked.mkdir(parents=True)
+        shutil.copy(per_expert / "config.json", stacked / "config.json")
+        save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(stacked / "model.safetensors"),
+                  metadata={"format": "pt"})
+        for folder in (per_expert, stacked):
+            for f in tokenizer.iterdir():
+                if f.name not in ("config.json", "model.safetensors"):
+                    shutil.copy(f, folder / f.name)
+        out[model_type] = (reference, {"per_expert": per_expert, "stacked": stacked})
+    return out
+
+
+def test_save_pretrained_writes_one_tensor_per_expert_and_state_dict_stacks_them(folders):
+    from safetensors import safe_open
+
+    for model_type, prefix, gate in (("qwen3_moe", "mlp.", "gate_proj"), ("mixtral", "block_sparse_moe.", "w1")):
+        reference, where = folders[model_type]
+        with safe_open(str(where["per_expert"] / "model.safetensors"), "pt") as f:
+            names = set(f.keys())
+        assert f"model.layers.0.{prefix}experts.0.{gate}.weight" in names
+        assert "model.layers.0.mlp.experts.gate_up_proj" in reference.state_dict()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_logits_and_greedy_tokens_equal_transformers_in_float32(folders, model_type, layout):
+    import mtpctl
+
+    reference, where = folders[model_type]
+    model = Decoder.from_folder(where[layout])
+    assert [layer.moe is not None for layer in model.layers] == \
+        ([True, False, True] if model_type == "qwen3_moe" else [True] * 3)
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            expected = reference(torch.tensor([prompt])).logits[0]
+        ours = TorchEngine(model, len(prompt) + 1).verify(DraftTree.chain(prompt)).logits
+        assert (ours - expected).abs().max() < 1e-4
+    llm = mtpctl.load(str(where[layout]), speculate="none", dtype="float32", threads=1)
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            hf = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        ours = llm.pipeline.generate(list(prompt), NEW).token_ids
+        assert ours == hf[:len(ours)] and (len(ours) == NEW or ours[-1] == 258)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_speculation_and_batches_equal_plain_decoding(folders, model_type, dtype):
+    import mtpctl
+    from mtpctl.decode.session import GenerationRequest
+
+    folder = folders[model_type][1]["per_expert"]
+    plain = mtpctl.load(str(folder), speculate="none", dtype=dtype, threads=1)
+    ngram = mtpctl.load(str(folder), speculate="ngram", dtype=dtype, speculate_policy="always", threads=1)
+    expected = [plain.pipeline.generate(list(p), NEW).token_ids for p in PROMPTS]
+    assert [ngram.pipeline.generate(list(p), NEW).token_ids for p in PROMPTS] == expected
+    batch = ngram.generate_batch([GenerationRequest(list(p), NEW) for p in PROMPTS], max_batch=len(PROMPTS))
+    assert [r.token_ids for r in batch] == expected
+    model = plain.session.model
+    alone = run(model, max_new=NEW, prompt=PROMPTS[1])
+    for corrupt in (0, 3):
+        drafter = ScriptedDrafter(len(PROMPTS[1]), alone.token_ids, model.cfg.vocab_size, corrupt_every=corrupt)
+        assert run(model, drafter, max_new=NEW, prompt=PROMPTS[1]).token_ids == alone.token_ids
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_the_cli_generates(folders, model_type, capsys):
+    folder = folders[model_type][1]["stacked"]
+    code, out, err = cli(capsys, "generate", "-m", folder, "--json", "--max-new-tokens", 8, "--no-chat", "abcabc")
+    assert code == 0, err
+    assert json.loads(out)["token_ids"]
+
+
+def test_loading_is_strict_one_line_naming_the_tensor(folders, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src = folders["mixtral"][1]["per_expert"]
+    tensors = load_file(str(src / "model.safetensors"))
+    for name, change in (("model.layers.2.block_sparse_moe.experts.3.w2.weight", "missing"),
+                         ("model.layers.1.block_sparse_moe.experts.4.w1.weight", "unexpected")):
+        folder = tmp_path / change
+        folder.mkdir()
+        shutil.copy(src / "config.json", folder / "config.json")
+        changed = dict(tensors)
+        if change == "missing":
+            del changed[name]
+        else:
+            changed[name] = torch.zeros(48, 64)
+        save_file(changed, str(folder / "model.safetensors"))
+        with pytest.raises(CorruptModel) as caught:
+            Decoder.from_folder(folder)
+        assert change in str(caught.value) and name in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_an_unknown_model_type_still_gives_one_line(tmp_path, capsys):
+    folder = write_tiny_checkpoint(tmp_path / "m")
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen2_moe"}))
+    code, out, err = cli(capsys, "generate", "-m", folder, "--max-new-tokens", 4, "--no-chat", "abc")
+    lines = err.strip().splitlines()
+    assert code != 0 and out == "" and "Traceback" not in err and len(lines) == 1, err
+    assert "model_type 'qwen2_moe' is not supported" in lines[0]
+
+
+def test_the_cost_identity_counts_experts_and_the_native_stack_and_export_leave_moe_alone(folders):
+    from mtpctl.export.onnx import EXPORTABLE
+
+    for model_type, (experts, intermediate, moe_layers) in (("qwen3_moe", (8, 32, 2)), ("mixtral", (4, 48, 3))):
+        cfg = DecoderConfig.from_folder(folders[model_type][1]["per_expert"])
+        identity = model_identity(cfg)
+        assert identity["experts"] == experts and identity["experts_per_token"] == 2
+        assert identity["expert_intermediate_size"] == intermediate and identity["moe_layers"] == moe_layers
+        assert model_type not in EXPORTABLE and not cfg.family.native_stack
+        model = Decoder.from_folder(folders[model_type][1]["per_expert"], dtype=torch.bfloat16, blocked=True)
+        assert model.native_stack() is None
