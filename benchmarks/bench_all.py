@@ -321,7 +321,7 @@ def main(argv=None) -> int:
             p.error("the gpu section runs where torch sees a CUDA GPU; this machine has none")
         wanted.remove("gpu")
         print("bench_all.py: no CUDA GPU here: the gpu section stays as it is", file=sys.stderr)
-    needs_heads = [k for k in wanted if k not in ("cpu", "big", "gpu", "suffix", "recipes")]
+    needs_heads = [k for k in wanted if k not in ("cpu", "big", "gpu", "suffix", "recipes", "exactness")]
     if needs_heads and not (Path(args.heads) / "mtp_config.json").is_file():
         p.error(f"no head folder at {args.heads}: train it with {MTPCTL} add-heads --recipe "
                 f"{args.recipe} --out {args.heads} (make bench does)")
