@@ -128,7 +128,9 @@ def test_the_cli_generates(folders, model_type, capsys):
     folder = folders[model_type][1]["stacked"]
     code, out, err = cli(capsys, "generate", "-m", folder, "--json", "--max-new-tokens", 8, "--no-chat", "abcabc")
     assert code == 0, err
-    assert json.loads(out)["token_ids"]
+    result = json.loads(out)
+    assert result["token_ids"] and result["greedy_exactness"] == "bit-exact"
+    assert result["matmul_paths"]["fixed-rows-float32"] == "row-invariant"  # the experts' products
 
 
 def test_loading_is_strict_one_line_naming_the_tensor(folders, tmp_path):

@@ -403,11 +403,14 @@ class TorchSession(Session):
     @property
     def matmul_paths(self) -> Dict[str, str]:
         """Each checked path the target's products take on this CPU (:mod:`mtpctl.model.row_invariance`:
-        its linear layers' kernels, and attention's products where torch's ops run it) and its verdict
+        its linear layers' kernels, MoE experts' fixed-row blocks, and attention's products where torch's
+        ops run it) and its verdict
         here: ``row-invariant`` or ``not row-invariant: WHERE``. {} off the CPU (nothing is checked there)."""
         if self.placement.device.type != "cpu":
             return {}
         paths = {path_of(m) for m in self.model.modules()} - {None}
+        if any(getattr(layer, "moe", None) is not None for layer in self.model.layers):  # experts: fixed-row blocks
+            paths.add(f"fixed-rows-{str(self.model.dtype).removeprefix('torch.')}")
         if self.attention == "torch":
             paths.add("torch-attention-float32")
         return {path: "row-invariant" if v.invariant else f"not row-invariant: {v.detail}"
