@@ -17,7 +17,7 @@ from mtpctl.model.config import DecoderConfig
 from mtpctl.model.decoder import Decoder, _slots, expected_tensors
 from mtpctl.model.families import FAMILIES, Family, family_of
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral", "glm4_moe")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3")
 #: tiny MoE blocks for the MoE families (their config classes' defaults are 128 and 8 large experts)
 MOE = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1]),
        "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
@@ -47,7 +47,7 @@ def test_every_supported_model_type_resolves_to_its_own_family():
 @pytest.mark.parametrize("model_type", ["gpt2", None, "", "Llama"])
 def test_an_unknown_model_type_is_refused_in_one_line(model_type):
     want = f"model_type {model_type!r} is not supported by the native runtime (supported: " \
-           "gemma3_text, glm4_moe, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe)"
+           "deepseek_v3, gemma3_text, glm4_moe, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe)"
     with pytest.raises(UnsupportedModel) as caught:
         family_of(model_type)
     assert str(caught.value) == want and "\n" not in str(caught.value)

@@ -17,8 +17,8 @@ from helpers import ScriptedDrafter, run, write_tiny_checkpoint
 from mtpctl.backends.torch import TorchEngine
 from mtpctl.decode.tree import DraftTree
 from mtpctl.errors import CorruptModel
-from mtpctl.model.config import DecoderConfig
-from mtpctl.model.decoder import Decoder
+from mtpctl.model.config import DecoderConfig, rope_attention_factor
+from mtpctl.model.decoder import Decoder, rope_inv_freq
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,7 +34,7 @@ EXTRA = {"glm4_moe": dict(num_key_value_heads=2, head_dim=16, attention_bias=Tru
          "deepseek_v3": dict(num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16,
                              qk_rope_head_dim=16, v_head_dim=16, routed_scaling_factor=2.5,
                              rope_scaling=dict(YARN, type="yarn"))}
-MODEL_TYPES = ("glm4_moe",)
+MODEL_TYPES = tuple(EXTRA)
 PROMPTS = ([5, 77, 200, 31, 9], [100, 101, 102, 100, 101, 102, 100, 101, 102], [44] * 3 + [12, 250, 7, 61, 3, 90, 18])
 NEW = 32
 
@@ -74,6 +74,9 @@ def test_the_checkpoints_have_what_the_families_read(folders):
     glm = DecoderConfig.from_folder(folders["glm4_moe"][1])
     assert glm.rotary_dim == 8 and glm.qk_norm and glm.attention_bias and glm.mla is None
     assert glm.moe.score_bias and glm.moe.shared_intermediate_size == 32 and glm.moe.n_group == 2
+    ds = DecoderConfig.from_folder(folders["deepseek_v3"][1])
+    assert ds.mla.q_lora_rank == 24 and ds.mla.rope_interleave and ds.rope.rope_type == "yarn"
+    assert ds.head_dim == 32 and ds.num_key_value_heads == 4 and ds.rope_dim == 16
     for model_type, (reference, folder) in folders.items():
         bias = reference.model.layers[1].mlp.gate.e_score_correction_bias
         assert bias.abs().min() > 0
@@ -165,6 +168,20 @@ def test_a_checkpoint_with_an_mtp_layer_loads_the_body_and_stays_strict_otherwis
         with pytest.raises(CorruptModel) as caught:
             Decoder.from_folder(write(name, config, extra))
         assert "unexpected" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_yarn_frequencies_and_scales_equal_transformers():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, yarn_apply_mscale
+
+    for yarn in (YARN, dict(YARN, mscale=0.0, mscale_all_dim=0.0), dict(YARN, factor=40.0, mscale=1.0,
+                                                                        mscale_all_dim=1.0, beta_fast=16)):
+        config = transformers.AutoConfig.for_model("deepseek_v3", **COMMON, **EXTRA["deepseek_v3"])
+        config.rope_parameters = dict(yarn)
+        expected_inv, expected_factor = ROPE_INIT_FUNCTIONS["yarn"](config)
+        cfg = DecoderConfig.from_dict({**config.to_dict(), "rope_parameters": dict(yarn), "rope_scaling": None})
+        assert torch.equal(rope_inv_freq(cfg.rope, cfg.rope_dim), expected_inv)
+        assert rope_attention_factor(cfg.rope) == pytest.approx(expected_factor, rel=1e-12)
+        assert cfg.scale == pytest.approx(yarn_apply_mscale(dict(yarn), 32 ** -0.5), rel=1e-12)
 
 
 def test_the_native_stack_and_export_leave_them_alone(folders):
