@@ -17,10 +17,15 @@ from mtpctl.model.config import DecoderConfig
 from mtpctl.model.decoder import Decoder, _slots, expected_tensors
 from mtpctl.model.families import FAMILIES, Family, family_of
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3")
 #: tiny MoE blocks for the MoE families (their config classes' defaults are 128 and 8 large experts)
 MOE = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1]),
-       "mixtral": dict(num_local_experts=4, num_experts_per_tok=2)}
+       "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+       "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2, topk_group=1,
+                        use_qk_norm=True),
+       "deepseek_v3": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2,
+                           topk_group=1, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16,
+                           qk_rope_head_dim=16, v_head_dim=16)}
 
 
 def tiny(model_type, **overrides):
@@ -42,7 +47,7 @@ def test_every_supported_model_type_resolves_to_its_own_family():
 @pytest.mark.parametrize("model_type", ["gpt2", None, "", "Llama"])
 def test_an_unknown_model_type_is_refused_in_one_line(model_type):
     want = f"model_type {model_type!r} is not supported by the native runtime (supported: " \
-           "gemma3_text, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe)"
+           "deepseek_v3, gemma3_text, glm4_moe, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe)"
     with pytest.raises(UnsupportedModel) as caught:
         family_of(model_type)
     assert str(caught.value) == want and "\n" not in str(caught.value)
@@ -78,14 +83,16 @@ def test_the_family_describes_what_config_block_export_serving_and_costs_read():
         cfg = DecoderConfig.from_dict(tiny(model_type))
         block = family.block
         assert (cfg.qk_norm, cfg.norm_offset, cfg.sandwich_norms, cfg.scaled_embeddings) == \
-               (block.qk_norm, block.norm_offset, block.sandwich_norms, block.scaled_embeddings)
+               (block.qk_norm or model_type == "glm4_moe", block.norm_offset, block.sandwich_norms,
+                block.scaled_embeddings)  # GLM-4.5's QK-norm: its config's use_qk_norm
         assert ARCHITECTURES[model_type] == family.architecture
         assert (model_type in EXPORTABLE) == family.exportable
         moe = {} if family.experts is None else {
             "experts": 4, "experts_per_token": 2, "expert_intermediate_size": cfg.moe.intermediate_size,
             "moe_layers": sum(cfg.moe.is_moe_layer(i) for i in range(2))}
         assert model_identity(cfg) == {"model_type": model_type, "hidden_size": 64, "intermediate_size": 128,
-                                       "layers": 2, "heads": 4, "kv_heads": 2, "vocab_size": 259, **moe}
+                                       "layers": 2, "heads": 4, "kv_heads": 4 if cfg.mla else 2, "vocab_size": 259,
+                                       **moe}
     raw = tiny_config_dict(model_type="gemma3_text")
     del raw["head_dim"]
     gemma = DecoderConfig.from_dict(raw)  # the family's defaults fill what config.json omits

@@ -9,6 +9,7 @@ it uses; :meth:`DecoderConfig.from_dict` turns that and config.json into plain f
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Tuple
@@ -17,7 +18,7 @@ from mtpctl.errors import CorruptModel, UnsupportedModel
 from mtpctl.model.families import FAMILIES, Family, family_of  # noqa: F401 (FAMILIES: its old home)
 from mtpctl.model.moe import MoeConfig
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 #: config activation name -> the activation the model applies (GELU-tanh: Hendrycks & Gimpel 2016)
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -32,6 +33,57 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # YaRN (Peng et al. 2023; rope_type "yarn"): the ramp's bounds and the attention factor's terms
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: Optional[float] = None
+    truncate: bool = True
+
+
+def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
+    """YaRN's ``0.1 * mscale * ln(scale) + 1`` (1 for ``scale <= 1``)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_attention_factor(rope: RopeConfig) -> float:
+    """The factor on a rope's cos and sin tables: YaRN's attention factor (given, or
+    ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` where both are set, else
+    ``mscale(factor)``); 1 for the other rope types."""
+    if rope.rope_type != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    if rope.mscale and rope.mscale_all_dim:
+        return float(yarn_get_mscale(rope.factor, rope.mscale) / yarn_get_mscale(rope.factor, rope.mscale_all_dim))
+    return yarn_get_mscale(rope.factor)
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): queries through a low-rank ``q_lora_rank`` (None:
+    one ``q_proj``), keys and values from a shared ``kv_lora_rank`` latent plus one ``qk_rope_head_dim``
+    rotary key shared by all heads; a query/key head is ``qk_nope_head_dim + qk_rope_head_dim`` values
+    (the rotary part last), a value head ``v_head_dim``. ``rope_interleave``: the rotary part's pairs are
+    adjacent values (DeepSeek's layout), else its two halves (rotate-half)."""
+
+    q_lora_rank: Optional[int]
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_head_dim(self) -> int:
+        """A KV cache slot's head length: keys and values are held expanded per head, the shorter
+        zero-padded to the longer."""
+        return max(self.qk_head_dim, self.v_head_dim)
 
 
 @dataclass(frozen=True)
@@ -47,7 +99,12 @@ class DecoderConfig:
     :class:`~mtpctl.model.families.Block` flags;
     ``final_logit_softcapping`` caps logits as ``cap * tanh(logits / cap)`` (None: no cap).
     ``moe``: a Mixture-of-Experts family's block (:class:`~mtpctl.model.moe.MoeConfig`, which also says
-    which layers have it), None for a dense model.
+    which layers have it), None for a dense model. ``rotary_dim``: the rotary embedding turns only the
+    first ``rotary_dim`` values of each head (GLM-4.5's ``partial_rotary_factor``), None: all.
+    ``mla``: multi-head latent attention (DeepSeek-V3, :class:`MlaConfig`): then ``head_dim`` is the
+    cache's head length (:attr:`MlaConfig.cache_head_dim`), ``num_key_value_heads`` the heads, and
+    ``rotary_dim`` the rotary part. ``mtp_layers``: MTP layers the checkpoint may carry at layer
+    indices ``num_hidden_layers`` and above (``num_nextn_predict_layers``), which the body does not read.
     """
 
     model_type: str
@@ -74,6 +131,31 @@ class DecoderConfig:
     scaled_embeddings: bool = False
     final_logit_softcapping: Optional[float] = None
     moe: Optional[MoeConfig] = None
+    rotary_dim: Optional[int] = None
+    mla: Optional[MlaConfig] = None
+    mtp_layers: int = 0
+
+    @property
+    def q_lora(self) -> bool:
+        """MLA queries through the low-rank ``q_a_proj``/``q_b_proj`` (a :class:`~mtpctl.model.families.Tensor`
+        flag)."""
+        return self.mla is not None and self.mla.q_lora_rank is not None
+
+    @property
+    def q_lora_bias(self) -> bool:
+        """MLA's ``q_a_proj`` has a bias (``attention_bias``)."""
+        return self.q_lora and self.attention_bias
+
+    @property
+    def q_full(self) -> bool:
+        """MLA queries through one ``q_proj``."""
+        return self.mla is not None and self.mla.q_lora_rank is None
+
+    @property
+    def rope_dim(self) -> int:
+        """How many values of a query/key head the rotary embedding turns: ``rotary_dim`` (GLM's
+        ``partial_rotary_factor``: the first ones; MLA: the rotary part), else all ``head_dim``."""
+        return self.rotary_dim if self.rotary_dim is not None else self.head_dim
 
     @property
     def family(self) -> Family:
@@ -114,6 +196,28 @@ class DecoderConfig:
             scalar = cfg.get("query_pre_attn_scalar")
             cap = cfg.get("final_logit_softcapping")
             rope, rope_local = _ropes_from_dict(cfg)
+            kv_heads = int(cfg.get("num_key_value_heads") or heads)
+            if "yarn" in (rope.rope_type, getattr(rope_local, "rope_type", None)) and not family.block.mla:
+                raise UnsupportedModel(f"rope type 'yarn' is supported for deepseek_v3 only, not {model_type}")
+            qk_norm = family.block.qk_norm or bool(family.qk_norm_key and cfg.get(family.qk_norm_key))
+            rotary_dim, mla, scale = None, None, float(scalar) ** -0.5 if scalar is not None else None
+            if family.block.partial_rotary:
+                factor = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor",
+                                                                 cfg.get("partial_rotary_factor", 1.0))
+                rotary_dim = int(head_dim * float(factor))
+                if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+                    raise CorruptModel(f"config.json: partial_rotary_factor {factor} of head_dim {head_dim}")
+                rotary_dim = None if rotary_dim == head_dim else rotary_dim
+            if family.block.mla:
+                mla = _mla_from_dict(cfg)
+                if mla.q_lora_rank is None and attention_bias:
+                    raise UnsupportedModel("multi-head latent attention without q_lora_rank and with attention_bias "
+                                           "is not supported")
+                head_dim, kv_heads, rotary_dim = mla.cache_head_dim, heads, mla.qk_rope_head_dim
+                scale = mla.qk_head_dim ** -0.5
+                if rope.rope_type != "default" and rope.mscale_all_dim:  # transformers' yarn_apply_mscale
+                    m = yarn_get_mscale(rope.factor, rope.mscale_all_dim)
+                    scale = scale * m * m
             return cls(
                 model_type=model_type,
                 vocab_size=int(cfg["vocab_size"]),
@@ -121,24 +225,27 @@ class DecoderConfig:
                 intermediate_size=int(cfg["intermediate_size"]),
                 num_hidden_layers=layers,
                 num_attention_heads=heads,
-                num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+                num_key_value_heads=kv_heads,
                 head_dim=head_dim,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope=rope,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(attention_bias),
-                mlp_bias=bool(cfg.get("mlp_bias", False)),
-                qk_norm=family.block.qk_norm,
+                mlp_bias=bool(family.mlp_bias_key and cfg.get(family.mlp_bias_key, False)),
+                qk_norm=qk_norm,
                 layer_windows=_layer_windows(cfg, layers, family),
                 hidden_act=act,
                 rope_local=rope_local,
-                attention_scale=float(scalar) ** -0.5 if scalar is not None else None,
+                attention_scale=scale,
                 norm_offset=family.block.norm_offset,
                 sandwich_norms=family.block.sandwich_norms,
                 scaled_embeddings=family.block.scaled_embeddings,
                 final_logit_softcapping=float(cap) if cap else None,
                 moe=MoeConfig.from_hf(cfg, model_type) if family.experts is not None else None,
+                rotary_dim=rotary_dim,
+                mla=mla,
+                mtp_layers=int(cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers")) or 0),
             )
         except (KeyError, TypeError, ValueError) as err:
             raise CorruptModel(f"config.json is missing or has a bad value for {err}") from err
@@ -186,6 +293,13 @@ def _ropes_from_dict(cfg: dict) -> Tuple[RopeConfig, Optional[RopeConfig]]:
     return rope, None
 
 
+def _mla_from_dict(cfg: dict) -> MlaConfig:
+    q_lora = cfg.get("q_lora_rank")
+    return MlaConfig(q_lora_rank=int(q_lora) if q_lora else None, kv_lora_rank=int(cfg["kv_lora_rank"]),
+                     qk_nope_head_dim=int(cfg["qk_nope_head_dim"]), qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+                     v_head_dim=int(cfg["v_head_dim"]), rope_interleave=bool(cfg.get("rope_interleave", True)))
+
+
 def _rope_from_dict(cfg: dict, params: dict, theta_default) -> RopeConfig:
     scaling = cfg.get("rope_scaling") or {}
     params = {**scaling, **params}
@@ -201,7 +315,15 @@ def _rope_from_dict(cfg: dict, params: dict, theta_default) -> RopeConfig:
         factor=float(params.get("factor", 1.0)),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings")
+                                             or (cfg.get("max_position_embeddings") if rope_type == "yarn" else None)
+                                             or 8192),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=float(params.get("mscale") or 0.0),
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+        attention_factor=None if params.get("attention_factor") is None else float(params["attention_factor"]),
+        truncate=bool(params.get("truncate", True)),
     )
 
 

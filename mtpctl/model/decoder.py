@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtpctl.errors import CorruptModel, UnsupportedModel
-from mtpctl.model.config import DecoderConfig, RopeConfig
+from mtpctl.model.config import DecoderConfig, RopeConfig, rope_attention_factor
 from mtpctl.model.kv_cache import KVCache, PassSlots
 from mtpctl.model.native import (SlotPlan, StackWeights, attend, kernel_takes, layer_stack, stack_part,
                                  norm_takes, rms_norm, rotate_write)
@@ -36,7 +36,7 @@ from mtpctl.model.row_invariance import CPU_FIXED_ROWS, dense_path, int4_path
 from mtpctl.model.weights import CheckpointReader, MemoryTensors, read_headers, shard_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-LINEARS = ("qkv", "o_proj", "gate_up", "down", "lm_head")  # weights that may be held packed
+LINEARS = ("qkv", "o_proj", "gate_up", "down", "lm_head", "q_b", "kv_b")  # weights that may be held packed
 EMBED = "model.embed_tokens.weight"
 #: config activation name -> function (``gelu_pytorch_tanh``: GELU with the tanh approximation)
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
@@ -50,7 +50,11 @@ def expected_tensors(cfg: DecoderConfig, names=None) -> Dict[str, tuple]:
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim / 2]`` (float32), with linear or Llama 3 scaling applied."""
+    """Inverse frequencies ``[head_dim / 2]`` (float32), with linear, Llama 3 or YaRN scaling applied
+    (``head_dim``: the values the rotary embedding turns). YaRN's attention factor on the tables:
+    :func:`mtpctl.model.config.rope_attention_factor`."""
+    if rope.rope_type == "yarn":
+        return yarn_inv_freq(rope, head_dim)
     inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if rope.rope_type == "linear":
         inv = inv / rope.factor
@@ -65,6 +69,30 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv = torch.where(medium, smoothed, scaled)
     return inv
+
+
+def yarn_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
+    """YaRN's inverse frequencies (Peng et al. 2023, "YaRN: Efficient Context Window Extension of Large
+    Language Models"): each frequency between its extrapolated (``1 / theta^(2i/dim)``) and interpolated
+    (divided by ``factor``) value along a linear ramp over the dims whose wavelengths lie between
+    ``beta_fast`` and ``beta_slow`` rotations in ``original_max_position_embeddings`` (bounds rounded out
+    with ``truncate``), as transformers' ``_compute_yarn_parameters`` computes them."""
+    base, factor = rope.theta, rope.factor
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp  # the share of the extrapolated frequency
+    return interpolation * (1 - keep) + extrapolation * keep
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -239,6 +267,25 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+def _rotate_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`_rotate` of the first ``cos.shape[-1]`` values of each head of ``x``, the rest passed
+    (GLM-4.5's ``partial_rotary_factor``)."""
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        return _rotate(x, cos, sin)
+    return torch.cat((_rotate(x[..., :rd], cos, sin), x[..., rd:]), dim=-1)
+
+
+def _rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x [..., d]`` whose rotated pairs are adjacent values (2i, 2i+1), written
+    out de-interleaved (the even values' results, then the odd ones'): DeepSeek's layout, transformers'
+    ``apply_rotary_pos_emb_interleave``; cos/sin ``[..., d]`` as :func:`_rotate` takes them."""
+    half = cos.shape[-1] // 2
+    c, s = cos[..., :half], sin[..., :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
 class DecoderLayer(nn.Module):
     """One pre-norm transformer block: attention (GQA) then a gated MLP (SwiGLU or GELU-tanh), each
     with a residual; with ``cfg.sandwich_norms`` (Gemma) each branch's output is normed before its add.
@@ -289,6 +336,29 @@ class DecoderLayer(nn.Module):
             self.gate_up = self.gate_up_bias = self.down = self.down_bias = None
         self.q_norm = param(hd, dtype=norm_dtype) if cfg.qk_norm else None
         self.k_norm = param(hd, dtype=norm_dtype) if cfg.qk_norm else None
+        if self.moe is not None:  # sigmoid routing's score bias (float32) and shared experts
+            self.router_bias = param(e, dtype=torch.float32) if self.moe.score_bias else None
+            s = 0 if self.moe.shared_gate else self.moe.shared_intermediate_size
+            self.shared_gate_up = param(2 * s, h) if s else None
+            self.shared_down = param(h, s) if s else None
+            if self.moe.router_float32:  # kept in float32, as transformers keeps the gate
+                self.router = param(e, h, dtype=torch.float32)
+        # the native kernel that rotates and writes the cache in one go turns whole heads
+        self.fused_rotary = cfg.rope_dim == hd and cfg.mla is None
+        self.mla = cfg.mla
+        self.o_bias = None
+        if cfg.mla is not None:  # multi-head latent attention: its own projections (see _mla_qkv)
+            m, heads = cfg.mla, cfg.num_attention_heads
+            first = m.q_lora_rank if m.q_lora_rank else heads * m.qk_head_dim
+            self.q_size, self.kv_size = heads * m.v_head_dim, 0  # attention's output per token
+            self.qkv = param(first + m.kv_lora_rank + m.qk_rope_head_dim, h)
+            self.qkv_bias = param(first + m.kv_lora_rank + m.qk_rope_head_dim) if cfg.attention_bias else None
+            self.q_a_norm = param(m.q_lora_rank) if m.q_lora_rank else None
+            self.q_b = param(heads * m.qk_head_dim, m.q_lora_rank) if m.q_lora_rank else None
+            self.kv_a_norm = param(m.kv_lora_rank)
+            self.kv_b = param(heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
+            self.o_proj = param(h, heads * m.v_head_dim)
+            self.o_bias = param(h) if cfg.attention_bias else None
 
     def forward(self, x, cos, sin, cache, mask: Optional[torch.Tensor], plan=None):
         """x ``[batch, N, hidden]`` -> ``[batch, N, hidden]``; writes this layer's N new KV slots.
@@ -307,12 +377,25 @@ class DecoderLayer(nn.Module):
         native = isinstance(plan, SlotPlan)
         norm = rms_norm if self.native_norms and native else self.norm
         qkv = _linear(norm(x, self.input_norm, cfg.rms_norm_eps), self.qkv, self.qkv_bias)
-        if native and self.q_norm is None:  # rotate, write the caches and attend in C
+        if self.mla is not None:
+            q, k, v = mla_heads(self, qkv, cos, sin)
+            attn = self._attend(q, k, v, cache, mask, plan, x.dtype)[..., :self.mla.v_head_dim]
+            return self._attention_out_and_mlp(x, attn, b, n, norm)
+        if native and self.q_norm is None and self.fused_rotary:  # rotate, write the caches and attend in C
             q = rotate_write(qkv[0], cos[0, :, 0], sin[0, :, 0], cache.kv, self.index, cache.dest, heads,
                              cfg.num_key_value_heads, kv_bf16=cache.kv_bf16)
             attn = attend(q, cache.kv, self.index, cfg.num_key_value_heads, cfg.scale, plan, kv_bf16=cache.kv_bf16)
             return self._attention_out_and_mlp(x, attn.transpose(0, 1)[None].to(x.dtype), b, n, norm)
         q, k, v = qkv_heads(self, qkv, cos, sin, norm)
+        return self._attention_out_and_mlp(x, self._attend(q, k, v, cache, mask, plan, x.dtype), b, n, norm)
+
+    def _attend(self, q, k, v, cache, mask, plan, dtype):
+        """Attention of queries ``q [batch, heads, N, head_dim]`` over the cache after writing keys and
+        values ``k``/``v`` ``[batch, kv_heads, N, head_dim]`` (see :meth:`forward`), ``[batch, heads, N,
+        head_dim]`` in ``dtype``."""
+        cfg = self.cfg
+        n = q.shape[2]
+        native = isinstance(plan, SlotPlan)
         if native:
             cache.write(self.index, k, v)
             attn = attend(q[0].transpose(0, 1).float().contiguous(), cache.kv, self.index, cfg.num_key_value_heads,
@@ -328,8 +411,8 @@ class DecoderLayer(nn.Module):
             used = cache.length + n
             attn = F.scaled_dot_product_attention(q.float(), keys[:, :, :used].float(), values[:, :, :used].float(),
                                                   attn_mask=mask[..., :used], enable_gqa=True,
-                                                  scale=cfg.attention_scale).to(x.dtype)
-        return self._attention_out_and_mlp(x, attn, b, n, norm)
+                                                  scale=cfg.attention_scale).to(dtype)
+        return attn
 
     def _attention_out_and_mlp(self, x, attn, b: int, n: int, norm):
         """The rest of the block after attention ``attn [batch, heads, N, head_dim]``
@@ -352,23 +435,57 @@ def qkv_heads(layer: DecoderLayer, qkv: torch.Tensor, cos: torch.Tensor, sin: to
     if layer.q_norm is not None:
         qk = torch.cat((norm(qk[:, :, :heads], layer.q_norm, cfg.rms_norm_eps),
                         norm(qk[:, :, heads:], layer.k_norm, cfg.rms_norm_eps)), dim=2)
-    qk = _rotate(qk, cos, sin).transpose(1, 2)
+    qk = _rotate_partial(qk, cos, sin).transpose(1, 2)
     q, k = qk[:, :heads], qk[:, heads:]
     v = qkv[..., layer.q_size + layer.kv_size:].unflatten(2, (kv_heads, hd)).transpose(1, 2)
     return q, k, v
+
+
+def mla_heads(layer: DecoderLayer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Multi-head latent attention's queries and keys ``[batch, heads, N, cache_head_dim]`` and values
+    (zero-padded to the same length) from the fused ``q_a_proj``/``kv_a_proj_with_mqa`` product ``qkv``
+    (or ``q_proj``'s without ``q_lora_rank``): the latent is normed and expanded by ``kv_b_proj`` into
+    every head's non-rotary key and value; the rotary key, shared by the heads, and each query head's
+    rotary part turn with cos/sin ``[batch, N, 1, qk_rope_head_dim]``. The RMSNorms of the latents are
+    torch's (:func:`_rms_norm`), row by row alike in any pass."""
+    cfg, m = layer.cfg, layer.mla
+    b, n, _ = qkv.shape
+    heads, eps = cfg.num_attention_heads, cfg.rms_norm_eps
+    first = m.q_lora_rank if m.q_lora_rank else heads * m.qk_head_dim
+    q = qkv[..., :first]
+    if m.q_lora_rank:
+        q = _linear(_rms_norm(q, layer.q_a_norm, eps), layer.q_b)
+    q = q.unflatten(2, (heads, m.qk_head_dim))
+    latent, k_rot = qkv[..., first:first + m.kv_lora_rank], qkv[..., first + m.kv_lora_rank:]
+    kv = _linear(_rms_norm(latent, layer.kv_a_norm, eps), layer.kv_b).unflatten(2, (heads, -1))
+    k_nope, v = kv[..., :m.qk_nope_head_dim], kv[..., m.qk_nope_head_dim:]
+    rotate = _rotate_interleaved if m.rope_interleave else _rotate
+    q_rot, k_rot = rotate(q[..., m.qk_nope_head_dim:], cos, sin), rotate(k_rot[:, :, None], cos, sin)
+    pad = cfg.head_dim - m.qk_head_dim
+    parts_q, parts_k = [q[..., :m.qk_nope_head_dim], q_rot], [k_nope, k_rot.expand(b, n, heads, m.qk_rope_head_dim)]
+    if pad:
+        parts_q.append(q.new_zeros(b, n, heads, pad))
+        parts_k.append(q.new_zeros(b, n, heads, pad))
+    q, k = torch.cat(parts_q, dim=-1), torch.cat(parts_k, dim=-1)
+    if cfg.head_dim > m.v_head_dim:
+        v = torch.cat((v, v.new_zeros(b, n, heads, cfg.head_dim - m.v_head_dim)), dim=-1)
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
 
 def attention_out_and_mlp(layer: DecoderLayer, x: torch.Tensor, attn: torch.Tensor, norm) -> torch.Tensor:
     """The rest of the block after attention ``attn [batch, N, heads * head_dim]``: output projection
     (normed first with sandwich norms) and residual, then the gated MLP and its residual."""
     eps = layer.cfg.rms_norm_eps
-    out = _linear(attn, layer.o_proj)
+    out = _linear(attn, layer.o_proj, getattr(layer, "o_bias", None))
     if layer.attn_out_norm is not None:
         out = norm(out, layer.attn_out_norm, eps)
     x = x + out
     moe = getattr(layer, "moe", None)
     if moe is not None:  # each row's experts computed alike in any pass (mtpctl.model.moe)
-        weights = MoeWeights(router=layer.router, gate_up=layer.experts_gate_up, down=layer.experts_down)
+        weights = MoeWeights(router=layer.router, gate_up=layer.experts_gate_up, down=layer.experts_down,
+                             score_bias=getattr(layer, "router_bias", None),
+                             shared_gate_up=getattr(layer, "shared_gate_up", None),
+                             shared_down=getattr(layer, "shared_down", None))
         out = moe_mlp(norm(x, layer.post_attention_norm, eps), moe, weights, layer.moe_rows)
     else:
         gate, up = _linear(norm(x, layer.post_attention_norm, eps), layer.gate_up, layer.gate_up_bias).chunk(2, dim=2)
@@ -579,10 +696,14 @@ class Decoder(nn.Module):
                 self.rope_local_cos = self.rope_local_sin = None
                 continue
             freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32),
-                                rope_inv_freq(rope, cfg.head_dim))
-            angles = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
-            self.register_buffer(prefix + "_cos", angles.cos().to(device, dtype), persistent=False)
-            self.register_buffer(prefix + "_sin", angles.sin().to(device, dtype), persistent=False)
+                                rope_inv_freq(rope, cfg.rope_dim))
+            angles = torch.cat((freqs, freqs), dim=-1)  # [max_position, rope_dim]
+            factor = rope_attention_factor(rope)  # YaRN's, on the tables in float32 (1 otherwise)
+            cos, sin = angles.cos(), angles.sin()
+            if factor != 1.0:
+                cos, sin = cos * factor, sin * factor
+            self.register_buffer(prefix + "_cos", cos.to(device, dtype), persistent=False)
+            self.register_buffer(prefix + "_sin", sin.to(device, dtype), persistent=False)
         # per layer: rotate with the local rope (a sliding-window layer of a config that has one)
         self.local_rope = tuple(w is not None and cfg.rope_local is not None for w in cfg.layer_windows)
         #: decode and verify passes run every layer in one native call where it covers the blocks
@@ -624,7 +745,9 @@ class Decoder(nn.Module):
         optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
         files = shard_files(Path(folder))
         names = set(read_headers(files)) if cfg.moe is not None else None  # the experts' layout
-        reader = CheckpointReader(files, expected_tensors(cfg, names), optional)  # headers only
+        # MTP layers after the body's (num_nextn_predict_layers) are not the body's: not read, not checked
+        mtp = tuple(f"model.layers.{i}." for i in range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.mtp_layers))
+        reader = CheckpointReader(files, expected_tensors(cfg, names), optional, ignored=mtp)  # headers only
         model = cls(cfg, dtype, device, lazy=True)
         _Filler(model, reader, packed, blocked, native_int4).run()
         return model

@@ -170,6 +170,8 @@ class CheckpointReader:
         expected: tensor name -> shape.
         optional: names that may be absent (e.g. ``lm_head.weight`` of a tied checkpoint).
         source: how messages name the checkpoint (default: the first file's folder).
+        ignored: name prefixes of tensors the checkpoint may hold that are not read, left out of
+            :attr:`names` (a checkpoint's MTP layers, ``model.layers.{L}.`` past the body's layers).
 
     Raises:
         CorruptModel: see :func:`read_headers` and :func:`check_shapes`; reads raise it too (a file
@@ -177,9 +179,11 @@ class CheckpointReader:
     """
 
     def __init__(self, files: Sequence[Path], expected: Mapping[str, Tuple[int, ...]], optional=(),
-                 source: Optional[str] = None):
+                 source: Optional[str] = None, ignored: Tuple[str, ...] = ()):
         self.source = source or str(Path(files[0]).parent)
         self.infos = read_headers(files)
+        if ignored:
+            self.infos = {name: info for name, info in self.infos.items() if not name.startswith(tuple(ignored))}
         check_shapes({name: info.shape for name, info in self.infos.items()}, expected, optional, self.source)
         self._maps: Dict[Path, torch.UntypedStorage] = {}
 

@@ -21,6 +21,14 @@ DIMS = {
     "e": lambda c: c.moe.num_experts,
     "mi": lambda c: c.moe.intermediate_size,
     "2mi": lambda c: 2 * c.moe.intermediate_size,
+    "si": lambda c: c.moe.shared_intermediate_size,
+    # multi-head latent attention (DeepSeek-V3; DecoderConfig.mla)
+    "qr": lambda c: c.mla.q_lora_rank,
+    "kvr": lambda c: c.mla.kv_lora_rank,
+    "kva": lambda c: c.mla.kv_lora_rank + c.mla.qk_rope_head_dim,
+    "qh": lambda c: c.num_attention_heads * c.mla.qk_head_dim,
+    "kvb": lambda c: c.num_attention_heads * (c.mla.qk_nope_head_dim + c.mla.v_head_dim),
+    "vh": lambda c: c.num_attention_heads * c.mla.v_head_dim,
 }
 #: the per-layer attention types of a config (Hugging Face's ``layer_types`` values)
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -46,6 +54,9 @@ class Tensor:
     param: str
     norm: bool = False
     when: str = ""
+
+    def _replace_when(self, when: str) -> "Tensor":
+        return Tensor(self.name, self.shape, self.param, self.norm, when)
 
 
 def _norm(name: str, param: str, dim: str = "h") -> Tensor:
@@ -78,6 +89,24 @@ BIASES = (Tensor("self_attn.q_proj.bias", ("q",), "qkv_bias", when="attention_bi
 QK_NORMS = (_norm("self_attn.q_norm", "q_norm", "d"), _norm("self_attn.k_norm", "k_norm", "d"))
 #: the Llama block's tensors, in Hugging Face's order
 LLAMA_LAYER = LLAMA_NORMS + PROJECTIONS + BIASES
+#: per-head query and key RMSNorm weights where config.json asks for them (GLM-4.5's ``use_qk_norm``)
+OPTIONAL_QK_NORMS = tuple(Tensor(t.name, t.shape, t.param, norm=True, when="qk_norm") for t in QK_NORMS)
+#: multi-head latent attention's tensors (DeepSeek-V2/V3): the queries' low-rank pair (or one
+#: ``q_proj``) and the shared latent's down projection are fused into ``qkv`` (both read the normed
+#: input), the latent's up projection is ``kv_b``
+MLA_ATTENTION = (Tensor("self_attn.q_a_proj.weight", ("qr", "h"), "qkv", when="q_lora"),
+                 Tensor("self_attn.q_proj.weight", ("qh", "h"), "qkv", when="q_full"),
+                 Tensor("self_attn.kv_a_proj_with_mqa.weight", ("kva", "h"), "qkv"),
+                 Tensor("self_attn.q_a_proj.bias", ("qr",), "qkv_bias", when="q_lora_bias"),
+                 Tensor("self_attn.kv_a_proj_with_mqa.bias", ("kva",), "qkv_bias", when="attention_bias"),
+                 _norm("self_attn.q_a_layernorm", "q_a_norm", "qr")._replace_when("q_lora"),
+                 Tensor("self_attn.q_b_proj.weight", ("qh", "qr"), "q_b", when="q_lora"),
+                 _norm("self_attn.kv_a_layernorm", "kv_a_norm", "kvr"),
+                 Tensor("self_attn.kv_b_proj.weight", ("kvb", "kvr"), "kv_b"),
+                 Tensor("self_attn.o_proj.weight", ("h", "vh"), "o_proj"),
+                 Tensor("self_attn.o_proj.bias", ("h",), "o_bias", when="attention_bias"))
+#: the DeepSeek-V3 block's tensors (its dense MLP as Llama's, without biases)
+MLA_LAYER = LLAMA_NORMS + MLA_ATTENTION + PROJECTIONS[4:]
 
 
 @dataclass(frozen=True)
@@ -92,12 +121,17 @@ class Block:
         sandwich_norms: RMSNorm on the attention and MLP outputs before each residual add, and a
             separate pre-MLP norm (Gemma 2/3: pre/post attention and pre/post feedforward norms).
         scaled_embeddings: embeddings multiplied by ``sqrt(hidden_size)`` (Gemma).
+        partial_rotary: the rotary embedding turns the first ``int(head_dim * partial_rotary_factor)``
+            values of each query/key head (rotate-half over those), the rest pass (GLM-4.5).
+        mla: multi-head latent attention instead of GQA (DeepSeek-V3, :class:`~mtpctl.model.config.MlaConfig`).
     """
 
     qk_norm: bool = False
     norm_offset: float = 0.0
     sandwich_norms: bool = False
     scaled_embeddings: bool = False
+    partial_rotary: bool = False
+    mla: bool = False
 
 
 def every_layer_slides(cfg: dict, layers: int) -> List[str]:
@@ -140,7 +174,21 @@ class Experts:
         return any(f"{stem}{n}.weight" in names for n in self.names)
 
     def tensors(self, cfg, per_expert: bool) -> Tuple[Tensor, ...]:
-        """One MoE layer's router and expert tensors of ``cfg`` in either layout."""
+        """One MoE layer's router and expert tensors of ``cfg`` in either layout (then the router's
+        ``e_score_correction_bias`` and the shared experts, where the config has them)."""
+        return self._routed(cfg, per_expert) + self._extras(cfg, self.prefix if per_expert else self.fused_prefix)
+
+    def _extras(self, cfg, p: str) -> Tuple[Tensor, ...]:
+        out = ()
+        if cfg.moe.score_bias:
+            out += (Tensor(p + "gate.e_score_correction_bias", ("e",), "router_bias"),)
+        if cfg.moe.shared_intermediate_size and not cfg.moe.shared_gate:
+            out += (Tensor(p + "shared_experts.gate_proj.weight", ("si", "h"), "shared_gate_up"),
+                    Tensor(p + "shared_experts.up_proj.weight", ("si", "h"), "shared_gate_up"),
+                    Tensor(p + "shared_experts.down_proj.weight", ("h", "si"), "shared_down"))
+        return out
+
+    def _routed(self, cfg, per_expert: bool) -> Tuple[Tensor, ...]:
         if not per_expert:
             p = self.fused_prefix
             return (Tensor(p + "gate.weight", ("e", "h"), "router"),
@@ -194,6 +242,10 @@ class Family:
         experts: a Mixture-of-Experts family's router and experts (:class:`Experts`): its config.json is
             read into ``DecoderConfig.moe`` (:meth:`mtpctl.model.moe.MoeConfig.from_hf`), and the layers
             that config makes MoE hold them instead of the dense MLP; None: a dense family.
+        qk_norm_key: the config.json key that turns the per-head QK-norm on (GLM-4.5's
+            ``use_qk_norm``), where the family's block leaves it to the config; "" where it does not.
+        mlp_bias_key: the config.json key that gives the dense MLP biases; "" where the family's MLP
+            never has them (GLM-4.5, DeepSeek-V3).
     """
 
     model_type: str
@@ -209,6 +261,8 @@ class Family:
     native_stack: bool = True
     model_tensors: Tuple[Tensor, ...] = MODEL_TENSORS
     experts: Optional[Experts] = None
+    qk_norm_key: str = ""
+    mlp_bias_key: str = "mlp_bias"
 
     def with_defaults(self, cfg: dict) -> dict:
         """``cfg`` (a parsed config.json) with the family's :attr:`defaults` where it omits them."""
