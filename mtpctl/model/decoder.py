@@ -147,11 +147,15 @@ class AttentionPlan:
             token), then these are put in place; padding entries read whatever the window holds
             (masked, probability 0). None when every token's path sits in its window (plain decoding,
             chains).
+        tail_start: for a pass of one token, ``tail_slots[0, 0]`` as a Python int (where its tail
+            starts, known on the host), so that a layer need not read it back from the device; None
+            for more tokens.
     """
 
     tail_slots: torch.Tensor
     groups: Tuple[AttentionGroup, ...]
     fixes: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+    tail_start: Optional[int] = None
 
 
 def _pad_rows(x: torch.Tensor) -> torch.Tensor:
@@ -201,7 +205,7 @@ def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
     tail = plan.tail_slots.shape[1]
     qg = q.reshape(b, kv_heads, group, n, d).float().transpose(2, 3)  # [b, kv_heads, N, group, d]
     if n == 1:  # one token: its tail slots are consecutive, read in place (the same values a gather gives)
-        start = int(plan.tail_slots[0, 0])
+        start = plan.tail_start if plan.tail_start is not None else int(plan.tail_slots[0, 0])
         tail_k, tail_v = keys[:, :, None, start:start + tail], values[:, :, None, start:start + tail]
     else:
         tail_k = _gather_tails(keys, plan, tail)  # [b, kv_heads, N, TAIL, d]
