@@ -309,10 +309,9 @@ class DecoderLayer(nn.Module):
                           cfg.scale, plan, kv_bf16=cache.kv_bf16).transpose(0, 1)[None].to(q.dtype)
         elif plan is not None:  # one plan per sequence of the pass, each over its own cache
             cache.write(self.index, k, v)
-            attn = torch.cat([_attention(q[:, :, start:start + count], seq.k[self.index], seq.v[self.index], cfg.scale,
-                                         seq_plan)
-                              for seq, start, count, seq_plan in zip(cache.caches, cache.starts, cache.counts, plan)],
-                             dim=2)
+            parts = [_attention(q[:, :, start:start + count], seq.k[self.index], seq.v[self.index], cfg.scale, seq_plan)
+                     for seq, start, count, seq_plan in zip(cache.caches, cache.starts, cache.counts, plan)]
+            attn = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)  # one sequence: no copy
         else:
             keys, values = cache.write(self.index, k, v)
             used = cache.length + n
