@@ -9,7 +9,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from mtpctl.decode.attention import TAIL, attention_masks, pass_plans, plans_on, prefill_plan, tree_shape
+from mtpctl.decode.attention import (TAIL, attention_masks, pass_plans, plans_on, prefill_plan, to_device,
+                                     tree_shape)
 from mtpctl.decode.engine import StepOutput
 from mtpctl.decode.session import Session
 from mtpctl.decode.tree import DraftTree
@@ -38,7 +39,8 @@ class PassLogits:
     lm_head is dense (its weights are read once a call, a row costs little beside that), alone where
     it is int4 (whose cost grows with the rows of a call). Where the lm_head's kernel takes each row's
     argmax as it writes the row (:meth:`~mtpctl.model.decoder.Decoder.logits_best`), :meth:`best`
-    gives it, so greedy acceptance need not read the row again.
+    gives it, so greedy acceptance need not read the row again. Off the CPU the argmax is taken where
+    the logits are and only the ids come to the host; a row comes to the host when it is read.
     """
 
     def __init__(self, model: Decoder, hidden_states: torch.Tensor):
@@ -48,48 +50,64 @@ class PassLogits:
         self._best: Dict[int, int] = {}  # row -> its argmax, where the kernel took it (-1: NaN or inf in the row)
         self._wanted: set = set()
         self._all: Optional[torch.Tensor] = None
+        self._host: Dict[object, torch.Tensor] = {}  # off the CPU: rows (or "all") copied to the host
         self.ms = 0.0  # time spent in the lm_head so far
 
     def _logits(self, rows: List[int]) -> torch.Tensor:
+        """Rows' logits where the model is (off the CPU their argmax too, only the ids to the host)."""
         start = time.perf_counter()
         with torch.inference_mode():
             out, best = self.model.logits_best(self.hidden_states[rows])
-            if out.device.type != "cpu":  # the argmax where the logits are, then the rows to the host
-                best, out = _device_best(out), out.cpu()
+            if out.device.type != "cpu":  # the argmax where the logits are: only the ids to the host
+                best = _device_best(out)
         if best is not None:
             self._best.update(zip(rows, best.tolist()))
         self.ms += (time.perf_counter() - start) * 1e3
         return out
+
+    def _on_host(self, key, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` on the host, copied once (itself on the CPU)."""
+        if logits.device.type == "cpu":
+            return logits
+        if key not in self._host:
+            self._host[key] = logits.cpu()
+        return self._host[key]
 
     def want(self, rows: Sequence[int]) -> None:
         """Rows to compute with the next one read (not computed yet)."""
         self._wanted.update(int(r) for r in rows if int(r) not in self._rows)
 
     def row(self, i: int) -> torch.Tensor:
-        """Row i's logits ``[vocab]`` float32."""
+        """Row i's logits ``[vocab]`` float32, on the host."""
+        if self._computed(i) is not None:  # every row of the pass is computed
+            return self.all()[i]
+        return self._on_host(i, self._rows[i])
+
+    def _computed(self, i: int) -> Optional[torch.Tensor]:
+        """Computes row i where it is not yet (where the model is); the pass's ``_all`` when it holds it."""
         if self._all is None and i not in self._rows and i not in self._wanted and not self.model.logits_by_row:
-            self.all()
+            self._all = self._logits(list(range(len(self.hidden_states))))
         if self._all is not None:
-            return self._all[i]
+            return self._all
         if i not in self._rows:
             todo = sorted(self._wanted | {i})
             self._rows.update(zip(todo, self._logits(todo)))
             self._wanted.clear()
-        return self._rows[i]
+        return None
 
     def best(self, i: int) -> Optional[int]:
         """Row i's argmax (the first index of its largest logit, as ``int(self.row(i).argmax())``), computing
-        the row where it is not yet; None where the kernel did not take it or the row holds NaN or inf
-        (read the row)."""
-        self.row(i)
+        the row where it is not yet (not copying it to the host); None where the kernel did not take it
+        or the row holds NaN or inf (read the row)."""
+        self._computed(i)
         best = self._best.get(i)
         return best if best is not None and best >= 0 else None
 
     def all(self) -> torch.Tensor:
-        """Every row's logits ``[N, vocab]`` float32."""
+        """Every row's logits ``[N, vocab]`` float32, on the host."""
         if self._all is None:
             self._all = self._logits(list(range(len(self.hidden_states))))
-        return self._all
+        return self._on_host("all", self._all)
 
 
 def _device_best(logits: torch.Tensor) -> torch.Tensor:
@@ -271,8 +289,8 @@ def verify_packed(engines: Sequence[TorchEngine], trees: Sequence[DraftTree]) ->
             check_plan(plan, slots.kv)
     else:
         plans = plans_on(plans, model.device)
-    ids = torch.tensor([[token for t in trees for token in t.pass_tokens]], dtype=torch.long, device=model.device)
-    positions = torch.cat([length + depth for length, depth, _ in shapes])[None].to(model.device)
+    ids = to_device(torch.tensor([[token for t in trees for token in t.pass_tokens]], dtype=torch.long), model.device)
+    positions = to_device(torch.cat([length + depth for length, depth, _ in shapes])[None], model.device)
     aux = dict.fromkeys(aux_layers) if aux_layers else None
     with torch.inference_mode():
         hidden = model(ids, positions, slots, None, plans, aux=aux)[0]

@@ -129,7 +129,7 @@ def attention_plan(windows, length: int, depth: torch.Tensor, tree_mask: Optiona
                                      else head_mask[rows, :head], allowed), dim=-1)
             bias = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))[None, None, :, None]
             groups.append(AttentionGroup(head, None if len(rows) == n else torch.tensor(rows), bias))
-        plans[window] = AttentionPlan(tail_slots, tuple(groups), fixes)
+        plans[window] = AttentionPlan(tail_slots, tuple(groups), fixes, int(tail_slots[0, 0]) if n == 1 else None)
     return plans
 
 
@@ -208,15 +208,23 @@ def plans_on(plans: dict, device: torch.device) -> dict:
     window) or masks with their tensors on ``device`` (the same objects where they are there already:
     on the CPU this costs nothing)."""
     def move(plan: AttentionPlan) -> AttentionPlan:
-        groups = tuple(AttentionGroup(g.head, None if g.rows is None else g.rows.to(device), g.bias.to(device))
-                       for g in plan.groups)
-        fixes = None if plan.fixes is None else tuple(t.to(device) for t in plan.fixes)
-        return AttentionPlan(plan.tail_slots.to(device), groups, fixes)
+        groups = tuple(AttentionGroup(g.head, None if g.rows is None else to_device(g.rows, device),
+                                      to_device(g.bias, device)) for g in plan.groups)
+        fixes = None if plan.fixes is None else tuple(to_device(t, device) for t in plan.fixes)
+        return AttentionPlan(to_device(plan.tail_slots, device), groups, fixes, plan.tail_start)
 
     if device.type == "cpu":
         return plans
-    return {window: tuple(move(p) for p in plan) if isinstance(plan, tuple) else plan.to(device)
+    return {window: tuple(move(p) for p in plan) if isinstance(plan, tuple) else to_device(plan, device)
             for window, plan in plans.items()}
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``: itself on the CPU; elsewhere copied from pinned memory without
+    blocking (the host goes on while the copy runs in stream order, before the kernels that read it)."""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def attention_masks(windows, length: int, depth: torch.Tensor, tree_mask: Optional[torch.Tensor],

@@ -178,11 +178,15 @@ class AttentionPlan:
             token), then these are put in place; padding entries read whatever the window holds
             (masked, probability 0). None when every token's path sits in its window (plain decoding,
             chains).
+        tail_start: for a pass of one token, ``tail_slots[0, 0]`` as a Python int (where its tail
+            starts, known on the host), so that a layer need not read it back from the device; None
+            for more tokens.
     """
 
     tail_slots: torch.Tensor
     groups: Tuple[AttentionGroup, ...]
     fixes: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+    tail_start: Optional[int] = None
 
 
 def _pad_rows(x: torch.Tensor) -> torch.Tensor:
@@ -232,7 +236,7 @@ def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
     tail = plan.tail_slots.shape[1]
     qg = q.reshape(b, kv_heads, group, n, d).float().transpose(2, 3)  # [b, kv_heads, N, group, d]
     if n == 1:  # one token: its tail slots are consecutive, read in place (the same values a gather gives)
-        start = int(plan.tail_slots[0, 0])
+        start = plan.tail_start if plan.tail_start is not None else int(plan.tail_slots[0, 0])
         tail_k, tail_v = keys[:, :, None, start:start + tail], values[:, :, None, start:start + tail]
     else:
         tail_k = _gather_tails(keys, plan, tail)  # [b, kv_heads, N, TAIL, d]
@@ -402,10 +406,9 @@ class DecoderLayer(nn.Module):
                           cfg.scale, plan, kv_bf16=cache.kv_bf16).transpose(0, 1)[None].to(q.dtype)
         elif plan is not None:  # one plan per sequence of the pass, each over its own cache
             cache.write(self.index, k, v)
-            attn = torch.cat([_attention(q[:, :, start:start + count], seq.k[self.index], seq.v[self.index], cfg.scale,
-                                         seq_plan)
-                              for seq, start, count, seq_plan in zip(cache.caches, cache.starts, cache.counts, plan)],
-                             dim=2)
+            parts = [_attention(q[:, :, start:start + count], seq.k[self.index], seq.v[self.index], cfg.scale, seq_plan)
+                     for seq, start, count, seq_plan in zip(cache.caches, cache.starts, cache.counts, plan)]
+            attn = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)  # one sequence: no copy
         else:
             keys, values = cache.write(self.index, k, v)
             used = cache.length + n

@@ -1,0 +1,82 @@
+"""The pure-torch path as it runs on a GPU, checked on the CPU under a virtual CUDA device
+(tests/virtual_cuda.py): plain greedy decoding with ``device="cuda"`` mixes no host tensor into device
+ops, syncs with the host at most once a decode step (the new token's id), and launches a bounded
+number of kernels per decoder layer (docs/numerics.md, "The pure-torch path")."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from mtpctl.backends import torch as torch_backend
+from mtpctl.model import decoder as decoder_module
+from virtual_cuda import virtual_cuda
+
+#: host syncs a plain greedy decode step may make after prefill: the new token's id to the host
+MAX_SYNCS_PER_STEP = 1
+#: kernel-launching ops per decoder layer of a plain decode step (the tiny Llama: no biases, no QK norm;
+#: 46 and 52 before the linears padded in one op and one sequence's attention was no longer copied)
+MAX_LAUNCHES_PER_LAYER = {"float32": 41, "bfloat16": 47}
+NEW_TOKENS = 16
+
+
+def _run_plain(folder, monkeypatch, dtype="float32"):
+    layer_ops, steps = [], []
+    with virtual_cuda() as mode:
+        forward = decoder_module.DecoderLayer.forward
+        verify = torch_backend.verify_packed
+
+        def counted_forward(self, *args, **kwargs):
+            with mode.counting() as ops:
+                out = forward(self, *args, **kwargs)
+            layer_ops.append((mode.step, dict(ops)))
+            return out
+
+        def stepped_verify(*args, **kwargs):
+            mode.step += 1  # events from here to the next pass belong to this decode step
+            steps.append(mode.step)
+            return verify(*args, **kwargs)
+
+        monkeypatch.setattr(decoder_module.DecoderLayer, "forward", counted_forward)
+        monkeypatch.setattr(torch_backend, "verify_packed", stepped_verify)
+        session = torch_backend.TorchSession(folder, dtype, device="cuda", kernels="torch")
+        prompt = session.encode("count: 1 2 3 1 2 3")
+        mode.events.clear()
+        result = session.generate(prompt, NEW_TOKENS)
+    return mode, result, layer_ops, steps, session.model.cfg.num_hidden_layers
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_plain_greedy_on_a_virtual_gpu_makes_one_sync_a_step(tiny_folder, monkeypatch, dtype):
+    mode, result, layer_ops, steps, layers = _run_plain(tiny_folder, monkeypatch, dtype)
+    assert len(result.token_ids) == NEW_TOKENS
+    assert len(steps) == NEW_TOKENS - 1  # the first token comes from prefill
+    mixups = [e for e in mode.events if e.kind == "mixup"]
+    assert not mixups, mixups
+    syncs = collections.Counter(e.step for e in mode.events if e.kind == "sync")
+    per_step = [syncs.get(step, 0) for step in steps]
+    detail = collections.Counter((e.what, e.site) for e in mode.events if e.kind == "sync" and e.step >= 1)
+    print("syncs per step", per_step, dict(detail))
+    h2d = collections.Counter((e.what, e.site) for e in mode.events if e.kind == "h2d" and e.step >= 1)
+    print("h2d after prefill", len(steps), dict(h2d))
+    decode_layers = [sum(ops.values()) for step, ops in layer_ops if step >= 1]
+    assert len(decode_layers) == layers * len(steps)
+    print("launches per layer", max(decode_layers), [ops for step, ops in layer_ops if step >= 1][0])
+    assert max(per_step) <= MAX_SYNCS_PER_STEP, dict(detail)
+    assert all("non_blocking" in what for what, _ in h2d), dict(h2d)  # no copy to the device blocks the host
+    assert max(decode_layers) <= MAX_LAUNCHES_PER_LAYER[dtype]
+
+
+def test_speculation_on_a_virtual_gpu_mixes_no_host_tensors_and_equals_plain(tiny_folder):
+    from mtpctl.drafters.build import DraftOptions, build, parse
+
+    with virtual_cuda() as mode:
+        session = torch_backend.TorchSession(tiny_folder, "float32", device="cuda", kernels="torch")
+        prompt = session.encode("count: 1 2 3 1 2 3 1 2 3")
+        plain = session.generate(prompt, NEW_TOKENS).token_ids
+        for spec in ("ngram", "lookahead"):
+            drafter = build(session, parse(spec), DraftOptions())
+            assert session.generate(prompt, NEW_TOKENS, drafter=drafter).token_ids == plain, spec
+    assert not [e for e in mode.events if e.kind == "mixup"]

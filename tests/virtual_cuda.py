@@ -1,0 +1,221 @@
+"""A virtual CUDA device for the tests: a CPU-only torch made to believe it has one GPU, so that the
+pure-torch path's device code runs here and what would cost (or crash) on a real GPU is counted.
+
+Tensors the code puts on ``cuda`` stay on the CPU but are tagged (by storage); a TorchFunctionMode
+sees every torch call and records, with the calling line in mtpctl:
+
+- ``mixup``: an op mixing a device tensor with a host tensor of one or more dims (a crash on a GPU);
+- ``sync``: a host sync on a device tensor (``int``/``float``/``bool``, ``item``, ``tolist``,
+  ``nonzero``, a boolean-mask index, ``.cpu()``/``.to("cpu")``);
+- ``h2d``: a host-to-device copy (``.to(cuda)``, ``torch.tensor(..., device=cuda)``, a host index
+  tensor into a device tensor), noting whether it is non-blocking;
+
+and, inside :meth:`VirtualCuda.counting`, the ops that launch a kernel on a device tensor (a new
+storage, or in place; views launch nothing). It finds device mix-ups, syncs and launch counts, not
+CUDA numerics and not speed.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import sys
+from pathlib import Path
+from typing import List, NamedTuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+ROOT = str(Path(__file__).resolve().parents[1] / "mtpctl")
+CPU, VDEV = torch.device("cpu"), torch.device("cuda", 0)
+_DEVICE = torch._C.TensorBase.__dict__["device"]
+_IS_CUDA = torch._C.TensorBase.__dict__["is_cuda"]
+FACTORIES = {"zeros", "empty", "ones", "arange", "full", "tensor", "as_tensor", "eye", "rand", "randn", "randint",
+             "randperm", "linspace", "empty_strided", "scalar_tensor", "zeros_like", "ones_like", "empty_like",
+             "full_like"}
+SYNCS = {"__int__", "__float__", "__bool__", "__index__", "item", "tolist", "nonzero", "unique", "masked_select",
+         "__format__", "__repr__", "argwhere", "numpy"}
+INPLACE = {"__setitem__", "__iadd__", "__imul__", "__isub__", "__itruediv__"}
+
+
+class Event(NamedTuple):
+    kind: str  # "sync", "h2d", "mixup"
+    what: str
+    site: str
+    step: int  # VirtualCuda.step when it happened
+
+
+def _site() -> str:
+    """The innermost mtpctl frame calling into torch, as ``path:line (function)``."""
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code.co_filename.startswith(ROOT):
+            return f"{f.f_code.co_filename[len(ROOT) - 6:]}:{f.f_lineno} ({f.f_code.co_name})"
+        f = f.f_back
+    return "?"
+
+
+def _flat(x, out: list) -> list:
+    if isinstance(x, torch.Tensor):
+        out.append(x)
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            _flat(y, out)
+    elif isinstance(x, dict):
+        for y in x.values():
+            _flat(y, out)
+    return out
+
+
+def _cuda(dev):
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda"
+    if isinstance(dev, str):
+        return dev.startswith("cuda")
+    return None
+
+
+class VirtualCuda(TorchFunctionMode):
+    """The mode; use through :func:`virtual_cuda`. ``events`` lists what was seen; ``step`` is a counter
+    the caller advances (events carry it) to tell decode steps apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.keep: list = []  # tagged tensors stay alive, so their storages are not reused untagged
+        self.ptrs: set = set()
+        self.events: List[Event] = []
+        self.step = 0
+        self.ops = None  # a Counter of kernel-launching ops while counting
+
+    def _ptr(self, t):
+        if t.is_meta or t.numel() == 0:
+            return None
+        return t.untyped_storage().data_ptr()
+
+    def tagged(self, t) -> bool:
+        p = self._ptr(t)
+        return p is not None and p in self.ptrs
+
+    def tag(self, out):
+        for t in _flat(out, []):
+            p = self._ptr(t)
+            if p is not None:
+                self.keep.append(t)
+                self.ptrs.add(p)
+        return out
+
+    def _ev(self, kind: str, what: str) -> None:
+        self.events.append(Event(kind, what, _site(), self.step))
+
+    @contextlib.contextmanager
+    def counting(self):
+        """Count the kernel-launching ops on device tensors inside (yields the Counter)."""
+        prev, self.ops = self.ops, collections.Counter()
+        try:
+            yield self.ops
+        finally:
+            if prev is not None:
+                prev.update(self.ops)
+            self.ops = prev
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        owner = getattr(func, "__self__", None)
+        if owner is _DEVICE:
+            return VDEV if self.tagged(args[0]) else func(*args, **kwargs)
+        if owner is _IS_CUDA:
+            return self.tagged(args[0])
+        name = getattr(func, "__qualname__", getattr(func, "__name__", str(func)))
+        short = name.split(".")[-1]
+        tensors = _flat(args, []) + _flat(kwargs, [])
+        dev = [t for t in tensors if self.tagged(t)]
+        if short in ("to", "cuda", "cpu") and name.startswith(("TensorBase.", "Tensor.")):
+            return self._move(func, short, args, kwargs)
+        if short == "pin_memory" and name.startswith(("TensorBase.", "Tensor.")):
+            return args[0]  # a CPU-only torch cannot pin: host memory as it is
+        kwargs.pop("pin_memory", None)
+        to_dev = _cuda(kwargs.get("device"))
+        if to_dev:
+            kwargs["device"] = CPU
+        if short in FACTORIES and not name.startswith(("TensorBase.", "Tensor.")):
+            out = func(*args, **kwargs)
+            if to_dev and short in ("tensor", "as_tensor"):
+                self._ev("h2d", f"torch.{short}(..., device=cuda)")
+            return self.tag(out) if to_dev or (dev and short.endswith("_like") and "device" not in kwargs) else out
+        if dev:
+            if short in SYNCS:
+                self._ev("sync", short)
+            index = _flat(args[1], []) if short in ("__getitem__", "__setitem__") and len(args) > 1 else []
+            if short == "__getitem__" and any(t.dtype == torch.bool for t in index):
+                self._ev("sync", "boolean-mask index")
+            host = [t for t in tensors if not self.tagged(t) and not t.is_meta and t.dim() > 0]
+            if host:
+                if all(any(h is i for i in index) for h in host):
+                    self._ev("h2d", f"host index tensor in {short}")
+                elif short in ("__setitem__", "copy_"):
+                    self._ev("h2d", f"host tensor copied in {short}")
+                elif short not in ("__set__", "_has_compatible_shallow_copy_type"):
+                    self._ev("mixup", f"{short} of device and host tensors {[tuple(h.shape) for h in host][:3]}")
+        out = func(*args, **kwargs)
+        inplace = short in INPLACE or (short.endswith("_") and not short.startswith("__"))
+        if dev and short not in SYNCS and not (inplace and not self.tagged(args[0])):
+            self.tag(out)
+        if self.ops is not None and dev and short not in SYNCS:
+            if short == "__setitem__" or isinstance(out, torch.Tensor) and (
+                    inplace or self._ptr(out) not in {self._ptr(t) for t in tensors}):
+                self.ops[short] += 1
+        return out
+
+    def _move(self, func, short, args, kwargs):
+        src = args[0]
+        target = {"cpu": False, "cuda": True}.get(short)
+        if short == "to":
+            rest = []
+            for a in args[1:]:
+                if isinstance(a, torch.Tensor):
+                    target = self.tagged(a)
+                    rest.append(CPU)
+                elif isinstance(a, (torch.device, str)):
+                    target = _cuda(a)
+                    rest.append(CPU)
+                else:
+                    rest.append(a)
+            if "device" in kwargs:
+                target = _cuda(kwargs["device"])
+                kwargs["device"] = CPU
+            out = func(src, *rest, **kwargs)
+        else:
+            out = src.to(CPU, non_blocking=kwargs.get("non_blocking", False))
+        was = self.tagged(src)
+        if target is None or target == was:  # a dtype change, or already there
+            if was and self.ops is not None and self._ptr(out) != self._ptr(src):
+                self.ops[short] += 1
+            return self.tag(out) if was else out
+        if out.numel() and self._ptr(out) == self._ptr(src):
+            out = out.clone()
+        if target:
+            self._ev("h2d", ".to(cuda)" + (" non_blocking" if kwargs.get("non_blocking") else " blocking"))
+            return self.tag(out)
+        self._ev("sync", ".cpu()" if short == "cpu" else ".to(cpu)")
+        return out
+
+
+@contextlib.contextmanager
+def virtual_cuda():
+    """Inside: ``torch.cuda`` reports one device and the yielded :class:`VirtualCuda` watches every
+    torch call (restored on exit)."""
+    saved = {name: getattr(torch.cuda, name) for name in
+             ("is_available", "device_count", "current_device", "set_device", "is_bf16_supported", "synchronize")}
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.set_device = lambda d: None
+    torch.cuda.is_bf16_supported = lambda *a, **k: True
+    torch.cuda.synchronize = lambda *a, **k: None
+    mode = VirtualCuda()
+    try:
+        with mode:
+            yield mode
+    finally:
+        for name, value in saved.items():
+            setattr(torch.cuda, name, value)
