@@ -30,6 +30,14 @@ SMALL = dict(num_heads=2, self_distill=True, response_tokens=16, epochs=2, batch
              measure_prompts=0)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def own_home(tmp_path_factory):
+    """$MTPCTL_HOME of this module's own (the self-draft's layer choice, suffix caches, tables)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MTPCTL_HOME", str(tmp_path_factory.mktemp("moe-home")))
+        yield
+
+
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
     """(the Qwen3-MoE checkpoint, the tiny dense Llama of the same tokenizer, a retrieval datastore from the
@@ -126,6 +134,32 @@ def test_heads_trained_on_the_moe_target_decode_as_plain(moe, trained, plain_run
 
         with pytest.raises(BadInput, match="trained on another model"):
             mtpctl.load(str(moe[0].parent / "stacked"), speculate="heads", heads=str(trained[kind]), threads=1)
+
+
+@pytest.mark.slow
+def test_batches_with_heads_and_draft_models_equal_plain(moe, trained, plain_runs):
+    """A batch of every prompt at once: EAGLE-3 heads, Medusa heads with the dense draft model's chain
+    grafted, the self-draft's measured layer search; and the MoE model as the draft of the dense one."""
+    import mtpctl
+    from mtpctl.decode.session import GenerationRequest
+
+    target, dense = moe[0], moe[1]
+    requests = [GenerationRequest(list(p), NEW) for p in PROMPTS]
+    for speculate, settings in (("heads", {"heads": str(trained["eagle3"])}),
+                                ("heads+draft", {"heads": str(trained["medusa"]), "draft_model": str(dense)}),
+                                ("draft", {"draft_model": "self"})):
+        llm = mtpctl.load(str(target), speculate=speculate, dtype="float32", threads=1, **settings)
+        assert [r.token_ids for r in llm.generate_batch(requests, max_batch=len(PROMPTS))] == plain_runs["float32"][0]
+    plain = mtpctl.load(str(dense), speculate="none", dtype="float32", threads=1)
+    paired = mtpctl.load(str(dense), speculate="draft", draft_model=str(target), dtype="float32", threads=1)
+    assert [r.token_ids for r in paired.generate_batch(requests, max_batch=len(PROMPTS))] == \
+        [plain.pipeline.generate(list(p), NEW).token_ids for p in PROMPTS]
+
+
+def test_pair_finds_the_dense_draft_compatible(moe, capsys):
+    code, out, err = cli(capsys, "pair", moe[0], moe[1])
+    assert code == 0, err
+    assert "same tokens at the same ids" in out
 
 
 def test_self_distillation_features_equal_a_teacher_forced_pass_of_the_moe_target(moe):
