@@ -97,6 +97,56 @@ def write_tiny_checkpoint(folder: Path, seed: int = 0, **overrides) -> Path:
     return folder
 
 
+#: tiny Mixture-of-Experts checkpoints built with transformers' own classes (tests/test_moe_families.py,
+#: tests/test_moe_downstream.py): the shapes every model_type shares, and each model_type's MoE keys
+#: (Qwen3-MoE: layer 1 dense, through mlp_only_layers)
+MOE_COMMON = dict(vocab_size=259, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  bos_token_id=257, eos_token_id=258)
+MOE_EXTRA = {"qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96,
+                               norm_topk_prob=True, mlp_only_layers=[1]),
+             "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)}
+
+
+def moe_reference_model(model_type: str, **overrides):
+    """transformers' tiny random MoE model of ``model_type`` (float32, eval), seeded; ``overrides``
+    change config keys."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(model_type, **{**MOE_COMMON, **MOE_EXTRA[model_type], **overrides})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # larger weights than the default init: logits and router choices well apart
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    return model
+
+
+def write_moe_checkpoints(root: Path, model_type: str, reference=None, tokenizer: Path = None) -> dict:
+    """``model_type``'s tiny MoE checkpoint in both layouts under ``root``, each with the tiny
+    byte-level tokenizer (:func:`write_tiny_checkpoint`'s): ``{"per_expert": folder}`` (what
+    ``save_pretrained`` writes: one tensor per expert) and ``{"stacked": folder}`` (transformers 5's
+    ``state_dict``: experts stacked)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    reference = reference if reference is not None else moe_reference_model(model_type)
+    tokenizer = tokenizer if tokenizer is not None else write_tiny_checkpoint(root / "tokenizer")
+    per_expert, stacked = root / model_type / "per_expert", root / model_type / "stacked"
+    reference.save_pretrained(str(per_expert))
+    stacked.mkdir(parents=True)
+    shutil.copy(per_expert / "config.json", stacked / "config.json")
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(stacked / "model.safetensors"),
+              metadata={"format": "pt"})
+    for folder in (per_expert, stacked):
+        for f in tokenizer.iterdir():
+            if f.name not in ("config.json", "model.safetensors"):
+                shutil.copy(f, folder / f.name)
+    return {"per_expert": per_expert, "stacked": stacked}
+
+
 def greedy_reference(model: Decoder, prompt: Sequence[int], n: int) -> List[int]:
     """Plain greedy decoding, one token per forward pass (the definition speculation must match)."""
     engine = TorchEngine(model, len(prompt) + n + 1)

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import ScriptedDrafter, cli, run, write_tiny_checkpoint
+from helpers import MOE_EXTRA, ScriptedDrafter, cli, moe_reference_model, run, write_moe_checkpoints, write_tiny_checkpoint
 
 from mtpctl.backends.torch import TorchEngine
 from mtpctl.decode.cost_table import model_identity
@@ -21,51 +21,22 @@ from mtpctl.model.decoder import Decoder
 
 transformers = pytest.importorskip("transformers")
 
-COMMON = dict(vocab_size=259, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
-              bos_token_id=257, eos_token_id=258)
-#: model_type -> its config's MoE keys (Qwen3-MoE: layer 1 dense, through mlp_only_layers)
-EXTRA = {"qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96,
-                           norm_topk_prob=True, mlp_only_layers=[1]),
-         "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)}
+EXTRA = MOE_EXTRA
 MODEL_TYPES = tuple(EXTRA)
 LAYOUTS = ("per_expert", "stacked")
 PROMPTS = ([5, 77, 200, 31, 9], [100, 101, 102, 100, 101, 102, 100, 101, 102], [44] * 3 + [12, 250, 7, 61, 3, 90, 18])
 NEW = 32
 
 
-def reference_model(model_type: str):
-    config = transformers.AutoConfig.for_model(model_type, **COMMON, **EXTRA[model_type])
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # larger weights than the default init: logits and router choices well apart
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2)
-    return model
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """model_type -> (transformers' model, layout -> checkpoint folder with the tiny tokenizer)."""
-    from safetensors.torch import save_file
-
     root = tmp_path_factory.mktemp("moe")
     tokenizer = write_tiny_checkpoint(root / "tokenizer")
     out = {}
     for model_type in MODEL_TYPES:
-        reference = reference_model(model_type)
-        per_expert, stacked = root / model_type / "per_expert", root / model_type / "stacked"
-        reference.save_pretrained(str(per_expert))  # transformers 5 writes the experts one tensor each
-        stacked.mkdir(parents=True)
-        shutil.copy(per_expert / "config.json", stacked / "config.json")
-        save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(stacked / "model.safetensors"),
-                  metadata={"format": "pt"})
-        for folder in (per_expert, stacked):
-            for f in tokenizer.iterdir():
-                if f.name not in ("config.json", "model.safetensors"):
-                    shutil.copy(f, folder / f.name)
-        out[model_type] = (reference, {"per_expert": per_expert, "stacked": stacked})
+        reference = moe_reference_model(model_type)
+        out[model_type] = (reference, write_moe_checkpoints(root, model_type, reference, tokenizer))
     return out
 
 
