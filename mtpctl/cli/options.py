@@ -248,8 +248,9 @@ def policy_option(f):
 
 
 def draft_options_from(options: dict) -> DraftOptions:
-    """The drafters' settings of :func:`drafter_options`' values."""
-    fields = {name: options[name] for name in DraftOptions.__dataclass_fields__ if name != "suffix"}
+    """The drafters' settings of :func:`drafter_options`' values (the MTP layers' settings are the
+    library's only: the CLI runs them with their defaults)."""
+    fields = {name: options[name] for name in DraftOptions.__dataclass_fields__ if name not in ("suffix", "mtp")}
     return DraftOptions(**fields, suffix=suffix_settings_from(options))
 
 

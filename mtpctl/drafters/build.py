@@ -1,6 +1,7 @@
 """Drafters named by a spec, for the CLI, the library and the benchmarks alike.
 
-A spec is ``none``, or one or more of ``heads``, ``draft`` (a draft model, or the target's own
+A spec is ``none``, or one or more of ``heads``, ``mtp`` (the target checkpoint's own MTP layers,
+:mod:`mtpctl.drafters.mtp`), ``draft`` (a draft model, or the target's own
 layers: ``self``), ``suffix`` (suffix decoding), ``ngram``, ``retrieval`` and ``lookahead`` joined by
 ``+``: several are merged into one draft tree in that order (the heads' tree, the draft chain with the
 heads' candidates grafted under it, the suffix tree, the prompt-lookup chain, the retrieval tree, the lookahead candidates and window). :class:`DraftOptions` holds the
@@ -32,6 +33,7 @@ from mtpctl.drafters.draft_model import DraftModelDrafter
 from mtpctl.drafters.hybrid import HybridDrafter, grafts_heads
 from mtpctl.drafters.lookahead import LookaheadDrafter, LookaheadSettings
 from mtpctl.drafters.merged import MergedDrafter
+from mtpctl.drafters.mtp import MtpSettings, mtp_drafter
 from mtpctl.drafters.ngram import NgramDrafter
 from mtpctl.drafters.retrieval import DATASTORE_FILE, Datastore, RetrievalDrafter
 from mtpctl.drafters.self_draft import is_self, self_drafter
@@ -39,7 +41,7 @@ from mtpctl.drafters.suffix import SuffixSettings, suffix_drafter
 from mtpctl.errors import BadInput, UnsupportedModel
 from mtpctl.files import sha256_file
 
-MERGEABLE = ("heads", "draft", "suffix", "ngram", "retrieval", "lookahead")  # in merge order
+MERGEABLE = ("heads", "mtp", "draft", "suffix", "ngram", "retrieval", "lookahead")  # in merge order
 SPECS = ("none",) + MERGEABLE
 RETRIEVAL_NODES = 4  # default size of the retrieval tree
 
@@ -77,6 +79,7 @@ class DraftOptions:
     draft_map: Optional[str] = None  # an id map from mtpctl pair --out [draft]
     lookahead: Optional[LookaheadSettings] = None  # window, n-gram size, candidates (None: defaults) [lookahead]
     suffix: Optional[SuffixSettings] = None  # suffix decoding's settings and cache file (None: defaults) [suffix]
+    mtp: Optional[MtpSettings] = None  # how the MTP layers run (None: the defaults, docs/heads.md) [mtp]
 
 
 def check(parts: Sequence[str], opts: DraftOptions) -> None:
@@ -109,6 +112,8 @@ def check(parts: Sequence[str], opts: DraftOptions) -> None:
     for name in ("datastore", "retrieval_nodes"):
         if values[name] and "retrieval" not in parts:
             raise BadInput("this setting goes with the retrieval drafter", option=name)
+    if opts.mtp is not None and "mtp" not in parts:
+        raise BadInput("this setting goes with the mtp drafter", option="mtp")
     if opts.suffix is not None and "suffix" not in parts:
         raise BadInput("this setting goes with the suffix drafter", option=(opts.suffix.options_set() or ["suffix"])[0])
 
@@ -129,6 +134,8 @@ def check_required(parts: Sequence[str], opts: DraftOptions) -> None:
         raise BadInput("the draft drafter needs a draft model (one checked with mtpctl pair TARGET MODEL, or self: "
                        "the target's own layers)",
                        option="draft_model")
+    if "mtp" in parts and opts.draft_len is None:
+        raise BadInput("MTP layers draft a fixed number of tokens a step, not an automatic one", option="draft_len")
     if "ngram" in parts and opts.draft_len is None:
         raise BadInput("the prompt-lookup chain needs a fixed draft length, not an automatic one", option="draft_len")
     if "heads" in parts and not opts.heads_dir:
@@ -340,7 +347,8 @@ def build(session: Session, spec: Union[str, Sequence[str]], opts: Optional[Draf
     alone = SamplingParams() if len(names) > 1 else sampling  # inside a merge a draft model drafts greedily
     members = [member_drafter(session, name, opts, alone, parts, progress) for name in names]
     if "heads" in names and "draft" in names and grafts_heads(members[0]):
-        members[:2] = [HybridDrafter(members[0], members[1])]
+        at = names.index("draft")
+        members[0] = HybridDrafter(members[0], members.pop(at))
     return members[0] if len(members) == 1 else MergedDrafter(members)
 
 
@@ -354,6 +362,8 @@ def member_drafter(session: Session, name: str, opts: DraftOptions, sampling: Sa
     if name == "heads":
         tree = read_tree(opts.tree_file, parts.heads.cfg.num_heads) if opts.tree_file else None
         return heads_drafter(session, parts.heads, tree, opts.tree_nodes, opts.dynamic_tree)
+    if name == "mtp":
+        return mtp_drafter(session, opts.draft_len, opts.mtp)
     if name == "draft":
         return draft_drafter(session, opts, sampling, progress)
     if name == "ngram":
