@@ -108,19 +108,29 @@ MOE_EXTRA = {"qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_interme
              "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)}
 
 
-def moe_reference_model(model_type: str, **overrides):
-    """transformers' tiny random MoE model of ``model_type`` (float32, eval), seeded; ``overrides``
-    change config keys."""
+def random_reference_model(model_type: str, **config):
+    """transformers' tiny random model of ``model_type`` with these config keys (float32, eval), seeded:
+    matrices drawn N(0, 0.2), larger than the default init, so logits and router choices stand well
+    apart, and any ``e_score_correction_bias`` N(0, 0.1), so expert selection reads it."""
     import transformers
 
-    config = transformers.AutoConfig.for_model(model_type, **{**MOE_COMMON, **MOE_EXTRA[model_type], **overrides})
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # larger weights than the default init: logits and router choices well apart
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(model_type, **config),
+                                                          dtype=torch.float32).eval()
+    with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
     return model
+
+
+def moe_reference_model(model_type: str, **overrides):
+    """transformers' tiny random MoE model of ``model_type`` (:func:`random_reference_model`);
+    ``overrides`` change config keys."""
+    return random_reference_model(model_type, **{**MOE_COMMON, **MOE_EXTRA[model_type], **overrides})
 
 
 def write_moe_checkpoints(root: Path, model_type: str, reference=None, tokenizer: Path = None) -> dict:

@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import ScriptedDrafter, run, write_tiny_checkpoint
+from helpers import ScriptedDrafter, random_reference_model, run, write_tiny_checkpoint
 
 from mtpctl.backends.torch import TorchEngine
 from mtpctl.decode.tree import DraftTree
@@ -40,17 +40,7 @@ NEW = 32
 
 
 def reference_model(model_type: str):
-    config = transformers.AutoConfig.for_model(model_type, **COMMON, **EXTRA[model_type])
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # larger weights than the default init: logits and router choices well apart
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0, 0.1)
-    return model
+    return random_reference_model(model_type, **COMMON, **EXTRA[model_type])
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import assert_one_line_exit_2, cli, run, write_tiny_checkpoint
+from helpers import assert_one_line_exit_2, cli, random_reference_model, run, write_tiny_checkpoint
 
 from test_glm_deepseek_families import COMMON, EXTRA, MODEL_TYPES, PROMPTS
 
@@ -28,18 +28,7 @@ LAYERS = COMMON["num_hidden_layers"]
 
 
 def _reference(model_type: str):
-    config = transformers.AutoConfig.for_model(model_type, **{**COMMON, "num_nextn_predict_layers": 1},
-                                               **EXTRA[model_type])
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0, 0.1)
-    return model
+    return random_reference_model(model_type, **{**COMMON, "num_nextn_predict_layers": 1}, **EXTRA[model_type])
 
 
 def _mtp_tensors(tensors: dict, seed: int) -> dict:
