@@ -36,7 +36,7 @@ CHUNK_VALUES = 1 << 24
 
 def write_synthetic_checkpoint(out: Path, config: dict, shards: int = 1, seed: int = 0,
                                tokenizer_from: Optional[Path] = None, dtype: torch.dtype = torch.bfloat16,
-                               std: float = 0.02, overwrite: bool = False) -> Path:
+                               std: float = 0.02, overwrite: bool = False, per_expert: bool = True) -> Path:
     """Write a checkpoint folder ``out`` for ``config`` (a ``config.json`` dict) with random weights.
 
     Args:
@@ -47,6 +47,7 @@ def write_synthetic_checkpoint(out: Path, config: dict, shards: int = 1, seed: i
         dtype: of the weights (bfloat16, float16 or float32).
         std: standard deviation of linear weights and embeddings.
         overwrite: replace an existing ``out``.
+        per_expert: a MoE config's experts one tensor each (released checkpoints' layout), else stacked.
 
     Returns:
         ``out``, written atomically (a temporary folder renamed when complete).
@@ -58,7 +59,7 @@ def write_synthetic_checkpoint(out: Path, config: dict, shards: int = 1, seed: i
     cfg = DecoderConfig.from_dict(config)
     if dtype not in DTYPE_NAMES:
         raise BadInput(f"synthetic weights are bfloat16, float16 or float32, not {dtype}", option="dtype")
-    tensors = checkpoint_tensors(cfg)
+    tensors = checkpoint_tensors(cfg, per_expert)
     groups = split_shards(tensors, shards, dtype.itemsize)
     with output_folder(Path(out), overwrite) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
@@ -72,13 +73,25 @@ def write_synthetic_checkpoint(out: Path, config: dict, shards: int = 1, seed: i
     return Path(out)
 
 
-def checkpoint_tensors(cfg: DecoderConfig) -> List[Tuple[str, Tuple[int, ...]]]:
+def checkpoint_tensors(cfg: DecoderConfig, per_expert: bool = True) -> List[Tuple[str, Tuple[int, ...]]]:
     """(name, shape) of every tensor of a checkpoint of ``cfg`` (no ``lm_head.weight`` when tied), in
-    Hugging Face's order: embeddings, layers, final norm, lm_head."""
-    shapes = expected_tensors(cfg)
+    Hugging Face's order: embeddings, layers, final norm, lm_head. A MoE model's experts one tensor per
+    expert and projection (``per_expert``, what ``save_pretrained`` writes) or stacked."""
+    shapes = expected_tensors(cfg, expert_layout_names(cfg) if per_expert else None)
     head = [] if cfg.tie_word_embeddings else [("lm_head.weight", shapes.pop("lm_head.weight"))]
     norm = ("model.norm.weight", shapes.pop("model.norm.weight"))
     return list(shapes.items()) + [norm] + head
+
+
+def expert_layout_names(cfg: DecoderConfig) -> Optional[set]:
+    """Names that make the family's tensor map (:func:`~mtpctl.model.decoder.expected_tensors`) give every
+    MoE layer of ``cfg`` its experts one tensor each: each layer's first expert's gate projection; None
+    for a dense model."""
+    experts = cfg.family.experts
+    if cfg.moe is None or experts is None:
+        return None
+    return {f"model.layers.{n}.{experts.prefix}experts.0.{experts.names[0]}.weight"
+            for n in range(cfg.num_hidden_layers)}
 
 
 def split_shards(tensors: List[Tuple[str, Tuple[int, ...]]], shards: int,
@@ -174,7 +187,7 @@ def copy_tokenizer(source: Path, folder: Path) -> None:
 
 
 def checkpoint_bytes(cfg: DecoderConfig, dtype: torch.dtype = torch.bfloat16) -> int:
-    """Bytes of the weights of a checkpoint of ``cfg`` in ``dtype``."""
+    """Bytes of the weights of a checkpoint of ``cfg`` in ``dtype`` (the same in either expert layout)."""
     return sum(_numel(shape) for _, shape in checkpoint_tensors(cfg)) * dtype.itemsize
 
 
