@@ -137,13 +137,16 @@ SECTIONS = [
     Section("big", "Checkpoints at scale: memory and speed of real shapes",
             "Synthetic checkpoints of published shapes (random bfloat16 weights in 4 safetensors shards with an "
             "index, SmolLM2's tokenizer; `mtpctl.model.synthetic`): a Llama-3.2-1B-like model (hidden 2048, 16 "
-            "layers) and Llama-3.1-8B's shapes. Each step runs in a child process of its own: loading a bfloat16 "
+            "layers), Llama-3.1-8B's shapes, and Qwen3-30B-A3B's MoE shapes at 2 of its 48 layers (128 experts, 8 "
+            "per token, one tensor per expert as save_pretrained writes them; benchmarks/shapes/README.md). Each "
+            "step runs in a child process of its own: loading a bfloat16 "
             "session, `mtpctl generate` of a few tokens, and verify passes of chains against a plain step. Peak RSS "
             "is the child's own (ru_maxrss), against the checkpoint's bytes, also with the child's start-up "
             "(python, torch, mtpctl) taken off.",
             lambda a: [f"{PYTHON} benchmarks/bench_big.py --shape benchmarks/shapes/{shape}.json --cache-dir "
                        f"{a.synth_dir} --max-new-tokens {new} --verify-sizes 4,8 --reps {reps} --threads {THREADS}"
-                       for shape, new, reps in (("llama-3.2-1b-like", 16, 5), ("llama-3.1-8b", 4, 2))],
+                       for shape, new, reps in (("llama-3.2-1b-like", 16, 5), ("llama-3.1-8b", 4, 2),
+                                                 ("qwen3-moe-scaled", 16, 5))],
             tables_only=False,
             notes=["add-heads' peak RSS as its positions double (SmolLM2-135M, float32 target, Medusa, features extracted afresh: `mtpctl add-heads --data F --no-self-distill --epochs 1 --device cpu --threads 2 --out DIR`, F the built-in written sets' first 25k tokens as text records, then the same records twice and four times; peak sampled from ps each second, measured at 7bac5ff): 3.24 GB at 23k training positions, 3.41 GB at 47k, 3.58 GB at 93k, about +5% a doubling (the features stream from disk; what remains is extraction's and evaluation's working memory, not the positions)."]),
     Section("gpu", "On a GPU: the pipeline's check",
