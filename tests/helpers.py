@@ -489,3 +489,47 @@ def assert_lossless(session, prompt_ids, plain, spec):
     gap = top2_gap(engine.prefill(list(prompt_ids) + plain[:i]).logits[-1])
     assert gap < NEAR_TIE, f"divergence at token {i} with top-2 logit gap {gap:.2e}: a bug, not a near-tie"
     warnings.warn(f"near-tie flip at token {i} (top-2 gap {gap:.2e})")
+
+
+#: token-id prompts of the tiny family checkpoints' parity tests (the tiny tokenizer's ids; 258 is EOS)
+FAMILY_PROMPTS = ([5, 77, 200, 31, 9], [100, 101, 102, 100, 101, 102, 100, 101, 102],
+                  [44] * 3 + [12, 250, 7, 61, 3, 90, 18])
+
+
+def assert_equals_transformers(reference, model: Decoder, folder: Path, prompts=FAMILY_PROMPTS, new: int = 32):
+    """mtpctl against transformers' ``reference`` (float32): prefill logits within 1e-4 at every position
+    of each prompt, and ``new`` greedy tokens of ``folder`` loaded by :func:`mtpctl.load` equal to
+    transformers' ``generate`` (up to EOS)."""
+    import mtpctl
+
+    for prompt in prompts:
+        with torch.no_grad():
+            expected = reference(torch.tensor([prompt])).logits[0]
+        ours = TorchEngine(model, len(prompt) + 1).verify(DraftTree.chain(prompt)).logits
+        assert (ours - expected).abs().max() < 1e-4
+    llm = mtpctl.load(str(folder), speculate="none", dtype="float32", threads=1)
+    for prompt in prompts:
+        with torch.no_grad():
+            hf = reference.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        ours = llm.pipeline.generate(list(prompt), new).token_ids
+        assert ours == hf[:len(ours)] and (len(ours) == new or ours[-1] == 258)
+
+
+def assert_speculation_equals_plain(folder: Path, dtype: str, prompts=FAMILY_PROMPTS, new: int = 32):
+    """Greedy prompt lookup on ``folder`` (each prompt alone, and all in one batch) and a scripted
+    drafter (exact, and every third proposal corrupted) give plain greedy decoding's tokens."""
+    import mtpctl
+    from mtpctl.decode.session import GenerationRequest
+
+    plain = mtpctl.load(str(folder), speculate="none", dtype=dtype, threads=1)
+    ngram = mtpctl.load(str(folder), speculate="ngram", dtype=dtype, speculate_policy="always", threads=1)
+    expected = [plain.pipeline.generate(list(p), new).token_ids for p in prompts]
+    assert [ngram.pipeline.generate(list(p), new).token_ids for p in prompts] == expected
+    batch = ngram.generate_batch([GenerationRequest(list(p), new) for p in prompts], max_batch=len(prompts))
+    assert [r.token_ids for r in batch] == expected
+    model = plain.session.model
+    alone = run(model, max_new=new, prompt=prompts[1])
+    for corrupt in (0, 3):
+        drafter = ScriptedDrafter(len(prompts[1]), alone.token_ids, model.cfg.vocab_size, corrupt_every=corrupt)
+        assert run(model, drafter, max_new=new, prompt=prompts[1]).token_ids == alone.token_ids

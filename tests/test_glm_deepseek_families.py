@@ -12,10 +12,9 @@ import shutil
 import pytest
 import torch
 
-from helpers import ScriptedDrafter, random_reference_model, run, write_tiny_checkpoint
+from helpers import (FAMILY_PROMPTS, assert_equals_transformers, assert_speculation_equals_plain,
+                     random_reference_model, write_tiny_checkpoint)
 
-from mtpctl.backends.torch import TorchEngine
-from mtpctl.decode.tree import DraftTree
 from mtpctl.errors import CorruptModel
 from mtpctl.model.config import DecoderConfig, rope_attention_factor
 from mtpctl.model.decoder import Decoder, rope_inv_freq
@@ -35,7 +34,7 @@ EXTRA = {"glm4_moe": dict(num_key_value_heads=2, head_dim=16, attention_bias=Tru
                              qk_rope_head_dim=16, v_head_dim=16, routed_scaling_factor=2.5,
                              rope_scaling=dict(YARN, type="yarn"))}
 MODEL_TYPES = tuple(EXTRA)
-PROMPTS = ([5, 77, 200, 31, 9], [100, 101, 102, 100, 101, 102, 100, 101, 102], [44] * 3 + [12, 250, 7, 61, 3, 90, 18])
+PROMPTS = FAMILY_PROMPTS
 NEW = 32
 
 
@@ -78,42 +77,15 @@ def test_the_checkpoints_have_what_the_families_read(folders):
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_logits_and_greedy_tokens_equal_transformers_in_float32(folders, model_type):
-    import mtpctl
-
     reference, folder = folders[model_type]
     model = Decoder.from_folder(folder)
-    for prompt in PROMPTS:
-        with torch.no_grad():
-            expected = reference(torch.tensor([prompt])).logits[0]
-        ours = TorchEngine(model, len(prompt) + 1).verify(DraftTree.chain(prompt)).logits
-        assert (ours - expected).abs().max() < 1e-4
-    llm = mtpctl.load(str(folder), speculate="none", dtype="float32", threads=1)
-    for prompt in PROMPTS:
-        with torch.no_grad():
-            hf = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                                    eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        ours = llm.pipeline.generate(list(prompt), NEW).token_ids
-        assert ours == hf[:len(ours)] and (len(ours) == NEW or ours[-1] == 258)
+    assert_equals_transformers(reference, model, folder, PROMPTS, NEW)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_speculation_and_batches_equal_plain_decoding(folders, model_type, dtype):
-    import mtpctl
-    from mtpctl.decode.session import GenerationRequest
-
-    folder = folders[model_type][1]
-    plain = mtpctl.load(str(folder), speculate="none", dtype=dtype, threads=1)
-    ngram = mtpctl.load(str(folder), speculate="ngram", dtype=dtype, speculate_policy="always", threads=1)
-    expected = [plain.pipeline.generate(list(p), NEW).token_ids for p in PROMPTS]
-    assert [ngram.pipeline.generate(list(p), NEW).token_ids for p in PROMPTS] == expected
-    batch = ngram.generate_batch([GenerationRequest(list(p), NEW) for p in PROMPTS], max_batch=len(PROMPTS))
-    assert [r.token_ids for r in batch] == expected
-    model = plain.session.model
-    alone = run(model, max_new=NEW, prompt=PROMPTS[1])
-    for corrupt in (0, 3):
-        drafter = ScriptedDrafter(len(PROMPTS[1]), alone.token_ids, model.cfg.vocab_size, corrupt_every=corrupt)
-        assert run(model, drafter, max_new=NEW, prompt=PROMPTS[1]).token_ids == alone.token_ids
+    assert_speculation_equals_plain(folders[model_type][1], dtype, PROMPTS, NEW)
 
 
 def _mtp_layer(tensors: dict, layers: int) -> dict:

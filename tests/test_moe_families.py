@@ -10,11 +10,10 @@ import shutil
 import pytest
 import torch
 
-from helpers import MOE_EXTRA, ScriptedDrafter, cli, moe_reference_model, run, write_moe_checkpoints, write_tiny_checkpoint
+from helpers import (FAMILY_PROMPTS, MOE_EXTRA, assert_equals_transformers, assert_speculation_equals_plain, cli,
+                     moe_reference_model, write_moe_checkpoints, write_tiny_checkpoint)
 
-from mtpctl.backends.torch import TorchEngine
 from mtpctl.decode.cost_table import model_identity
-from mtpctl.decode.tree import DraftTree
 from mtpctl.errors import CorruptModel
 from mtpctl.model.config import DecoderConfig
 from mtpctl.model.decoder import Decoder
@@ -24,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 EXTRA = MOE_EXTRA
 MODEL_TYPES = tuple(EXTRA)
 LAYOUTS = ("per_expert", "stacked")
-PROMPTS = ([5, 77, 200, 31, 9], [100, 101, 102, 100, 101, 102, 100, 101, 102], [44] * 3 + [12, 250, 7, 61, 3, 90, 18])
+PROMPTS = FAMILY_PROMPTS
 NEW = 32
 
 
@@ -54,44 +53,17 @@ def test_save_pretrained_writes_one_tensor_per_expert_and_state_dict_stacks_them
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_logits_and_greedy_tokens_equal_transformers_in_float32(folders, model_type, layout):
-    import mtpctl
-
     reference, where = folders[model_type]
     model = Decoder.from_folder(where[layout])
     assert [layer.moe is not None for layer in model.layers] == \
         ([True, False, True] if model_type == "qwen3_moe" else [True] * 3)
-    for prompt in PROMPTS:
-        with torch.no_grad():
-            expected = reference(torch.tensor([prompt])).logits[0]
-        ours = TorchEngine(model, len(prompt) + 1).verify(DraftTree.chain(prompt)).logits
-        assert (ours - expected).abs().max() < 1e-4
-    llm = mtpctl.load(str(where[layout]), speculate="none", dtype="float32", threads=1)
-    for prompt in PROMPTS:
-        with torch.no_grad():
-            hf = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                                    eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        ours = llm.pipeline.generate(list(prompt), NEW).token_ids
-        assert ours == hf[:len(ours)] and (len(ours) == NEW or ours[-1] == 258)
+    assert_equals_transformers(reference, model, where[layout], PROMPTS, NEW)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_speculation_and_batches_equal_plain_decoding(folders, model_type, dtype):
-    import mtpctl
-    from mtpctl.decode.session import GenerationRequest
-
-    folder = folders[model_type][1]["per_expert"]
-    plain = mtpctl.load(str(folder), speculate="none", dtype=dtype, threads=1)
-    ngram = mtpctl.load(str(folder), speculate="ngram", dtype=dtype, speculate_policy="always", threads=1)
-    expected = [plain.pipeline.generate(list(p), NEW).token_ids for p in PROMPTS]
-    assert [ngram.pipeline.generate(list(p), NEW).token_ids for p in PROMPTS] == expected
-    batch = ngram.generate_batch([GenerationRequest(list(p), NEW) for p in PROMPTS], max_batch=len(PROMPTS))
-    assert [r.token_ids for r in batch] == expected
-    model = plain.session.model
-    alone = run(model, max_new=NEW, prompt=PROMPTS[1])
-    for corrupt in (0, 3):
-        drafter = ScriptedDrafter(len(PROMPTS[1]), alone.token_ids, model.cfg.vocab_size, corrupt_every=corrupt)
-        assert run(model, drafter, max_new=NEW, prompt=PROMPTS[1]).token_ids == alone.token_ids
+    assert_speculation_equals_plain(folders[model_type][1]["per_expert"], dtype, PROMPTS, NEW)
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
