@@ -8,7 +8,7 @@ from helpers import BLOCKED_DTYPES
 
 from mtpctl.model.native import load_kernel
 from mtpctl.model.linears import BlockedLinear, TiledLinear, blocked_layout_available, pack_exact
-from mtpctl.model.row_invariance import row_invariant, verdict
+from mtpctl.model.row_invariance import dtype_name, row_invariant, verdict
 
 needs_onednn = pytest.mark.skipif(not blocked_layout_available(), reason="this torch build has no oneDNN linear ops")
 
@@ -128,7 +128,7 @@ def test_blocked_rows_do_not_depend_on_the_block(dtype, shape):
     batch-invariant). Large-magnitude rows too, where a one-row kernel's different rounding would show.
     Asserted where this CPU selects the layout: where its check failed here (oneDNN's bfloat16 kernels on
     an Intel CPU with AMX), the decoder holds no weight in it (tests/test_row_invariance.py)."""
-    path = f"onednn-{str(dtype).removeprefix('torch.')}"
+    path = f"onednn-{dtype_name(dtype)}"
     if not row_invariant(path):
         pytest.skip(f"{path} is not row-invariant on this CPU ({verdict(path).detail}): mtpctl never selects it here")
     g = torch.Generator().manual_seed(0)

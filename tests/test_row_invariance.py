@@ -16,8 +16,8 @@ from mtpctl.errors import UnsupportedModel
 from mtpctl.model import row_invariance
 from mtpctl.model.linears import FixedRowsLinear, PackedLinear
 from mtpctl.model.native import load_kernel
-from mtpctl.model.row_invariance import (Verdict, dense_path, first_difference, int4_path, path_of, row_invariant,
-                                         verdict)
+from mtpctl.model.row_invariance import (Verdict, dense_path, dtype_name, first_difference, int4_path, path_of,
+                                         row_invariant, verdict)
 
 SMALL = dict(shapes=((64, 96),), block_rows=(1, 2, 3, 8, 16), offsets=(0, 2))
 
@@ -110,7 +110,7 @@ def test_a_model_whose_fast_paths_fail_decodes_exactly_on_fixed_rows(monkeypatch
     failing(monkeypatch, "native-tiles", "onednn-bfloat16", "onednn-float32")
     model = random_decoder(seed=3, dtype=dtype, blocked=True)
     paths = {path_of(m) for m in model.modules()} - {None}
-    assert paths == {f"fixed-rows-{str(dtype)[6:]}"}
+    assert paths == {f"fixed-rows-{dtype_name(dtype)}"}
     assert all(isinstance(model.layers[0].__dict__["_modules"][n], FixedRowsLinear) for n in ("qkv", "down"))
     plain = greedy_reference(model, PROMPT, 24)
     # fixed-rows blocks sum in another order than the native or oneDNN kernels: near-ties may differ from

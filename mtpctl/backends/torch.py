@@ -20,7 +20,7 @@ from mtpctl.model.device import Placement, resolve_placement
 from mtpctl.model.linears import PackedLinear, TiledLinear
 from mtpctl.model.kv_cache import PassSlots
 from mtpctl.model.native import check_plan, kernel_runs, matmul_isa
-from mtpctl.model.row_invariance import int4_path, path_of, verdicts
+from mtpctl.model.row_invariance import dtype_name, int4_path, int4_paths, path_of, verdicts
 from mtpctl.model.tokenizer import TextCodec
 from mtpctl.model.weights import weights_hash
 
@@ -346,17 +346,14 @@ class TorchSession(Session):
         if not native:
             self.model.hold_fixed_rows(self.placement.rows)
         if weights == "int4" and not self.model.packed_weights:
+            candidates = int4_paths(self.model.dtype, None if native else False)
             if int4_path(self.model.dtype, None if native else False) is None:
+                checked = [f"{v.path} ({v.detail or 'row-invariant'})" for v in verdicts(candidates).values()]
                 raise UnsupportedModel("no int4 kernel computes a row alike alone and in a verify pass on this CPU "
-                                       f"(checked: {', '.join(self._int4_verdicts())}), so int4 weights would not "
+                                       f"(checked: {', '.join(checked)}), so int4 weights would not "
                                        "decode losslessly here: load the dense weights", option="weights")
             raise UnsupportedModel(f"no weight of {self.folder} is 4-/8-bit group-quantized (GGUF Q4_1/Q8_0), "
                                    "so it has no int4 weights to keep: load its dense weights", option="weights")
-
-    def _int4_verdicts(self) -> List[str]:
-        """``path (where it failed)`` of each int4 path that could run this model's codes here."""
-        paths = ["native-int4", f"torch-int4-{str(self.model.dtype).removeprefix('torch.')}"]
-        return [f"{v.path} ({v.detail or 'row-invariant'})" for v in verdicts(paths).values()]
 
     @property
     def context_length(self) -> int:
@@ -428,7 +425,7 @@ class TorchSession(Session):
             return {}
         paths = {path_of(m) for m in self.model.modules()} - {None}
         if any(getattr(layer, "moe", None) is not None for layer in self.model.layers):  # experts: fixed-row blocks
-            paths.add(f"fixed-rows-{str(self.model.dtype).removeprefix('torch.')}")
+            paths.add(f"fixed-rows-{dtype_name(self.model.dtype)}")
         if self.attention == "torch":
             paths.add("torch-attention-float32")
         return {path: "row-invariant" if v.invariant else f"not row-invariant: {v.detail}"

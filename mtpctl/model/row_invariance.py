@@ -34,7 +34,7 @@ import os
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -233,18 +233,23 @@ def verdicts(paths: Sequence[str]) -> Dict[str, Verdict]:
     return {path: verdict(path) for path in paths}
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float32``, ``bfloat16``: a dtype as the paths' names spell it."""
     return str(dtype).removeprefix("torch.")
 
 
+def int4_paths(dtype: torch.dtype, native: Optional[bool] = None) -> List[str]:
+    """The paths 4-/8-bit codes may decode on here with activations in ``dtype``, fastest first:
+    ``native-int4`` (bfloat16 activations, native kernels that load, ``native`` not False), then
+    ``torch-int4-DTYPE``."""
+    fast = ["native-int4"] if native is not False and dtype == torch.bfloat16 and load_kernel() is not None else []
+    return fast + [f"torch-int4-{dtype_name(dtype)}"]
+
+
 def int4_path(dtype: torch.dtype, native: Optional[bool] = None) -> Optional[str]:
-    """The path 4-/8-bit codes decode on here with activations in ``dtype``, the fastest that holds:
-    ``native-int4`` (bfloat16 activations, native kernels that load, ``native`` not False), else
-    ``torch-int4-DTYPE``; None where neither holds (the weights are then held dense)."""
-    candidates = ["native-int4"] if native is not False and dtype == torch.bfloat16 and load_kernel() is not None \
-        else []
-    candidates.append(f"torch-int4-{_dtype_name(dtype)}")
-    return next((path for path in candidates if path in PATHS and row_invariant(path)), None)
+    """The first of :func:`int4_paths` that holds here; None where none does (the weights are then held
+    dense)."""
+    return next((path for path in int4_paths(dtype, native) if path in PATHS and row_invariant(path)), None)
 
 
 def dense_path(dtype: torch.dtype, shape: Tuple[int, ...]) -> str:
@@ -253,7 +258,7 @@ def dense_path(dtype: torch.dtype, shape: Tuple[int, ...]) -> str:
     blocked layout for it), else ``fixed-rows-DTYPE`` (torch's matmul in fixed blocks of rows)."""
     if tiles_take(dtype, shape) and row_invariant("native-tiles"):
         return "native-tiles"
-    name = _dtype_name(dtype)
+    name = dtype_name(dtype)
     if blocked_layout_available(dtype) and row_invariant(f"onednn-{name}"):
         return f"onednn-{name}"
     return f"fixed-rows-{name}"
@@ -265,9 +270,9 @@ def path_of(linear) -> Optional[str]:
     if isinstance(linear, TiledLinear):
         return "native-tiles"
     if isinstance(linear, PackedLinear):
-        return "native-int4" if linear.native else f"torch-int4-{_dtype_name(linear.dtype)}"
+        return "native-int4" if linear.native else f"torch-int4-{dtype_name(linear.dtype)}"
     if isinstance(linear, BlockedLinear):
-        return f"onednn-{_dtype_name(linear.dtype)}"
+        return f"onednn-{dtype_name(linear.dtype)}"
     if isinstance(linear, FixedRowsLinear):
-        return f"fixed-rows-{_dtype_name(linear.weight.dtype)}"
+        return f"fixed-rows-{dtype_name(linear.weight.dtype)}"
     return None
