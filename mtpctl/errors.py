@@ -4,6 +4,7 @@ The CLI turns an :class:`MtpctlError` into one line on stderr and its ``exit_cod
 that escapes is a bug (exit code 3, traceback with ``--debug``).
 
 Exit codes: 0 ok, 1 a gate failed, 2 bad input or a missing resource, 3 internal error,
+4 a peer of ``bench`` failed (:class:`mtpctl.bench.peer_process.PeerFailed`: the rest was written),
 130 interrupted, 141 stdout closed early (as a Unix tool killed by SIGPIPE).
 """
 

@@ -283,7 +283,7 @@ def test_vllm_runs_exported_eagle3_heads_on_the_moe_target(moe, tmp_path):
     import mtpctl
 
     from mtpctl.bench.vllm_peer import run_worker, vllm_python
-    from mtpctl.errors import BadInput
+    from mtpctl.bench.peer_process import PeerFailed
     from mtpctl.export.serving import export_serving_heads
     from mtpctl.train.add_heads import add_heads
     from mtpctl.train.settings import TrainSettings
@@ -296,7 +296,7 @@ def test_vllm_runs_exported_eagle3_heads_on_the_moe_target(moe, tmp_path):
                "max_model_len": 128}
     try:
         plain = run_worker(request, log=tmp_path / "plain.log", timeout=900)
-    except BadInput as err:
+    except PeerFailed as err:
         pytest.skip(f"vLLM's CPU build cannot run the tiny Qwen3-MoE target: {err}")
     plain_ids = [r["token_ids"] for r in plain["results"]]
     ours = mtpctl.load(str(target), speculate="none", dtype="float32", threads=1)

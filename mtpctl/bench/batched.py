@@ -96,6 +96,10 @@ def summarize_batched(runs: Dict[tuple, List[Run]], weight_bytes: Dict[str, int]
     first = reference[min(reference)] if reference else None
     rows = []
     for (name, size), rounds in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0] != "plain")):
+        if rounds[0].get("failed"):  # a peer's run that failed: its reason, no figures
+            rows.append({"method": name, "batch_size": size, "failed": rounds[0]["failed"], "requests": 0,
+                         "tokens_per_s": None, "speedup": None, "itl_ms_p99": None})
+            continue
         results: List[GenerationResult] = [r for run in rounds for r in run["results"]]
         tokens = sum(r.stats.new_tokens for r in results)
         ratios = _speedups(rounds, runs.get(("plain", size)))
@@ -144,6 +148,9 @@ def format_batched(rows: List[dict]) -> str:
              "| same as plain | peak memory MiB |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        if r.get("failed"):
+            lines.append(f"| {r['batch_size']} | {r['method']} | failed: {r['failed']} |" + " - |" * 7)
+            continue
         lines.append(f"| {r['batch_size']} | {r['method']} | {r['tokens_per_s']:.1f} | {speedup(r)} "
                      f"| {f(r['ttft_ms_p50'], '.0f')} | {f(r['itl_ms_p50'], '.1f')} / {f(r['itl_ms_p99'], '.1f')} "
                      f"| {f(r['tau'], '.2f')} | {f(r['acceptance_rate'], '.2f')} "
@@ -167,7 +174,7 @@ def plot_batched(path, rows: List[dict]) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name in dict.fromkeys(r["method"] for r in rows):
-        points = [(r["batch_size"], r["tokens_per_s"]) for r in rows if r["method"] == name]
+        points = [(r["batch_size"], r["tokens_per_s"]) for r in rows if r["method"] == name and not r.get("failed")]
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size (requests decoded at once)")

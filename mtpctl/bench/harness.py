@@ -13,6 +13,8 @@ affects all methods alike. Figures (glossary in docs/glossary.md):
   draft tokens at position j / draft tokens proposed at position j.
 - same as plain: runs whose tokens equal plain's run of the same prompt and round (greedy
   speculation is lossless: every run; with sampling, or for peers with other numerics, fewer).
+- failed: a peer that crashed, hung or could not start (:class:`~mtpctl.bench.peer_process.PeerFailed`):
+  its row says why and carries no figures; the other methods run on.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
+from mtpctl.bench.peer_process import PeerFailed
 from mtpctl.errors import BadInput
 from mtpctl.decode.loop import GenerationResult
 
@@ -70,11 +73,13 @@ def load_prompts(path: Optional[Path] = None) -> List[BenchPrompt]:
 
 @dataclass
 class MethodRuns:
-    """Every run of one method: results in (round, prompt) order."""
+    """Every run of one method: results in (round, prompt) order; ``failed`` the reason a peer stopped
+    (its runs so far are not reported)."""
 
     name: str
     results: List[GenerationResult] = field(default_factory=list)
     prompt_index: List[int] = field(default_factory=list)
+    failed: Optional[str] = None
 
 
 def percentile(values: Sequence[float], q: float) -> Optional[float]:
@@ -119,6 +124,8 @@ def summarize(runs: MethodRuns, plain: Optional[MethodRuns], weight_bytes: Optio
     summary gives ``peak_memory_bytes`` = weights + the largest KV cache a run allocated (the memory
     the method needs, not the process's RSS, which is shared by every method of the run).
     """
+    if runs.failed:
+        return failed_summary(runs)
     results = runs.results
     new_tokens = sum(r.stats.new_tokens for r in results)
     total_ms = sum(r.stats.total_ms for r in results)
@@ -146,6 +153,18 @@ def summarize(runs: MethodRuns, plain: Optional[MethodRuns], weight_bytes: Optio
                        speedup_p90=percentile(ratios, 90),
                        same_as_plain=sum(m.token_ids == p.token_ids for p, m in zip(plain.results, results)))
     return summary
+
+
+#: the figures of a row (:func:`summarize`), each None in a failed peer's row
+FIGURES = ("tokens_per_s", "ttft_ms_p50", "ttft_ms_mean", "itl_ms_p50", "itl_ms_p90", "itl_ms_p99", "tau",
+           "acceptance_rate", "peak_memory_bytes", "profile_ms_per_step", "speedup", "speedup_p10", "speedup_p90",
+           "same_as_plain")
+
+
+def failed_summary(runs: MethodRuns) -> dict:
+    """The row of a peer that failed: why, how many runs it completed, no figures."""
+    return {"method": runs.name, "failed": runs.failed, "runs": len(runs.results), "new_tokens": 0,
+            "acceptance_by_position": [], "accept_length_histogram": {}, **dict.fromkeys(FIGURES)}
 
 
 PHASES = ("draft", "verify", "logits", "accept", "commit")
@@ -193,18 +212,33 @@ def run_interleaved(methods: Dict[str, Callable[[List[int]], GenerationResult]],
         name -> :class:`MethodRuns`, runs in the same (round, prompt) order for every method.
     """
     names = list(methods)
+    runs = {name: MethodRuns(name) for name in names}
     if warmup and prompts:
         for name in names:
-            methods[name](prompts[0])
-    runs = {name: MethodRuns(name) for name in names}
+            attempt(runs[name], methods[name], prompts[0])
     for rnd in range(repeats):
         for i, prompt in enumerate(prompts):
             shift = (rnd * len(prompts) + i) % len(names)
             for name in names[shift:] + names[:shift]:
-                result = methods[name](prompt)
+                result = attempt(runs[name], methods[name], prompt)
+                if result is None:
+                    continue
                 runs[name].results.append(result)
                 runs[name].prompt_index.append(i)
                 if progress:
                     progress(f"round {rnd + 1}/{repeats} prompt {i + 1}/{len(prompts)} {name}: "
                              f"{result.stats.new_tokens} tokens, {result.stats.tokens_per_s:.1f} tokens/s")
     return runs
+
+
+def attempt(runs: MethodRuns, method: Callable[[List[int]], GenerationResult],
+            prompt: List[int]) -> Optional[GenerationResult]:
+    """One run of ``method``; None once it failed: a peer's :class:`PeerFailed` marks ``runs`` failed
+    (and is told on stderr by the caller's table), any other error is raised."""
+    if runs.failed:
+        return None
+    try:
+        return method(prompt)
+    except PeerFailed as err:
+        runs.failed = str(err)
+        return None

@@ -1,6 +1,7 @@
-"""Peers to compare mtpctl with, run on the same prompt token ids in the same process: HF
-transformers' ``generate`` (plain and prompt lookup) and llama.cpp (llama-cpp-python) on the GGUF
-file. Each is a runner ``prompt ids -> GenerationResult`` for :func:`mtpctl.bench.harness.run_interleaved`;
+"""Peers to compare mtpctl with, run on the same prompt token ids: HF transformers' ``generate``
+(plain and prompt lookup) and llama.cpp (llama-cpp-python) on the GGUF file. ``mtpctl bench`` runs
+each in its own process (:mod:`mtpctl.bench.peer_process`, which calls these in
+:mod:`mtpctl.bench.peer_worker`), so a peer's crash costs its row alone. Each is a runner ``prompt ids -> GenerationResult`` for :func:`mtpctl.bench.harness.run_interleaved`;
 their runs carry total time and new tokens only (TTFT, ITL and tau are not observable from outside)."""
 
 from __future__ import annotations

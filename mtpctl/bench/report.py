@@ -13,6 +13,7 @@ from typing import Dict, Optional
 
 from mtpctl.bench.harness import summarize
 from mtpctl.decode.cost_table import cpu_name
+from mtpctl.bench.peer_process import PeerFailed
 from mtpctl.errors import BadInput, GateFailed
 from mtpctl.files import write_file
 
@@ -41,7 +42,7 @@ def build_report(runs, prompts, weight_bytes: Dict[str, int], settings: dict) ->
     methods = [summarize(r, plain if name != "plain" else None, weight_bytes.get(name)) for name, r in runs.items()]
     categories: Dict[str, Dict[str, float]] = {}
     for name, r in runs.items():
-        for result, i in zip(r.results, r.prompt_index):
+        for result, i in zip([] if r.failed else r.results, r.prompt_index):
             cat = categories.setdefault(prompts[i].category, {}).setdefault(name, [0, 0.0])
             cat[0] += result.stats.new_tokens
             cat[1] += result.stats.total_ms
@@ -62,6 +63,9 @@ def format_table(report: dict) -> str:
              "| by position | same as plain | peak memory MiB |",
              "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for m in report["methods"]:
+        if m.get("failed"):
+            lines.append(f"| {m['method']} | failed after {m['runs']} run(s): {m['failed']} |" + " - |" * 8)
+            continue
         speed = "1.00 (baseline)" if m["method"] == "plain" else (
             f"{_fmt(m.get('speedup'), '.2f')} ({_fmt(m.get('speedup_p10'), '.2f')}-{_fmt(m.get('speedup_p90'), '.2f')})")
         itl = " / ".join(_fmt(m[k], ".1f") for k in ("itl_ms_p50", "itl_ms_p90", "itl_ms_p99"))
@@ -71,7 +75,7 @@ def format_table(report: dict) -> str:
                      f"| {_fmt(m['tau'], '.2f')} | {_fmt(m['acceptance_rate'], '.2f')} | {positions} "
                      f"| {same} | {_fmt(m['peak_memory_bytes'] and m['peak_memory_bytes'] / 2**20, '.1f')} |")
     cats = report["tokens_per_s_by_category"]
-    names = [m["method"] for m in report["methods"]]
+    names = [m["method"] for m in report["methods"] if not m.get("failed")]
     lines += ["", "| category | " + " | ".join(f"{n} tokens/s" for n in names) + " |",
               "|---|" + "---:|" * len(names)]
     for c, row in cats.items():
@@ -93,12 +97,12 @@ def plot(path: Path, report: dict, runs) -> None:
     except ImportError as err:
         raise BadInput("plots need matplotlib: pip install 'mtpctl[plot]'", option="plot_path") from err
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    names = [m["method"] for m in report["methods"]]
-    left.barh(names, [m["tokens_per_s"] for m in report["methods"]])  # horizontal: long names stay readable
+    measured = [m for m in report["methods"] if not m.get("failed")]
+    left.barh([m["method"] for m in measured], [m["tokens_per_s"] for m in measured])  # horizontal: long names stay readable
     left.invert_yaxis()
     left.set_xlabel("tokens/s")
     left.set_title("decoding speed")
-    for m in report["methods"]:
+    for m in measured:
         hist = m["accept_length_histogram"]
         if m["method"] != "plain" and hist:
             right.bar([int(k) for k in hist], list(hist.values()), alpha=0.6, label=m["method"])
@@ -130,6 +134,14 @@ def check_gates(rows: list, min_speedup: Optional[float], max_p99_ms: Optional[f
             misses.append(f"{name} p99 ITL {m['itl_ms_p99']:.2f} ms > {max_p99_ms}")
     if misses:
         raise GateFailed("gate missed: " + "; ".join(misses))
+
+
+def check_peers(rows: list) -> None:
+    """Raise PeerFailed (exit 4) naming each peer that failed, once the table and JSON are written
+    (after :func:`check_gates`: a missed gate exits 1 first)."""
+    failed = [f"{m['method']}: {m['failed']}" for m in rows if m.get("failed")]
+    if failed:
+        raise PeerFailed("peer failed (its row is marked failed, every other figure was written): " + "; ".join(failed))
 
 
 def format_profile(report: dict) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Optional, Sequence
 
 from mtpctl.bench.batched import format_batched, run_batch_sizes, summarize_batched
-from mtpctl.bench.harness import MethodRuns, run_interleaved
+from mtpctl.bench.harness import MethodRuns, attempt, run_interleaved
 from mtpctl.bench.report import build_report, format_table
 from mtpctl.drafters.suffix import index_stats, stats_line, suffix_member
 
@@ -40,8 +40,8 @@ def run_rounds(runners: Dict[str, Callable], prompts: Sequence[List[int]], round
                progress: Optional[Callable[[str], None]] = None) -> List[Dict[str, MethodRuns]]:
     """Each round's runs (:func:`~mtpctl.bench.harness.run_interleaved` over every prompt once), after a
     warm-up of every method on the first prompt that ``forget()`` then forgets."""
-    for run in runners.values():
-        run(prompts[0])
+    for name, run in runners.items():
+        attempt(MethodRuns(name), run, prompts[0])  # a peer that fails here fails again in round 1's row
     forget()
     out = []
     for number in range(1, rounds + 1):

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from mtpctl.bench.harness import MethodRuns
+from mtpctl.bench.peer_process import PeerFailed
 from mtpctl.decode.loop import GenerationResult, GenerationStats
 from mtpctl.errors import BadInput
 
@@ -48,7 +50,8 @@ def run_worker(request: dict, python: Optional[Path] = None, timeout: float = 36
     vLLM's own output goes to ``log`` (else is dropped).
 
     Raises:
-        BadInput: no vLLM environment; vLLM failed (its last error line is quoted).
+        BadInput: no vLLM environment.
+        PeerFailed: vLLM failed or took longer than ``timeout`` seconds (its last error line is quoted).
     """
     python = python or require_vllm()
     env = {**os.environ, "OMP_NUM_THREADS": str(request.get("threads") or 1)}
@@ -57,7 +60,7 @@ def run_worker(request: dict, python: Optional[Path] = None, timeout: float = 36
         done = subprocess.run([str(python), str(WORKER)], input=json.dumps(request), stdout=subprocess.PIPE,
                               stderr=err, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired as e:
-        raise BadInput(f"vLLM did not finish within {timeout:.0f} s") from e
+        raise PeerFailed(f"vLLM did not finish within {timeout:.0f} s (killed)") from e
     finally:
         if log:
             err.close()
@@ -65,7 +68,9 @@ def run_worker(request: dict, python: Optional[Path] = None, timeout: float = 36
         text = Path(log).read_text(encoding="utf-8", errors="replace") if log else (done.stderr or "")
         lines = [line for line in text.splitlines() if line.strip()]
         last = next((line for line in reversed(lines) if "Error" in line), lines[-1] if lines else "no output")
-        raise BadInput(f"vLLM failed (exit code {done.returncode}): {last.strip()[:300]}")
+        code = f"killed by {signal.Signals(-done.returncode).name}" if done.returncode < 0 else \
+            f"exit code {done.returncode}"
+        raise PeerFailed(f"vLLM failed ({code}): {last.strip()[:300]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -96,10 +101,11 @@ def spec_figures(spec: Optional[dict]) -> dict:
 
 def vllm_peers(folder: Path, configs: Dict[str, Tuple[Optional[dict], bool]], prompts: Sequence[List[int]],
                repeats: int, max_new_tokens: int, dtype: str, threads: int, eos_ids: Sequence[int],
-               progress=None) -> Tuple[Dict[str, MethodRuns], Dict[str, dict]]:
+               timeout: float = 3600, progress=None) -> Tuple[Dict[str, MethodRuns], Dict[str, dict]]:
     """Run each vLLM peer: name -> (vLLM ``speculative_config`` or None, weights_track). Returns the
     runs and, per peer, :func:`spec_figures`. Every prompt is run ``repeats`` times after a warm-up
-    run of the first one (dropped)."""
+    run of the first one (dropped). A peer that fails (:func:`run_worker`, within ``timeout`` seconds)
+    has its runs marked failed with the reason; the next peer still runs."""
     runs, figures = {}, {}
     for name, (spec, track) in configs.items():
         if progress:
@@ -107,7 +113,13 @@ def vllm_peers(folder: Path, configs: Dict[str, Tuple[Optional[dict], bool]], pr
         request = {"model": str(folder), "prompts": [list(prompts[0])] + [list(p) for p in prompts] * repeats,
                    "max_new_tokens": max_new_tokens, "speculative_config": spec, "threads": threads, "dtype": dtype,
                    "weights_track": track}
-        reply = run_worker(request)
+        try:
+            reply = run_worker(request, timeout=timeout)
+        except PeerFailed as err:
+            runs[name], figures[name] = MethodRuns(name, failed=str(err)), {}
+            if progress:
+                progress(f"{name}: failed: {err}")
+            continue
         reply["results"] = reply["results"][1:]  # the warm-up
         runs[name] = peer_runs(name, reply, prompts, repeats, eos_ids)
         figures[name] = spec_figures(reply["spec"])
@@ -119,17 +131,24 @@ def vllm_peers(folder: Path, configs: Dict[str, Tuple[Optional[dict], bool]], pr
 
 def vllm_batched(folder: Path, configs: Dict[str, Tuple[Optional[dict], bool]], prompts: Sequence[List[int]],
                  sizes: Sequence[int], max_new_tokens: int, dtype: str, threads: int, eos_ids: Sequence[int],
-                 progress=None) -> Dict[tuple, dict]:
+                 timeout: float = 3600, progress=None) -> Dict[tuple, dict]:
     """Each vLLM peer at each batch size: every prompt in one ``generate`` call with ``max_num_seqs``
     that size, after a warm-up. Returns (name, size) -> ``{"results": [...], "wall_ms": ...}``, as
-    :func:`mtpctl.bench.batched.run_batch_sizes` gives mtpctl's methods."""
+    :func:`mtpctl.bench.batched.run_batch_sizes` gives mtpctl's methods, or ``{"failed": reason}``
+    where that run failed (:func:`run_worker` within ``timeout`` seconds)."""
     runs = {}
     for name, (spec, track) in configs.items():
         for size in sizes:
             request = {"model": str(folder), "prompts": [list(prompts[0])] + [list(p) for p in prompts],
                        "max_new_tokens": max_new_tokens, "speculative_config": spec, "threads": threads,
                        "dtype": dtype, "weights_track": track, "max_num_seqs": size}
-            reply = run_worker(request)
+            try:
+                reply = run_worker(request, timeout=timeout)
+            except PeerFailed as err:
+                runs[name, size] = {"failed": str(err)}
+                if progress:
+                    progress(f"batch {size} {name}: failed: {err}")
+                continue
             results = peer_runs(name, {"results": reply["results"][1:]}, prompts, 1, eos_ids).results
             runs[name, size] = {"results": results, "wall_ms": reply["wall_ms"]}
             if progress:

@@ -15,9 +15,10 @@ from mtpctl.bench.harness import load_prompts, run_interleaved
 from mtpctl.bench.rounds import (batched_reports, format_rounds, forgetting, gate_rows, learning, round_reports,
                                  run_batched_rounds, run_rounds)
 from mtpctl.bench.methods import build_methods, parse_methods
-from mtpctl.bench.peers import llamacpp_runner, transformers_runner
+from mtpctl.bench.peer_process import DEFAULT_TIMEOUT_S, start_peer
 from mtpctl.bench.batched import format_batched, plot_batched, run_batch_sizes, stops_paying, summarize_batched
-from mtpctl.bench.report import build_report, check_gates, format_profile, format_table, plot, select_prompts, write_json
+from mtpctl.bench.report import (build_report, check_gates, check_peers, format_profile, format_table, plot,
+                                 select_prompts, write_json)
 from mtpctl.bench.vllm_peer import apply_figures, require_vllm, vllm_batched, vllm_peers
 from mtpctl.cli.options import (Command, check_backend, debug_option, draft_line, drafter_options, model_options,
                                 pipeline_spec_from, policy_option, sampling_from, sampling_options)
@@ -78,7 +79,11 @@ Examples:
               show_default=True,
               help="Add peers: HF transformers' generate (plain and prompt lookup) on the checkpoint, llama.cpp "
                    "(llama-cpp-python, installed separately) on the model's GGUF file, or vLLM (its own virtualenv, "
-                   "make vllm-env: plain, its n-gram speculation, and the --heads exported for it).")
+                   "make vllm-env: plain, its n-gram speculation, and the --heads exported for it). Each peer runs in "
+                   "its own process: one that crashes, hangs past --peer-timeout or cannot start gets a row marked "
+                   "failed, every other figure is written, and the exit code is 4.")
+@click.option("--peer-timeout", type=click.FloatRange(min=1), default=DEFAULT_TIMEOUT_S, show_default=True,
+              help="Seconds a peer may take to load or to answer one run before it is stopped and marked failed.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write every figure to this JSON file.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Draw tokens/s and accept lengths (PNG).")
 @click.option("--profile", is_flag=True,
@@ -88,11 +93,13 @@ Examples:
 @click.option("--fail-above-p99-ms", type=float, default=None, help="Exit 1 if a method's p99 ITL is above Y ms.")
 @debug_option
 def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, rounds, max_new_tokens, baseline,
-              json_path, plot_path, profile, fail_below_speedup, fail_above_p99_ms, debug, **options) -> None:
+              peer_timeout, json_path, plot_path, profile, fail_below_speedup, fail_above_p99_ms, debug,
+              **options) -> None:
     """Run decoding methods on the same prompts in one process and compare them.
 
     Methods are interleaved over --repeats rounds after a warm-up. The table goes to stdout,
-    progress to stderr. Gates exit with code 1 naming the methods that missed them.
+    progress to stderr. Gates exit with code 1 naming the methods that missed them; a peer that
+    failed (--baseline) exits 4 once everything else is written.
     """
     names = parse_methods(methods)
     sizes = parse_batch_sizes(batch_sizes) if batch_sizes is not None else None
@@ -142,24 +149,54 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ro
                 configs = vllm_configs(session, opts, Path(tmp) / "heads")
                 peers = vllm_batched(session.folder, configs, encoded * repeats, sizes, max_new_tokens,
                                      spec.dtype, torch_threads(), session.codec.eos_ids,
-                                     progress=lambda line: click.echo(f"mtpctl: {line}", err=True))
+                                     timeout=peer_timeout * len(encoded) * repeats, progress=lambda line: click.echo(f"mtpctl: {line}", err=True))
         _bench_batched(session, built, encoded, repeats, sizes, max_new_tokens, sampling, spec.acceptance, weights,
                        peers, json_path, plot_path, fail_below_speedup, fail_above_p99_ms)
         return
     runners = {name: m.run for name, m in built.items()}
+    opened = []
+    try:
+        peers, builds = _process_peers(baseline, session, gguf, opts, max_new_tokens, peer_timeout, opened)
+        runners.update(peers)
+        _bench_one_by_one(session, spec, opts, sampling, built, runners, builds, encoded, prompts, used, weights,
+                          loaded_rss, baseline, repeats, rounds, max_new_tokens, peer_timeout, json_path, plot_path, profile,
+                          fail_below_speedup, fail_above_p99_ms)
+    finally:
+        for peer in opened:
+            peer.close()
+
+
+def _process_peers(baseline, session, gguf, opts, max_new_tokens, timeout_s, opened) -> tuple:
+    """The runners of the transformers or llama.cpp peers, each started in its own process (``opened``),
+    and which build of each runs (None for one that could not start)."""
+    import torch
+
+    common = {"eos_ids": sorted(session.codec.eos_ids), "max_new_tokens": max_new_tokens,
+              "threads": torch.get_num_threads()}
+    requests = {}
     if baseline == "transformers":
         for name, lookup in (("hf", 0), ("hf-prompt-lookup", opts.draft_len or 3)):
-            runners[name] = transformers_runner(session.folder, session.codec.eos_ids, max_new_tokens, lookup)
+            requests[name] = {"peer": "transformers", "folder": str(session.folder), "prompt_lookup_num_tokens": lookup}
     if gguf is not None:
-        import torch
+        requests["llama.cpp"] = {"peer": "llama.cpp", "gguf": str(gguf)}
+    runners, builds = {}, {}
+    for name, request in requests.items():
+        click.echo(f"mtpctl: {name}: starting in its own process", err=True)
+        runners[name], builds[name] = start_peer(name, {**request, **common}, session.codec.eos_ids, opened, timeout_s)
+    return runners, builds
 
-        runners["llama.cpp"] = llamacpp_runner(gguf, session.codec.eos_ids, max_new_tokens, torch.get_num_threads())
+
+def _bench_one_by_one(session, spec, opts, sampling, built, runners, builds, encoded, prompts, used, weights,
+                      loaded_rss, baseline, repeats, rounds, max_new_tokens, peer_timeout, json_path, plot_path, profile,
+                      fail_below_speedup, fail_above_p99_ms) -> None:
+    """Every method and peer one request at a time (:func:`run_interleaved` or :func:`run_rounds`):
+    the table, the JSON, the plot, the gates, then the peers' failures."""
     peer_runs, figures = {}, {}
     if baseline == "vllm":
         with tempfile.TemporaryDirectory(prefix="mtpctl-vllm-heads-") as tmp:
             configs = vllm_configs(session, opts, Path(tmp) / "heads")
             peer_runs, figures = vllm_peers(session.folder, configs, encoded, repeats, max_new_tokens, spec.dtype,
-                                            torch_threads(), session.codec.eos_ids,
+                                            torch_threads(), session.codec.eos_ids, timeout=peer_timeout * len(encoded) * repeats,
                                             progress=lambda line: click.echo(f"mtpctl: {line}", err=True))
     drafters, per_round = {name: m.drafter for name, m in built.items()}, None
     start = max((m.cache.index.sequences for m in learning(drafters).values()), default=0)
@@ -188,7 +225,7 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ro
         "device": session.device if torch_backend else None, "kernels": session.kernels if torch_backend else None,
         "greedy_exactness": session.greedy_exactness if torch_backend else None,
         "matmul_paths": session.matmul_paths if torch_backend else None,
-        "policy_table": _policy_tables(built)}
+        "policy_table": _policy_tables(built), "peer_builds": builds or None}
     report = build_report(runs, prompts, weights, settings)
     if per_round is not None:  # the report of the last round, and every round's
         report["rounds"] = round_reports(per_round, prompts, weights, settings, drafters, start)
@@ -203,8 +240,9 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ro
         write_json(Path(json_path), report)
     if plot_path:
         plot(Path(plot_path), report, runs)
-    check_gates(gate_rows(report["rounds"]) if "rounds" in report else report["methods"], fail_below_speedup,
-                fail_above_p99_ms)
+    rows = gate_rows(report["rounds"]) if "rounds" in report else report["methods"]
+    check_gates(rows, fail_below_speedup, fail_above_p99_ms)
+    check_peers(report["methods"])
 
 
 def _check_rounds(rounds: int, repeats: int, baseline: str, learns: bool) -> None:
@@ -304,6 +342,7 @@ def _bench_batched(session, built, encoded, rounds, sizes, max_new_tokens, sampl
     if plot_path:
         plot_batched(Path(plot_path), rows)
     check_gates(rows, fail_below_speedup, fail_above_p99_ms)
+    check_peers(rows)
 
 
 def torch_threads() -> int:
