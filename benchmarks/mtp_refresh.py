@@ -80,7 +80,7 @@ def main() -> None:
     again = refresh_mtp(changed, [data], root / "restored", settings, root / "home", device="cpu")
     rows.append(("body changed (stale MTP layer)", again["before"], changed))
     rows.append(("restored (refreshed again)", again["after"], root / "restored"))
-    print(f"settings: {json.dumps({k: first['settings'][k] for k in ('num_heads', 'steps', 'lr', 'batch_tokens', 'head_decay')})}")
+    print(f"settings: {json.dumps({k: first['settings'][k] for k in ('num_heads', 'steps', 'lr', 'batch_tokens', 'head_decay')})}\n")
     print("| checkpoint | teacher-forced acceptance by depth (held-out) | decoded acceptance by depth |")
     print("|---|---|---|")
     for name, measured, folder in rows:
