@@ -201,3 +201,24 @@ def test_cli_measures_refuses_and_reports(setup, folders, tmp_path, capsys, monk
     assert code == 0, err
     assert out.splitlines()[0].startswith("MTP acceptance by depth") and out.splitlines()[1].startswith("depth 1:")
     assert (tmp_path / "y" / "mtp_refresh.json").exists() and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("model_type", ["glm4_moe", "deepseek_v3"])
+def test_the_layer_as_read_writes_back_bit_for_bit(folders, model_type, tmp_path):  # noqa: F811
+    """checkpoint_tensors inverts loading for both layouts (fused q/k/v or MLA projections, experts)."""
+    from mtpctl.drafters.mtp import MtpLayers
+    from mtpctl.errors import BadInput
+    from mtpctl.model.rewrite import rewrite_checkpoint
+    from mtpctl.train.mtp import MtpHead
+    from mtpctl.train.target import TargetHead
+
+    folder = folders[model_type]
+    layers = MtpLayers(TargetHead.from_folder(folder, torch.float32), folder)
+    values = {layers.prefix + n: v for n, v in MtpHead(layers).tensors().items()}
+    assert set(values) == {layers.prefix + n for n in layers.shapes} - {MTP + "shared_head.head.weight",
+                                                                         MTP + "embed_tokens.weight"}
+    out = rewrite_checkpoint(folder, tmp_path / "same", values)
+    old, new = _tensors(folder), _tensors(out)
+    assert old.keys() == new.keys() and all(torch.equal(old[n], new[n]) and old[n].dtype == new[n].dtype for n in old)
+    with pytest.raises(BadInput, match="already exists"):
+        rewrite_checkpoint(folder, out, values)
