@@ -195,6 +195,14 @@ SECTIONS = [
             + [_bench("--dtype", "bfloat16", "--methods", "plain,ngram", "--batch-sizes", "1,2,4,8", "--limit", "1",
                       "--repeats", "2", "--max-new-tokens", "48", "--speculate-policy", policy)
                for policy in ("auto", "always")], tables_only=False),
+    Section("mtprefresh", "Native MTP layers: acceptance before and after a refresh",
+            "`add-heads --kind mtp` on a tiny random glm4_moe checkpoint with one MTP layer (tests/test_mtp_refresh.py's "
+            "goal setup): the shipped layer is random (source); refreshed on its body (trained); the body's last "
+            "layer redrawn, a stand-in for fine-tuning it (body changed: the layer is stale); refreshed again "
+            "(restored). Teacher-forced acceptance by depth as `add-heads --kind mtp` reports it (held-out "
+            "self-distilled sequences; depths 2-3 recursive), and the acceptance by depth of decoding 12 of the "
+            "prompts with `--speculate mtp --draft-len 3` (greedy, every step drafting).",
+            lambda a: [f"{PYTHON} benchmarks/mtp_refresh.py"], tables_only=False),
     Section("exactness", "Greedy speculation against plain on every matmul path this CPU can run",
             "Each numeric mode on the native kernels' own path and with the AVX2 and portable paths forced "
             "(`MTPCTL_MATMUL_ISA`, oneDNN and torch's kernels held to the same instruction sets: what a CPU with "
@@ -324,7 +332,7 @@ def main(argv=None) -> int:
             p.error("the gpu section runs where torch sees a CUDA GPU; this machine has none")
         wanted.remove("gpu")
         print("bench_all.py: no CUDA GPU here: the gpu section stays as it is", file=sys.stderr)
-    needs_heads = [k for k in wanted if k not in ("cpu", "big", "gpu", "suffix", "recipes", "exactness")]
+    needs_heads = [k for k in wanted if k not in ("cpu", "big", "gpu", "suffix", "recipes", "exactness", "mtprefresh")]
     if needs_heads and not (Path(args.heads) / "mtp_config.json").is_file():
         p.error(f"no head folder at {args.heads}: train it with {MTPCTL} add-heads --recipe "
                 f"{args.recipe} --out {args.heads} (make bench does)")

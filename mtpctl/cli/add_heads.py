@@ -76,19 +76,32 @@ Examples:
       --data prompts.jsonl --data notes.txt --out heads/mine --epochs 3 --seed 1
   mtpctl add-heads --recipe recipes/smollm2-135m-medusa-magpie.yaml --out heads/smollm2-magpie
   mtpctl add-heads -m smollm2-135m --self-distill --magpie-prompts 200 --magpie-seed 7 --out heads/own
+  mtpctl add-heads -m zai-org/GLM-4.5-Air --kind mtp --measure-only --data prompts.jsonl --self-distill --num-heads 3
+  mtpctl add-heads -m zai-org/GLM-4.5-Air --kind mtp --data prompts.jsonl --self-distill --steps 2000 --out glm-sft-mtp
   torchrun --nproc-per-node 2 -m mtpctl add-heads --recipe R.yaml --out heads/ddp
   torchrun --nproc-per-node 8 -m mtpctl add-heads --recipe R.yaml --device cuda --out heads/ddp
   mtpctl generate --speculate heads --heads heads/smollm2-medusa --dtype bfloat16 "Explain KV caches."
 """)
 @click.option("--recipe", type=click.Path(dir_okay=False), help="YAML recipe (model, data, settings); options override it.")
 @click.option("-m", "--model", default=None, help=f"Target: alias, folder, .gguf or hub id [default: {DEFAULT_MODEL}].")
-@click.option("--kind", type=click.Choice(["medusa", "hydra", "eagle", "eagle3"]), default=None,
+@click.option("--kind", type=click.Choice(["medusa", "hydra", "eagle", "eagle3", "mtp"]), default=None,
               help="medusa: independent heads; hydra: head k reads head k-1 and the token drafted before "
                    "it (always token-conditioned); eagle: one transformer layer drafting from the target's "
                    "features, --num-heads steps deep (hydra and eagle: torch backend only); eagle3: EAGLE-3, "
                    "the layer reading a low, a middle and a high target layer, with its own lm_head (what "
-                   "vLLM, SGLang and TensorRT-LLM run: mtpctl export --format) [default: medusa].")
-@click.option("--num-heads", type=int, default=None, help="K heads; head k predicts k+1 tokens past the next [default: 4].")
+                   "vLLM, SGLang and TensorRT-LLM run: mtpctl export --format); mtp: the checkpoint's own MTP "
+                   "layer (GLM-4.5, DeepSeek-V3): measure its acceptance, refresh it on the current body and write "
+                   "a new checkpoint folder to --out where only its tensors change [default: medusa].")
+@click.option("--num-heads", type=int, default=None,
+              help="K heads; head k predicts k+1 tokens past the next; eagle and mtp: draft steps (depths) [default: 4; "
+                   "mtp: 1].")
+@click.option("--head-decay", type=float, default=None,
+              help="Loss weight of head (draft step) k is DECAY^(k-1); mtp: the weight of the recursive depths "
+                   "[default: 0.8].")
+@click.option("--steps", type=click.IntRange(min=0), default=None,
+              help="Optimizer steps (0: from --epochs) [default: 0].")
+@click.option("--measure-only", is_flag=True,
+              help="mtp: only report the MTP layer's per-depth acceptance on the data (teacher-forced); writes nothing.")
 @click.option("--head-layers", type=int, default=None, help="Residual blocks per head [default: 1].")
 @click.option("--own-lm-head/--no-own-lm-head", default=None, help="A trainable vocabulary projection per head.")
 @click.option("--draft-vocab", type=int, default=None, help="Heads score only the N most frequent tokens (0 = all).")
@@ -120,7 +133,8 @@ Examples:
                    "every step drafting) and record their tau and whether each output equals plain decoding in "
                    "mtp_config.json (training.measured); 0 skips it [default: 16].")
 @click.option("--seed", type=int, default=None, help="Same seed and data, same heads [default: 0].")
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="Head folder to write.")
+@click.option("--out", default=None, type=click.Path(file_okay=False),
+              help="Head folder to write (mtp: the new checkpoint folder); required, except with --measure-only.")
 @click.option("--resume", is_flag=True,
               help="Continue this run from its last checkpoint, keeping the feature shards it finished.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing --out folder.")
@@ -133,22 +147,33 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help="Print the training summary as JSON on stdout.")
 @debug_option
 def add_heads_cmd(recipe, model, data, out, resume, overwrite, bundle, device, threads, as_json, debug,
-                  **options) -> None:
+                  measure_only, **options) -> None:
     """Graft MTP heads onto a model and train them by self-distillation (the base stays frozen).
 
     The target computes hidden states and its own predictions once (written in shards under
     $MTPCTL_HOME/work; --resume keeps the shards an interrupted run finished); the heads then train on
     them, streamed shard by shard. Writes mtp_config.json, mtp_heads.safetensors and mtp_datastore.safetensors (the training
-    sequences, for --speculate retrieval) to --out.
+    sequences, for --speculate retrieval) to --out. With --kind mtp, the checkpoint's own MTP layer is
+    measured, refreshed and written back instead: acceptance by depth before and after on stdout.
     """
     spec = read_recipe(recipe) if recipe else {"settings": {}, "data": []}
     magpie = magpie_settings(spec["settings"].get("magpie"), options.pop("magpie_prompts"), options.pop("magpie_seed"))
     given = {k: v for k, v in options.items() if v is not None}
     # the CLI's options override the recipe's
-    settings = TrainSettings(**{**spec["settings"], **given, "magpie": magpie})
+    merged = {**spec["settings"], **given, "magpie": magpie}
+    if merged.get("kind") == "mtp":
+        merged.setdefault("num_heads", 1)
+    settings = TrainSettings(**merged)
     model_name = model or spec.get("model") or DEFAULT_MODEL
     files = list(data) or spec["data"]
     set_threads(threads)
+    if settings.kind == "mtp":
+        _refresh_mtp(model_name, files, out, settings, measure_only, overwrite, resume, device, as_json)
+        return
+    if measure_only:
+        raise BadInput("--measure-only measures a checkpoint's own MTP layer: use it with --kind mtp")
+    if out is None:
+        raise BadInput("give --out: the head folder to write")
     init_distributed(device)
     data_files = resolve_data(files, mtpctl_home() / "hub")
     summary = add_heads(resolve_model(model_name), model_name, data_files, Path(out), settings,
@@ -175,3 +200,21 @@ def add_heads_cmd(recipe, model, data, out, resume, overwrite, bundle, device, t
         if "tau" in summary.get("measured", {}):
             taus = ", ".join(f"{m} {t}" for m, t in summary["measured"]["tau"].items())
             click.echo(f"mtpctl: measured tau on {summary['measured']['prompts']} held-out prompts: {taus}", err=True)
+
+
+def _refresh_mtp(model_name: str, files, out, settings: TrainSettings, measure_only: bool, overwrite: bool,
+                 resume: bool, device: str, as_json: bool) -> None:
+    """``add-heads --kind mtp``: progress on stderr, acceptance by depth on stdout (or the summary as JSON)."""
+    from mtpctl.train.mtp_refresh import refresh_mtp
+
+    summary = refresh_mtp(resolve_model(model_name), resolve_data(files, mtpctl_home() / "hub"),
+                          Path(out) if out else None, settings, mtpctl_home(), measure_only=measure_only,
+                          overwrite=overwrite, resume=resume, device=device)
+    if as_json:
+        click.echo(json.dumps(summary))
+        return
+    after = summary.get("after")
+    click.echo(f"MTP acceptance by depth on {summary['before']['chains']} chains of {summary['measured_on']} sequences"
+               + (f" (wrote {out})" if after else ""))
+    for j, before in enumerate(summary["before"]["acceptance"]):
+        click.echo(f"depth {j + 1}: acceptance {before:.4f}" + (f" -> {after['acceptance'][j]:.4f}" if after else ""))

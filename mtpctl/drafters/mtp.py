@@ -71,6 +71,21 @@ class MtpSettings:
             raise BadInput(f"MTP carry {self.carry!r}: choose raw or normed", option="mtp")
 
 
+def check_mtp_layers(cfg: DecoderConfig, folder: Path, option: str = "speculate",
+                     instead: str = "draft with another drafter") -> None:
+    """Refuse a checkpoint without MTP layers mtpctl reads (``instead``: what to do then).
+
+    Raises:
+        UnsupportedModel: a family whose MTP layout is not read.
+        BadInput: a checkpoint that declares no MTP layers.
+    """
+    if cfg.family.model_type not in FAMILIES:
+        raise UnsupportedModel(f"MTP layers of {cfg.family.model_type} checkpoints are not read (known layouts: "
+                               f"{', '.join(FAMILIES)})", option=option)
+    if cfg.mtp_layers <= 0:
+        raise BadInput(f"{folder} has no MTP layers (num_nextn_predict_layers is 0): {instead}", option=option)
+
+
 class _Source(MemoryTensors):
     """In-memory tensors whose ``shared`` names (the target's embedding) are taken as they are, not
     copied (the loader maps a tensor it may map)."""
@@ -100,18 +115,16 @@ class MtpLayers:
 
     def __init__(self, model: Decoder, folder: Path, settings: MtpSettings = MtpSettings()):
         cfg = model.cfg
-        if cfg.family.model_type not in FAMILIES:
-            raise UnsupportedModel(f"MTP layers of {cfg.family.model_type} checkpoints are not read (known layouts: "
-                                   f"{', '.join(FAMILIES)})", option="speculate")
-        if cfg.mtp_layers <= 0:
-            raise BadInput(f"{folder} has no MTP layers (num_nextn_predict_layers is 0): draft with another "
-                           "drafter", option="speculate")
+        check_mtp_layers(cfg, folder)
         self.model, self.settings, self.count = model, settings, cfg.mtp_layers
         raw = read_json(Path(folder) / "config.json")
         self.cfg = DecoderConfig.from_dict({**raw, "num_hidden_layers": 1, "first_k_dense_replace": 0,
                                             "num_nextn_predict_layers": 0, "num_mtp_layers": 0,
                                             "tie_word_embeddings": True})
+        self.prefix = f"model.layers.{cfg.num_hidden_layers}."
         tensors = self._read(Path(folder), cfg.num_hidden_layers)
+        #: checkpoint name (after :attr:`prefix`) -> shape of every tensor of the layer read
+        self.shapes = {name: tuple(t.shape) for name, t in tensors.items()}
         dtype = model.dtype
         self.enorm, self.hnorm, self.eh_proj, self.norm = (tensors.pop(name).to(dtype) for name in EXTRAS)
         own_head, own_embed = (tensors.pop(name, None) for name in OPTIONAL)
@@ -177,15 +190,31 @@ class MtpLayers:
         attention reads relative positions only)."""
         device = self.eh_proj.device
         slots = slots.to(device)
-        e = F.embedding(tokens.to(device), self.embed)
-        if self.settings.zero_first_embedding:
-            e = e.masked_fill((slots == 0)[:, None], 0)
-        parts = (_rms_norm(e, self.enorm, self.eps), _rms_norm(hidden.to(e.dtype), self.hnorm, self.eps))
-        x = F.linear(torch.cat(parts[::-1] if self.settings.hidden_first else parts, dim=-1), self.eh_proj)
-        positions = (slots + 1)[None]
-        cos, sin = self.block.rope_cos[positions].unsqueeze(2), self.block.rope_sin[positions].unsqueeze(2)
+        x = self.project(hidden, self.embedding(tokens.to(device), slots))
         mask = (torch.arange(cache.capacity, device=device)[None, :] <= slots[:, None])[None, None]
-        return self.block.layers[0](x[None], cos, sin, cache, mask)[0]
+        return self.run_block(x[None], slots[None], cache, mask)[0]
+
+    def embedding(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The embeddings ``[..., H]`` of ``tokens`` read by rows at ``slots`` (same shape as
+        ``tokens``): the row at slot 0 zeroed with :attr:`MtpSettings.zero_first_embedding`."""
+        e = F.embedding(tokens, self.embed)
+        if self.settings.zero_first_embedding:
+            e = e.masked_fill((slots == 0)[..., None], 0)
+        return e
+
+    def project(self, hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """The block's input ``eh_proj [enorm(e) ; hnorm(h)]`` (``[..., H]``) of hidden states and
+        token embeddings ``[..., H]``."""
+        parts = (_rms_norm(embeds, self.enorm, self.eps), _rms_norm(hidden.to(embeds.dtype), self.hnorm, self.eps))
+        return F.linear(torch.cat(parts[::-1] if self.settings.hidden_first else parts, dim=-1), self.eh_proj)
+
+    def run_block(self, x: torch.Tensor, slots: torch.Tensor, cache, mask: torch.Tensor) -> torch.Tensor:
+        """The block's raw outputs ``[B, N, H]`` of inputs ``x [B, N, H]`` at ``slots [1 or B, N]``
+        (row s at position s + 1), writing their keys and values into ``cache`` (a KV cache, or any
+        object with its ``length`` and ``write``) and attending as ``mask [B or 1, 1, N, slots]`` says."""
+        positions = slots + 1
+        cos, sin = self.block.rope_cos[positions].unsqueeze(2), self.block.rope_sin[positions].unsqueeze(2)
+        return self.block.layers[0](x, cos, sin, cache, mask)
 
     def normed(self, g: torch.Tensor) -> torch.Tensor:
         """``shared_head.norm`` of the block's outputs."""

@@ -547,6 +547,32 @@ def _rows_of(dest: torch.Tensor, row: int, shape: tuple) -> torch.Tensor:
     return dest.view(-1, dest.shape[-1]).narrow(0, row, _rows(shape)).view(shape)
 
 
+def checkpoint_tensors(model: "Decoder", shapes: Dict[str, tuple]) -> Dict[str, torch.Tensor]:
+    """The inverse of loading: each checkpoint tensor named in ``shapes`` (name -> shape, the family's
+    names, as the checkpoint the model was loaded from has them) as views of the rows of ``model``'s
+    (fused) parameter it filled, in the model's dtype; names no parameter holds are left out. Only for
+    a model whose parameters are dense (loaded without ``packed`` or ``blocked``).
+
+    Raises:
+        ValueError: a parameter held by a kernel, or a config whose norms hold an offset (Gemma).
+    """
+    if model.cfg.norm_offset:
+        raise ValueError("norm weights held with an offset are not written back")
+    present = set(shapes) if model.cfg.moe is not None else None
+    out: Dict[str, torch.Tensor] = {}
+    for slot in _slots(model, present):
+        if not any(name in shapes for name in slot.names):
+            continue
+        param = getattr(slot.owner, slot.attr)
+        if not isinstance(param, torch.Tensor):
+            raise ValueError(f"{slot.attr} is held by a kernel, not as a tensor")
+        row = 0
+        for name in slot.names:
+            out[name] = _rows_of(param.detach(), row, shapes[name])
+            row += _rows(shapes[name])
+    return out
+
+
 class _Filler:
     """Fills a :class:`Decoder`'s parameters from a tensor source (:class:`CheckpointReader`,
     :class:`MemoryTensors`) one source tensor at a time, in the source's order.

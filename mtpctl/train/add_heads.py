@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import shutil
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
@@ -165,31 +165,9 @@ def add_heads(target_folder: Path, target_name: str, data: Sequence[Path], out: 
         raise BadInput(f"{out} already exists: choose another folder or replace it", option="overwrite")
     started = time.perf_counter()
     where = distributed.init_distributed(device)
-    codec = TextCodec(target_folder)
-    target_hash = weights_hash(target_folder)
-    records = read_records(data) if data or not settings.magpie_count else []
-    cfg = DecoderConfig.from_folder(Path(target_folder))
-    settings = resolve_settings(_with_aux_layers(settings, cfg.num_hidden_layers), cfg.hidden_size,
-                                cfg.max_position_embeddings, where)
-    feat_dir = Path(home) / "work" / f"features-{run_key(target_hash, data_fingerprint(data), feature_shape(settings))}"
-    work = Path(home) / "work" / f"heads-{run_key(feat_dir.name, training_shape(settings))}"
-    timings = {}
-    magpie = None
-    if settings.magpie_count:
-        t0 = time.perf_counter()
-        magpie = cached_magpie_prompts(feat_dir, target_folder, settings, where, resume)
-        records += [Record(messages=[{"role": "user", "content": p}]) for p in magpie.prompts]
-        timings["magpie_s"] = round(time.perf_counter() - t0, 1)
-    manifest = Manifest.load(feat_dir)
-    if manifest is None:
-        t0 = time.perf_counter()
-        items = build_items(records, codec, settings)
-        manifest = extract(feat_dir, items, settings, TargetModels(target_folder, settings, where), codec.eos_ids,
-                           resume, cfg.hidden_size)
-        timings["features_s"] = round(time.perf_counter() - t0, 1)
-    else:
-        distributed.log(f"features: reusing {feat_dir} ({len(manifest.shards)} shards)")
-    store = ShardedFeatures(feat_dir, manifest)
+    run = prepare_features(target_folder, data, settings, home, where, resume)
+    settings, cfg, store, work, timings, magpie = run.settings, run.cfg, run.store, run.work, run.timings, run.magpie
+    target_hash = run.target_hash
     target = TargetHead.from_folder(target_folder, DTYPES[settings.target_dtype], where)
     work.mkdir(parents=True, exist_ok=True)
     trainer = trainer_class(settings.kind)(target, store, settings, work, device=where)
@@ -229,6 +207,52 @@ def add_heads(target_folder: Path, target_name: str, data: Sequence[Path], out: 
         write_output(out, trainer.heads.cpu(), overwrite, extra, finish)
     distributed.barrier(where)
     return summary
+
+
+@dataclass
+class FeatureRun:
+    """What :func:`prepare_features` gives a training run: its settings made concrete, the target's
+    config and weight hash, the features, the run's work folder, timings and the Magpie prompts drawn."""
+
+    settings: TrainSettings
+    cfg: DecoderConfig
+    target_hash: str
+    store: ShardedFeatures
+    work: Path
+    timings: Dict[str, float]
+    magpie: Optional[MagpiePrompts]
+
+
+def prepare_features(target_folder: Path, data: Sequence[Path], settings: TrainSettings, home: Path,
+                     where: torch.device, resume: bool = False) -> FeatureRun:
+    """The features of the target over ``data`` (and Magpie prompts), extracted once into
+    ``home/work/features-KEY`` (reused when there; ``resume`` keeps the shards an interrupted run
+    finished), with the run's work folder ``home/work/heads-KEY``."""
+    codec = TextCodec(target_folder)
+    target_hash = weights_hash(target_folder)
+    records = read_records(data) if data or not settings.magpie_count else []
+    cfg = DecoderConfig.from_folder(Path(target_folder))
+    settings = resolve_settings(_with_aux_layers(settings, cfg.num_hidden_layers), cfg.hidden_size,
+                                cfg.max_position_embeddings, where)
+    feat_dir = Path(home) / "work" / f"features-{run_key(target_hash, data_fingerprint(data), feature_shape(settings))}"
+    work = Path(home) / "work" / f"heads-{run_key(feat_dir.name, training_shape(settings))}"
+    timings = {}
+    magpie = None
+    if settings.magpie_count:
+        t0 = time.perf_counter()
+        magpie = cached_magpie_prompts(feat_dir, target_folder, settings, where, resume)
+        records += [Record(messages=[{"role": "user", "content": p}]) for p in magpie.prompts]
+        timings["magpie_s"] = round(time.perf_counter() - t0, 1)
+    manifest = Manifest.load(feat_dir)
+    if manifest is None:
+        t0 = time.perf_counter()
+        items = build_items(records, codec, settings)
+        manifest = extract(feat_dir, items, settings, TargetModels(target_folder, settings, where), codec.eos_ids,
+                           resume, cfg.hidden_size)
+        timings["features_s"] = round(time.perf_counter() - t0, 1)
+    else:
+        distributed.log(f"features: reusing {feat_dir} ({len(manifest.shards)} shards)")
+    return FeatureRun(settings, cfg, target_hash, ShardedFeatures(feat_dir, manifest), work, timings, magpie)
 
 
 def cached_magpie_prompts(feat_dir: Path, target_folder: Path, settings: TrainSettings,

@@ -154,8 +154,7 @@ class EagleTrainer(Trainer):
         batch = self._on_device(batch)
         sums = []
         with self.autocast():
-            embeds = self.target.embed[batch["tokens"]].float()
-            outs = self.model(batch["feats"], embeds, batch["valid"], self.s.num_heads)
+            outs = self.model(batch["feats"], self._token_embeds(batch["tokens"]), batch["valid"], self.s.num_heads)
             for s, g in enumerate(outs):
                 keep = rows[s]
                 loss = F.cross_entropy(self.heads.logits(g[keep], self.lm_head), batch["labels"][keep], reduction="sum")
@@ -167,18 +166,32 @@ class EagleTrainer(Trainer):
         weights = self.s.head_decay ** torch.arange(self.s.num_heads, dtype=torch.float32, device=self.device)
         return (per_step * weights).sum(), per_step.detach()
 
+    def _token_embeds(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The embeddings ``[B, T, H]`` (float32) of the tokens ``[B, T]`` the rows read."""
+        return self.target.embed[tokens].float()
+
+    @torch.no_grad()
+    def _unrolled(self, seqs: Sequence[int]):
+        """For each group of sequences ``seqs`` (evaluated whole on every rank): ``(batch, rows, outs)``,
+        the padded batch on the device, its rows with a label at each draft step ``[K, B, T]``
+        (labels outside a draft vocabulary count) and the head's outputs ``[g_1, ..., g_K]``
+        (computed under :meth:`autocast`)."""
+        for group in self._group(seqs, shared=False):
+            batch = self._batch(group)
+            rows = self._loss_rows(batch, labelled=False).to(self.device)
+            batch = self._on_device(batch)
+            with self.autocast():
+                yield batch, rows, self.heads(batch["feats"], self._token_embeds(batch["tokens"]), batch["valid"],
+                                              self.s.num_heads)
+
     @torch.no_grad()
     def evaluate(self, ranks: int = EVAL_RANKS) -> List[List[float]]:
         """``acc[s][r]``: on held-out sequences, the share of rows where draft step s+1's rank-r
         candidate is the target's token, the earlier steps' tokens being right (teacher forcing)."""
         k = self.s.num_heads
         hits, counts = torch.zeros(k, ranks), torch.zeros(k)
-        for group in self._group(self.eval_seqs, shared=False):  # every rank evaluates all, on its own
-            batch = self._batch(group)
-            rows = self._loss_rows(batch, labelled=False).to(self.device)  # labels outside a draft vocabulary: misses
-            batch = self._on_device(batch)
+        for batch, rows, outs in self._unrolled(self.eval_seqs):  # every rank evaluates all, on its own
             with self.autocast():
-                outs = self.heads(batch["feats"], self.target.embed[batch["tokens"]].float(), batch["valid"], k)
                 for s, g in enumerate(outs):
                     keep = rows[s]
                     top = self.heads.logits(g[keep], self.lm_head).topk(ranks, dim=-1).indices

@@ -15,6 +15,8 @@ from mtpctl.errors import BadInput
 from mtpctl.train.magpie import MagpieSettings
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: what add-heads trains: the head kinds of a head folder, and the checkpoint's own MTP layers
+TRAINED_KINDS = KINDS + ("mtp",)
 
 
 @dataclass
@@ -39,6 +41,7 @@ class TrainSettings:
     soft_labels: bool = False  # KL to the target's top-m distribution instead of CE to its argmax
     soft_top: int = 16  # m
     epochs: float = 2.0
+    steps: int = 0  # optimizer steps (0: from epochs)
     lr: float = 1e-3
     weight_decay: float = 0.0
     warmup: float = 0.05  # fraction of the optimizer steps
@@ -62,8 +65,8 @@ class TrainSettings:
 
     def check(self) -> None:
         """Raise BadInput on a setting that cannot work."""
-        if self.kind not in KINDS:
-            raise BadInput(f"head kind {self.kind!r} is not available (choose from {', '.join(KINDS)})")
+        if self.kind not in TRAINED_KINDS:
+            raise BadInput(f"head kind {self.kind!r} is not available (choose from {', '.join(TRAINED_KINDS)})")
         for name in ("num_heads", "batch_tokens", "grad_accum", "response_tokens", "distill_batch",
                      "tree_nodes", "soft_top"):
             if getattr(self, name) < 1:
@@ -90,6 +93,10 @@ class TrainSettings:
         if self.num_heads > MAX_DRAFT_DEPTH:
             raise BadInput(f"num-heads must be at most {MAX_DRAFT_DEPTH} (the deepest draft tree verification "
                            f"supports), got {self.num_heads}")
+        if self.steps < 0:
+            raise BadInput(f"steps must be >= 0, got {self.steps}", option="steps")
+        if self.kind == "mtp":
+            self._check_mtp()
         if self.measure_prompts < 0:
             raise BadInput(f"measure-prompts must be >= 0, got {self.measure_prompts}", option="measure_prompts")
         if self.shard_positions < 0:
@@ -102,6 +109,17 @@ class TrainSettings:
             value = getattr(self, name)
             if value not in DTYPES and not (value is None and name != "distill_dtype"):
                 raise BadInput(f"{name.replace('_', ' ')} {value!r}: choose from {', '.join(DTYPES)}", option=name)
+
+    def _check_mtp(self) -> None:
+        """The settings native MTP layers cannot take: they draft through their own layer from the
+        target's argmax, over the full vocabulary, in float32."""
+        for name in ("own_lm_head", "soft_labels", "condition_on_token", "draft_vocab", "aux_layers"):
+            if getattr(self, name):
+                raise BadInput(f"native MTP layers take no {name.replace('_', '-')} (they train on the target's argmax "
+                               "through their own layer)", option=name)
+        if self.target_dtype not in (None, "float32"):
+            raise BadInput(f"native MTP layers train in float32, not target dtype {self.target_dtype}",
+                           option="target_dtype")
 
 
 #: bytes of features a shard holds at most when ``shard_positions`` is 0 (what one process reads at once)
@@ -122,7 +140,8 @@ def resolve_settings(settings: TrainSettings, hidden_size: int, context: int, de
     float32 on the CPU when not given, ``shard_positions`` from :data:`SHARD_BYTES` when 0 (EAGLE-3's
     ``aux_layers`` must already be resolved)."""
     default = "bfloat16" if device.type == "cuda" else "float32"
+    target_default = "float32" if settings.kind == "mtp" else default  # MTP layers train in float32
     shard = settings.shard_positions or max(1, SHARD_BYTES // position_bytes(settings, hidden_size))
     return replace(settings, max_seq_len=min(settings.max_seq_len, context),
-                   features_dtype=settings.features_dtype or default, target_dtype=settings.target_dtype or default,
+                   features_dtype=settings.features_dtype or default, target_dtype=settings.target_dtype or target_default,
                    shard_positions=shard)

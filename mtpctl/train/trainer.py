@@ -175,14 +175,7 @@ class Trainer:
         if token_map is not None:
             self.vocab_index = torch.full((cfg.vocab_size,), -100, dtype=torch.long)
             self.vocab_index[token_map] = torch.arange(len(token_map))
-        eagle = settings.kind in ("eagle", "eagle3")  # one layer that always reads the next token: no blocks per head
-        layer = eagle3_layer_config(cfg, settings.aux_layers) if settings.kind == "eagle3" else \
-            layer_config_for(cfg) if eagle else None
-        self.hcfg = HeadsConfig(settings.kind, settings.num_heads, 0 if eagle else settings.head_layers,
-                                settings.own_lm_head or settings.kind == "eagle3", cfg.hidden_size, cfg.vocab_size,
-                                len(token_map) if token_map is not None else 0,
-                                token_conditioned=(settings.condition_on_token or settings.kind == "hydra") and not eagle,
-                                layer=layer)
+        self.hcfg = self._heads_config(token_map)
         self.heads = self._new_heads(token_map).to(self.device)
         n_seqs = self.store.num_sequences
         split = torch.randperm(n_seqs, generator=torch.Generator().manual_seed(settings.seed)).tolist()
@@ -199,7 +192,7 @@ class Trainer:
         self.params = [p for p in self.heads.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=settings.lr, weight_decay=settings.weight_decay)
         self.epoch_steps = self._epoch_steps()
-        self.total_steps = max(1, int(round(self.epoch_steps * settings.epochs)))
+        self.total_steps = settings.steps or max(1, int(round(self.epoch_steps * settings.epochs)))
         self.progress = Progress()
 
     @property
@@ -233,6 +226,16 @@ class Trainer:
                             int(store.starts[s]) + int(store.lengths[s]) - 1)
                for s in range(a, b) if mask[s]]
         return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+
+    def _heads_config(self, token_map: Optional[torch.Tensor]) -> Optional[HeadsConfig]:
+        """The config of the heads this run trains (what their folder records)."""
+        s, cfg = self.s, self.target.cfg
+        eagle = s.kind in ("eagle", "eagle3")  # one layer that always reads the next token: no blocks per head
+        layer = eagle3_layer_config(cfg, s.aux_layers) if s.kind == "eagle3" else \
+            layer_config_for(cfg) if eagle else None
+        return HeadsConfig(s.kind, s.num_heads, 0 if eagle else s.head_layers, s.own_lm_head or s.kind == "eagle3",
+                           cfg.hidden_size, cfg.vocab_size, len(token_map) if token_map is not None else 0,
+                           token_conditioned=(s.condition_on_token or s.kind == "hydra") and not eagle, layer=layer)
 
     def _new_heads(self, token_map: Optional[torch.Tensor]) -> torch.nn.Module:
         return MedusaHeads(self.hcfg, torch.float32, self.target.dense_lm_head(), token_map)

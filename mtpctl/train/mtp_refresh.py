@@ -1,0 +1,117 @@
+"""``add-heads --kind mtp``: measure a checkpoint's own MTP layer on the user's data, refresh it by
+self-distillation on the current body, and write it back into a new checkpoint folder.
+
+1. features: the body's hidden states and greedy predictions over the data (self-distilled responses
+   with ``self_distill``), as for every head kind (:func:`mtpctl.train.add_heads.prepare_features`);
+2. measure: per-depth acceptance of the layer as read (:meth:`mtpctl.train.mtp.MtpTrainer.acceptance`),
+   on the held-out sequences (all sequences with ``measure_only``);
+3. refresh: the layer trains on the other sequences (the body frozen), ``num_heads`` depths deep;
+4. measure again on the same held-out sequences;
+5. write back (:func:`mtpctl.model.rewrite.rewrite_checkpoint`): a new folder where only the layer's
+   tensors hold new values (same names, dtypes, shards), with ``mtp_refresh.json`` (the figures).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from mtpctl.drafters.mtp import MtpLayers, MtpSettings, check_mtp_layers
+from mtpctl.errors import BadInput
+from mtpctl.model.config import DecoderConfig
+from mtpctl.model.rewrite import rewrite_checkpoint
+from mtpctl.train import distributed
+from mtpctl.train.add_heads import prepare_features
+from mtpctl.train.mtp import MtpTrainer
+from mtpctl.train.settings import TrainSettings
+from mtpctl.train.target import TargetHead
+
+#: the figures written beside the refreshed checkpoint's files
+NOTES_FILE = "mtp_refresh.json"
+
+
+def refresh_mtp(target_folder: Path, data: Sequence[Path], out: Optional[Path], settings: TrainSettings, home: Path,
+                measure_only: bool = False, overwrite: bool = False, resume: bool = False, device: str = "auto",
+                mtp: MtpSettings = MtpSettings()) -> dict:
+    """Measure the MTP layer of the checkpoint in ``target_folder`` on ``data`` and, unless
+    ``measure_only``, refresh it and write the checkpoint with the new layer to ``out``.
+
+    Args:
+        settings: of kind ``mtp``; ``num_heads`` is the depth measured and trained (depths past the
+            first by running the layer recursively), ``head_decay`` the recursive objective's weight.
+        mtp: how the layer runs (the drafter's settings; the defaults are ``--speculate mtp``'s).
+        The others as :func:`mtpctl.train.add_heads.add_heads`'s.
+
+    Returns:
+        ``{"target", "depth", "measured_on", "before": acceptance, ...}``, with ``after``, ``positions``,
+        ``history``, ``out`` when refreshed (acceptance: :meth:`~mtpctl.train.mtp.MtpTrainer.acceptance`).
+
+    Raises:
+        BadInput: bad settings, no ``out``, ``out`` exists without ``overwrite`` or is the target, a
+            checkpoint without MTP layers, several processes.
+        UnsupportedModel: a family whose MTP layers are not read.
+        CorruptModel: an MTP layer without the published layout.
+    """
+    settings.check()
+    if settings.kind != "mtp":
+        raise BadInput(f"refreshing MTP layers takes settings of kind mtp, not {settings.kind}", option="kind")
+    target_folder = Path(target_folder)
+    check_mtp_layers(DecoderConfig.from_folder(target_folder), target_folder, option="kind",
+                     instead="add-heads --kind mtp refreshes a checkpoint's own layers (train heads of another kind)")
+    _check_out(target_folder, out, measure_only, overwrite)
+    mtp.check()
+    where = distributed.init_distributed(device)
+    if distributed.world_size() > 1:
+        raise BadInput("add-heads --kind mtp runs in one process (not under torchrun)")
+    started = time.perf_counter()
+    run = prepare_features(target_folder, data, settings, home, where, resume)
+    target = TargetHead.from_folder(target_folder, torch.float32, where)
+    layers = MtpLayers(target, target_folder, mtp)
+    if layers.count > 1:
+        distributed.log(f"warning: only the first of the checkpoint's {layers.count} MTP layers is measured and "
+                        "refreshed; the others are written unchanged")
+    run.work.mkdir(parents=True, exist_ok=True)
+    trainer = MtpTrainer(target, run.store, run.settings, run.work, layers, device=where)
+    summary = {"target": str(target_folder), "depth": run.settings.num_heads, "settings": asdict(run.settings)}
+    if measure_only:
+        summary.update(measured_on="all", before=trainer.acceptance(range(run.store.num_sequences)))
+        distributed.log(f"MTP layer on all {run.store.num_sequences} sequences: {acceptance_line(summary['before'])}")
+        return summary
+    seqs = trainer.eval_seqs or trainer.train_seqs  # a single sequence is trained and measured on
+    summary.update(measured_on="held-out" if trainer.eval_seqs else "training", before=trainer.acceptance(seqs))
+    distributed.log(f"MTP layer as read, on {len(seqs)} {summary['measured_on']} sequences: "
+                    f"{acceptance_line(summary['before'])}")
+    distributed.log(f"refreshing the MTP layer on {trainer.train_count} positions ({run.settings.num_heads} "
+                    f"depth(s)), {trainer.total_steps} optimizer steps, on {where}")
+    progress = trainer.train(resume)
+    summary.update(after=trainer.acceptance(seqs), positions=trainer.train_count, history=progress.history,
+                   out=str(out))
+    distributed.log(f"MTP layer refreshed: {acceptance_line(summary['after'])}")
+    values = {layers.prefix + name: value for name, value in trainer.heads.tensors().items()}
+    summary["timings_s"] = {**run.timings, "total_s": round(time.perf_counter() - started, 1)}
+    rewrite_checkpoint(target_folder, Path(out), values, overwrite, notes={NOTES_FILE: summary})
+    distributed.log(f"wrote {out}: {len(values)} MTP tensors replaced, every other file as in {target_folder}")
+    return summary
+
+
+def _check_out(target_folder: Path, out: Optional[Path], measure_only: bool, overwrite: bool) -> None:
+    """Refuse, before any work, an output the refresh cannot write."""
+    if measure_only:
+        return
+    if out is None:
+        raise BadInput("give --out: the folder the checkpoint with the refreshed MTP layer is written to "
+                       "(or --measure-only)", option="out")
+    if Path(out).resolve() == target_folder.resolve():
+        raise BadInput(f"{out} is the checkpoint itself: write the refreshed one to another folder", option="out")
+    if Path(out).exists() and not overwrite:
+        raise BadInput(f"{out} already exists: choose another folder or replace it", option="overwrite")
+
+
+def acceptance_line(measured: dict) -> str:
+    """One line of an acceptance measurement."""
+    return (f"acceptance by depth {measured['acceptance']}, top-1 by depth {measured['top1']} "
+            f"({measured['chains']} chains)")
