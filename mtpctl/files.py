@@ -47,6 +47,8 @@ def _ordinary_modes(paths: Iterable[Path]) -> None:
     umask = os.umask(0)
     os.umask(umask)
     for path in paths:
+        if not Path(path).is_dir() and os.stat(path).st_nlink > 1:
+            continue  # a hard link to a file kept unchanged (a shard of the source): its mode is the source's
         os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~umask)
 
 

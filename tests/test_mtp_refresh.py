@@ -222,3 +222,27 @@ def test_the_layer_as_read_writes_back_bit_for_bit(folders, model_type, tmp_path
     assert old.keys() == new.keys() and all(torch.equal(old[n], new[n]) and old[n].dtype == new[n].dtype for n in old)
     with pytest.raises(BadInput, match="already exists"):
         rewrite_checkpoint(folder, out, values)
+
+
+def test_write_back_leaves_the_source_shards_modes_as_they_were(tmp_path):
+    """Shards written back unchanged are hard links to the source's: finishing the output folder must not
+    change their (shared) mode bits, e.g. a read-only hub cache file stays read-only."""
+    import json
+    import stat
+
+    from safetensors.torch import save_file
+
+    from mtpctl.model.rewrite import rewrite_checkpoint
+
+    src = tmp_path / "src"
+    src.mkdir()
+    names = {"model-00001-of-00002.safetensors": "a", "model-00002-of-00002.safetensors": "b"}
+    for file, tensor in names.items():
+        save_file({tensor: torch.ones(2)}, str(src / file))
+        (src / file).chmod(0o444)
+    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {t: f for f, t in names.items()}}))
+    (src / "config.json").write_text("{}")
+    out = rewrite_checkpoint(src, tmp_path / "out", {})
+    for file in names:
+        assert stat.S_IMODE((src / file).stat().st_mode) == 0o444
+        assert (out / file).read_bytes() == (src / file).read_bytes()
