@@ -282,7 +282,7 @@ def verify_packed(engines: Sequence[TorchEngine], trees: Sequence[DraftTree]) ->
     if any(e.model is not model or e.native != native or e.aux_layers != aux_layers for e in engines):
         raise ValueError("engines verified together must share one model, one attention path and their aux layers")
     shapes = [(e.length,) + tree_shape(t) for e, t in zip(engines, trees)]
-    slots = PassSlots([e.cache for e in engines], [t.rows for t in trees])
+    slots = PassSlots([e.cache for e in engines], [t.rows for t in trees], [t.parents for t in trees])
     plans = pass_plans(model.cfg.layer_windows, native, shapes)
     if native:
         for plan in plans.values():

@@ -404,6 +404,10 @@ def lookahead_drafter(session: Session, settings=None) -> LookaheadDrafter:
     """
     if not session.extra_rows:
         raise BadInput(f"lookahead decoding runs on the torch backend, not {session.backend}", option="backend")
+    model = getattr(session, "model", None)
+    if getattr(getattr(model, "cfg", None), "deltanet", None) is not None:
+        raise UnsupportedModel(f"lookahead decoding does not run on {model.cfg.model_type}: its Jacobi window's rows "
+                               "are not a draft tree, which Gated DeltaNet layers verify", option="speculate")
     if isinstance(settings, str):
         settings = LookaheadSettings.parse(settings)
     elif isinstance(settings, (tuple, list)):

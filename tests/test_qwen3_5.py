@@ -1,0 +1,189 @@
+"""Qwen3.5's hybrid text body (qwen3_5_text: Gated DeltaNet and gated full-attention layers) on tiny random
+checkpoints written by transformers' own classes: prefill logits and 32 greedy tokens equal transformers'
+in float32 (one prompt longer than a 64-token prefill chunk); speculation (prompt lookup, suffix
+decoding, a scripted drafter with corrupted drafts) and batches equal plain decoding; the Gated DeltaNet
+state committed after a verified chain or tree is bit for bit plain decoding's; what does not run on it
+is refused in one line."""
+
+import math
+import shutil
+
+import pytest
+import torch
+
+from helpers import (FAMILY_PROMPTS, ScriptedDrafter, assert_equals_transformers, assert_speculation_equals_plain,
+                     run, write_tiny_checkpoint)
+
+from mtpctl.backends.torch import TorchEngine
+from mtpctl.decode.tree import DraftTree
+from mtpctl.errors import UnsupportedModel
+from mtpctl.model.config import DecoderConfig
+from mtpctl.model.decoder import Decoder
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.models.qwen3_5")
+
+#: three layers (Gated DeltaNet, gated full attention, Gated DeltaNet), grouped value heads, a rotary
+#: embedding on a quarter of each 32-value head
+TINY = dict(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
+            layer_types=["linear_attention", "full_attention", "linear_attention"], tie_word_embeddings=False,
+            bos_token_id=257, eos_token_id=258)
+#: FAMILY_PROMPTS and one prompt longer than one chunk of the chunked prefill (64 tokens)
+PROMPTS = FAMILY_PROMPTS + ([(7 * i) % 250 + 3 for i in range(70)],)
+NEW = 32
+
+
+def reference_model(seed: int = 0, **overrides):
+    """transformers' tiny random Qwen3.5 text model, float32: matrices N(0, 1/sqrt(fan-in)) * 1.5, norm
+    offsets N(0, 0.3), decays ``exp(g)`` spread over (0, 1)."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{**TINY, **overrides})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(0.01, 4).log())
+            elif name.endswith("dt_bias") or name.endswith("bias"):
+                p.copy_(0.5 * torch.randn_like(p))
+            elif p.dim() == 1:  # RMSNorm offsets (1 + w), the gated norm's weight as it is
+                p.copy_((1.0 if name.endswith("linear_attn.norm.weight") else 0.0) + 0.3 * torch.randn_like(p))
+            else:
+                p.copy_(1.5 * torch.randn_like(p) / math.sqrt(p.shape[-1]))
+    return model
+
+
+def _save(reference, folder, tokenizer):
+    reference.save_pretrained(str(folder))
+    for f in tokenizer.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """name -> (transformers' model, its checkpoint folder with the tiny tokenizer): ``plain`` and
+    ``biased`` (attention_bias: q/k/v and o_proj biases)."""
+    root = tmp_path_factory.mktemp("qwen3_5")
+    tokenizer = write_tiny_checkpoint(root / "tokenizer")
+    out = {}
+    for name, overrides in (("plain", {}), ("biased", {"attention_bias": True})):
+        reference = reference_model(**overrides)
+        out[name] = (reference, _save(reference, root / name, tokenizer))
+    return out
+
+
+def test_the_checkpoint_reads_as_a_hybrid_body(checkpoints):
+    cfg = DecoderConfig.from_folder(checkpoints["plain"][1])
+    assert cfg.model_type == "qwen3_5_text" and cfg.rotary_dim == 8 and cfg.norm_offset == 1.0 and cfg.output_gate
+    assert [cfg.deltanet.is_linear_layer(i) for i in range(3)] == [True, False, True]
+    model = Decoder.from_folder(checkpoints["plain"][1])
+    assert [layer.deltanet is not None for layer in model.layers] == [True, False, True]
+    assert model.layers[0].qkv is None and model.layers[1].deltanet is None
+    ref = checkpoints["plain"][0].model.layers
+    assert torch.equal(model.layers[1].input_norm, 1 + ref[1].input_layernorm.weight)  # offset norms hold 1 + w
+    assert torch.equal(model.layers[0].gated_norm_weight, ref[0].linear_attn.norm.weight)  # the gated one as it is
+    assert model.layers[1].qkv.shape[0] == 2 * 4 * 32 + 2 * 2 * 32  # queries, their gates, keys, values
+
+
+@pytest.mark.parametrize("name", ["plain", "biased"])
+def test_logits_and_greedy_tokens_equal_transformers_in_float32(checkpoints, name):
+    reference, folder = checkpoints[name]
+    prompts = PROMPTS if name == "plain" else PROMPTS[:1]
+    assert_equals_transformers(reference, Decoder.from_folder(folder), folder, prompts, NEW)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prompt_lookup_scripted_drafts_and_batches_equal_plain_decoding(checkpoints, dtype):
+    assert_speculation_equals_plain(checkpoints["plain"][1], dtype, PROMPTS, NEW)
+
+
+def test_suffix_decoding_equals_plain_decoding(checkpoints):
+    import mtpctl
+
+    folder = checkpoints["plain"][1]
+    plain = mtpctl.load(str(folder), speculate="none", dtype="float32", threads=1)
+    suffix = mtpctl.load(str(folder), speculate="suffix", dtype="float32", speculate_policy="always", threads=1)
+    for prompt in PROMPTS:
+        expected = plain.pipeline.generate(list(prompt), NEW).token_ids
+        assert suffix.pipeline.generate(list(prompt), NEW).token_ids == expected
+
+
+def _plain_engine(model, prompt, tokens):
+    engine = TorchEngine(model, len(prompt) + len(tokens) + 8)
+    engine.prefill(list(prompt))
+    for t in tokens:
+        engine.verify(DraftTree(t))
+        engine.commit([0])
+    return engine
+
+
+def _same_states(a: TorchEngine, b: TorchEngine) -> bool:
+    la, lb = a.cache.linear, b.cache.linear
+    return set(la.committed) == set(lb.committed) and all(la.committed[i].equal(lb.committed[i]) for i in la.committed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_committed_chain_or_tree_path_holds_plain_decodings_state_bit_for_bit(checkpoints, dtype):
+    model = Decoder.from_folder(checkpoints["plain"][1], dtype=dtype, blocked=True)  # as a session loads it
+    prompt = list(PROMPTS[0])
+    # a tree: root 11, children 22 (node 1) and 33 (node 2); 44 under 33 (node 3), 55 under 22 (node 4)
+    tree = DraftTree.from_parents([11, 22, 33, 44, 55], [-1, 0, 0, 2, 1])
+    for path, tokens in (([0, 2, 3], [11, 33, 44]), ([0, 1, 4], [11, 22, 55]), ([0], [11])):
+        engine = TorchEngine(model, 64)
+        engine.prefill(prompt)
+        out = engine.verify(tree)
+        engine.commit(path)
+        plain = _plain_engine(model, prompt, tokens[:-1])
+        expected = plain.verify(DraftTree(tokens[-1]))
+        plain.commit([0])
+        assert torch.equal(out[path[-1]], expected[0])
+        assert _same_states(engine, plain)
+        assert not _same_states(engine, _plain_engine(model, prompt, tokens[:-1]))  # the path's last token counts
+        after, again = engine.verify(DraftTree(7)), plain.verify(DraftTree(7))
+        assert torch.equal(after[0], again[0])
+    chain = TorchEngine(model, 64)
+    chain.prefill(prompt)
+    chain.verify(DraftTree.chain([11, 22, 33, 44]))
+    chain.commit([0, 1])  # two of four accepted: the state after the second
+    assert _same_states(chain, _plain_engine(model, prompt, [11, 22]))
+
+
+def test_a_scripted_drafter_on_bfloat16_equals_plain(checkpoints):
+    model = Decoder.from_folder(checkpoints["plain"][1], dtype=torch.bfloat16, blocked=True)
+    prompt = list(PROMPTS[3])
+    alone = run(model, max_new=NEW, prompt=prompt)
+    for corrupt in (0, 2):
+        drafter = ScriptedDrafter(len(prompt), alone.token_ids, model.cfg.vocab_size, corrupt_every=corrupt)
+        assert run(model, drafter, max_new=NEW, prompt=prompt).token_ids == alone.token_ids
+
+
+def test_what_does_not_run_on_it_is_refused_in_one_line(checkpoints, tmp_path):
+    import json
+
+    import mtpctl
+
+    folder = checkpoints["plain"][1]
+    model = Decoder.from_folder(folder)
+    engine = TorchEngine(model, 64)
+    engine.prefill(list(PROMPTS[0]))
+    engine.verify(DraftTree(5))
+    engine.commit([0])
+    with pytest.raises(UnsupportedModel) as caught:  # a Gated DeltaNet state keeps no history
+        engine.rollback(engine.length - 1)
+    assert "cannot roll a Gated DeltaNet state back" in str(caught.value) and "\n" not in str(caught.value)
+    with pytest.raises(UnsupportedModel) as caught:
+        mtpctl.load(str(folder), speculate="lookahead", dtype="float32", threads=1)
+    assert "lookahead" in str(caught.value) and "\n" not in str(caught.value)
+    cache = model.new_cache(16, batch=2)  # teacher-forced batches of several sequences
+    with pytest.raises(UnsupportedModel, match="one sequence a pass"):
+        model(torch.zeros(2, 3, dtype=torch.long), torch.arange(3).expand(2, 3), cache,
+              {None: torch.ones(2, 1, 3, 16, dtype=torch.bool)})
+    raw = json.loads((folder / "config.json").read_text())
+    for model_type in ("qwen3_5_moe_text", "qwen3_5"):
+        with pytest.raises(UnsupportedModel) as caught:
+            DecoderConfig.from_dict({**raw, "model_type": model_type})
+        assert "is not supported" in str(caught.value) and "\n" not in str(caught.value)
