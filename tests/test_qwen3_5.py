@@ -35,7 +35,7 @@ PROMPTS = FAMILY_PROMPTS + ([(7 * i) % 250 + 3 for i in range(70)],)
 NEW = 32
 
 
-def reference_model(seed: int = 0, **overrides):
+def reference_model(seed: int = 0, scale: float = 1.5, **overrides):
     """transformers' tiny random Qwen3.5 text model, float32: matrices N(0, 1/sqrt(fan-in)) * 1.5, norm
     offsets N(0, 0.3), decays ``exp(g)`` spread over (0, 1)."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
@@ -51,7 +51,7 @@ def reference_model(seed: int = 0, **overrides):
             elif p.dim() == 1:  # RMSNorm offsets (1 + w), the gated norm's weight as it is
                 p.copy_((1.0 if name.endswith("linear_attn.norm.weight") else 0.0) + 0.3 * torch.randn_like(p))
             else:
-                p.copy_(1.5 * torch.randn_like(p) / math.sqrt(p.shape[-1]))
+                p.copy_(scale * torch.randn_like(p) / math.sqrt(p.shape[-1]))
     return model
 
 
@@ -101,15 +101,38 @@ def test_prompt_lookup_scripted_drafts_and_batches_equal_plain_decoding(checkpoi
     assert_speculation_equals_plain(checkpoints["plain"][1], dtype, PROMPTS, NEW)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prompt_lookup_that_drafts_alone_and_in_a_batch_equals_plain_decoding(checkpoints, dtype):
+    """The random model's text rarely repeats a 2-gram, so prompt lookup matches single tokens here: it
+    drafts (mostly rejected chains) at many steps."""
+    import mtpctl
+    from mtpctl.decode.session import GenerationRequest
+
+    folder = checkpoints["plain"][1]
+    plain = mtpctl.load(str(folder), speculate="none", dtype=dtype, threads=1)
+    ngram = mtpctl.load(str(folder), speculate="ngram", dtype=dtype, speculate_policy="always", threads=1,
+                        ngram_min=1, draft_len=4)
+    expected = [plain.pipeline.generate(list(p), NEW).token_ids for p in PROMPTS]
+    results = [ngram.pipeline.generate(list(p), NEW) for p in PROMPTS]
+    assert [r.token_ids for r in results] == expected
+    assert sum(r.stats.draft_tokens for r in results) > 20
+    batch = ngram.generate_batch([GenerationRequest(list(p), NEW) for p in PROMPTS], max_batch=len(PROMPTS))
+    assert [r.token_ids for r in batch] == expected and sum(r.stats.draft_tokens for r in batch) > 20
+
+
 def test_suffix_decoding_equals_plain_decoding(checkpoints):
     import mtpctl
 
     folder = checkpoints["plain"][1]
     plain = mtpctl.load(str(folder), speculate="none", dtype="float32", threads=1)
     suffix = mtpctl.load(str(folder), speculate="suffix", dtype="float32", speculate_policy="always", threads=1)
+    drafted = 0
     for prompt in PROMPTS:
         expected = plain.pipeline.generate(list(prompt), NEW).token_ids
-        assert suffix.pipeline.generate(list(prompt), NEW).token_ids == expected
+        got = suffix.pipeline.generate(list(prompt), NEW)
+        assert got.token_ids == expected
+        drafted += got.stats.draft_tokens
+    assert drafted > 0  # the responses served before give it something to draft
 
 
 def _plain_engine(model, prompt, tokens):
@@ -187,3 +210,20 @@ def test_what_does_not_run_on_it_is_refused_in_one_line(checkpoints, tmp_path):
         with pytest.raises(UnsupportedModel) as caught:
             DecoderConfig.from_dict({**raw, "model_type": model_type})
         assert "is not supported" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_the_per_node_states_of_draft_trees_are_reported(checkpoints):
+    import mtpctl
+    from mtpctl.model.gated_deltanet import tree_state_bytes
+
+    folder = checkpoints["plain"][1]
+    cfg = DecoderConfig.from_folder(folder)
+    ngram = mtpctl.load(str(folder), speculate="ngram", dtype="float32", speculate_policy="always", threads=1,
+                        ngram_min=1, draft_len=4)
+    stats = ngram.pipeline.generate(list(PROMPTS[3]), NEW).stats
+    nodes = 1 + max(stats.drafted_per_step)
+    assert max(stats.drafted_per_step) > 0
+    assert stats.draft_state_bytes_max == 2 * tree_state_bytes(cfg.deltanet, nodes)  # two Gated DeltaNet layers
+    assert stats.to_dict()["draft_state_bytes_max"] == stats.draft_state_bytes_max  # in --json's stats
+    plain = mtpctl.load(str(folder), speculate="none", dtype="float32", threads=1)
+    assert plain.pipeline.generate(list(PROMPTS[1]), 4).stats.draft_state_bytes_max == 2 * cfg.deltanet.state_bytes
