@@ -227,3 +227,21 @@ def test_the_per_node_states_of_draft_trees_are_reported(checkpoints):
     assert stats.to_dict()["draft_state_bytes_max"] == stats.draft_state_bytes_max  # in --json's stats
     plain = mtpctl.load(str(folder), speculate="none", dtype="float32", threads=1)
     assert plain.pipeline.generate(list(PROMPTS[1]), 4).stats.draft_state_bytes_max == 2 * cfg.deltanet.state_bytes
+
+
+def test_medusa_draft_trees_equal_plain_decoding(checkpoints):
+    """Trees through the decoding loop: random Medusa heads fill a tree with branches at several depths;
+    each step commits a path that need not be a prefix of the nodes."""
+    from helpers import TREES, random_heads
+
+    from mtpctl.drafters.heads.medusa import MedusaDrafter
+    from mtpctl.drafters.heads.tree import StaticTree
+
+    model = Decoder.from_folder(checkpoints["plain"][1], blocked=True)
+    heads = random_heads(model, num_heads=4)
+    prompt = list(PROMPTS[2])
+    alone = run(model, max_new=NEW, prompt=prompt)
+    for shape in ("mixed", "deep-second"):
+        drafter = MedusaDrafter(StaticTree.from_paths(TREES[shape], 4), heads, model)
+        got = run(model, drafter, max_new=NEW, prompt=prompt)
+        assert got.token_ids == alone.token_ids and got.stats.draft_tokens > 0
