@@ -1,5 +1,6 @@
-"""A Llama-family decoder (llama, SmolLM2, mistral, qwen2, qwen3) and Gemma 3 (gemma3_text) that
-scores N candidate tokens against a position-indexed KV cache in one forward pass.
+"""A Llama-family decoder (llama, SmolLM2, mistral, qwen2, qwen3), Gemma 3 (gemma3_text), the MoE families
+and Qwen3.5's hybrid body (qwen3_5_text: Gated DeltaNet layers, :func:`deltanet_pass`) that scores N
+candidate tokens against a position-indexed KV cache in one forward pass.
 
 Written for mtpctl from the published architectures (Touvron et al. 2023, "LLaMA"; RMSNorm, SwiGLU MLP,
 rotary embeddings, grouped-query attention; Gemma Team 2025, "Gemma 3 Technical Report": interleaved
