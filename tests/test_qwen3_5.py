@@ -245,3 +245,14 @@ def test_medusa_draft_trees_equal_plain_decoding(checkpoints):
         drafter = MedusaDrafter(StaticTree.from_paths(TREES[shape], 4), heads, model)
         got = run(model, drafter, max_new=NEW, prompt=prompt)
         assert got.token_ids == alone.token_ids and got.stats.draft_tokens > 0
+
+
+@pytest.mark.parametrize("args", [("--speculate", "lookahead"), ("--speculate", "draft", "--draft", "self"),
+                                  ("--speculate", "draft", "--draft", "{folder}")])
+def test_the_cli_refuses_drafters_that_cannot_run_on_it_in_one_line(checkpoints, capsys, args):
+    from helpers import assert_one_line_exit_2, cli
+
+    folder = checkpoints["plain"][1]
+    args = [a.format(folder=folder) for a in args]
+    code, out, err = cli(capsys, "generate", "-m", folder, "--no-chat", "--max-new-tokens", 4, *args, "abc")
+    assert_one_line_exit_2(code, out, err, "lookahead" if "lookahead" in args else "cannot draft")
