@@ -87,6 +87,9 @@ def test_the_checkpoint_reads_as_a_hybrid_body(checkpoints):
     assert torch.equal(model.layers[1].input_norm, 1 + ref[1].input_layernorm.weight)  # offset norms hold 1 + w
     assert torch.equal(model.layers[0].gated_norm_weight, ref[0].linear_attn.norm.weight)  # the gated one as it is
     assert model.layers[1].qkv.shape[0] == 2 * 4 * 32 + 2 * 2 * 32  # queries, their gates, keys, values
+    cache = model.new_cache(8)  # KV slots for the one attention layer; a state for each Gated DeltaNet layer
+    assert cache.k.shape[0] == 1 and model.layers[1].cache_index == 0 and sorted(cache.linear.committed) == [0, 2]
+    assert cache.nbytes == 2 * cache.k.numel() * 4 + 2 * cfg.deltanet.state_bytes
 
 
 @pytest.mark.parametrize("name", ["plain", "biased"])

@@ -405,9 +405,9 @@ class DecoderLayer(nn.Module):
             attn = self._attend(q, k, v, cache, mask, plan, x.dtype)[..., :self.mla.v_head_dim]
             return self._attention_out_and_mlp(x, attn, b, n, norm)
         if native and self.q_norm is None and self.fused_rotary:  # rotate, write the caches and attend in C
-            q = rotate_write(qkv[0], cos[0, :, 0], sin[0, :, 0], cache.kv, self.index, cache.dest, heads,
+            q = rotate_write(qkv[0], cos[0, :, 0], sin[0, :, 0], cache.kv, self.cache_index, cache.dest, heads,
                              cfg.num_key_value_heads, kv_bf16=cache.kv_bf16)
-            attn = attend(q, cache.kv, self.index, cfg.num_key_value_heads, cfg.scale, plan, kv_bf16=cache.kv_bf16)
+            attn = attend(q, cache.kv, self.cache_index, cfg.num_key_value_heads, cfg.scale, plan, kv_bf16=cache.kv_bf16)
             return self._attention_out_and_mlp(x, attn.transpose(0, 1)[None].to(x.dtype), b, n, norm)
         gate = None
         if self.output_gate:
@@ -423,16 +423,17 @@ class DecoderLayer(nn.Module):
         n = q.shape[2]
         native = isinstance(plan, SlotPlan)
         if native:
-            cache.write(self.index, k, v)
-            attn = attend(q[0].transpose(0, 1).float().contiguous(), cache.kv, self.index, cfg.num_key_value_heads,
+            cache.write(self.cache_index, k, v)
+            attn = attend(q[0].transpose(0, 1).float().contiguous(), cache.kv, self.cache_index, cfg.num_key_value_heads,
                           cfg.scale, plan, kv_bf16=cache.kv_bf16).transpose(0, 1)[None].to(q.dtype)
         elif plan is not None:  # one plan per sequence of the pass, each over its own cache
-            cache.write(self.index, k, v)
-            parts = [_attention(q[:, :, start:start + count], seq.k[self.index], seq.v[self.index], cfg.scale, seq_plan)
+            cache.write(self.cache_index, k, v)
+            i = self.cache_index
+            parts = [_attention(q[:, :, start:start + count], seq.k[i], seq.v[i], cfg.scale, seq_plan)
                      for seq, start, count, seq_plan in zip(cache.caches, cache.starts, cache.counts, plan)]
             attn = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)  # one sequence: no copy
         else:
-            keys, values = cache.write(self.index, k, v)
+            keys, values = cache.write(self.cache_index, k, v)
             used = cache.length + n
             attn = F.scaled_dot_product_attention(q.float(), keys[:, :, :used].float(), values[:, :, :used].float(),
                                                   attn_mask=mask[..., :used], enable_gqa=True,
@@ -446,6 +447,13 @@ class DecoderLayer(nn.Module):
         if gate is not None:
             attn = attn * _elementwise(torch.sigmoid, gate.reshape(-1, self.q_size)).reshape(attn.shape)
         return attention_out_and_mlp(self, x, attn, norm)
+
+    @property
+    def cache_index(self) -> int:
+        """Which layer of the KV cache holds this layer's keys and values: its index, or in a hybrid body
+        (Gated DeltaNet layers hold no KV) its place among the attention layers."""
+        d = self.cfg.deltanet
+        return self.index if d is None else sum(not d.is_linear_layer(i) for i in range(self.index))
 
     def deltanet_weights(self) -> GatedDeltaNetWeights:
         """A Gated DeltaNet layer's tensors as :mod:`mtpctl.model.gated_deltanet` takes them (views)."""
@@ -902,11 +910,11 @@ class Decoder(nn.Module):
         (a pass's attention reads every committed slot of its sequences)."""
         c = self.cfg
         dtype = torch.bfloat16 if compact and self.dtype == torch.bfloat16 else torch.float32
-        cache = KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, c.head_dim, capacity, dtype, self.device,
-                        spare=spare)
+        linear = [layer.index for layer in self.layers if layer.deltanet is not None]
+        cache = KVCache(c.num_hidden_layers - len(linear), batch, c.num_key_value_heads, c.head_dim, capacity, dtype,
+                        self.device, spare=spare)  # slots for the attention layers only
         if c.deltanet is not None:  # a hybrid body: each Gated DeltaNet layer's state beside the cache
-            layers = [layer.index for layer in self.layers if layer.deltanet is not None]
-            cache.linear = LinearCache(c.deltanet, layers, self.device)
+            cache.linear = LinearCache(c.deltanet, linear, self.device)
         return cache
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: Union[KVCache, PassSlots],

@@ -10,7 +10,7 @@ native MTP layers (``mtp.*``), which the body does not read.
 
 ``attention_bias`` adds q/k/v and o_proj biases. Not supported: the MoE variant (``qwen3_5_moe_text``),
 the multimodal checkpoint's config (``qwen3_5`` with a ``text_config``). No native layer stack, not exportable; the
-KV cache holds slots for every layer, the Gated DeltaNet ones unused (docs/architecture.md)."""
+KV cache holds the attention layers only (``DecoderLayer.cache_index``)."""
 
 from mtpctl.model.families.base import (BIASES, DELTANET_LAYER, LLAMA_NORMS, PROJECTIONS, QK_NORMS, Block, Family,
                                         Tensor)
