@@ -209,7 +209,7 @@ def test_what_does_not_run_on_it_is_refused_in_one_line(checkpoints, tmp_path):
         model(torch.zeros(2, 3, dtype=torch.long), torch.arange(3).expand(2, 3), cache,
               {None: torch.ones(2, 1, 3, 16, dtype=torch.bool)})
     raw = json.loads((folder / "config.json").read_text())
-    for model_type in ("qwen3_5_moe_text", "qwen3_5"):
+    for model_type in ("qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next"):
         with pytest.raises(UnsupportedModel) as caught:
             DecoderConfig.from_dict({**raw, "model_type": model_type})
         assert "is not supported" in str(caught.value) and "\n" not in str(caught.value)
@@ -259,3 +259,41 @@ def test_the_cli_refuses_drafters_that_cannot_run_on_it_in_one_line(checkpoints,
     args = [a.format(folder=folder) for a in args]
     code, out, err = cli(capsys, "generate", "-m", folder, "--no-chat", "--max-new-tokens", 4, *args, "abc")
     assert_one_line_exit_2(code, out, err, "lookahead" if "lookahead" in args else "cannot draft")
+
+
+@pytest.fixture(scope="module")
+def multimodal(checkpoints, tmp_path_factory):
+    """The plain checkpoint's text body inside transformers' multimodal ``Qwen3_5ForConditionalGeneration``
+    (a tiny vision tower; config ``qwen3_5`` with ``text_config``), saved by transformers, plus an
+    ``mtp.*`` tensor as released checkpoints carry."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    reference, text_folder = checkpoints["plain"]
+    config = Qwen3_5Config(text_config=reference.config.to_dict(), tie_word_embeddings=False,
+                           vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                              out_hidden_size=64))
+    model = Qwen3_5ForConditionalGeneration(config).eval()
+    model.model.language_model.load_state_dict(reference.model.state_dict())
+    model.lm_head.load_state_dict(reference.lm_head.state_dict())
+    folder = tmp_path_factory.mktemp("qwen3_5_multimodal")
+    model.save_pretrained(str(folder))
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file({**tensors, "mtp.fc.weight": torch.ones(64, 128)}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    for f in text_folder.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
+def test_the_multimodal_checkpoint_reads_as_its_text_body(checkpoints, multimodal):
+    text = Decoder.from_folder(checkpoints["plain"][1], blocked=True)
+    ours = Decoder.from_folder(multimodal, blocked=True)
+    assert ours.cfg.model_type == "qwen3_5" and ours.cfg.deltanet == text.cfg.deltanet
+    for prompt in PROMPTS[:2]:
+        a = TorchEngine(text, 32).verify(DraftTree.chain(list(prompt))).logits
+        b = TorchEngine(ours, 32).verify(DraftTree.chain(list(prompt))).logits
+        assert torch.equal(a, b)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(multimodal)).eval()  # Qwen3_5ForCausalLM
+    assert_equals_transformers(reference, Decoder.from_folder(multimodal), multimodal, PROMPTS[:1], NEW)

@@ -183,7 +183,7 @@ class DecoderConfig:
         """
         model_type = cfg.get("model_type")
         family = family_of(model_type)
-        cfg = family.with_defaults(cfg)
+        cfg = family.with_defaults(family.text_part(cfg))
         act = cfg.get(family.activation_key, "silu")
         if act not in SUPPORTED_ACTIVATIONS:
             raise UnsupportedModel(f"{family.activation_key} {act!r} is not supported "

@@ -277,6 +277,10 @@ class Family:
             ``block.linear_attention``; the layers its config makes linear hold them instead of
             :attr:`layer_tensors`' attention (the norms and the MLP stay).
         ignored: name prefixes of checkpoint tensors the body does not read (Qwen3.5's ``mtp.``).
+        text_config: config.json is a multimodal model's, the body's keys under ``text_config``
+            (:meth:`text_part`).
+        renames: (checkpoint prefix, the prefix the tensor map names) pairs: a multimodal checkpoint's
+            text body under ``model.language_model.`` read as ``model.``.
     """
 
     model_type: str
@@ -296,6 +300,18 @@ class Family:
     mlp_bias_key: str = "mlp_bias"
     linear_tensors: Tuple[Tensor, ...] = ()
     ignored: Tuple[str, ...] = ()
+    text_config: bool = False
+    renames: Tuple[Tuple[str, str], ...] = ()
+
+    def text_part(self, cfg: dict) -> dict:
+        """``cfg`` (a parsed config.json) as the body reads it: for a :attr:`text_config` family its
+        ``text_config`` keys, with this ``model_type`` and the file's own ``tie_word_embeddings`` where it
+        has one; ``cfg`` itself otherwise (or where it nests nothing)."""
+        text = cfg.get("text_config") if self.text_config else None
+        if not isinstance(text, dict):
+            return cfg
+        tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings"))
+        return {**text, "model_type": self.model_type, "tie_word_embeddings": tie}
 
     def with_defaults(self, cfg: dict) -> dict:
         """``cfg`` (a parsed config.json) with the family's :attr:`defaults` where it omits them."""

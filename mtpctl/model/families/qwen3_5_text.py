@@ -8,8 +8,8 @@ first ``int(head_dim * partial_rotary_factor)`` values of each head (default 0.2
 Gated DeltaNet's gated one holds ``1 + w``, scaled in float32 (as Gemma's). Checkpoints may carry the
 native MTP layers (``mtp.*``), which the body does not read.
 
-``attention_bias`` adds q/k/v and o_proj biases. Not supported: the MoE variant (``qwen3_5_moe_text``),
-the multimodal checkpoint's config (``qwen3_5`` with a ``text_config``). No native layer stack, not exportable; the
+``attention_bias`` adds q/k/v and o_proj biases. The multimodal checkpoint (``qwen3_5``) reads as this
+body (:mod:`.qwen3_5`). Not supported: the MoE variant (``qwen3_5_moe_text``). No native layer stack, not exportable; the
 KV cache holds the attention layers only (``DecoderLayer.cache_index``)."""
 
 from mtpctl.model.families.base import (BIASES, DELTANET_LAYER, LLAMA_NORMS, PROJECTIONS, QK_NORMS, Block, Family,
