@@ -297,3 +297,30 @@ def test_the_multimodal_checkpoint_reads_as_its_text_body(checkpoints, multimoda
         assert torch.equal(a, b)
     reference = transformers.AutoModelForCausalLM.from_pretrained(str(multimodal)).eval()  # Qwen3_5ForCausalLM
     assert_equals_transformers(reference, Decoder.from_folder(multimodal), multimodal, PROMPTS[:1], NEW)
+
+
+def test_the_pure_torch_path_and_prefill_in_passes_equal_plain_decoding(checkpoints, monkeypatch):
+    """kernels="torch": prefill through the masked path (a KVCache, not a pass of slots), passes on
+    torch's ops; and native prefill split into passes of 16 tokens (the state carried across them)."""
+    import mtpctl
+    from mtpctl.backends import torch as torch_backend
+
+    folder = checkpoints["plain"][1]
+    prompt = list(PROMPTS[3])
+    native = mtpctl.load(str(folder), speculate="none", dtype="float32", threads=1).pipeline.generate(prompt, NEW)
+    plain = mtpctl.load(str(folder), speculate="none", dtype="float32", threads=1, kernels="torch")
+    ngram = mtpctl.load(str(folder), speculate="ngram", dtype="float32", threads=1, kernels="torch",
+                        speculate_policy="always", ngram_min=1)
+    expected = plain.pipeline.generate(prompt, NEW).token_ids
+    got = ngram.pipeline.generate(prompt, NEW)
+    assert got.token_ids == expected == native.token_ids and got.stats.draft_tokens > 0
+    model = Decoder.from_folder(folder, blocked=True)
+    whole = TorchEngine(model, 128)
+    first = whole.prefill(prompt).logits[-1]
+    monkeypatch.setattr(torch_backend, "PREFILL_CHUNK", 16)
+    parts = TorchEngine(model, 128)
+    assert parts.native and (parts.prefill(prompt).logits[-1] - first).abs().max() < 1e-4 and parts.length == 70
+    for i in (0, 2):  # 64-token chunks in one pass, or 16-token passes: the same state to float32 rounding
+        a, b = whole.cache.linear.state(i), parts.cache.linear.state(i)
+        assert torch.equal(a.conv, b.conv) if i == 0 else (a.conv - b.conv).abs().max() < 1e-4 * a.conv.abs().max()
+        assert (a.recurrent - b.recurrent).abs().max() < 1e-4 * a.recurrent.abs().max()
