@@ -405,9 +405,10 @@ class DecoderLayer(nn.Module):
             attn = self._attend(q, k, v, cache, mask, plan, x.dtype)[..., :self.mla.v_head_dim]
             return self._attention_out_and_mlp(x, attn, b, n, norm)
         if native and self.q_norm is None and self.fused_rotary:  # rotate, write the caches and attend in C
-            q = rotate_write(qkv[0], cos[0, :, 0], sin[0, :, 0], cache.kv, self.cache_index, cache.dest, heads,
+            i = self.cache_index
+            q = rotate_write(qkv[0], cos[0, :, 0], sin[0, :, 0], cache.kv, i, cache.dest, heads,
                              cfg.num_key_value_heads, kv_bf16=cache.kv_bf16)
-            attn = attend(q, cache.kv, self.cache_index, cfg.num_key_value_heads, cfg.scale, plan, kv_bf16=cache.kv_bf16)
+            attn = attend(q, cache.kv, i, cfg.num_key_value_heads, cfg.scale, plan, kv_bf16=cache.kv_bf16)
             return self._attention_out_and_mlp(x, attn.transpose(0, 1)[None].to(x.dtype), b, n, norm)
         gate = None
         if self.output_gate:
@@ -424,8 +425,9 @@ class DecoderLayer(nn.Module):
         native = isinstance(plan, SlotPlan)
         if native:
             cache.write(self.cache_index, k, v)
-            attn = attend(q[0].transpose(0, 1).float().contiguous(), cache.kv, self.cache_index, cfg.num_key_value_heads,
-                          cfg.scale, plan, kv_bf16=cache.kv_bf16).transpose(0, 1)[None].to(q.dtype)
+            attn = attend(q[0].transpose(0, 1).float().contiguous(), cache.kv, self.cache_index,
+                          cfg.num_key_value_heads, cfg.scale, plan, kv_bf16=cache.kv_bf16)
+            attn = attn.transpose(0, 1)[None].to(q.dtype)
         elif plan is not None:  # one plan per sequence of the pass, each over its own cache
             cache.write(self.cache_index, k, v)
             i = self.cache_index
@@ -459,7 +461,8 @@ class DecoderLayer(nn.Module):
         """A Gated DeltaNet layer's tensors as :mod:`mtpctl.model.gated_deltanet` takes them (views)."""
         d = self.deltanet
         return GatedDeltaNetWeights(in_proj=self.in_proj, conv=self.conv.view(d.conv_dim, d.conv_kernel),
-                                    a_log=self.a_log, dt_bias=self.dt_bias, norm=self.gated_norm_weight, out_proj=self.out_proj)
+                                    a_log=self.a_log, dt_bias=self.dt_bias, norm=self.gated_norm_weight,
+                                    out_proj=self.out_proj)
 
 
 def split_output_gate(qkv: torch.Tensor, heads: int, head_dim: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -467,7 +470,8 @@ def split_output_gate(qkv: torch.Tensor, heads: int, head_dim: int) -> Tuple[tor
     gate) -> (the projection without the gates ``[batch, N, q + 2 kv]``, the gates ``[batch, N, q]``)."""
     q_size = heads * head_dim
     both = qkv[..., :2 * q_size].unflatten(-1, (heads, 2 * head_dim))
-    return torch.cat((both[..., :head_dim].flatten(-2), qkv[..., 2 * q_size:]), dim=-1), both[..., head_dim:].flatten(-2)
+    queries = both[..., :head_dim].flatten(-2)
+    return torch.cat((queries, qkv[..., 2 * q_size:]), dim=-1), both[..., head_dim:].flatten(-2)
 
 
 def deltanet_pass(layer: DecoderLayer, h: torch.Tensor, cache) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The supported model families, one module each (:mod:`.llama`, :mod:`.mistral`, :mod:`.qwen2`,
 :mod:`.qwen3`, :mod:`.gemma3_text`, :mod:`.qwen3_moe`, :mod:`.mixtral`,
-:mod:`.glm4_moe`, :mod:`.deepseek_v3`, :mod:`.qwen3_5_text`, :mod:`.qwen3_5`), each a :class:`Family` description; :data:`FAMILIES` maps
+:mod:`.glm4_moe`, :mod:`.deepseek_v3`,
+:mod:`.qwen3_5_text`, :mod:`.qwen3_5`), each a :class:`Family` description; :data:`FAMILIES` maps
 config.json's ``model_type`` to it. Adding a family: docs/architecture.md, "Adding a model family".
 """
 

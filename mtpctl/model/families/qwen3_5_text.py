@@ -1,7 +1,7 @@
-"""Qwen3.5's text body (Qwen Team 2026; transformers' ``Qwen3_5ForCausalLM``, config ``qwen3_5_text``): a
+"""Qwen3.5's text body (Qwen Team; transformers' ``Qwen3_5ForCausalLM``, config ``qwen3_5_text``): a
 hybrid of Gated DeltaNet layers (linear attention with a recurrent state and a short causal convolution,
-:mod:`mtpctl.model.gated_deltanet`) and full-attention layers, as ``layer_types`` names them (without
-it, every ``full_attention_interval``-th layer, default 4, attends fully). The full-attention layers are
+:mod:`mtpctl.model.gated_deltanet`) and full-attention layers, as ``layer_types`` names them (without it,
+every ``full_attention_interval``-th layer, default 4, attends fully). The full-attention layers are
 Qwen3's (QK-norm) with an output gate (``q_proj`` gives each head's query then its gate, ``2 * head_dim``
 rows a head; attention's output times ``sigmoid(gate)`` before ``o_proj``) and a rotary embedding on the
 first ``int(head_dim * partial_rotary_factor)`` values of each head (default 0.25). Every RMSNorm but the
@@ -9,8 +9,8 @@ Gated DeltaNet's gated one holds ``1 + w``, scaled in float32 (as Gemma's). Chec
 native MTP layers (``mtp.*``), which the body does not read.
 
 ``attention_bias`` adds q/k/v and o_proj biases. The multimodal checkpoint (``qwen3_5``) reads as this
-body (:mod:`.qwen3_5`). Not supported: the MoE variant (``qwen3_5_moe_text``). No native layer stack, not exportable; the
-KV cache holds the attention layers only (``DecoderLayer.cache_index``)."""
+body (:mod:`.qwen3_5`). Not supported: the MoE variant (``qwen3_5_moe_text``). No native layer stack, not
+exportable; the KV cache holds the attention layers only (``DecoderLayer.cache_index``)."""
 
 from mtpctl.model.families.base import (BIASES, DELTANET_LAYER, LLAMA_NORMS, PROJECTIONS, QK_NORMS, Block, Family,
                                         Tensor)
