@@ -261,6 +261,18 @@ def test_the_cli_refuses_drafters_that_cannot_run_on_it_in_one_line(checkpoints,
     assert_one_line_exit_2(code, out, err, "lookahead" if "lookahead" in args else "cannot draft")
 
 
+def test_add_heads_refuses_it_in_one_line_before_any_work(checkpoints, capsys, tmp_path, monkeypatch):
+    from helpers import assert_one_line_exit_2, cli
+
+    monkeypatch.setenv("MTPCTL_HOME", str(tmp_path / "home"))
+    data = tmp_path / "data.txt"
+    data.write_text("one prompt\nanother prompt\n")
+    code, out, err = cli(capsys, "add-heads", "-m", checkpoints["plain"][1], "--data", data, "--out", tmp_path / "heads",
+                         "--device", "cpu")
+    assert_one_line_exit_2(code, out, err, "cannot be trained on a qwen3_5_text target")
+    assert not (tmp_path / "heads").exists() and not (tmp_path / "home" / "work").exists()
+
+
 @pytest.fixture(scope="module")
 def multimodal(checkpoints, tmp_path_factory):
     """The plain checkpoint's text body inside transformers' multimodal ``Qwen3_5ForConditionalGeneration``
