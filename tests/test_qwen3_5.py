@@ -250,6 +250,24 @@ def test_medusa_draft_trees_equal_plain_decoding(checkpoints):
         assert got.token_ids == alone.token_ids and got.stats.draft_tokens > 0
 
 
+
+def test_an_eagle_layers_draft_trees_equal_plain_decoding(checkpoints):
+    """The EAGLE layer reads the target's hidden states of the committed rows: a hybrid body's are as any."""
+    from helpers import TREES, random_eagle
+
+    from mtpctl.drafters.heads.eagle import EagleDrafter
+    from mtpctl.drafters.heads.tree import StaticTree
+
+    model = Decoder.from_folder(checkpoints["plain"][1], blocked=True)
+    head = random_eagle(model)
+    prompt = list(PROMPTS[1])
+    alone = run(model, max_new=NEW, prompt=prompt)
+    drafter = EagleDrafter(head, StaticTree.from_paths(TREES["mixed"], head.cfg.num_heads),
+                           lambda ids: model.embed[ids], model.logits)
+    got = run(model, drafter, max_new=NEW, prompt=prompt)
+    assert got.token_ids == alone.token_ids and got.stats.draft_tokens > 0
+
+
 @pytest.mark.parametrize("args", [("--speculate", "lookahead"), ("--speculate", "draft", "--draft", "self"),
                                   ("--speculate", "draft", "--draft", "{folder}")])
 def test_the_cli_refuses_drafters_that_cannot_run_on_it_in_one_line(checkpoints, capsys, args):
