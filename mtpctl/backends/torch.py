@@ -206,6 +206,15 @@ class TorchEngine:
         """KV cache slots allocated (tokens)."""
         return self.cache.capacity
 
+    @property
+    def draft_state_bytes(self) -> int:
+        """Memory of the Gated DeltaNet states the last verify pass keeps per draft tree node until commit
+        (:func:`mtpctl.model.gated_deltanet.tree_state_bytes` of its nodes, summed over those layers), bytes;
+        0 for a model without such layers. The decoding loop reports the most of it
+        (``GenerationStats.draft_state_bytes_max``)."""
+        linear = self.cache.linear
+        return linear.staged_bytes if linear is not None else 0
+
     def prefill(self, prompt_ids: Sequence[int]) -> TorchStepOutput:
         """Reset the cache, run and commit the prompt; returns the last position's output (one row).
         Prefill feeds plain and speculative decoding alike, so it may use kernels that decode and
@@ -282,7 +291,7 @@ def verify_packed(engines: Sequence[TorchEngine], trees: Sequence[DraftTree]) ->
     if any(e.model is not model or e.native != native or e.aux_layers != aux_layers for e in engines):
         raise ValueError("engines verified together must share one model, one attention path and their aux layers")
     shapes = [(e.length,) + tree_shape(t) for e, t in zip(engines, trees)]
-    slots = PassSlots([e.cache for e in engines], [t.rows for t in trees])
+    slots = PassSlots([e.cache for e in engines], [t.rows for t in trees], [t.parents for t in trees])
     plans = pass_plans(model.cfg.layer_windows, native, shapes)
     if native:
         for plan in plans.values():

@@ -60,6 +60,9 @@ class GenerationStats:
     # target's pass), logits (lm_head rows read), accept, commit (KV commit, stop checks, streaming)
     phase_ms: Dict[str, float] = field(default_factory=dict)
     kv_cache_bytes: int = 0  # memory of the KV cache allocated for this generation
+    # a hybrid model's Gated DeltaNet states kept per draft tree node: the most a verify pass held
+    # (every node's state in every such layer, until commit keeps one), bytes; 0 for other models
+    draft_state_bytes_max: int = 0
 
     @property
     def tau(self) -> Optional[float]:
@@ -210,6 +213,7 @@ class _Row:
     def settle(self, tree: DraftTree, out: StepOutput, result: Acceptance) -> None:
         """Commit this step's accepted path of ``tree`` (``result``), check the stops."""
         self.steps += 1
+        staged = getattr(self.engine, "draft_state_bytes", 0)  # read before commit frees them
         self.engine.commit(result.path)
         self.last = TargetStep(out, result.path[-1], list(result.path), tree)
         before = len(self.stop.tokens)
@@ -221,6 +225,7 @@ class _Row:
         s.accepted_per_step.append(committed)
         s.drafted_per_step.append(tree.drafted)
         s.depth_per_step.append(tree.depth)
+        s.draft_state_bytes_max = max(s.draft_state_bytes_max, staged)
 
     def _commit(self, tokens: Sequence[int]) -> bool:
         """Push tokens one by one until a stop; stream what became final. True when generation ended."""

@@ -29,7 +29,7 @@ from mtpctl.drafters.heads.eagle3 import Eagle3Drafter, check_aux_layers
 from mtpctl.drafters.heads.folder import load_heads
 from mtpctl.drafters.heads.medusa import HydraDrafter, MedusaDrafter
 from mtpctl.drafters.heads.tree import DEFAULT_TREE_NODES, StaticTree, tree_from_accuracy
-from mtpctl.drafters.draft_model import DraftModelDrafter
+from mtpctl.drafters.draft_model import DraftModelDrafter, refuse_linear_draft
 from mtpctl.drafters.hybrid import HybridDrafter, grafts_heads
 from mtpctl.drafters.lookahead import LookaheadDrafter, LookaheadSettings
 from mtpctl.drafters.merged import MergedDrafter
@@ -387,6 +387,8 @@ def draft_drafter(session: Session, opts: DraftOptions, sampling: SamplingParams
         BadInput, ModelNotFound, CorruptModel, UnsupportedModel: see those two.
     """
     if is_self(opts.draft_model):
+        if getattr(session, "model", None) is not None:  # before the self-draft's measured search
+            refuse_linear_draft(session.model)
         return self_drafter(session, opts.draft_model, sampling, opts.draft_len, progress)
     from mtpctl.drafters.pairing import session_drafter
 
@@ -404,6 +406,10 @@ def lookahead_drafter(session: Session, settings=None) -> LookaheadDrafter:
     """
     if not session.extra_rows:
         raise BadInput(f"lookahead decoding runs on the torch backend, not {session.backend}", option="backend")
+    model = getattr(session, "model", None)
+    if getattr(getattr(model, "cfg", None), "deltanet", None) is not None:
+        raise UnsupportedModel(f"lookahead decoding does not run on {model.cfg.model_type}: its Jacobi window's rows "
+                               "are not a draft tree, which Gated DeltaNet layers verify", option="speculate")
     if isinstance(settings, str):
         settings = LookaheadSettings.parse(settings)
     elif isinstance(settings, (tuple, list)):

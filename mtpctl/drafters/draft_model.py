@@ -37,7 +37,7 @@ from mtpctl.backends.torch import TorchEngine, verify_packed
 from mtpctl.decode.drafter import Call, Drafter, TargetStep, check_finite
 from mtpctl.decode.sampling import SamplingParams, greedy_token, probs_from_logits, sample
 from mtpctl.decode.tree import DraftTree
-from mtpctl.errors import NonFinite
+from mtpctl.errors import NonFinite, UnsupportedModel
 from mtpctl.model.decoder import Decoder
 
 #: ``--draft-len auto``: start, shortest and longest draft length.
@@ -103,6 +103,14 @@ def _added_prefix(tokenizer) -> List[int]:
     return []
 
 
+def refuse_linear_draft(model: Decoder) -> None:
+    """Raises UnsupportedModel, in one line, for a draft model with Gated DeltaNet layers (a draft
+    model's cache is rolled back after each rejection; their states keep no history)."""
+    if model.cfg.deltanet is not None:
+        raise UnsupportedModel(f"a {model.cfg.model_type} model cannot draft (as a draft model or a self-draft): "
+                               "its Gated DeltaNet states cannot roll back after a rejection", option="draft")
+
+
 class DraftModelDrafter(Drafter):
     """A draft model proposing chains of draft tokens (implements
     :class:`~mtpctl.decode.drafter.Drafter`; its ``budget`` is the fixed draft length, or the
@@ -132,6 +140,8 @@ class DraftModelDrafter(Drafter):
     Raises:
         ValueError: ``id_map`` and ``text`` both given, an ``id_map`` of the wrong length or with
             ids outside the target vocabulary, or a draft length below 1.
+        UnsupportedModel: a draft with Gated DeltaNet layers (Qwen3.5): the drafter rolls its cache back
+            after each rejection, which their states cannot do.
     """
 
     def __init__(self, model: Decoder, target_vocab: int, sampling: Optional[SamplingParams] = None,
@@ -141,6 +151,7 @@ class DraftModelDrafter(Drafter):
                  source: Optional[dict] = None, shared_weights: bool = False):
         if id_map is not None and text is not None:
             raise ValueError("an id map and cross-tokenizer text mode exclude each other")
+        refuse_linear_draft(model)
         if (draft_len is not None and draft_len < 1) or max_draft_len < 1:
             raise ValueError(f"draft length must be at least 1, got {draft_len} (max {max_draft_len})")
         self.model = model

@@ -16,6 +16,7 @@ from typing import Optional, Tuple
 
 from mtpctl.errors import CorruptModel, UnsupportedModel
 from mtpctl.model.families import FAMILIES, Family, family_of  # noqa: F401 (FAMILIES: its old home)
+from mtpctl.model.gated_deltanet import GatedDeltaNetConfig
 from mtpctl.model.moe import MoeConfig
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -105,6 +106,9 @@ class DecoderConfig:
     cache's head length (:attr:`MlaConfig.cache_head_dim`), ``num_key_value_heads`` the heads, and
     ``rotary_dim`` the rotary part. ``mtp_layers``: MTP layers the checkpoint may carry at layer
     indices ``num_hidden_layers`` and above (``num_nextn_predict_layers``), which the body does not read.
+    ``deltanet``: a hybrid body's Gated DeltaNet layers (Qwen3.5, :class:`GatedDeltaNetConfig`, whose
+    ``layer_types`` say which layers they are), None where every layer attends. ``output_gate``: the
+    attention layers' output times ``sigmoid(gate)`` (the family's :class:`~mtpctl.model.families.Block` flag).
     """
 
     model_type: str
@@ -134,6 +138,8 @@ class DecoderConfig:
     rotary_dim: Optional[int] = None
     mla: Optional[MlaConfig] = None
     mtp_layers: int = 0
+    deltanet: Optional[GatedDeltaNetConfig] = None
+    output_gate: bool = False
 
     @property
     def q_lora(self) -> bool:
@@ -177,7 +183,7 @@ class DecoderConfig:
         """
         model_type = cfg.get("model_type")
         family = family_of(model_type)
-        cfg = family.with_defaults(cfg)
+        cfg = family.with_defaults(family.text_part(cfg))
         act = cfg.get(family.activation_key, "silu")
         if act not in SUPPORTED_ACTIVATIONS:
             raise UnsupportedModel(f"{family.activation_key} {act!r} is not supported "
@@ -246,6 +252,8 @@ class DecoderConfig:
                 rotary_dim=rotary_dim,
                 mla=mla,
                 mtp_layers=int(cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers")) or 0),
+                deltanet=GatedDeltaNetConfig.from_hf(cfg) if family.block.linear_attention else None,
+                output_gate=family.block.output_gate,
             )
         except (KeyError, TypeError, ValueError) as err:
             raise CorruptModel(f"config.json is missing or has a bad value for {err}") from err

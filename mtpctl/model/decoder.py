@@ -1,5 +1,6 @@
-"""A Llama-family decoder (llama, SmolLM2, mistral, qwen2, qwen3) and Gemma 3 (gemma3_text) that
-scores N candidate tokens against a position-indexed KV cache in one forward pass.
+"""A Llama-family decoder (llama, SmolLM2, mistral, qwen2, qwen3), Gemma 3 (gemma3_text), the MoE families
+and Qwen3.5's hybrid body (qwen3_5_text: Gated DeltaNet layers, :func:`deltanet_pass`) that scores N
+candidate tokens against a position-indexed KV cache in one forward pass.
 
 Written for mtpctl from the published architectures (Touvron et al. 2023, "LLaMA"; RMSNorm, SwiGLU MLP,
 rotary embeddings, grouped-query attention; Gemma Team 2025, "Gemma 3 Technical Report": interleaved
@@ -31,7 +32,9 @@ from mtpctl.model.native import (SlotPlan, StackWeights, attend, kernel_takes, l
                                  norm_takes, rms_norm, rotate_write)
 from mtpctl.model.linears import BlockedLinear, FixedRowsLinear, PackedLinear, TiledLinear, pack_exact
 from mtpctl.model.device import FIXED_ROWS
-from mtpctl.model.moe import MoeWeights, moe_mlp
+from mtpctl.model.gated_deltanet import GatedDeltaNetWeights, deltanet_prefill, deltanet_tree
+from mtpctl.model.linear_cache import LinearCache
+from mtpctl.model.moe import MoeWeights, _elementwise, moe_mlp
 from mtpctl.model.row_invariance import CPU_FIXED_ROWS, dense_path, int4_path
 from mtpctl.model.weights import CheckpointReader, MemoryTensors, read_headers, shard_files
 
@@ -320,9 +323,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_norm = param(h, dtype=norm_dtype)
         self.attn_out_norm = param(h, dtype=norm_dtype) if cfg.sandwich_norms else None
         self.mlp_out_norm = param(h, dtype=norm_dtype) if cfg.sandwich_norms else None
-        self.qkv = param(self.q_size + 2 * self.kv_size, h)
-        self.qkv_bias = param(self.q_size + 2 * self.kv_size) if cfg.attention_bias else None
+        # with an output gate (Qwen3.5) q_proj gives each head's query, then its gate
+        self.output_gate = cfg.output_gate
+        self.qkv = param((2 if cfg.output_gate else 1) * self.q_size + 2 * self.kv_size, h)
+        self.qkv_bias = param(self.qkv.shape[0]) if cfg.attention_bias else None
         self.o_proj = param(h, self.q_size)
+        self.o_bias = param(h) if cfg.attention_bias and cfg.output_gate else None
         # a MoE layer (cfg.moe says which): router and stacked experts instead of the dense MLP, run by
         # moe_mlp in blocks of ``moe_rows`` rows (the placement's fixed row count, hold_fixed_rows)
         self.moe = cfg.moe if cfg.family.is_moe_layer(cfg, index) else None
@@ -350,7 +356,6 @@ class DecoderLayer(nn.Module):
         # the native kernel that rotates and writes the cache in one go turns whole heads
         self.fused_rotary = cfg.rope_dim == hd and cfg.mla is None
         self.mla = cfg.mla
-        self.o_bias = None
         if cfg.mla is not None:  # multi-head latent attention: its own projections (see _mla_qkv)
             m, heads = cfg.mla, cfg.num_attention_heads
             first = m.q_lora_rank if m.q_lora_rank else heads * m.qk_head_dim
@@ -363,6 +368,17 @@ class DecoderLayer(nn.Module):
             self.kv_b = param(heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
             self.o_proj = param(h, heads * m.v_head_dim)
             self.o_bias = param(h) if cfg.attention_bias else None
+        # a Gated DeltaNet layer (cfg.deltanet says which): its own tensors instead of attention's
+        self.deltanet = cfg.deltanet if cfg.family.is_linear_layer(cfg, index) else None
+        if self.deltanet is not None:
+            d = self.deltanet
+            self.qkv = self.qkv_bias = self.o_proj = self.o_bias = self.q_norm = self.k_norm = None
+            self.in_proj = param(d.proj_dim, h)
+            self.conv = param(d.conv_dim, 1, d.conv_kernel, dtype=torch.float32)
+            self.a_log = param(d.num_v_heads, dtype=torch.float32)
+            self.dt_bias = param(d.num_v_heads, dtype=torch.float32)
+            self.gated_norm_weight = param(d.v_head_dim)
+            self.out_proj = param(h, d.value_dim)
 
     def forward(self, x, cos, sin, cache, mask: Optional[torch.Tensor], plan=None):
         """x ``[batch, N, hidden]`` -> ``[batch, N, hidden]``; writes this layer's N new KV slots.
@@ -380,18 +396,25 @@ class DecoderLayer(nn.Module):
         heads = cfg.num_attention_heads
         native = isinstance(plan, SlotPlan)
         norm = rms_norm if self.native_norms and native else self.norm
+        if self.deltanet is not None:
+            mixed = deltanet_pass(self, norm(x, self.input_norm, cfg.rms_norm_eps), cache)
+            return mixer_out_and_mlp(self, x, mixed, norm)
         qkv = _linear(norm(x, self.input_norm, cfg.rms_norm_eps), self.qkv, self.qkv_bias)
         if self.mla is not None:
             q, k, v = mla_heads(self, qkv, cos, sin)
             attn = self._attend(q, k, v, cache, mask, plan, x.dtype)[..., :self.mla.v_head_dim]
             return self._attention_out_and_mlp(x, attn, b, n, norm)
         if native and self.q_norm is None and self.fused_rotary:  # rotate, write the caches and attend in C
-            q = rotate_write(qkv[0], cos[0, :, 0], sin[0, :, 0], cache.kv, self.index, cache.dest, heads,
+            i = self.cache_index
+            q = rotate_write(qkv[0], cos[0, :, 0], sin[0, :, 0], cache.kv, i, cache.dest, heads,
                              cfg.num_key_value_heads, kv_bf16=cache.kv_bf16)
-            attn = attend(q, cache.kv, self.index, cfg.num_key_value_heads, cfg.scale, plan, kv_bf16=cache.kv_bf16)
+            attn = attend(q, cache.kv, i, cfg.num_key_value_heads, cfg.scale, plan, kv_bf16=cache.kv_bf16)
             return self._attention_out_and_mlp(x, attn.transpose(0, 1)[None].to(x.dtype), b, n, norm)
+        gate = None
+        if self.output_gate:
+            qkv, gate = split_output_gate(qkv, heads, cfg.head_dim)
         q, k, v = qkv_heads(self, qkv, cos, sin, norm)
-        return self._attention_out_and_mlp(x, self._attend(q, k, v, cache, mask, plan, x.dtype), b, n, norm)
+        return self._attention_out_and_mlp(x, self._attend(q, k, v, cache, mask, plan, x.dtype), b, n, norm, gate)
 
     def _attend(self, q, k, v, cache, mask, plan, dtype):
         """Attention of queries ``q [batch, heads, N, head_dim]`` over the cache after writing keys and
@@ -401,26 +424,92 @@ class DecoderLayer(nn.Module):
         n = q.shape[2]
         native = isinstance(plan, SlotPlan)
         if native:
-            cache.write(self.index, k, v)
-            attn = attend(q[0].transpose(0, 1).float().contiguous(), cache.kv, self.index, cfg.num_key_value_heads,
-                          cfg.scale, plan, kv_bf16=cache.kv_bf16).transpose(0, 1)[None].to(q.dtype)
+            cache.write(self.cache_index, k, v)
+            attn = attend(q[0].transpose(0, 1).float().contiguous(), cache.kv, self.cache_index,
+                          cfg.num_key_value_heads, cfg.scale, plan, kv_bf16=cache.kv_bf16)
+            attn = attn.transpose(0, 1)[None].to(q.dtype)
         elif plan is not None:  # one plan per sequence of the pass, each over its own cache
-            cache.write(self.index, k, v)
-            parts = [_attention(q[:, :, start:start + count], seq.k[self.index], seq.v[self.index], cfg.scale, seq_plan)
+            cache.write(self.cache_index, k, v)
+            i = self.cache_index
+            parts = [_attention(q[:, :, start:start + count], seq.k[i], seq.v[i], cfg.scale, seq_plan)
                      for seq, start, count, seq_plan in zip(cache.caches, cache.starts, cache.counts, plan)]
             attn = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)  # one sequence: no copy
         else:
-            keys, values = cache.write(self.index, k, v)
+            keys, values = cache.write(self.cache_index, k, v)
             used = cache.length + n
             attn = F.scaled_dot_product_attention(q.float(), keys[:, :, :used].float(), values[:, :, :used].float(),
                                                   attn_mask=mask[..., :used], enable_gqa=True,
                                                   scale=cfg.attention_scale).to(dtype)
         return attn
 
-    def _attention_out_and_mlp(self, x, attn, b: int, n: int, norm):
+    def _attention_out_and_mlp(self, x, attn, b: int, n: int, norm, gate: Optional[torch.Tensor] = None):
         """The rest of the block after attention ``attn [batch, heads, N, head_dim]``
-        (:func:`attention_out_and_mlp`)."""
-        return attention_out_and_mlp(self, x, attn.transpose(1, 2).reshape(b, n, self.q_size), norm)
+        (:func:`attention_out_and_mlp`), times ``sigmoid(gate)`` first where the layer has an output gate."""
+        attn = attn.transpose(1, 2).reshape(b, n, self.q_size)
+        if gate is not None:
+            attn = attn * _elementwise(torch.sigmoid, gate.reshape(-1, self.q_size)).reshape(attn.shape)
+        return attention_out_and_mlp(self, x, attn, norm)
+
+    @property
+    def cache_index(self) -> int:
+        """Which layer of the KV cache holds this layer's keys and values: its index, or in a hybrid body
+        (Gated DeltaNet layers hold no KV) its place among the attention layers."""
+        d = self.cfg.deltanet
+        return self.index if d is None else sum(not d.is_linear_layer(i) for i in range(self.index))
+
+    def deltanet_weights(self) -> GatedDeltaNetWeights:
+        """A Gated DeltaNet layer's tensors as :mod:`mtpctl.model.gated_deltanet` takes them (views)."""
+        d = self.deltanet
+        return GatedDeltaNetWeights(in_proj=self.in_proj, conv=self.conv.view(d.conv_dim, d.conv_kernel),
+                                    a_log=self.a_log, dt_bias=self.dt_bias, norm=self.gated_norm_weight,
+                                    out_proj=self.out_proj)
+
+
+def split_output_gate(qkv: torch.Tensor, heads: int, head_dim: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A gated attention's fused projection ``[batch, N, 2 q + 2 kv]`` (each query head followed by its
+    gate) -> (the projection without the gates ``[batch, N, q + 2 kv]``, the gates ``[batch, N, q]``)."""
+    q_size = heads * head_dim
+    both = qkv[..., :2 * q_size].unflatten(-1, (heads, 2 * head_dim))
+    queries = both[..., :head_dim].flatten(-2)
+    return torch.cat((queries, qkv[..., 2 * q_size:]), dim=-1), both[..., head_dim:].flatten(-2)
+
+
+def deltanet_pass(layer: DecoderLayer, h: torch.Tensor, cache) -> torch.Tensor:
+    """A Gated DeltaNet layer over the input-normed rows ``h [batch, N, hidden]`` of a pass: each
+    sequence from its committed state (``cache.linear``), its states staged for the commit
+    (:class:`~mtpctl.model.linear_cache.LinearCache`): a verify pass's every node
+    (:func:`~mtpctl.model.gated_deltanet.deltanet_tree`, so the committed state is bit for bit plain
+    decoding's), a prefill pass's last token (the chunked form). ``[batch, N, hidden]``.
+
+    Raises:
+        UnsupportedModel: a pass of several sequences through a batched cache (teacher-forced batches), or
+            a verify pass with rows beyond its tree's nodes (lookahead decoding's window).
+    """
+    if isinstance(cache, PassSlots):
+        spans = list(zip(cache.caches, cache.starts, cache.counts, cache.parents or [None] * len(cache.caches)))
+    elif h.shape[0] != 1:
+        raise UnsupportedModel(f"Gated DeltaNet layers run one sequence a pass, not a batch of {h.shape[0]} "
+                               "(teacher-forced batches, as add-heads runs, are not supported on this model yet)")
+    else:
+        spans = [(cache, 0, h.shape[1], None)]
+    outs = [_deltanet_sequence(layer, h[0, start:start + n], tree, seq) for seq, start, n, tree in spans]
+    return (outs[0] if len(outs) == 1 else torch.cat(outs))[None]
+
+
+def _deltanet_sequence(layer: DecoderLayer, rows: torch.Tensor, parents, cache: KVCache) -> torch.Tensor:
+    """One sequence's rows of a pass through a Gated DeltaNet layer (:func:`deltanet_pass`)."""
+    cfg, weights, linear = layer.deltanet, layer.deltanet_weights(), cache.linear
+    state = linear.state(layer.index)
+    if parents is None:
+        got = deltanet_prefill(rows, weights, cfg, state, rows=layer.moe_rows)
+        linear.stage(layer.index, {rows.shape[0] - 1: got.state})
+        return got.out
+    if len(parents) != rows.shape[0]:
+        raise UnsupportedModel("a verify pass with rows beyond its draft tree's nodes (lookahead decoding) does not "
+                               "run on Gated DeltaNet layers")
+    got = deltanet_tree(rows, parents, weights, cfg, state, rows=layer.moe_rows)
+    linear.stage(layer.index, dict(enumerate(got.states)))
+    return got.out
 
 
 # The block's math around attention, shared by DecoderLayer.forward and the ONNX graph's layer step
@@ -478,8 +567,14 @@ def mla_heads(layer: DecoderLayer, qkv: torch.Tensor, cos: torch.Tensor, sin: to
 def attention_out_and_mlp(layer: DecoderLayer, x: torch.Tensor, attn: torch.Tensor, norm) -> torch.Tensor:
     """The rest of the block after attention ``attn [batch, N, heads * head_dim]``: output projection
     (normed first with sandwich norms) and residual, then the gated MLP and its residual."""
+    return mixer_out_and_mlp(layer, x, _linear(attn, layer.o_proj, getattr(layer, "o_bias", None)), norm)
+
+
+def mixer_out_and_mlp(layer: DecoderLayer, x: torch.Tensor, out: torch.Tensor, norm) -> torch.Tensor:
+    """The block after its token mixer's projected output ``out [batch, N, hidden]`` (attention's after
+    ``o_proj``, a Gated DeltaNet layer's): sandwich norm where the family has it and the residual, then
+    the gated MLP and its residual."""
     eps = layer.cfg.rms_norm_eps
-    out = _linear(attn, layer.o_proj, getattr(layer, "o_bias", None))
     if layer.attn_out_norm is not None:
         out = norm(out, layer.attn_out_norm, eps)
     x = x + out
@@ -776,7 +871,9 @@ class Decoder(nn.Module):
         names = set(read_headers(files)) if cfg.moe is not None else None  # the experts' layout
         # MTP layers after the body's (num_nextn_predict_layers) are not the body's: not read, not checked
         mtp = tuple(f"model.layers.{i}." for i in range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.mtp_layers))
-        reader = CheckpointReader(files, expected_tensors(cfg, names), optional, ignored=mtp)  # headers only
+        mtp += cfg.family.ignored  # a family's own MTP tensors (Qwen3.5's mtp.*)
+        reader = CheckpointReader(files, expected_tensors(cfg, names), optional, ignored=mtp,
+                                  renames=cfg.family.renames)  # headers only
         model = cls(cfg, dtype, device, lazy=True)
         _Filler(model, reader, packed, blocked, native_int4).run()
         return model
@@ -844,8 +941,12 @@ class Decoder(nn.Module):
         (a pass's attention reads every committed slot of its sequences)."""
         c = self.cfg
         dtype = torch.bfloat16 if compact and self.dtype == torch.bfloat16 else torch.float32
-        return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, c.head_dim, capacity, dtype, self.device,
-                       spare=spare)
+        linear = [layer.index for layer in self.layers if layer.deltanet is not None]
+        cache = KVCache(c.num_hidden_layers - len(linear), batch, c.num_key_value_heads, c.head_dim, capacity, dtype,
+                        self.device, spare=spare)  # slots for the attention layers only
+        if c.deltanet is not None:  # a hybrid body: each Gated DeltaNet layer's state beside the cache
+            cache.linear = LinearCache(c.deltanet, linear, self.device)
+        return cache
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: Union[KVCache, PassSlots],
                 masks: Optional[Dict[Optional[int], torch.Tensor]], plans: Optional[dict] = None,

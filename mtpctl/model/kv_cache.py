@@ -10,7 +10,7 @@ through these methods.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -24,6 +24,9 @@ class KVCache:
             the last usable slot (the decode attention's tail, :func:`mtpctl.model.decoder._attention`).
         length: number of committed slots (tokens whose KV is final), the same for every batch row.
         capacity: slots that may hold tokens.
+        linear: a hybrid model's Gated DeltaNet states of this sequence
+            (:class:`~mtpctl.model.linear_cache.LinearCache`, set by ``Decoder.new_cache``), committed
+            and rolled back with the slots; None for a model without such layers.
     """
 
     def __init__(self, layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
@@ -33,11 +36,12 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.length = 0
         self.capacity = capacity
+        self.linear = None
 
     @property
     def nbytes(self) -> int:
-        """Memory held by keys and values, in bytes."""
-        return self.k.numel() * self.k.element_size() * 2
+        """Memory held by keys and values (and a hybrid model's committed Gated DeltaNet states), in bytes."""
+        return self.k.numel() * self.k.element_size() * 2 + (self.linear.nbytes if self.linear is not None else 0)
 
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
         """Store ``k_new``/``v_new`` ``[batch, kv_heads, N, head_dim]`` at slots ``[length, length+N)``
@@ -69,9 +73,14 @@ class KVCache:
 
     def advance(self, n: int) -> None:
         """Commit the first ``n`` uncommitted slots (``length += n``)."""
+        self._check_advance(n)
+        if self.linear is not None:
+            self.linear.keep(range(n))
+        self.length += n
+
+    def _check_advance(self, n: int) -> None:
         if n < 0 or self.length + n > self.capacity:
             raise ValueError(f"cannot advance the KV cache by {n} from {self.length} of {self.capacity}")
-        self.length += n
 
     def keep(self, offsets: Sequence[int]) -> None:
         """Commit the uncommitted slots ``length + offsets[i]`` (increasing) as slots ``length + i``.
@@ -79,12 +88,15 @@ class KVCache:
         Used for the accepted path of a draft tree; a prefix ``0..n-1`` costs no copy.
         """
         offsets = list(offsets)
+        self._check_advance(len(offsets))
+        if self.linear is not None:  # the state after the path's last token
+            self.linear.keep(offsets)
         if offsets != list(range(len(offsets))):
             src = torch.tensor(offsets, dtype=torch.long, device=self.k.device) + self.length
             dst = slice(self.length, self.length + len(offsets))
             self.k[:, :, :, dst] = self.k.index_select(3, src)
             self.v[:, :, :, dst] = self.v.index_select(3, src)
-        self.advance(len(offsets))
+        self.length += len(offsets)
 
     def rollback(self, length: int) -> None:
         """Forget the committed slots from ``length`` on (the slots are overwritten by later passes).
@@ -94,11 +106,15 @@ class KVCache:
         """
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot roll the KV cache back to {length}: it holds {self.length} committed slots")
+        if self.linear is not None:
+            self.linear.check_rollback(length, self.length)
         self.length = length
 
     def reset(self) -> None:
-        """Forget every committed slot (``length = 0``); memory is kept for reuse."""
-        self.rollback(0)
+        """Forget every committed slot (``length = 0``) and a hybrid model's states; memory is kept for reuse."""
+        if self.linear is not None:
+            self.linear.reset()
+        self.length = 0
 
 
 class PassSlots:
@@ -115,13 +131,18 @@ class PassSlots:
             (:func:`mtpctl.model.native.rotate_write`, :func:`mtpctl.model.native.attend`).
         dest: ``[N]`` long, the slot of its own cache each token's key and value go to.
         kv_bf16: the caches hold bfloat16 keys and values (else float32).
+        parents: per sequence, its draft tree's parents (node i's parent, -1 for the root), for a
+            verify pass: a hybrid model's Gated DeltaNet layers compute each node from its parent's
+            state and stage every node's; None for a prefill pass (each sequence's tokens a chain, only
+            the last token's state staged).
 
     Raises:
         ValueError: caches and counts of different lengths, caches of different dtypes, or a sequence
             whose tokens do not fit its cache's capacity.
     """
 
-    def __init__(self, caches: Sequence[KVCache], counts: Sequence[int]):
+    def __init__(self, caches: Sequence[KVCache], counts: Sequence[int],
+                 parents: Optional[Sequence[Sequence[int]]] = None):
         if len(caches) != len(counts) or not caches:
             raise ValueError(f"{len(caches)} caches for {len(counts)} sequences")
         for cache, n in zip(caches, counts):
@@ -130,6 +151,7 @@ class PassSlots:
         if len({c.k.dtype for c in caches}) != 1:
             raise ValueError("the caches of one pass must share a dtype")
         self.caches = list(caches)
+        self.parents = None if parents is None else [list(p) for p in parents]
         self.kv_bf16 = caches[0].k.dtype == torch.bfloat16
         self.counts = [int(n) for n in counts]
         self.starts = [sum(self.counts[:s]) for s in range(len(self.counts))]

@@ -172,6 +172,9 @@ class CheckpointReader:
         source: how messages name the checkpoint (default: the first file's folder).
         ignored: name prefixes of tensors the checkpoint may hold that are not read, left out of
             :attr:`names` (a checkpoint's MTP layers, ``model.layers.{L}.`` past the body's layers).
+        renames: (prefix in the files, prefix in ``expected``) pairs, applied after ``ignored``: a
+            multimodal checkpoint's text body (``model.language_model.`` read as ``model.``); every name
+            here and in messages is the renamed one.
 
     Raises:
         CorruptModel: see :func:`read_headers` and :func:`check_shapes`; reads raise it too (a file
@@ -179,11 +182,14 @@ class CheckpointReader:
     """
 
     def __init__(self, files: Sequence[Path], expected: Mapping[str, Tuple[int, ...]], optional=(),
-                 source: Optional[str] = None, ignored: Tuple[str, ...] = ()):
+                 source: Optional[str] = None, ignored: Tuple[str, ...] = (),
+                 renames: Tuple[Tuple[str, str], ...] = ()):
         self.source = source or str(Path(files[0]).parent)
         self.infos = read_headers(files)
         if ignored:
             self.infos = {name: info for name, info in self.infos.items() if not name.startswith(tuple(ignored))}
+        if renames:
+            self.infos = {_renamed(name, renames): info for name, info in self.infos.items()}
         check_shapes({name: info.shape for name, info in self.infos.items()}, expected, optional, self.source)
         self._maps: Dict[Path, torch.UntypedStorage] = {}
 
@@ -254,6 +260,14 @@ class CheckpointReader:
                 target = buffer[:min(step, count - begin)]
                 _read_exact(handle, info.offset + begin * info.dtype.itemsize, target, info.path)
                 check_finite(name, target, self.source)
+
+
+def _renamed(name: str, renames: Tuple[Tuple[str, str], ...]) -> str:
+    """``name`` with the first of ``renames``' prefixes it starts with replaced."""
+    for old, new in renames:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
 
 
 def _open(path: Path):

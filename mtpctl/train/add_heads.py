@@ -51,7 +51,7 @@ from mtpctl.drafters.heads.eagle3 import check_aux_layers, default_aux_layers
 from mtpctl.drafters.heads.folder import save_heads
 from mtpctl.drafters.heads.tree import expected_accepted, tree_from_accuracy
 from mtpctl.drafters.retrieval import DATASTORE_FILE, Datastore
-from mtpctl.errors import BadInput, MtpctlError
+from mtpctl.errors import BadInput, MtpctlError, UnsupportedModel
 from mtpctl.files import output_folder
 from mtpctl.model.config import DecoderConfig
 from mtpctl.model.tokenizer import TextCodec
@@ -157,12 +157,16 @@ def add_heads(target_folder: Path, target_name: str, data: Sequence[Path], out: 
 
     Raises:
         BadInput: bad settings, data or device, or ``out`` exists without ``overwrite``.
-        CorruptModel, UnsupportedModel: the target cannot be loaded.
+        CorruptModel, UnsupportedModel: the target cannot be loaded, or has Gated DeltaNet layers (Qwen3.5).
     """
     settings.check()
     out = Path(out)
     if out.exists() and not overwrite:
         raise BadInput(f"{out} already exists: choose another folder or replace it", option="overwrite")
+    cfg = DecoderConfig.from_folder(Path(target_folder))
+    if cfg.deltanet is not None:
+        raise UnsupportedModel(f"heads cannot be trained on a {cfg.model_type} target yet: its features come from "
+                               "teacher-forced batches of several sequences, which its Gated DeltaNet layers do not take")
     started = time.perf_counter()
     where = distributed.init_distributed(device)
     run = prepare_features(target_folder, data, settings, home, where, resume)

@@ -29,6 +29,15 @@ DIMS = {
     "qh": lambda c: c.num_attention_heads * c.mla.qk_head_dim,
     "kvb": lambda c: c.num_attention_heads * (c.mla.qk_nope_head_dim + c.mla.v_head_dim),
     "vh": lambda c: c.num_attention_heads * c.mla.v_head_dim,
+    # gated attention (Qwen3.5): q_proj gives each head's query and its output gate
+    "q2": lambda c: 2 * c.num_attention_heads * c.head_dim,
+    # Gated DeltaNet layers (DecoderConfig.deltanet)
+    "lqkv": lambda c: c.deltanet.conv_dim,
+    "lv": lambda c: c.deltanet.value_dim,
+    "lhv": lambda c: c.deltanet.num_v_heads,
+    "ldv": lambda c: c.deltanet.v_head_dim,
+    "lk": lambda c: c.deltanet.conv_kernel,
+    "1": lambda c: 1,
 }
 #: the per-layer attention types of a config (Hugging Face's ``layer_types`` values)
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -107,6 +116,18 @@ MLA_ATTENTION = (Tensor("self_attn.q_a_proj.weight", ("qr", "h"), "qkv", when="q
                  Tensor("self_attn.o_proj.bias", ("h",), "o_bias", when="attention_bias"))
 #: the DeepSeek-V3 block's tensors (its dense MLP as Llama's, without biases)
 MLA_LAYER = LLAMA_NORMS + MLA_ATTENTION + PROJECTIONS[4:]
+#: a Gated DeltaNet layer's tensors (Qwen3.5's names), in Hugging Face's order: the input projections
+#: stacked into ``in_proj`` (q, k, v, z, b, a), the convolution, the decay parameters, the gated norm's
+#: weight (used as it is: not an offset norm) and the output projection
+DELTANET_LAYER = (Tensor("linear_attn.A_log", ("lhv",), "a_log"),
+                  Tensor("linear_attn.conv1d.weight", ("lqkv", "1", "lk"), "conv"),
+                  Tensor("linear_attn.dt_bias", ("lhv",), "dt_bias"),
+                  Tensor("linear_attn.in_proj_qkv.weight", ("lqkv", "h"), "in_proj"),
+                  Tensor("linear_attn.in_proj_z.weight", ("lv", "h"), "in_proj"),
+                  Tensor("linear_attn.in_proj_b.weight", ("lhv", "h"), "in_proj"),
+                  Tensor("linear_attn.in_proj_a.weight", ("lhv", "h"), "in_proj"),
+                  Tensor("linear_attn.norm.weight", ("ldv",), "gated_norm_weight"),
+                  Tensor("linear_attn.out_proj.weight", ("h", "lv"), "out_proj"))
 
 
 @dataclass(frozen=True)
@@ -124,6 +145,10 @@ class Block:
         partial_rotary: the rotary embedding turns the first ``int(head_dim * partial_rotary_factor)``
             values of each query/key head (rotate-half over those), the rest pass (GLM-4.5).
         mla: multi-head latent attention instead of GQA (DeepSeek-V3, :class:`~mtpctl.model.config.MlaConfig`).
+        output_gate: ``q_proj`` gives each head's query then its output gate (``2 * head_dim`` rows a
+            head); attention's output is multiplied by ``sigmoid(gate)`` before ``o_proj`` (Qwen3.5).
+        linear_attention: the layers ``layer_types`` names ``linear_attention`` are Gated DeltaNet layers
+            (:mod:`mtpctl.model.gated_deltanet`, ``DecoderConfig.deltanet``) instead of attention.
     """
 
     qk_norm: bool = False
@@ -132,6 +157,8 @@ class Block:
     scaled_embeddings: bool = False
     partial_rotary: bool = False
     mla: bool = False
+    output_gate: bool = False
+    linear_attention: bool = False
 
 
 def every_layer_slides(cfg: dict, layers: int) -> List[str]:
@@ -246,6 +273,14 @@ class Family:
             ``use_qk_norm``), where the family's block leaves it to the config; "" where it does not.
         mlp_bias_key: the config.json key that gives the dense MLP biases; "" where the family's MLP
             never has them (GLM-4.5, DeepSeek-V3).
+        linear_tensors: a Gated DeltaNet layer's tensors (:data:`DELTANET_LAYER`), for a family with
+            ``block.linear_attention``; the layers its config makes linear hold them instead of
+            :attr:`layer_tensors`' attention (the norms and the MLP stay).
+        ignored: name prefixes of checkpoint tensors the body does not read (Qwen3.5's ``mtp.``).
+        text_config: config.json is a multimodal model's, the body's keys under ``text_config``
+            (:meth:`text_part`).
+        renames: (checkpoint prefix, the prefix the tensor map names) pairs: a multimodal checkpoint's
+            text body under ``model.language_model.`` read as ``model.``.
     """
 
     model_type: str
@@ -263,6 +298,20 @@ class Family:
     experts: Optional[Experts] = None
     qk_norm_key: str = ""
     mlp_bias_key: str = "mlp_bias"
+    linear_tensors: Tuple[Tensor, ...] = ()
+    ignored: Tuple[str, ...] = ()
+    text_config: bool = False
+    renames: Tuple[Tuple[str, str], ...] = ()
+
+    def text_part(self, cfg: dict) -> dict:
+        """``cfg`` (a parsed config.json) as the body reads it: for a :attr:`text_config` family its
+        ``text_config`` keys, with this ``model_type`` and the file's own ``tie_word_embeddings`` where it
+        has one; ``cfg`` itself otherwise (or where it nests nothing)."""
+        text = cfg.get("text_config") if self.text_config else None
+        if not isinstance(text, dict):
+            return cfg
+        tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings"))
+        return {**text, "model_type": self.model_type, "tie_word_embeddings": tie}
 
     def with_defaults(self, cfg: dict) -> dict:
         """``cfg`` (a parsed config.json) with the family's :attr:`defaults` where it omits them."""
@@ -273,6 +322,11 @@ class Family:
         moe = getattr(cfg, "moe", None)
         return self.experts is not None and moe is not None and moe.is_moe_layer(layer)
 
+    def is_linear_layer(self, cfg, layer: int) -> bool:
+        """Whether layer ``layer`` of ``cfg`` is a Gated DeltaNet layer instead of attention."""
+        deltanet = getattr(cfg, "deltanet", None)
+        return bool(self.linear_tensors) and deltanet is not None and deltanet.is_linear_layer(layer)
+
     def tensors(self, cfg, layer: Optional[int] = None, names=None) -> List[Tensor]:
         """The tensors a checkpoint of ``cfg`` (a DecoderConfig) holds: one layer's (names after its
         prefix) or, with ``layer`` None, the model's own; those of a flag ``cfg`` lacks left out. A MoE
@@ -280,6 +334,8 @@ class Family:
         :class:`Experts`)."""
         if layer is None:
             table = self.model_tensors
+        elif self.is_linear_layer(cfg, layer):
+            table = tuple(t for t in self.layer_tensors if not t.name.startswith("self_attn.")) + self.linear_tensors
         elif self.is_moe_layer(cfg, layer):
             table = tuple(t for t in self.layer_tensors if t.param not in DENSE_MLP) + \
                 self.experts.tensors(cfg, self.experts.per_expert(names, layer))
