@@ -16,6 +16,7 @@ from typing import Optional, Tuple
 
 from mtpctl.errors import CorruptModel, UnsupportedModel
 from mtpctl.model.families import FAMILIES, Family, family_of  # noqa: F401 (FAMILIES: its old home)
+from mtpctl.model.fp8 import block_of
 from mtpctl.model.moe import MoeConfig
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -105,6 +106,8 @@ class DecoderConfig:
     cache's head length (:attr:`MlaConfig.cache_head_dim`), ``num_key_value_heads`` the heads, and
     ``rotary_dim`` the rotary part. ``mtp_layers``: MTP layers the checkpoint may carry at layer
     indices ``num_hidden_layers`` and above (``num_nextn_predict_layers``), which the body does not read.
+    ``fp8_block``: the weight block of a block-scaled FP8 checkpoint (``quantization_config``,
+    :mod:`mtpctl.model.fp8`), whose weights are dequantized at load; None for any other.
     """
 
     model_type: str
@@ -134,6 +137,7 @@ class DecoderConfig:
     rotary_dim: Optional[int] = None
     mla: Optional[MlaConfig] = None
     mtp_layers: int = 0
+    fp8_block: Optional[Tuple[int, int]] = None
 
     @property
     def q_lora(self) -> bool:
@@ -246,6 +250,7 @@ class DecoderConfig:
                 rotary_dim=rotary_dim,
                 mla=mla,
                 mtp_layers=int(cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers")) or 0),
+                fp8_block=block_of(cfg),
             )
         except (KeyError, TypeError, ValueError) as err:
             raise CorruptModel(f"config.json is missing or has a bad value for {err}") from err

@@ -776,7 +776,8 @@ class Decoder(nn.Module):
         names = set(read_headers(files)) if cfg.moe is not None else None  # the experts' layout
         # MTP layers after the body's (num_nextn_predict_layers) are not the body's: not read, not checked
         mtp = tuple(f"model.layers.{i}." for i in range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.mtp_layers))
-        reader = CheckpointReader(files, expected_tensors(cfg, names), optional, ignored=mtp)  # headers only
+        reader = CheckpointReader(files, expected_tensors(cfg, names), optional, ignored=mtp,  # headers only
+                                  fp8_block=cfg.fp8_block)
         model = cls(cfg, dtype, device, lazy=True)
         _Filler(model, reader, packed, blocked, native_int4).run()
         return model
