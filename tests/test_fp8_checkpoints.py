@@ -134,17 +134,18 @@ def test_speculation_equals_plain_on_an_fp8_checkpoint(checkpoints, dtype):
 
 def test_reading_is_streamed_in_block_rows_with_partial_edges(tmp_path, monkeypatch):
     """A matrix and an expert stack read a block row at a time (CHUNK_BYTES tiny) equal their
-    dequantized values; the scales are consumed, not listed."""
+    dequantized values; the scales are consumed, not listed, and may sit in another shard."""
     torch.manual_seed(0)
     tensors = {"a": torch.randn(300, 200), "b": torch.randn(3, 130, 70)}
     stored, expected = {}, {}
     for name, value in tensors.items():
         stored[name], stored[name + "_scale_inv"] = quantize(value)
         expected[name] = dequantized(stored[name], stored[name + "_scale_inv"])
-    save_file(stored, str(tmp_path / "model.safetensors"))
+    shards = [tmp_path / "model-1.safetensors", tmp_path / "model-2.safetensors"]
+    save_file({k: v for k, v in stored.items() if k != "a_scale_inv"}, str(shards[0]))
+    save_file({"a_scale_inv": stored["a_scale_inv"]}, str(shards[1]))
     monkeypatch.setattr(weights, "CHUNK_BYTES", 1)
-    reader = CheckpointReader([tmp_path / "model.safetensors"], {n: tuple(t.shape) for n, t in tensors.items()},
-                              fp8_block=(BLOCK, BLOCK))
+    reader = CheckpointReader(shards, {n: tuple(t.shape) for n, t in tensors.items()}, fp8_block=(BLOCK, BLOCK))
     assert reader.names == ["a", "b"] and reader.dtype("a") == torch.float32 and reader.mapped("a") is None
     for name in tensors:
         assert torch.equal(reader.read(name), expected[name])
