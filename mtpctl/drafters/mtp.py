@@ -33,10 +33,11 @@ from mtpctl.decode.attention import MAX_DRAFT_DEPTH
 from mtpctl.decode.drafter import Drafter, TargetStep, check_finite
 from mtpctl.decode.tree import DraftTree
 from mtpctl.errors import BadInput, CorruptModel, UnsupportedModel
+from mtpctl.model import fp8
 from mtpctl.model.config import DecoderConfig, read_json
-
 from mtpctl.model.decoder import Decoder, _Filler, _rms_norm, expected_tensors
-from mtpctl.model.weights import MemoryTensors, check_finite as check_finite_tensor, read_headers, shard_files
+from mtpctl.model.weights import (MemoryTensors, TensorInfo, check_finite as check_finite_tensor, read_headers,
+                                  shard_files)
 
 #: families whose checkpoints carry MTP layers in the published ``model.layers.{L + k}`` layout
 FAMILIES = ("glm4_moe", "deepseek_v3")
@@ -98,6 +99,21 @@ class _Source(MemoryTensors):
         return self.tensors[name] if name in self.shared else None
 
 
+def _read_tensors(prefix: str, found: Dict[str, TensorInfo]) -> Dict[str, torch.Tensor]:
+    """The tensors ``prefix + name`` of ``found`` (name -> info), read file by file in their stored dtype."""
+    from safetensors import safe_open
+
+    by_file: Dict[Path, List[str]] = {}
+    for name, info in found.items():
+        by_file.setdefault(Path(info.path), []).append(name)
+    out = {}
+    for path, group in by_file.items():
+        with safe_open(str(path), framework="pt") as handle:
+            for name in group:
+                out[name] = handle.get_tensor(prefix + name)
+    return out
+
+
 class MtpLayers:
     """The first MTP layer of a checkpoint, ready to draft beside the target ``model``.
 
@@ -147,38 +163,38 @@ class MtpLayers:
     def _read(self, folder: Path, layers: int) -> Dict[str, torch.Tensor]:
         """The first MTP layer's tensors (names after ``model.layers.{layers}.``), checked: the block's
         names and shapes are the family's MoE layer's, the extras are present with their shapes, and
-        every value is finite."""
-        from safetensors import safe_open
-
+        every value is finite; block-scaled FP8 weights dequantized to float32 (their scales consumed)."""
         files = shard_files(folder)
         prefix = f"model.layers.{layers}."
-        infos = {name: info for name, info in read_headers(files).items() if name.startswith(prefix)}
+        found = {name[len(prefix):]: info for name, info in read_headers(files).items() if name.startswith(prefix)}
+        where = f"{folder}: MTP layer {prefix}"
+        pairs = fp8.pair_scales({n: i.shape for n, i in found.items()}, {n: i.dtype for n, i in found.items()},
+                                self.cfg.fp8_block, where)
+        self._check_layout({n: i for n, i in found.items() if n not in pairs.values()}, where)
+        out = _read_tensors(prefix, found)
+        for weight, scale in pairs.items():
+            out[weight] = fp8.dequantize_stack(out[weight], out.pop(scale), self.cfg.fp8_block)
+        for name, value in out.items():
+            check_finite_tensor(prefix + name, value, str(folder))
+        return out
+
+    def _check_layout(self, found: Dict[str, TensorInfo], where: str) -> None:
+        """Raise CorruptModel unless ``found`` (name after the prefix -> info) is an MTP layer of the
+        published layout: the family's MoE block, the extras, the optional copies, with their shapes."""
         h, v = self.cfg.hidden_size, self.cfg.vocab_size
-        names = {f"model.layers.0.{name[len(prefix):]}" for name in infos}
+        names = {f"model.layers.0.{name}" for name in found}
         block = {name[len("model.layers.0."):]: tuple(shape) for name, shape in
                  expected_tensors(self.cfg, names).items() if name.startswith("model.layers.0.")}
         shapes = {**block, "enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h),
                   "shared_head.norm.weight": (h,), "shared_head.head.weight": (v, h), "embed_tokens.weight": (v, h)}
-        found = {name[len(prefix):]: info for name, info in infos.items()}
         missing = sorted(set(shapes) - set(found) - set(OPTIONAL))
         unexpected = sorted(set(found) - set(shapes))
-        where = f"{folder}: MTP layer {prefix}"
         if missing or unexpected:
             what = f"missing {missing[0]!r}" if missing else f"unexpected {unexpected[0]!r}"
             raise CorruptModel(f"{where} does not have the published layout ({what})")
         for name, info in found.items():
             if tuple(info.shape) != shapes[name]:
                 raise CorruptModel(f"{where}{name} has shape {tuple(info.shape)}, expected {shapes[name]}")
-        out = {}
-        by_file: Dict[Path, List[str]] = {}
-        for name, info in found.items():
-            by_file.setdefault(Path(info.path), []).append(name)
-        for path, group in by_file.items():
-            with safe_open(str(path), framework="pt") as handle:
-                for name in group:
-                    out[name] = handle.get_tensor(prefix + name)
-                    check_finite_tensor(prefix + name, out[name], str(folder))
-        return out
 
     def new_cache(self, capacity: int):
         return self.block.new_cache(capacity)

@@ -17,6 +17,7 @@ from typing import Optional, Tuple
 from mtpctl.errors import CorruptModel, UnsupportedModel
 from mtpctl.model.families import FAMILIES, Family, family_of  # noqa: F401 (FAMILIES: its old home)
 from mtpctl.model.gated_deltanet import GatedDeltaNetConfig
+from mtpctl.model.fp8 import block_of
 from mtpctl.model.moe import MoeConfig
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -109,6 +110,8 @@ class DecoderConfig:
     ``deltanet``: a hybrid body's Gated DeltaNet layers (Qwen3.5, :class:`GatedDeltaNetConfig`, whose
     ``layer_types`` say which layers they are), None where every layer attends. ``output_gate``: the
     attention layers' output times ``sigmoid(gate)`` (the family's :class:`~mtpctl.model.families.Block` flag).
+    ``fp8_block``: the weight block of a block-scaled FP8 checkpoint (``quantization_config``,
+    :mod:`mtpctl.model.fp8`), whose weights are dequantized at load; None for any other.
     """
 
     model_type: str
@@ -140,6 +143,7 @@ class DecoderConfig:
     mtp_layers: int = 0
     deltanet: Optional[GatedDeltaNetConfig] = None
     output_gate: bool = False
+    fp8_block: Optional[Tuple[int, int]] = None
 
     @property
     def q_lora(self) -> bool:
@@ -254,6 +258,7 @@ class DecoderConfig:
                 mtp_layers=int(cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers")) or 0),
                 deltanet=GatedDeltaNetConfig.from_hf(cfg) if family.block.linear_attention else None,
                 output_gate=family.block.output_gate,
+                fp8_block=block_of(cfg),
             )
         except (KeyError, TypeError, ValueError) as err:
             raise CorruptModel(f"config.json is missing or has a bad value for {err}") from err

@@ -17,6 +17,7 @@ import torch
 
 from mtpctl.errors import CorruptModel, UnsupportedModel
 from mtpctl.files import sha256_files
+from mtpctl.model import fp8
 from mtpctl.model.config import DecoderConfig, read_json
 
 INDEX = "model.safetensors.index.json"
@@ -165,6 +166,10 @@ class CheckpointReader:
     read one at a time, in chunks of :data:`CHUNK_BYTES`, each chunk checked for NaN and infinite
     values as it is read.
 
+    Block-scaled FP8 weights (:mod:`mtpctl.model.fp8`, with ``fp8_block``) are dequantized as they are
+    read, a chunk of rows at a time: such a weight reads as float32 under its own name, and its
+    ``_scale_inv`` tensor is consumed (not among :attr:`names`).
+
     Args:
         files: paths of ``.safetensors`` files; :attr:`names` follows their order.
         expected: tensor name -> shape.
@@ -175,21 +180,29 @@ class CheckpointReader:
         renames: (prefix in the files, prefix in ``expected``) pairs, applied after ``ignored``: a
             multimodal checkpoint's text body (``model.language_model.`` read as ``model.``); every name
             here and in messages is the renamed one.
+        fp8_block: the weight block of a block-scaled FP8 checkpoint (``DecoderConfig.fp8_block``), None
+            for any other.
 
     Raises:
-        CorruptModel: see :func:`read_headers` and :func:`check_shapes`; reads raise it too (a file
-            that ends early, a tensor with NaN or infinite values).
+        CorruptModel: see :func:`read_headers`, :func:`check_shapes` and :func:`mtpctl.model.fp8.pair_scales`;
+            reads raise it too (a file that ends early, a tensor with NaN or infinite values).
+        UnsupportedModel: quantized tensors other than block-scaled FP8 (:func:`mtpctl.model.fp8.pair_scales`).
     """
 
     def __init__(self, files: Sequence[Path], expected: Mapping[str, Tuple[int, ...]], optional=(),
                  source: Optional[str] = None, ignored: Tuple[str, ...] = (),
-                 renames: Tuple[Tuple[str, str], ...] = ()):
+                 renames: Tuple[Tuple[str, str], ...] = (), fp8_block: Optional[Tuple[int, int]] = None):
         self.source = source or str(Path(files[0]).parent)
         self.infos = read_headers(files)
         if ignored:
             self.infos = {name: info for name, info in self.infos.items() if not name.startswith(tuple(ignored))}
         if renames:
             self.infos = {_renamed(name, renames): info for name, info in self.infos.items()}
+        pairs = fp8.pair_scales({n: i.shape for n, i in self.infos.items()},
+                                {n: i.dtype for n, i in self.infos.items()}, fp8_block, self.source)
+        #: FP8 weight name -> its scale's TensorInfo
+        self.scales = {weight: self.infos.pop(scale) for weight, scale in pairs.items()}
+        self.block = fp8_block
         check_shapes({name: info.shape for name, info in self.infos.items()}, expected, optional, self.source)
         self._maps: Dict[Path, torch.UntypedStorage] = {}
 
@@ -205,22 +218,28 @@ class CheckpointReader:
         return self.infos[name].shape
 
     def dtype(self, name: str) -> torch.dtype:
-        """The dtype ``name`` has in its file."""
-        return self.infos[name].dtype
+        """The dtype ``name`` has in its file (float32 for a block-scaled FP8 weight: its values)."""
+        return torch.float32 if name in self.scales else self.infos[name].dtype
 
     def read(self, name: str) -> torch.Tensor:
-        """Tensor ``name`` as a new CPU tensor in its file's dtype."""
-        info = self.infos[name]
-        out = torch.empty(info.shape, dtype=info.dtype)
+        """Tensor ``name`` as a new CPU tensor in its file's dtype (see :meth:`dtype`)."""
+        out = torch.empty(self.infos[name].shape, dtype=self.dtype(name))
         self.read_into(name, out)
         return out
 
     def read_into(self, name: str, out: torch.Tensor) -> None:
         """Copy tensor ``name`` into ``out``, a contiguous tensor of its shape on any device and of any
-        dtype (converted chunk by chunk; a CPU tensor of the file's dtype is read into directly)."""
+        dtype (converted chunk by chunk; a CPU tensor of the file's dtype is read into directly; a
+        block-scaled FP8 weight dequantized a chunk of block rows at a time)."""
         info = self.infos[name]
         if tuple(out.shape) != info.shape or not out.is_contiguous():
             raise ValueError(f"read_into {name!r}: out has shape {tuple(out.shape)}, expected a contiguous {info.shape}")
+        if name in self.scales:
+            self._read_fp8_into(name, out)
+            return
+        self._read_plain_into(name, info, out)
+
+    def _read_plain_into(self, name: str, info: TensorInfo, out: torch.Tensor) -> None:
         flat = out.view(-1)
         direct = out.device.type == "cpu" and out.dtype == info.dtype
         step = max(1, CHUNK_BYTES // info.dtype.itemsize)
@@ -234,12 +253,33 @@ class CheckpointReader:
                 if not direct:
                     part.copy_(target)
 
+    def _read_fp8_into(self, name: str, out: torch.Tensor) -> None:
+        """Dequantize FP8 weight ``name`` (``[..., R, C]``) into ``out``: each matrix read a whole number
+        of block rows at a time, about :data:`CHUNK_BYTES` of codes, with the rows of its scale."""
+        info, block = self.infos[name], self.block
+        scale = torch.empty(self.scales[name].shape, dtype=torch.float32)
+        self._read_plain_into(name + fp8.SCALE_SUFFIX, self.scales[name], scale)
+        rows, cols = info.shape[-2:]
+        step = min(rows, max(1, CHUNK_BYTES // (block[0] * cols)) * block[0])
+        mats, scales = out.view(-1, rows, cols), scale.view(-1, *scale.shape[-2:])
+        buffer = torch.empty(step, cols, dtype=fp8.FP8)
+        with _open(info.path) as handle:
+            for m in range(mats.shape[0]):
+                for begin in range(0, rows, step):
+                    codes = buffer[:min(step, rows - begin)]
+                    _read_exact(handle, info.offset + (m * rows + begin) * cols, codes, info.path)
+                    first = begin // block[0]  # step is a whole number of block rows
+                    values = fp8.dequantize(codes, scales[m, first:first + -(-codes.shape[0] // block[0])], block)
+                    check_finite(name, values, self.source)
+                    mats[m, begin:begin + codes.shape[0]].copy_(values)
+
     def mapped(self, name: str) -> Optional[torch.Tensor]:
         """Tensor ``name`` memory-mapped from its file (copy-on-write: nothing is read until used, and
         the pages are the page cache's, not a copy), after checking its values through a read of
-        one chunk at a time; None where its bytes are not aligned for its dtype."""
+        one chunk at a time; None where its bytes are not aligned for its dtype, or for a
+        block-scaled FP8 weight (its values are computed)."""
         info = self.infos[name]
-        if info.offset % info.dtype.itemsize:
+        if info.offset % info.dtype.itemsize or name in self.scales:
             return None
         self._check_values(name)
         storage = self._maps.get(info.path)
@@ -356,12 +396,22 @@ def read_checkpoint_tensor(folder: Path, name: str) -> torch.Tensor:
 
 def read_vocab_tensor(folder: Path, cfg: DecoderConfig, name: str) -> torch.Tensor:
     """Tensor ``name`` ``[vocab, hidden]`` of the checkpoint in ``folder`` (``cfg`` its config), read
-    alone in its stored dtype, checked for shape and finite values.
+    alone in its stored dtype (a block-scaled FP8 one dequantized to float32), checked for shape and
+    finite values.
 
     Raises:
         CorruptModel: see :func:`read_checkpoint_tensor`; a mis-shaped or non-finite tensor.
+        UnsupportedModel: a quantized tensor other than block-scaled FP8 (:func:`mtpctl.model.fp8.pair_scales`).
     """
     tensor = read_checkpoint_tensor(folder, name)
+    if tensor.dtype == fp8.FP8 and cfg.fp8_block is not None:
+        scale_name = name + fp8.SCALE_SUFFIX
+        scale = read_checkpoint_tensor(folder, scale_name)
+        fp8.pair_scales({name: tuple(tensor.shape), scale_name: tuple(scale.shape)},
+                        {name: tensor.dtype, scale_name: scale.dtype}, cfg.fp8_block, str(folder))
+        tensor = fp8.dequantize_stack(tensor, scale, cfg.fp8_block)
+    else:
+        fp8.pair_scales({name: tuple(tensor.shape)}, {name: tensor.dtype}, None, str(folder))
     check_tensors({name: tensor}, {name: (cfg.vocab_size, cfg.hidden_size)}, source=str(folder))
     return tensor
 

@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 import torch
 
 from mtpctl.drafters.mtp import MtpLayers, MtpSettings, check_mtp_layers
-from mtpctl.errors import BadInput
+from mtpctl.errors import BadInput, UnsupportedModel
 from mtpctl.model.config import DecoderConfig
 from mtpctl.model.rewrite import rewrite_checkpoint
 from mtpctl.train import distributed
@@ -53,15 +53,19 @@ def refresh_mtp(target_folder: Path, data: Sequence[Path], out: Optional[Path], 
     Raises:
         BadInput: bad settings, no ``out``, ``out`` exists without ``overwrite`` or is the target, a
             checkpoint without MTP layers, several processes.
-        UnsupportedModel: a family whose MTP layers are not read.
+        UnsupportedModel: a family whose MTP layers are not read; a refresh of a block-scaled FP8 checkpoint.
         CorruptModel: an MTP layer without the published layout.
     """
     settings.check()
     if settings.kind != "mtp":
         raise BadInput(f"refreshing MTP layers takes settings of kind mtp, not {settings.kind}", option="kind")
     target_folder = Path(target_folder)
-    check_mtp_layers(DecoderConfig.from_folder(target_folder), target_folder, option="kind",
+    cfg = DecoderConfig.from_folder(target_folder)
+    check_mtp_layers(cfg, target_folder, option="kind",
                      instead="add-heads --kind mtp refreshes a checkpoint's own layers (train heads of another kind)")
+    if cfg.fp8_block is not None and not measure_only:
+        raise UnsupportedModel(f"{target_folder} holds block-scaled FP8 weights: a refreshed MTP layer is not "
+                               "written back into them (measure it only)", option="measure_only")
     _check_out(target_folder, out, measure_only, overwrite)
     mtp.check()
     where = distributed.init_distributed(device)
