@@ -259,9 +259,16 @@ def commit() -> str:
 def run(command: str) -> str:
     print(f"$ {command}", file=sys.stderr, flush=True)
     done = subprocess.run(shlex.split(command), cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    if done.returncode:
+    if done.returncode and done.returncode != 4:  # 4: a peer failed, its row in the table says why
         raise SystemExit(f"bench_all.py: error: `{command}` exited with {done.returncode}")
     return done.stdout.strip()
+
+
+def llamacpp_build() -> str:
+    """llama-cpp-python's version and ggml's system info (the CPU features compiled in: AMX_INT8 where its
+    AMX path is), as the peer's row ran it."""
+    probe = [PYTHON, "-c", "import llama_cpp; print(llama_cpp.__version__, llama_cpp.llama_print_system_info().decode().strip())"]
+    return subprocess.run(probe, cwd=ROOT, stdout=subprocess.PIPE, text=True).stdout.strip()
 
 
 def render(section: Section, args) -> str:
@@ -273,6 +280,8 @@ def render(section: Section, args) -> str:
             lines += [f"`{command}`: not run, llama-cpp-python is not installed (`make bench` installs it).", ""]
             continue
         out = run(command)
+        if "llama.cpp" in command:
+            lines += [f"llama.cpp build: {llamacpp_build()}", ""]
         if section.tables_only:
             out = out.split("\n\n")[0]
         lines += [f"`{command}`", "", out, ""]
