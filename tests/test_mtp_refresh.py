@@ -196,7 +196,7 @@ def test_cli_measures_refuses_and_reports(setup, folders, tmp_path, capsys, monk
     code, out, err = cli(capsys, *base, "-m", source, "--out", trained)
     assert_one_line_exit_2(code, out, err, "already exists")
     code, out, err = cli(capsys, *base, "-m", source)
-    assert_one_line_exit_2(code, out, err, "give --out")
+    assert_one_line_exit_2(code, out, err, "no output folder")
     code, out, err = cli(capsys, *base, "-m", source, "--out", tmp_path / "y", "--steps", 3, "--lr", 1e-2)
     assert code == 0, err
     assert out.splitlines()[0].startswith("MTP acceptance by depth") and out.splitlines()[1].startswith("depth 1:")

@@ -69,13 +69,13 @@ def pair_scales(shapes: Mapping[str, Tuple[int, ...]], dtypes: Mapping[str, torc
                 block: Optional[Tuple[int, int]], source: str) -> Dict[str, str]:
     """Each block-scaled FP8 weight of a checkpoint (name -> shape, name -> dtype) -> its scale's name,
     every tensor checked: a scale beside a float8_e4m3fn weight of at least two dims, float32, of its
-    block grid's shape; no other float8 or non-float tensor.
+    block grid's shape; no other float8 tensor, no weight of an integer dtype.
 
     Raises:
         CorruptModel: a scale without its weight, of the wrong shape, beside a weight that is not
             float8_e4m3fn; a float8_e4m3fn weight without its scale.
         UnsupportedModel: scales without a ``quantization_config``; a scale not float32; a tensor of
-            another float8 or of an integer dtype (another quantization).
+            another float8, or a weight of an integer dtype (another quantization).
     """
     pairs = {}
     for scale in sorted(n for n in shapes if n.endswith(SCALE_SUFFIX)):
@@ -110,10 +110,11 @@ def _check_pair(weight: str, scale: str, shapes, dtypes, block, source: str) -> 
 
 
 def _check_plain(name: str, dtype: torch.dtype, source: str) -> None:
-    """Refuse a tensor without a scale whose dtype is not a plain float one."""
+    """Refuse a tensor without a scale that is a float8 one, or a ``.weight`` of an integer dtype (integer
+    index tensors, such as a draft vocabulary's ``token_map``, are data, not weights)."""
     if dtype == FP8:
         raise CorruptModel(f"{source}: tensor {name!r} is float8_e4m3fn without its scale {name + SCALE_SUFFIX!r}")
-    if dtype in FLOAT8 or not dtype.is_floating_point:
+    if dtype in FLOAT8 or (name.endswith("weight") and not dtype.is_floating_point):
         raise UnsupportedModel(f"{source}: tensor {name!r} has dtype {str(dtype).removeprefix('torch.')}: quantized "
                                "weights other than block-scaled float8_e4m3fn are not supported")
 

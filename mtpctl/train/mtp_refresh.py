@@ -70,7 +70,7 @@ def refresh_mtp(target_folder: Path, data: Sequence[Path], out: Optional[Path], 
     mtp.check()
     where = distributed.init_distributed(device)
     if distributed.world_size() > 1:
-        raise BadInput("add-heads --kind mtp runs in one process (not under torchrun)")
+        raise BadInput("refreshing MTP layers runs in one process (not under torchrun)")
     started = time.perf_counter()
     run = prepare_features(target_folder, data, settings, home, where, resume)
     target = TargetHead.from_folder(target_folder, torch.float32, where)
@@ -107,8 +107,8 @@ def _check_out(target_folder: Path, out: Optional[Path], measure_only: bool, ove
     if measure_only:
         return
     if out is None:
-        raise BadInput("give --out: the folder the checkpoint with the refreshed MTP layer is written to "
-                       "(or --measure-only)", option="out")
+        raise BadInput("no output folder: name the folder the checkpoint with the refreshed MTP layer is written "
+                       "to, or only measure the layer", option="out")
     if Path(out).resolve() == target_folder.resolve():
         raise BadInput(f"{out} is the checkpoint itself: write the refreshed one to another folder", option="out")
     if Path(out).exists() and not overwrite:
