@@ -195,6 +195,15 @@ SECTIONS = [
             + [_bench("--dtype", "bfloat16", "--methods", "plain,ngram", "--batch-sizes", "1,2,4,8", "--limit", "1",
                       "--repeats", "2", "--max-new-tokens", "48", "--speculate-policy", policy)
                for policy in ("auto", "always")], tables_only=False),
+    Section("cpupeer", "This CPU against llama.cpp: int4 plain and prompt lookup",
+            "mtpctl's int4 plain decoding and prompt lookup against llama.cpp decoding the same GGUF file on this "
+            "section's CPU, in one run, with the llama.cpp build that ran (`make bench` builds it for the CPU, and "
+            "on a CPU with AMX without ggml's AMX int8 path, which crashes there: docs/decisions/peers.md). "
+            "Needs no heads.",
+            lambda a: [_bench("--dtype", "bfloat16", "--weights", "int4", "--methods", "plain,ngram", "--baseline",
+                              "llama.cpp", "--limit", "1")],
+            notes=["llama.cpp reports total time and new tokens only; its 'same as plain' compares other numerics "
+                   "with mtpctl's."]),
     Section("mtprefresh", "Native MTP layers: acceptance before and after a refresh",
             "`add-heads --kind mtp` on a tiny random glm4_moe checkpoint with one MTP layer (tests/test_mtp_refresh.py's "
             "goal setup): the shipped layer is random (source); refreshed on its body (trained); the body's last "
@@ -341,7 +350,7 @@ def main(argv=None) -> int:
             p.error("the gpu section runs where torch sees a CUDA GPU; this machine has none")
         wanted.remove("gpu")
         print("bench_all.py: no CUDA GPU here: the gpu section stays as it is", file=sys.stderr)
-    needs_heads = [k for k in wanted if k not in ("cpu", "big", "gpu", "suffix", "recipes", "exactness", "mtprefresh")]
+    needs_heads = [k for k in wanted if k not in ("cpu", "big", "gpu", "suffix", "recipes", "exactness", "mtprefresh", "cpupeer")]
     if needs_heads and not (Path(args.heads) / "mtp_config.json").is_file():
         p.error(f"no head folder at {args.heads}: train it with {MTPCTL} add-heads --recipe "
                 f"{args.recipe} --out {args.heads} (make bench does)")
