@@ -122,3 +122,25 @@ def test_the_two_kernel_paths_part_only_at_near_ties(smollm2_folder, dtype):
         logits = engine.prefill(ids + a[:at])[0]
         gap = float(logits[a[at]] - logits[b[at]])
         assert 0 <= gap <= 0.02 * float(logits.abs().max()), (prompt, at, gap)
+
+
+def test_a_cuda_session_pins_torch_precision_switches():
+    """Opening a session on a CUDA device turns off TF32 and reduced-precision reductions, whatever was set
+    before (torch's own default lets bfloat16 matmuls reduce in lower precision); on a CPU nothing changes.
+    The switches are process-wide: this test puts them back."""
+    from mtpctl.model.device import device_numerics, pin_device_numerics
+
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = (matmul.fp32_precision, cudnn.fp32_precision, matmul.allow_fp16_reduced_precision_reduction,
+             matmul.allow_bf16_reduced_precision_reduction)
+    try:
+        matmul.fp32_precision, cudnn.fp32_precision = "tf32", "tf32"
+        matmul.allow_fp16_reduced_precision_reduction = matmul.allow_bf16_reduced_precision_reduction = True
+        assert pin_device_numerics(torch.device("cpu")) == {} and matmul.fp32_precision == "tf32"
+        assert device_numerics(torch.device("cuda"))["float32_matmul"] == "tf32"
+        assert pin_device_numerics(torch.device("cuda")) == {
+            "float32_matmul": "ieee", "float32_conv": "ieee", "float16_reduced_precision_reduction": False,
+            "bfloat16_reduced_precision_reduction": False}
+    finally:
+        (matmul.fp32_precision, cudnn.fp32_precision, matmul.allow_fp16_reduced_precision_reduction,
+         matmul.allow_bf16_reduced_precision_reduction) = saved

@@ -16,7 +16,7 @@ from mtpctl.decode.session import Session
 from mtpctl.decode.tree import DraftTree
 from mtpctl.errors import UnsupportedModel
 from mtpctl.model.decoder import DTYPES, Decoder
-from mtpctl.model.device import Placement, resolve_placement
+from mtpctl.model.device import Placement, device_numerics, pin_device_numerics, resolve_placement
 from mtpctl.model.linears import PackedLinear, TiledLinear
 from mtpctl.model.kv_cache import PassSlots
 from mtpctl.model.native import check_plan, kernel_runs, matmul_isa
@@ -344,6 +344,7 @@ class TorchSession(Session):
             raise UnsupportedModel(f"weights {weights!r} is not supported (choose from {', '.join(WEIGHTS)})",
                                    option="weights")
         self.placement: Placement = resolve_placement(device, kernels)
+        pin_device_numerics(self.placement.device)
         if weights == "int4" and self.placement.device.type != "cpu":
             raise UnsupportedModel(f"int4 weights run on the CPU's kernels only; on {self.placement.device} load "
                                    "dense weights (--dtype bfloat16)", option="weights")
@@ -439,6 +440,12 @@ class TorchSession(Session):
             paths.add("torch-attention-float32")
         return {path: "row-invariant" if v.invariant else f"not row-invariant: {v.detail}"
                 for path, v in sorted(verdicts(sorted(paths)).items())}
+
+    @property
+    def device_numerics(self) -> dict:
+        """The precision switches in force on the session's device (:func:`mtpctl.model.device.device_numerics`:
+        pinned when the session opened; {} on a CPU)."""
+        return device_numerics(self.placement.device)
 
     @property
     def greedy_exactness(self) -> str:

@@ -224,6 +224,7 @@ def _bench_one_by_one(session, spec, opts, sampling, built, runners, builds, enc
         "matmul_isa": session.matmul_isa if torch_backend else None,
         "device": session.device if torch_backend else None, "kernels": session.kernels if torch_backend else None,
         "greedy_exactness": session.greedy_exactness if torch_backend else None,
+        "device_numerics": session.device_numerics if torch_backend else None,
         "matmul_paths": session.matmul_paths if torch_backend else None,
         "policy_table": _policy_tables(built), "peer_builds": builds or None}
     report = build_report(runs, prompts, weights, settings)

@@ -244,6 +244,7 @@ def _settings(pipeline: Pipeline) -> dict:
             "matmul_isa": session.matmul_isa if torch_backend else None,
             "device": session.device if torch_backend else None, "kernels": session.kernels if torch_backend else None,
             "greedy_exactness": session.greedy_exactness if torch_backend else None,
+        "device_numerics": session.device_numerics if torch_backend else None,
             "matmul_paths": session.matmul_paths if torch_backend else None,
             "seeded_sampling": "drafter-dependent" if drafter is not None and drafter.samples_drafts else "reproducible"}
 

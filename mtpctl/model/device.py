@@ -52,6 +52,33 @@ class Placement:
         return f"{self.device}/{self.kernels}"
 
 
+def pin_device_numerics(device: torch.device) -> dict:
+    """On a CUDA device, turn off every torch switch that lets a product round below its dtype: TF32 for
+    float32 matmuls and convolutions (``fp32_precision = "ieee"``) and the reduced-precision reductions
+    of float16 and bfloat16 matmuls (on by default). These are process-wide torch settings: a session on
+    a GPU sets them when it opens, so that another library's choice (or torch's default) never changes
+    what a pass computes. Returns :func:`device_numerics`; nothing is changed on a CPU."""
+    if device.type == "cuda":
+        matmul = torch.backends.cuda.matmul
+        matmul.fp32_precision = "ieee"
+        torch.backends.cudnn.fp32_precision = "ieee"
+        matmul.allow_fp16_reduced_precision_reduction = False
+        matmul.allow_bf16_reduced_precision_reduction = False
+    return device_numerics(device)
+
+
+def device_numerics(device: torch.device) -> dict:
+    """The precision switches in force for ``device`` (what ``--json`` reports as ``device_numerics``):
+    on CUDA, float32 matmul and convolution precision (``ieee``: no TF32) and whether float16 / bfloat16
+    matmuls may reduce in lower precision; {} on a CPU, where torch has no such switch."""
+    if device.type != "cuda":
+        return {}
+    matmul = torch.backends.cuda.matmul
+    return {"float32_matmul": matmul.fp32_precision, "float32_conv": torch.backends.cudnn.fp32_precision,
+            "float16_reduced_precision_reduction": matmul.allow_fp16_reduced_precision_reduction,
+            "bfloat16_reduced_precision_reduction": matmul.allow_bf16_reduced_precision_reduction}
+
+
 def resolve_device(name: str = "auto") -> torch.device:
     """``auto`` (a CUDA GPU when torch sees one, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``.
 
