@@ -164,3 +164,40 @@ def test_a_peer_process_fails_every_message_after_its_end(tmp_path):
         with pytest.raises(PeerFailed, match=r"^exited with code 7 \(bye\)$"):
             peer.ask({"prompt_ids": [1]})
     peer.close()
+
+
+def glm_with_mtp_at_46(root):
+    """A tiny glm4_moe checkpoint of 46 layers with one MTP layer at ``model.layers.46`` (GLM-4.5-Air's
+    layout, which transformers' MTP loader finds by that number), with the tiny tokenizer."""
+    from safetensors.torch import load_file, save_file
+
+    from helpers import random_reference_model, write_tiny_checkpoint
+    from test_glm_deepseek_families import COMMON, EXTRA
+    from test_native_mtp import _mtp_tensors
+
+    folder = root / "glm46"
+    random_reference_model("glm4_moe", **{**COMMON, "num_hidden_layers": 46, "hidden_size": 32,
+                                          "num_nextn_predict_layers": 1},
+                           **{**EXTRA["glm4_moe"], "head_dim": 8}).save_pretrained(str(folder))
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file({**tensors, **_mtp_tensors(tensors, seed=3, layers=46)}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    for f in write_tiny_checkpoint(root / "tokenizer").iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
+def test_the_transformers_mtp_peer_drafts_with_the_checkpoints_own_layers(capsys, prompt_file, tmp_path, tiny_folder):
+    folder = glm_with_mtp_at_46(tmp_path)
+    code = main(["bench", "--model", str(folder), "--prompts", str(prompt_file), "--methods", "plain,mtp",
+                 "--max-new-tokens", "12", "--baseline", "transformers-mtp", "--json", str(tmp_path / "b.json")])
+    assert code == 0, capsys.readouterr().err
+    rows = {m["method"]: m for m in json.loads((tmp_path / "b.json").read_text())["methods"]}
+    assert list(rows) == ["plain", "mtp", "hf", "hf-mtp"]
+    # float32 greedy: transformers' tokens, drafted by its MTPCandidateGenerator or not, are mtpctl's plain ones
+    assert rows["mtp"]["same_as_plain"] == rows["hf"]["same_as_plain"] == rows["hf-mtp"]["same_as_plain"] == 2
+    capsys.readouterr()
+    code = main(["bench", "--model", str(tiny_folder), "--prompts", str(prompt_file), "--baseline", "transformers-mtp"])
+    err = capsys.readouterr().err
+    assert code == 2 and "MTP layers of llama checkpoints are not read" in err and len(err.strip().splitlines()) == 1

@@ -31,11 +31,12 @@ def _reference(model_type: str):
     return random_reference_model(model_type, **{**COMMON, "num_nextn_predict_layers": 1}, **EXTRA[model_type])
 
 
-def _mtp_tensors(tensors: dict, seed: int) -> dict:
-    """One MTP layer at ``model.layers.{LAYERS}``: a MoE block in the layout transformers saves the
-    body's last layer in (fresh random weights), the extras, and copies of the embedding and lm_head."""
+def _mtp_tensors(tensors: dict, seed: int, layers: int = LAYERS) -> dict:
+    """One MTP layer at ``model.layers.{layers}`` (the body's layer count): a MoE block in the layout
+    transformers saves the body's last layer in (fresh random weights), the extras, and copies of the
+    embedding and lm_head."""
     gen = torch.Generator().manual_seed(seed)
-    last, mtp = f"model.layers.{LAYERS - 1}.", f"model.layers.{LAYERS}."
+    last, mtp = f"model.layers.{layers - 1}.", f"model.layers.{layers}."
     out = {}
     for name, t in tensors.items():
         if name.startswith(last):

@@ -3,7 +3,7 @@
 
 Reads JSON lines on stdin: first the request, ``{"peer": "transformers" | "llama.cpp", "threads": N,
 "max_new_tokens": N, "eos_ids": [...], ...}`` with the peer's own settings (:func:`build`: ``folder``,
-``prompt_lookup_num_tokens`` and ``assistant`` for transformers, ``gguf`` for llama.cpp), answered
+``prompt_lookup_num_tokens``, ``use_mtp`` and ``assistant`` for transformers, ``gguf`` for llama.cpp), answered
 ``{"ready": true, "build": {...}}`` (:func:`describe`); then ``{"prompt_ids": [...]}`` per run, answered ``{"token_ids": [...],
 "total_ms": ...}``. An error the peer raises is answered ``{"error": "..."}`` and ends the worker;
 a crash ends it without an answer (the parent reads the signal). The answers alone go to stdout:
@@ -31,7 +31,7 @@ def build(request: dict):
     if request["peer"] == "transformers":
         assistant = Path(request["assistant"]) if request.get("assistant") else None
         return transformers_runner(Path(request["folder"]), eos, new, int(request.get("prompt_lookup_num_tokens", 0)),
-                                   assistant)
+                                   assistant, bool(request.get("use_mtp")))
     if request["peer"] == "llama.cpp":
         return llamacpp_runner(Path(request["gguf"]), eos, new, threads)
     raise ValueError(f"unknown peer {request['peer']!r}")

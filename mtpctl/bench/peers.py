@@ -14,18 +14,21 @@ from mtpctl.decode.loop import GenerationResult, GenerationStats
 
 
 def transformers_runner(folder: Path, eos_ids: Sequence[int], max_new_tokens: int,
-                        prompt_lookup_num_tokens: int = 0,
-                        assistant: Optional[Path] = None) -> Callable[[List[int]], GenerationResult]:
+                        prompt_lookup_num_tokens: int = 0, assistant: Optional[Path] = None,
+                        use_mtp: bool = False) -> Callable[[List[int]], GenerationResult]:
     """A peer to compare with: HF transformers' greedy ``generate`` (float32) on the same checkpoint,
-    plain, with prompt lookup (``prompt_lookup_num_tokens``), or assisted by the draft model in the
-    checkpoint folder ``assistant`` (with both tokenizers: transformers' universal assisted generation,
-    which also pairs models whose tokenizers differ)."""
+    plain, with prompt lookup (``prompt_lookup_num_tokens``), drafting with the checkpoint's own MTP
+    layers (``use_mtp``: its ``MTPCandidateGenerator``, for the families transformers reads them of), or
+    assisted by the draft model in the checkpoint folder ``assistant`` (with both tokenizers:
+    transformers' universal assisted generation, which also pairs models whose tokenizers differ)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     eos = sorted(eos_ids)
     extra = {"prompt_lookup_num_tokens": prompt_lookup_num_tokens} if prompt_lookup_num_tokens else {}
+    if use_mtp:
+        extra["use_mtp"] = True
     if assistant is not None:
         extra = {"assistant_model": AutoModelForCausalLM.from_pretrained(str(assistant), dtype=torch.float32).eval(),
                  "tokenizer": AutoTokenizer.from_pretrained(str(folder)),

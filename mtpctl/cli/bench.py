@@ -29,7 +29,9 @@ from mtpctl.drafters.lookahead import LookaheadSettings
 from mtpctl.drafters.suffix import SuffixSettings
 from mtpctl.errors import BadInput
 from mtpctl.files import check_writable, write_file
-from mtpctl.model.sources import gguf_source
+from mtpctl.drafters.mtp import check_mtp_layers
+from mtpctl.model.config import DecoderConfig
+from mtpctl.model.sources import gguf_source, resolve_model
 
 
 @click.command("bench", cls=Command, aliases={"speculate": "methods"}, epilog="""\b
@@ -75,9 +77,10 @@ Examples:
                    "index holds the earlier rounds' responses; the warm-up is forgotten first). With --batch-sizes, "
                    "each round at every size.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option("--baseline", type=click.Choice(["none", "transformers", "llama.cpp", "vllm"]), default="none",
-              show_default=True,
-              help="Add peers: HF transformers' generate (plain and prompt lookup) on the checkpoint, llama.cpp "
+@click.option("--baseline", type=click.Choice(["none", "transformers", "transformers-mtp", "llama.cpp", "vllm"]),
+              default="none", show_default=True,
+              help="Add peers: HF transformers' generate (plain and prompt lookup; transformers-mtp: plain and "
+                   "drafting with the checkpoint's own MTP layers, use_mtp) on the checkpoint, llama.cpp "
                    "(llama-cpp-python, installed separately) on the model's GGUF file, or vLLM (its own virtualenv, "
                    "make vllm-env: plain, its n-gram speculation, and the --heads exported for it). Each peer runs in "
                    "its own process: one that crashes, hangs past --peer-timeout or cannot start gets a row marked "
@@ -121,6 +124,10 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ro
             raise BadInput(f"--baseline {baseline} compares greedy decoding: use --temperature 0")
     if baseline == "vllm":
         require_vllm()
+    if baseline == "transformers-mtp":
+        folder = resolve_model(spec.model)
+        check_mtp_layers(DecoderConfig.from_folder(folder), folder, option="baseline",
+                         instead="compare with the transformers baseline")
     if baseline == "llama.cpp":
         if importlib.util.find_spec("llama_cpp") is None:
             raise BadInput("--baseline llama.cpp needs llama-cpp-python: pip install llama-cpp-python "
@@ -177,6 +184,9 @@ def _process_peers(baseline, session, gguf, opts, max_new_tokens, timeout_s, ope
     if baseline == "transformers":
         for name, lookup in (("hf", 0), ("hf-prompt-lookup", opts.draft_len or 3)):
             requests[name] = {"peer": "transformers", "folder": str(session.folder), "prompt_lookup_num_tokens": lookup}
+    if baseline == "transformers-mtp":
+        for name, use_mtp in (("hf", False), ("hf-mtp", True)):
+            requests[name] = {"peer": "transformers", "folder": str(session.folder), "use_mtp": use_mtp}
     if gguf is not None:
         requests["llama.cpp"] = {"peer": "llama.cpp", "gguf": str(gguf)}
     runners, builds = {}, {}
