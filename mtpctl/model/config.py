@@ -143,6 +143,7 @@ class DecoderConfig:
     mtp_layers: int = 0
     deltanet: Optional[GatedDeltaNetConfig] = None
     output_gate: bool = False
+    attention_sinks: bool = False
     fp8_block: Optional[Tuple[int, int]] = None
 
     @property
@@ -207,8 +208,9 @@ class DecoderConfig:
             cap = cfg.get("final_logit_softcapping")
             rope, rope_local = _ropes_from_dict(cfg)
             kv_heads = int(cfg.get("num_key_value_heads") or heads)
-            if "yarn" in (rope.rope_type, getattr(rope_local, "rope_type", None)) and not family.block.mla:
-                raise UnsupportedModel(f"rope type 'yarn' is supported for deepseek_v3 only, not {model_type}")
+            if "yarn" in (rope.rope_type, getattr(rope_local, "rope_type", None)) and \
+                    not (family.block.mla or family.block.yarn):
+                raise UnsupportedModel(f"rope type 'yarn' is supported for deepseek_v3 and gpt_oss only, not {model_type}")
             qk_norm = family.block.qk_norm or bool(family.qk_norm_key and cfg.get(family.qk_norm_key))
             rotary_dim, mla, scale = None, None, float(scalar) ** -0.5 if scalar is not None else None
             if family.block.partial_rotary:
@@ -258,6 +260,7 @@ class DecoderConfig:
                 mtp_layers=int(cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers")) or 0),
                 deltanet=GatedDeltaNetConfig.from_hf(cfg) if family.block.linear_attention else None,
                 output_gate=family.block.output_gate,
+                attention_sinks=family.block.attention_sinks,
                 fp8_block=block_of(cfg),
             )
         except (KeyError, TypeError, ValueError) as err:
