@@ -118,3 +118,127 @@ def test_the_native_attention_kernel_is_not_used(checkpoint):
     assert not TorchEngine(model, 8).native
     with pytest.raises(ValueError, match="gpt_oss's attention"):
         TorchEngine(model, 8, native=True)
+
+
+# ------------------------------------------------------------------------------------------ MXFP4
+
+FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def _quantize(matrix: torch.Tensor):
+    """Our own MXFP4 coding of ``matrix [R, K]`` (K a multiple of 32): each block of 32 scaled by the
+    power of two that brings its largest magnitude to at most 6, each value the nearest FP4 one; codes
+    packed two a byte, the even value in the low nibble. (blocks [R, K/32, 16], scales [R, K/32])."""
+    r, k = matrix.shape
+    groups = matrix.reshape(r, k // 32, 32)
+    amax = groups.abs().amax(dim=-1).clamp(min=2.0 ** -100)
+    exp = torch.ceil(torch.log2(amax / 6.0)).to(torch.int32)
+    scaled = groups / torch.pow(2.0, exp.float())[..., None]
+    table = torch.tensor(FP4[:8])
+    codes = (scaled.abs()[..., None] - table).abs().argmin(dim=-1) + 8 * (scaled < 0)
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return packed, (exp + 127).to(torch.uint8)
+
+
+def _reference_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The values of ``blocks [R, G, 16]``, ``scales [R, G]``, byte by byte: ``[R, G * 32]`` float32."""
+    r, g, _ = blocks.shape
+    out = torch.empty(r, g * 32)
+    for i in range(r):
+        for j in range(g):
+            factor = 2.0 ** (int(scales[i, j]) - 127)
+            for byte in range(16):
+                code = int(blocks[i, j, byte])
+                out[i, j * 32 + 2 * byte] = FP4[code & 15] * factor
+                out[i, j * 32 + 2 * byte + 1] = FP4[code >> 4] * factor
+    return out
+
+
+@pytest.fixture(scope="module")
+def mxfp4_checkpoints(tmp_path_factory):
+    """(MXFP4 folder, float32 folder holding our reference's dequantized values, the dequantized stacks):
+    gpt-oss with experts of 32 (MXFP4 blocks of 32 along each matrix's rows)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("mxfp4")
+    reference = random_reference_model("gpt_oss", **{**CONFIG, "intermediate_size": 32, "num_hidden_layers": 2})
+    folder = write_moe_checkpoints(root, "gpt_oss", reference, write_tiny_checkpoint(root / "tokenizer"))["per_expert"]
+    tensors = load_file(str(folder / "model.safetensors"))
+    quantized, dense, stacks = {}, {}, {}
+    for name, t in tensors.items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            quantized[name] = dense[name] = t
+            continue
+        coded = [_quantize(m.t().contiguous()) for m in t]
+        quantized[name + "_blocks"] = torch.stack([b for b, _ in coded])
+        quantized[name + "_scales"] = torch.stack([s for _, s in coded])
+        dense[name] = stacks[name] = torch.stack([_reference_dequantize(b, s).t() for b, s in coded]).contiguous()
+    out = {}
+    for kind, values in (("mxfp4", quantized), ("dense", dense)):
+        out[kind] = root / kind
+        shutil.copytree(folder, out[kind])
+        save_file(values, str(out[kind] / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((out["mxfp4"] / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                     "model.layers.*.mlp.router",
+                                                                                     "model.embed_tokens", "lm_head"]}
+    (out["mxfp4"] / "config.json").write_text(json.dumps(cfg))
+    return out["mxfp4"], out["dense"], stacks
+
+
+def test_mxfp4_experts_are_dequantized_at_load_as_our_reference_does(mxfp4_checkpoints):
+    import mtpctl
+
+    coded, dense, stacks = mxfp4_checkpoints
+    model = Decoder.from_folder(coded)
+    for i, layer in enumerate(model.layers):
+        assert torch.equal(layer.experts_gate_up, stacks[f"model.layers.{i}.mlp.experts.gate_up_proj"])
+        assert torch.equal(layer.experts_down, stacks[f"model.layers.{i}.mlp.experts.down_proj"])
+    assert stacks["model.layers.0.mlp.experts.down_proj"].abs().max() > 0
+    for prompt in PROMPTS[1:]:
+        got = [mtpctl.load(str(f), speculate="none", dtype="float32", threads=1).pipeline.generate(list(prompt), 12)
+               .token_ids for f in (coded, dense)]
+        assert got[0] == got[1]
+
+
+def test_our_mxfp4_reference_agrees_with_transformers_dequantizer(mxfp4_checkpoints):
+    mx = pytest.importorskip("transformers.integrations.mxfp4")
+    from safetensors.torch import load_file
+
+    coded, _, stacks = mxfp4_checkpoints
+    tensors = load_file(str(coded / "model.safetensors"))
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    theirs = mx.convert_moe_packed_tensors(tensors[name + "_blocks"], tensors[name + "_scales"], dtype=torch.float32)
+    assert torch.equal(theirs, stacks[name])
+
+
+def test_mxfp4_blocks_without_the_config_are_refused_in_one_line(mxfp4_checkpoints, tmp_path, capsys):
+    import json
+    import shutil
+
+    from helpers import cli
+
+    folder = tmp_path / "m"
+    shutil.copytree(mxfp4_checkpoints[0], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg["quantization_config"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    code, out, err = cli(capsys, "generate", "-m", folder, "--max-new-tokens", 4, "--no-chat", "abc")
+    lines = err.strip().splitlines()
+    assert code == 2 and out == "" and len(lines) == 1, err
+    assert "model.layers.0.mlp.experts.down_proj_blocks" in lines[0] and "mxfp4" in lines[0]
+
+
+def test_the_cli_generates_on_the_torch_attention(checkpoint, capsys):
+    import json
+
+    from helpers import cli
+
+    code, out, err = cli(capsys, "generate", "-m", checkpoint[1], "--json", "--max-new-tokens", 8, "--no-chat",
+                         "abcabcabc", "--speculate", "ngram")
+    assert code == 0, err
+    result = json.loads(out)
+    assert len(result["token_ids"]) == 8 and result["attention"] == "torch"

@@ -18,6 +18,7 @@ from mtpctl.errors import CorruptModel, UnsupportedModel
 from mtpctl.model.families import FAMILIES, Family, family_of  # noqa: F401 (FAMILIES: its old home)
 from mtpctl.model.gated_deltanet import GatedDeltaNetConfig
 from mtpctl.model.fp8 import block_of
+from mtpctl.model.mxfp4 import is_mxfp4
 from mtpctl.model.moe import MoeConfig
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -111,7 +112,10 @@ class DecoderConfig:
     ``layer_types`` say which layers they are), None where every layer attends. ``output_gate``: the
     attention layers' output times ``sigmoid(gate)`` (the family's :class:`~mtpctl.model.families.Block` flag).
     ``fp8_block``: the weight block of a block-scaled FP8 checkpoint (``quantization_config``,
-    :mod:`mtpctl.model.fp8`), whose weights are dequantized at load; None for any other.
+    :mod:`mtpctl.model.fp8`), whose weights are dequantized at load; None for any other. ``mxfp4``: its
+    ``quantization_config`` names MXFP4, whose ``*_blocks``/``*_scales`` expert stacks are dequantized at
+    load (:mod:`mtpctl.model.mxfp4`). ``attention_sinks``: a learned logit per query head joins each
+    attention softmax's denominator (gpt-oss, the family's :class:`~mtpctl.model.families.Block` flag).
     """
 
     model_type: str
@@ -145,6 +149,7 @@ class DecoderConfig:
     output_gate: bool = False
     attention_sinks: bool = False
     fp8_block: Optional[Tuple[int, int]] = None
+    mxfp4: bool = False
 
     @property
     def q_lora(self) -> bool:
@@ -262,6 +267,7 @@ class DecoderConfig:
                 output_gate=family.block.output_gate,
                 attention_sinks=family.block.attention_sinks,
                 fp8_block=block_of(cfg),
+                mxfp4=is_mxfp4(cfg),
             )
         except (KeyError, TypeError, ValueError) as err:
             raise CorruptModel(f"config.json is missing or has a bad value for {err}") from err

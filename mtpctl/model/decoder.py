@@ -914,7 +914,8 @@ class Decoder(nn.Module):
         mtp = tuple(f"model.layers.{i}." for i in range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.mtp_layers))
         mtp += cfg.family.ignored  # a family's own MTP tensors (Qwen3.5's mtp.*)
         reader = CheckpointReader(files, expected_tensors(cfg, names), optional, ignored=mtp,
-                                  renames=cfg.family.renames, fp8_block=cfg.fp8_block)  # headers only
+                                  renames=cfg.family.renames, fp8_block=cfg.fp8_block,
+                                  mxfp4=cfg.mxfp4)  # headers only
         model = cls(cfg, dtype, device, lazy=True)
         _Filler(model, reader, packed, blocked, native_int4).run()
         return model
