@@ -96,8 +96,9 @@ def test_sinks_and_windows_move_the_logits(checkpoint, part):
     assert (ours - expected).abs().max() > 1e-3
 
 
-def test_speculation_and_batches_equal_plain_decoding(checkpoint):
-    assert_speculation_equals_plain(checkpoint[1], "float32", PROMPTS, NEW)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_speculation_and_batches_equal_plain_decoding(checkpoint, dtype):
+    assert_speculation_equals_plain(checkpoint[1], dtype, PROMPTS, NEW)
 
 
 def test_the_moe_block_gives_a_row_alike_alone_and_in_any_pass():
@@ -242,3 +243,16 @@ def test_the_cli_generates_on_the_torch_attention(checkpoint, capsys):
     assert code == 0, err
     result = json.loads(out)
     assert len(result["token_ids"]) == 8 and result["attention"] == "torch"
+
+
+def test_onnx_export_is_refused_in_one_line_and_the_cost_identity_counts_experts(checkpoint):
+    from mtpctl.decode.cost_table import model_identity
+    from mtpctl.errors import UnsupportedModel
+    from mtpctl.export.onnx import FusedStep
+
+    model = Decoder.from_folder(checkpoint[1])
+    with pytest.raises(UnsupportedModel) as caught:
+        FusedStep(model)
+    assert "'gpt_oss' cannot be exported" in str(caught.value) and "\n" not in str(caught.value)
+    identity = model_identity(model.cfg)
+    assert (identity["experts"], identity["experts_per_token"], identity["moe_layers"]) == (4, 2, 3)
