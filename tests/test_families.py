@@ -18,7 +18,7 @@ from mtpctl.model.decoder import Decoder, _slots, expected_tensors
 from mtpctl.model.families import FAMILIES, Family, family_of
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3",
-             "qwen3_5_text", "qwen3_5")
+             "gpt_oss", "qwen3_5_text", "qwen3_5")
 #: tiny MoE blocks for the MoE families (their config classes' defaults are 128 and 8 large experts)
 MOE = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1]),
        "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
@@ -27,6 +27,7 @@ MOE = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_
        "deepseek_v3": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2,
                            topk_group=1, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16,
                            qk_rope_head_dim=16, v_head_dim=16),
+       "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2),
        # not MoE: a hybrid body's tiny Gated DeltaNet layer, one layer of each type
        "qwen3_5_text": dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
                             linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8)}
@@ -56,7 +57,7 @@ def test_every_supported_model_type_resolves_to_its_own_family():
 @pytest.mark.parametrize("model_type", ["gpt2", None, "", "Llama"])
 def test_an_unknown_model_type_is_refused_in_one_line(model_type):
     want = f"model_type {model_type!r} is not supported by the native runtime (supported: " \
-           "deepseek_v3, gemma3_text, glm4_moe, llama, mistral, mixtral, qwen2, qwen3, qwen3_5, qwen3_5_text, qwen3_moe)"
+           "deepseek_v3, gemma3_text, glm4_moe, gpt_oss, llama, mistral, mixtral, qwen2, qwen3, qwen3_5, qwen3_5_text, qwen3_moe)"
     with pytest.raises(UnsupportedModel) as caught:
         family_of(model_type)
     assert str(caught.value) == want and "\n" not in str(caught.value)

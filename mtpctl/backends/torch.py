@@ -159,6 +159,14 @@ class TorchStepOutput(StepOutput):
         return self._pass.all()[self._start:self._start + self._count]
 
 
+def native_attention_runs(cfg) -> bool:
+    """Whether decode and verify passes of a model of ``cfg`` attend on the native kernel here: its family
+    runs on the native kernels (``Family.kernels``: gpt-oss's attention sinks do not) and the kernel takes
+    the shape and loads (:func:`~mtpctl.model.native.kernel_runs`)."""
+    return "native" in cfg.family.kernels and kernel_runs(cfg.num_attention_heads, cfg.num_key_value_heads,
+                                                          cfg.head_dim)
+
+
 class TorchEngine:
     """Runs a :class:`Decoder` on one sequence with its own KV cache
     (:class:`mtpctl.decode.engine.Engine`); :func:`verify_packed` verifies several engines'
@@ -182,10 +190,10 @@ class TorchEngine:
         self.aux_layers = tuple(aux_layers)
         cfg = model.cfg
         on_cpu = model.device.type == "cpu"
-        self.native = native is not False and on_cpu and \
-            kernel_runs(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.native = native is not False and on_cpu and native_attention_runs(cfg)
         if native and not self.native:
             raise ValueError("native attention was asked for, but the kernel could not be built, does not take "
+                             f"{cfg.model_type}'s attention (family kernels: {', '.join(cfg.family.kernels)}) or "
                              f"head_dim {cfg.head_dim} with {cfg.num_attention_heads} heads over {cfg.num_key_value_heads} KV "
                              f"heads, or the model is on {model.device}")
         # a lone token reads its tail in place (TAIL spare slots); the native kernels take a bfloat16 cache
@@ -391,7 +399,7 @@ class TorchSession(Session):
         does not take, ``MTPCTL_NATIVE_KERNELS=0``, or the torch kernels asked for). Greedy output can
         differ between the two at near-ties; each is reproduced exactly by speculation."""
         cfg = self.model.cfg
-        native = self.placement.native and kernel_runs(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        native = self.placement.native and native_attention_runs(cfg)
         return "native" if native else "torch"
 
     @property

@@ -18,6 +18,7 @@ from mtpctl.errors import CorruptModel, UnsupportedModel
 from mtpctl.model.families import FAMILIES, Family, family_of  # noqa: F401 (FAMILIES: its old home)
 from mtpctl.model.gated_deltanet import GatedDeltaNetConfig
 from mtpctl.model.fp8 import block_of
+from mtpctl.model.mxfp4 import is_mxfp4
 from mtpctl.model.moe import MoeConfig
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -111,7 +112,10 @@ class DecoderConfig:
     ``layer_types`` say which layers they are), None where every layer attends. ``output_gate``: the
     attention layers' output times ``sigmoid(gate)`` (the family's :class:`~mtpctl.model.families.Block` flag).
     ``fp8_block``: the weight block of a block-scaled FP8 checkpoint (``quantization_config``,
-    :mod:`mtpctl.model.fp8`), whose weights are dequantized at load; None for any other.
+    :mod:`mtpctl.model.fp8`), whose weights are dequantized at load; None for any other. ``mxfp4``: its
+    ``quantization_config`` names MXFP4, whose ``*_blocks``/``*_scales`` expert stacks are dequantized at
+    load (:mod:`mtpctl.model.mxfp4`). ``attention_sinks``: a learned logit per query head joins each
+    attention softmax's denominator (gpt-oss, the family's :class:`~mtpctl.model.families.Block` flag).
     """
 
     model_type: str
@@ -143,7 +147,9 @@ class DecoderConfig:
     mtp_layers: int = 0
     deltanet: Optional[GatedDeltaNetConfig] = None
     output_gate: bool = False
+    attention_sinks: bool = False
     fp8_block: Optional[Tuple[int, int]] = None
+    mxfp4: bool = False
 
     @property
     def q_lora(self) -> bool:
@@ -207,8 +213,9 @@ class DecoderConfig:
             cap = cfg.get("final_logit_softcapping")
             rope, rope_local = _ropes_from_dict(cfg)
             kv_heads = int(cfg.get("num_key_value_heads") or heads)
-            if "yarn" in (rope.rope_type, getattr(rope_local, "rope_type", None)) and not family.block.mla:
-                raise UnsupportedModel(f"rope type 'yarn' is supported for deepseek_v3 only, not {model_type}")
+            if "yarn" in (rope.rope_type, getattr(rope_local, "rope_type", None)) and \
+                    not (family.block.mla or family.block.yarn):
+                raise UnsupportedModel(f"rope type 'yarn' is supported for deepseek_v3 and gpt_oss only, not {model_type}")
             qk_norm = family.block.qk_norm or bool(family.qk_norm_key and cfg.get(family.qk_norm_key))
             rotary_dim, mla, scale = None, None, float(scalar) ** -0.5 if scalar is not None else None
             if family.block.partial_rotary:
@@ -258,7 +265,9 @@ class DecoderConfig:
                 mtp_layers=int(cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers")) or 0),
                 deltanet=GatedDeltaNetConfig.from_hf(cfg) if family.block.linear_attention else None,
                 output_gate=family.block.output_gate,
+                attention_sinks=family.block.attention_sinks,
                 fp8_block=block_of(cfg),
+                mxfp4=is_mxfp4(cfg),
             )
         except (KeyError, TypeError, ValueError) as err:
             raise CorruptModel(f"config.json is missing or has a bad value for {err}") from err

@@ -213,7 +213,7 @@ def _gather_tails(x: torch.Tensor, plan: AttentionPlan, tail: int) -> torch.Tens
 
 
 def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-               plan: AttentionPlan) -> torch.Tensor:
+               plan: AttentionPlan, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Grouped-query attention in float32, computed so that a token's result does not depend on the
     other tokens of its pass (batch-invariant): a verify pass gives bit for bit what plain decoding of
     each token's path gives, wherever the linear layers are batch-invariant too (bfloat16, int4, and
@@ -232,6 +232,9 @@ def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
     the same lengths. ``F.scaled_dot_product_attention``'s CPU kernel lacks the property. A lone token
     (plain decoding) reads its tail in place: the cache holds ``TAIL`` spare slots past its capacity
     for that (:meth:`Decoder.new_cache`).
+
+    ``sinks`` ``[heads]`` (gpt-oss): each head's logit joins its softmax as one more column, dropped
+    after (:func:`_softmax_with_sinks`).
     """
     b, heads, n, d = q.shape
     kv_heads = keys.shape[1]
@@ -255,7 +258,7 @@ def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
             flat = _pad_rows(pick(qg).reshape(b, kv_heads, m, d))
             head_scores = torch.matmul(flat, keys[:, :, :g.head].transpose(-1, -2))[:, :, :m]
             scores = torch.cat((head_scores.reshape(b, kv_heads, n_g, group, g.head), scores), dim=-1)
-        probs = torch.softmax(torch.add(g.bias, scores, alpha=scale), dim=-1)
+        probs = _softmax_with_sinks(torch.add(g.bias, scores, alpha=scale), sinks, kv_heads, group)
         o = torch.matmul(probs[..., g.head:], pick(tail_v))  # [b, kv_heads, n_g, group, d]
         if g.head:
             flat = _pad_rows(probs[..., :g.head].reshape(b, kv_heads, m, g.head))
@@ -265,6 +268,32 @@ def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
         else:
             out[:, :, g.rows] = o
     return out.transpose(2, 3).reshape(b, heads, n, d).to(q.dtype)
+
+
+def _softmax_with_sinks(logits: torch.Tensor, sinks: Optional[torch.Tensor], kv_heads: int,
+                        group: int) -> torch.Tensor:
+    """Softmax over the last dim of ``logits [b, kv_heads, N, group, S]``; with ``sinks [kv_heads *
+    group]`` each head's sink logit joins as one more column (in the denominator only), then dropped."""
+    if sinks is None:
+        return torch.softmax(logits, dim=-1)
+    sink = sinks.float().view(1, kv_heads, 1, group, 1).expand(*logits.shape[:-1], 1)
+    return torch.softmax(torch.cat((logits, sink), dim=-1), dim=-1)[..., :-1]
+
+
+def _masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                      scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with sinks in float32 for prefill and teacher-forced passes (torch's fused SDPA takes
+    no sinks): q ``[b, heads, N, d]``, keys/values ``[b, kv_heads, S, d]``, ``mask`` bool ``[b|1, 1,
+    N, S]`` (True: attend). ``[b, heads, N, d]``."""
+    b, heads, n, d = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    qg = q.float().reshape(b, kv_heads, group, n, d).transpose(2, 3)  # [b, kv, N, group, d]
+    scores = torch.matmul(qg, keys.float()[:, :, None].transpose(-1, -2))  # [b, kv, N, group, S]
+    bias = torch.zeros(mask.shape, dtype=torch.float32, device=q.device).masked_fill(~mask, float("-inf"))
+    probs = _softmax_with_sinks(scores * scale + bias[:, :, :, None], sinks, kv_heads, group)
+    out = torch.matmul(probs, values.float()[:, :, None])  # [b, kv, N, group, d]
+    return out.transpose(2, 3).reshape(b, heads, n, d)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -328,7 +357,9 @@ class DecoderLayer(nn.Module):
         self.qkv = param((2 if cfg.output_gate else 1) * self.q_size + 2 * self.kv_size, h)
         self.qkv_bias = param(self.qkv.shape[0]) if cfg.attention_bias else None
         self.o_proj = param(h, self.q_size)
-        self.o_bias = param(h) if cfg.attention_bias and cfg.output_gate else None
+        self.o_bias = param(h) if cfg.attention_bias and (cfg.output_gate or cfg.attention_sinks) else None
+        # gpt-oss: a learned logit per query head in each softmax's denominator
+        self.sinks = param(cfg.num_attention_heads) if cfg.attention_sinks else None
         # a MoE layer (cfg.moe says which): router and stacked experts instead of the dense MLP, run by
         # moe_mlp in blocks of ``moe_rows`` rows (the placement's fixed row count, hold_fixed_rows)
         self.moe = cfg.moe if cfg.family.is_moe_layer(cfg, index) else None
@@ -344,6 +375,10 @@ class DecoderLayer(nn.Module):
             self.experts_gate_up = param(e, 2 * i, h)
             self.experts_down = param(e, h, i)
             self.gate_up = self.gate_up_bias = self.down = self.down_bias = None
+            if self.moe.clamped:  # gpt-oss: biases, transformers' transposed layout (mtpctl.model.moe)
+                self.experts_gate_up, self.experts_down = param(e, h, 2 * i), param(e, i, h)
+                self.router_logit_bias, self.experts_gate_up_bias = param(e), param(e, 2 * i)
+                self.experts_down_bias = param(e, h)
         self.q_norm = param(hd, dtype=norm_dtype) if cfg.qk_norm else None
         self.k_norm = param(hd, dtype=norm_dtype) if cfg.qk_norm else None
         if self.moe is not None:  # sigmoid routing's score bias (float32) and shared experts
@@ -431,12 +466,15 @@ class DecoderLayer(nn.Module):
         elif plan is not None:  # one plan per sequence of the pass, each over its own cache
             cache.write(self.cache_index, k, v)
             i = self.cache_index
-            parts = [_attention(q[:, :, start:start + count], seq.k[i], seq.v[i], cfg.scale, seq_plan)
+            parts = [_attention(q[:, :, start:start + count], seq.k[i], seq.v[i], cfg.scale, seq_plan, self.sinks)
                      for seq, start, count, seq_plan in zip(cache.caches, cache.starts, cache.counts, plan)]
             attn = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)  # one sequence: no copy
         else:
             keys, values = cache.write(self.cache_index, k, v)
             used = cache.length + n
+            if self.sinks is not None:
+                return _masked_attention(q, keys[:, :, :used], values[:, :, :used], mask[..., :used], cfg.scale,
+                                         self.sinks).to(dtype)
             attn = F.scaled_dot_product_attention(q.float(), keys[:, :, :used].float(), values[:, :, :used].float(),
                                                   attn_mask=mask[..., :used], enable_gqa=True,
                                                   scale=cfg.attention_scale).to(dtype)
@@ -583,7 +621,10 @@ def mixer_out_and_mlp(layer: DecoderLayer, x: torch.Tensor, out: torch.Tensor, n
         weights = MoeWeights(router=layer.router, gate_up=layer.experts_gate_up, down=layer.experts_down,
                              score_bias=getattr(layer, "router_bias", None),
                              shared_gate_up=getattr(layer, "shared_gate_up", None),
-                             shared_down=getattr(layer, "shared_down", None))
+                             shared_down=getattr(layer, "shared_down", None),
+                             router_bias=getattr(layer, "router_logit_bias", None),
+                             gate_up_bias=getattr(layer, "experts_gate_up_bias", None),
+                             down_bias=getattr(layer, "experts_down_bias", None))
         out = moe_mlp(norm(x, layer.post_attention_norm, eps), moe, weights, layer.moe_rows)
     else:
         gate, up = _linear(norm(x, layer.post_attention_norm, eps), layer.gate_up, layer.gate_up_bias).chunk(2, dim=2)
@@ -873,7 +914,8 @@ class Decoder(nn.Module):
         mtp = tuple(f"model.layers.{i}." for i in range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.mtp_layers))
         mtp += cfg.family.ignored  # a family's own MTP tensors (Qwen3.5's mtp.*)
         reader = CheckpointReader(files, expected_tensors(cfg, names), optional, ignored=mtp,
-                                  renames=cfg.family.renames, fp8_block=cfg.fp8_block)  # headers only
+                                  renames=cfg.family.renames, fp8_block=cfg.fp8_block,
+                                  mxfp4=cfg.mxfp4)  # headers only
         model = cls(cfg, dtype, device, lazy=True)
         _Filler(model, reader, packed, blocked, native_int4).run()
         return model

@@ -38,7 +38,7 @@ def block_of(config: Mapping) -> Optional[Tuple[int, int]]:
         CorruptModel: a ``quantization_config`` or ``weight_block_size`` of the wrong type.
     """
     qc = config.get("quantization_config")
-    if qc is None:
+    if qc is None or (isinstance(qc, dict) and qc.get("quant_method") == "mxfp4"):  # mtpctl.model.mxfp4
         return None
     if not isinstance(qc, dict):
         raise CorruptModel("config.json: quantization_config is not a JSON object")

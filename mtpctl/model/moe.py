@@ -13,6 +13,10 @@ Five families, chosen by ``model_type`` and their config.json keys (never by a m
   score is the sum of its two best biased scores), weighted by their unbiased scores, optionally
   renormalised, times ``routed_scaling_factor``; ``n_shared_experts`` shared experts, run as one MLP of
   ``n_shared_experts * moe_intermediate_size``, added to every token's output.
+- ``gpt_oss``: router logits with a bias, the top k logits chosen, then a softmax over those k; experts
+  with biases and the clamped SwiGLU ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)``,
+  ``g = clamp(gate, max=l)``, their weights as transformers 5 holds them (transposed, gate and up
+  columns interleaved: ``gate_up [E, H, 2I]``, ``down [E, I, H]``; :func:`_clamped_mlp`).
 
 Expert weights live in one stacked layout: ``gate_up [E, 2I, H]`` (each expert's gate rows, then its up
 rows) and ``down [E, H, I]``, which is transformers 5's own ``mlp.experts.gate_up_proj`` /
@@ -40,8 +44,9 @@ from mtpctl.errors import CorruptModel, UnsupportedModel
 from mtpctl.model.device import FIXED_ROWS
 
 #: the model types :meth:`MoeConfig.from_hf` reads
-MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe")
-SCORINGS = ("softmax", "sigmoid")
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss")
+#: softmax over all experts then top-k; sigmoid scores; top-k logits then a softmax over them (gpt-oss)
+SCORINGS = ("softmax", "sigmoid", "topk_softmax")
 #: config activation name -> function
 ACTIVATIONS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu}
 
@@ -86,13 +91,16 @@ _FAMILY_DEFAULTS: Dict[str, Dict[str, object]] = {
     "glm4_moe": dict(hidden_size=4096, n_routed_experts=128, num_experts_per_tok=8, moe_intermediate_size=1408,
                      n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True,
                      routed_scaling_factor=1.0, first_k_dense_replace=1, hidden_act="silu"),
+    "gpt_oss": dict(hidden_size=2880, num_local_experts=128, num_experts_per_tok=4, intermediate_size=2880,
+                    swiglu_alpha=1.702, swiglu_limit=7.0, hidden_act="silu"),
 }
 #: per family: the config keys naming the number of routed experts (transformers' attribute_map aliases)
 _EXPERT_COUNT_KEYS = {"qwen3_moe": ("num_experts", "num_local_experts"),
                       "qwen2_moe": ("num_experts", "num_local_experts"),
                       "mixtral": ("num_local_experts", "num_experts"),
                       "deepseek_v3": ("n_routed_experts", "num_local_experts"),
-                      "glm4_moe": ("n_routed_experts", "num_local_experts")}
+                      "glm4_moe": ("n_routed_experts", "num_local_experts"),
+                      "gpt_oss": ("num_local_experts", "num_experts")}
 
 
 @dataclass(frozen=True)
@@ -121,6 +129,8 @@ class MoeConfig:
             model's dtype first (Qwen). The same in a float32 model.
         first_k_dense_replace, decoder_sparse_step, mlp_only_layers: which layers are MoE
             (:func:`is_moe_layer`).
+        swiglu_limit, swiglu_alpha: gpt-oss's experts (``swiglu_limit > 0``): biased router and experts,
+            the clamped SwiGLU and transformers' transposed, interleaved expert layout (:func:`_clamped_mlp`).
     """
 
     scoring: str
@@ -141,6 +151,13 @@ class MoeConfig:
     first_k_dense_replace: int = 0
     decoder_sparse_step: int = 1
     mlp_only_layers: Tuple[int, ...] = ()
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.702
+
+    @property
+    def clamped(self) -> bool:
+        """gpt-oss's experts: biases, the clamped SwiGLU, the transposed interleaved layout."""
+        return self.swiglu_limit > 0
 
     def __post_init__(self):
         problems = []
@@ -159,7 +176,7 @@ class MoeConfig:
         elif self.top_k > self.topk_group * (self.num_experts // self.n_group):
             problems.append(f"{self.top_k} experts per token from {self.topk_group} groups of "
                             f"{self.num_experts // self.n_group}")
-        if self.scoring == "softmax" and (self.n_group != 1 or self.score_bias):
+        if self.scoring != "sigmoid" and (self.n_group != 1 or self.score_bias):
             problems.append("grouped selection or a score bias with softmax scoring")
         if self.shared_gate and not self.shared_intermediate_size:
             problems.append("a shared-expert gate without a shared expert")
@@ -210,6 +227,9 @@ class MoeConfig:
                        norm_topk_prob=bool(get("norm_topk_prob")), shared_intermediate_size=shared,
                        shared_gate=shared > 0, decoder_sparse_step=int(get("decoder_sparse_step")),
                        mlp_only_layers=tuple(int(i) for i in get("mlp_only_layers")), **common)
+        if model_type == "gpt_oss":
+            return cls(scoring="topk_softmax", intermediate_size=int(get("intermediate_size")),
+                       swiglu_limit=float(get("swiglu_limit")), swiglu_alpha=float(get("swiglu_alpha")), **common)
         if model_type == "mixtral":
             return cls(scoring="softmax", intermediate_size=int(get("intermediate_size")), norm_topk_prob=True,
                        weights_float32=True, **common)
@@ -253,6 +273,10 @@ class MoeWeights:
         shared_gate_up: ``[2Is, H]`` (gate rows, then up rows), or None.
         shared_down: ``[H, Is]``, or None.
         shared_gate: ``[1, H]`` (Qwen2-MoE's ``shared_expert_gate``), or None.
+        router_bias: ``[E]`` added to the router's logits (gpt-oss), or None.
+        gate_up_bias: ``[E, 2I]`` (interleaved as ``gate_up``'s columns), ``down_bias`` ``[E, H]``: the
+            experts' biases (gpt-oss), or None; a clamped config's ``gate_up`` is ``[E, H, 2I]`` (gate and
+            up columns interleaved) and ``down`` ``[E, I, H]``, transformers' gpt-oss layout.
     """
 
     router: torch.Tensor
@@ -262,6 +286,9 @@ class MoeWeights:
     shared_gate_up: Optional[torch.Tensor] = None
     shared_down: Optional[torch.Tensor] = None
     shared_gate: Optional[torch.Tensor] = None
+    router_bias: Optional[torch.Tensor] = None
+    gate_up_bias: Optional[torch.Tensor] = None
+    down_bias: Optional[torch.Tensor] = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -406,6 +433,21 @@ def _mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act, rows: 
     return _linear_rows(_elementwise(act, y[:, :i]) * y[:, i:], down, rows)
 
 
+def _clamped_mlp(x: torch.Tensor, weights: MoeWeights, expert: int, cfg: MoeConfig, rows: int) -> torch.Tensor:
+    """gpt-oss's expert ``expert`` for rows ``x [n, H]``: ``h = x @ gate_up[e] + gate_up_bias[e]`` (gate
+    and up columns interleaved), ``g = clamp(h_gate, max=l)``, ``u = clamp(h_up, -l, l)``, then
+    ``((u + 1) * g * sigmoid(alpha * g)) @ down[e] + down_bias[e]``; each product in blocks of ``rows``
+    rows, the sigmoid on :func:`_elementwise`'s vector path."""
+    limit = cfg.swiglu_limit
+    h = _linear_rows(x, weights.gate_up[expert].t(), rows)
+    if weights.gate_up_bias is not None:
+        h = h + weights.gate_up_bias[expert]
+    gate, up = h[:, 0::2].clamp(max=limit), h[:, 1::2].clamp(min=-limit, max=limit)
+    glu = gate * _elementwise(torch.sigmoid, gate * cfg.swiglu_alpha)
+    y = _linear_rows((up + 1) * glu, weights.down[expert].t(), rows)
+    return y + weights.down_bias[expert] if weights.down_bias is not None else y
+
+
 # -------------------------------------------------------------------------------------------- forward
 
 
@@ -443,6 +485,8 @@ def route(x: torch.Tensor, cfg: MoeConfig, weights: MoeWeights, rows: int = FIXE
         w = probs.gather(1, chosen)
         if cfg.norm_topk_prob:
             w = w / _sequential_sum(w)[:, None]
+    elif cfg.scoring == "topk_softmax":
+        chosen, w = _topk_softmax(logits, weights.router_bias, k)
     else:
         scores = _elementwise(torch.sigmoid, logits)
         biased = scores + weights.score_bias if weights.score_bias is not None else scores
@@ -463,6 +507,17 @@ def route(x: torch.Tensor, cfg: MoeConfig, weights: MoeWeights, rows: int = FIXE
         w = w.to(x.dtype)
     experts, order = torch.sort(chosen, dim=-1)
     return Routing(experts=experts, weights=w.gather(1, order), logits=logits)
+
+
+def _topk_softmax(logits: torch.Tensor, bias: Optional[torch.Tensor], k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's routing: the k largest of ``logits + bias`` (a stable choice), then a softmax over
+    those k in the logits' dtype (its denominator summed one at a time). (chosen ``[M, k]``, weights)."""
+    if bias is not None:
+        logits = logits + bias
+    chosen = _top(logits, k)
+    top = logits.gather(1, chosen)
+    e = _elementwise(torch.exp, top - top[:, :1])
+    return chosen, e / _sequential_sum(e)[:, None]
 
 
 def _sequential_sum(w: torch.Tensor) -> torch.Tensor:
@@ -505,7 +560,10 @@ def moe_mlp(x: torch.Tensor, cfg: MoeConfig, weights: MoeWeights, rows: int = FI
         pairs = order[start:start + count]
         start += count
         tokens, slot = pairs // k, pairs % k
-        y = _mlp(x[tokens], weights.gate_up[expert], weights.down[expert], act, rows)
+        if cfg.clamped:
+            y = _clamped_mlp(x[tokens], weights, expert, cfg, rows)
+        else:
+            y = _mlp(x[tokens], weights.gate_up[expert], weights.down[expert], act, rows)
         w = routing.weights[tokens, slot]
         slots[tokens, slot] = (y.to(w.dtype) * w[:, None]).to(x.dtype)
     out = torch.zeros_like(x)

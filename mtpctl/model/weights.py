@@ -8,6 +8,7 @@ infinite values, so loading holds the weights plus one chunk rather than a secon
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 
 from mtpctl.errors import CorruptModel, UnsupportedModel
 from mtpctl.files import sha256_files
-from mtpctl.model import fp8
+from mtpctl.model import fp8, mxfp4
 from mtpctl.model.config import DecoderConfig, read_json
 
 INDEX = "model.safetensors.index.json"
@@ -182,6 +183,9 @@ class CheckpointReader:
             here and in messages is the renamed one.
         fp8_block: the weight block of a block-scaled FP8 checkpoint (``DecoderConfig.fp8_block``), None
             for any other.
+        mxfp4: the checkpoint's config.json names MXFP4 quantization (``DecoderConfig.mxfp4``): each
+            ``W_blocks``/``W_scales`` pair reads as float32 ``W`` (:mod:`mtpctl.model.mxfp4`), an expert at
+            a time.
 
     Raises:
         CorruptModel: see :func:`read_headers`, :func:`check_shapes` and :func:`mtpctl.model.fp8.pair_scales`;
@@ -191,13 +195,15 @@ class CheckpointReader:
 
     def __init__(self, files: Sequence[Path], expected: Mapping[str, Tuple[int, ...]], optional=(),
                  source: Optional[str] = None, ignored: Tuple[str, ...] = (),
-                 renames: Tuple[Tuple[str, str], ...] = (), fp8_block: Optional[Tuple[int, int]] = None):
+                 renames: Tuple[Tuple[str, str], ...] = (), fp8_block: Optional[Tuple[int, int]] = None,
+                 mxfp4: bool = False):
         self.source = source or str(Path(files[0]).parent)
         self.infos = read_headers(files)
         if ignored:
             self.infos = {name: info for name, info in self.infos.items() if not name.startswith(tuple(ignored))}
         if renames:
             self.infos = {_renamed(name, renames): info for name, info in self.infos.items()}
+        self.mx = self._pair_mxfp4(mxfp4)
         pairs = fp8.pair_scales({n: i.shape for n, i in self.infos.items()},
                                 {n: i.dtype for n, i in self.infos.items()}, fp8_block, self.source)
         #: FP8 weight name -> its scale's TensorInfo
@@ -205,6 +211,19 @@ class CheckpointReader:
         self.block = fp8_block
         check_shapes({name: info.shape for name, info in self.infos.items()}, expected, optional, self.source)
         self._maps: Dict[Path, torch.UntypedStorage] = {}
+
+    def _pair_mxfp4(self, enabled: bool) -> Dict[str, Tuple[TensorInfo, TensorInfo]]:
+        """MXFP4 stacks (:func:`mtpctl.model.mxfp4.pair_blocks`) -> (blocks, scales), each pair replaced in
+        :attr:`infos` by one float32 entry of the model's shape under the name it reads as."""
+        pairs = mxfp4.pair_blocks({n: i.shape for n, i in self.infos.items()},
+                                  {n: i.dtype for n, i in self.infos.items()}, enabled, self.source)
+        out = {}
+        for name, (blocks, scales) in pairs.items():
+            b, sc = self.infos.pop(blocks), self.infos.pop(scales)
+            shape = mxfp4.value_shape(b.shape)
+            self.infos[name] = TensorInfo(b.path, torch.float32, shape, b.offset, 4 * math.prod(shape))
+            out[name] = (b, sc)
+        return out
 
     @property
     def names(self) -> List[str]:
@@ -219,7 +238,7 @@ class CheckpointReader:
 
     def dtype(self, name: str) -> torch.dtype:
         """The dtype ``name`` has in its file (float32 for a block-scaled FP8 weight: its values)."""
-        return torch.float32 if name in self.scales else self.infos[name].dtype
+        return torch.float32 if name in self.scales or name in self.mx else self.infos[name].dtype
 
     def read(self, name: str) -> torch.Tensor:
         """Tensor ``name`` as a new CPU tensor in its file's dtype (see :meth:`dtype`)."""
@@ -237,7 +256,24 @@ class CheckpointReader:
         if name in self.scales:
             self._read_fp8_into(name, out)
             return
+        if name in self.mx:
+            self._read_mxfp4_into(name, out)
+            return
         self._read_plain_into(name, info, out)
+
+    def _read_mxfp4_into(self, name: str, out: torch.Tensor) -> None:
+        """Dequantize MXFP4 stack ``name`` into ``out [E, C, R]``, one expert's blocks and scales at a time
+        (:func:`mtpctl.model.mxfp4.dequantize`, then transposed)."""
+        blocks, scales = self.mx[name]
+        codes = torch.empty(blocks.shape[1:], dtype=torch.uint8)
+        exps = torch.empty(scales.shape[1:], dtype=torch.uint8)
+        with _open(blocks.path) as b_handle, _open(scales.path) as s_handle:
+            for e in range(blocks.shape[0]):
+                _read_exact(b_handle, blocks.offset + e * codes.numel(), codes, blocks.path)
+                _read_exact(s_handle, scales.offset + e * exps.numel(), exps, scales.path)
+                values = mxfp4.dequantize(codes, exps)
+                check_finite(name, values, self.source)
+                out[e].copy_(values.t())
 
     def _read_plain_into(self, name: str, info: TensorInfo, out: torch.Tensor) -> None:
         flat = out.view(-1)
@@ -279,7 +315,7 @@ class CheckpointReader:
         one chunk at a time; None where its bytes are not aligned for its dtype, or for a
         block-scaled FP8 weight (its values are computed)."""
         info = self.infos[name]
-        if info.offset % info.dtype.itemsize or name in self.scales:
+        if info.offset % info.dtype.itemsize or name in self.scales or name in self.mx:
             return None
         self._check_values(name)
         storage = self._maps.get(info.path)

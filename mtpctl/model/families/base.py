@@ -37,6 +37,7 @@ DIMS = {
     "lhv": lambda c: c.deltanet.num_v_heads,
     "ldv": lambda c: c.deltanet.v_head_dim,
     "lk": lambda c: c.deltanet.conv_kernel,
+    "nh": lambda c: c.num_attention_heads,
     "1": lambda c: 1,
 }
 #: the per-layer attention types of a config (Hugging Face's ``layer_types`` values)
@@ -149,6 +150,9 @@ class Block:
             head); attention's output is multiplied by ``sigmoid(gate)`` before ``o_proj`` (Qwen3.5).
         linear_attention: the layers ``layer_types`` names ``linear_attention`` are Gated DeltaNet layers
             (:mod:`mtpctl.model.gated_deltanet`, ``DecoderConfig.deltanet``) instead of attention.
+        attention_sinks: a learned logit per query head (``self_attn.sinks``) joins each softmax's
+            denominator and takes no value (gpt-oss); ``o_proj`` has a bias with ``attention_bias``.
+        yarn: the family's config may ask for YaRN rope scaling (MLA families may too).
     """
 
     qk_norm: bool = False
@@ -159,6 +163,8 @@ class Block:
     mla: bool = False
     output_gate: bool = False
     linear_attention: bool = False
+    attention_sinks: bool = False
+    yarn: bool = False
 
 
 def every_layer_slides(cfg: dict, layers: int) -> List[str]:
