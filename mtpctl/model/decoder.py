@@ -36,7 +36,7 @@ from mtpctl.model.gated_deltanet import GatedDeltaNetWeights, deltanet_prefill, 
 from mtpctl.model.linear_cache import LinearCache
 from mtpctl.model.moe import MoeWeights, _elementwise, moe_mlp
 from mtpctl.model.row_invariance import CPU_FIXED_ROWS, dense_path, int4_path
-from mtpctl.model.weights import CheckpointReader, MemoryTensors, read_headers, shard_files
+from mtpctl.model.weights import CheckpointReader, MemoryTensors, read_headers, renamed, shard_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LINEARS = ("qkv", "o_proj", "gate_up", "down", "lm_head", "q_b", "kv_b")  # weights that may be held packed
@@ -348,9 +348,10 @@ class DecoderLayer(nn.Module):
         self.k_norm = param(hd, dtype=norm_dtype) if cfg.qk_norm else None
         if self.moe is not None:  # sigmoid routing's score bias (float32) and shared experts
             self.router_bias = param(e, dtype=torch.float32) if self.moe.score_bias else None
-            s = 0 if self.moe.shared_gate else self.moe.shared_intermediate_size
+            s = self.moe.shared_intermediate_size
             self.shared_gate_up = param(2 * s, h) if s else None
             self.shared_down = param(h, s) if s else None
+            self.shared_expert_gate = param(1, h) if self.moe.shared_gate else None  # Qwen's sigmoid gate
             if self.moe.router_float32:  # kept in float32, as transformers keeps the gate
                 self.router = param(e, h, dtype=torch.float32)
         # the native kernel that rotates and writes the cache in one go turns whole heads
@@ -583,7 +584,8 @@ def mixer_out_and_mlp(layer: DecoderLayer, x: torch.Tensor, out: torch.Tensor, n
         weights = MoeWeights(router=layer.router, gate_up=layer.experts_gate_up, down=layer.experts_down,
                              score_bias=getattr(layer, "router_bias", None),
                              shared_gate_up=getattr(layer, "shared_gate_up", None),
-                             shared_down=getattr(layer, "shared_down", None))
+                             shared_down=getattr(layer, "shared_down", None),
+                             shared_gate=getattr(layer, "shared_expert_gate", None))
         out = moe_mlp(norm(x, layer.post_attention_norm, eps), moe, weights, layer.moe_rows)
     else:
         gate, up = _linear(norm(x, layer.post_attention_norm, eps), layer.gate_up, layer.gate_up_bias).chunk(2, dim=2)
@@ -868,12 +870,13 @@ class Decoder(nn.Module):
             raise UnsupportedModel("int4 weights run with bfloat16 activations, not float32", option="dtype")
         optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
         files = shard_files(Path(folder))
-        names = set(read_headers(files)) if cfg.moe is not None else None  # the experts' layout
+        renames = cfg.family.renames
+        names = {renamed(n, renames) for n in read_headers(files)} if cfg.moe is not None else None  # the experts' layout
         # MTP layers after the body's (num_nextn_predict_layers) are not the body's: not read, not checked
         mtp = tuple(f"model.layers.{i}." for i in range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.mtp_layers))
         mtp += cfg.family.ignored  # a family's own MTP tensors (Qwen3.5's mtp.*)
         reader = CheckpointReader(files, expected_tensors(cfg, names), optional, ignored=mtp,
-                                  renames=cfg.family.renames, fp8_block=cfg.fp8_block)  # headers only
+                                  renames=renames, fp8_block=cfg.fp8_block)  # headers only
         model = cls(cfg, dtype, device, lazy=True)
         _Filler(model, reader, packed, blocked, native_int4).run()
         return model

@@ -1,6 +1,7 @@
 """Gated DeltaNet linear-attention layers (Qwen3.5, Qwen3-Next), computed so that speculation can roll
 their recurrent state back exactly (docs/numerics.md, "Gated DeltaNet layers: state that verification
-rolls back"). The Decoder calls it for the ``qwen3_5_text`` family (:func:`mtpctl.model.decoder.deltanet_pass`),
+rolls back"). The Decoder calls it for the ``qwen3_5_text`` and ``qwen3_5_moe_text`` families
+(:func:`mtpctl.model.decoder.deltanet_pass`),
 each sequence's states held in a :class:`~mtpctl.model.linear_cache.LinearCache` beside its KV cache.
 
 A Gated DeltaNet layer keeps no KV cache: each sequence carries a fixed-size :class:`LinearState`, the

@@ -1,11 +1,13 @@
 """Mixture-of-Experts MLP blocks, computed so that a token's output does not depend on the other rows
 of its pass (docs/numerics.md, "Mixture-of-Experts blocks").
 
-Five families, chosen by ``model_type`` and their config.json keys (never by a model's name):
+Six families, chosen by ``model_type`` and their config.json keys (never by a model's name):
 
 - ``qwen3_moe``, ``qwen2_moe``: softmax over all experts' router logits, top-k, optionally renormalised
   (``norm_topk_prob``), the k weights rounded to the model's dtype; Qwen2-MoE adds one shared expert
   whose output is scaled by ``sigmoid(shared_expert_gate(x))``.
+- ``qwen3_5_moe_text`` (and ``qwen3_5_moe``, the multimodal checkpoint's text body): Qwen2-MoE's block,
+  the top-k always renormalised (the config has no ``norm_topk_prob``), every layer MoE.
 - ``mixtral``: the same softmax and top-k, always renormalised (equal to a softmax over the top-k
   logits), the weights kept in float32.
 - ``deepseek_v3``, ``glm4_moe``: router logits in float32, sigmoid scores; experts are chosen on
@@ -40,7 +42,7 @@ from mtpctl.errors import CorruptModel, UnsupportedModel
 from mtpctl.model.device import FIXED_ROWS
 
 #: the model types :meth:`MoeConfig.from_hf` reads
-MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe")
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "qwen3_5_moe_text", "qwen3_5_moe")
 SCORINGS = ("softmax", "sigmoid")
 #: config activation name -> function
 ACTIVATIONS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu}
@@ -77,6 +79,8 @@ _FAMILY_DEFAULTS: Dict[str, Dict[str, object]] = {
     "qwen2_moe": dict(hidden_size=2048, num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
                       shared_expert_intermediate_size=5632, norm_topk_prob=False, decoder_sparse_step=1,
                       mlp_only_layers=(), hidden_act="silu"),
+    "qwen3_5_moe_text": dict(hidden_size=2048, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                             shared_expert_intermediate_size=512, hidden_act="silu"),
     "mixtral": dict(hidden_size=4096, num_local_experts=8, num_experts_per_tok=2, intermediate_size=14336,
                     hidden_act="silu"),
     "deepseek_v3": dict(hidden_size=7168, n_routed_experts=256, num_experts_per_tok=8,
@@ -90,9 +94,13 @@ _FAMILY_DEFAULTS: Dict[str, Dict[str, object]] = {
 #: per family: the config keys naming the number of routed experts (transformers' attribute_map aliases)
 _EXPERT_COUNT_KEYS = {"qwen3_moe": ("num_experts", "num_local_experts"),
                       "qwen2_moe": ("num_experts", "num_local_experts"),
+                      "qwen3_5_moe_text": ("num_experts", "num_local_experts"),
                       "mixtral": ("num_local_experts", "num_experts"),
                       "deepseek_v3": ("n_routed_experts", "num_local_experts"),
                       "glm4_moe": ("n_routed_experts", "num_local_experts")}
+
+#: model types whose MoE block is another's (the multimodal Qwen3.5-MoE checkpoint's text body)
+_SAME_BLOCK = {"qwen3_5_moe": "qwen3_5_moe_text"}
 
 
 @dataclass(frozen=True)
@@ -184,6 +192,7 @@ class MoeConfig:
             CorruptModel: values that contradict each other (k above the experts, groups that do not
                 divide them, an expert count given twice differently).
         """
+        model_type = _SAME_BLOCK.get(model_type, model_type)
         if model_type not in _FAMILY_DEFAULTS:
             raise UnsupportedModel(f"no MoE block for model_type {model_type!r} "
                                    f"(MoE model types: {', '.join(MOE_MODEL_TYPES)})")
@@ -210,6 +219,9 @@ class MoeConfig:
                        norm_topk_prob=bool(get("norm_topk_prob")), shared_intermediate_size=shared,
                        shared_gate=shared > 0, decoder_sparse_step=int(get("decoder_sparse_step")),
                        mlp_only_layers=tuple(int(i) for i in get("mlp_only_layers")), **common)
+        if model_type == "qwen3_5_moe_text":  # transformers' router renormalises always; every layer MoE
+            return cls(scoring="softmax", intermediate_size=int(get("moe_intermediate_size")), norm_topk_prob=True,
+                       shared_intermediate_size=int(get("shared_expert_intermediate_size")), shared_gate=True, **common)
         if model_type == "mixtral":
             return cls(scoring="softmax", intermediate_size=int(get("intermediate_size")), norm_topk_prob=True,
                        weights_float32=True, **common)

@@ -202,17 +202,21 @@ class Experts:
 
     def tensors(self, cfg, per_expert: bool) -> Tuple[Tensor, ...]:
         """One MoE layer's router and expert tensors of ``cfg`` in either layout (then the router's
-        ``e_score_correction_bias`` and the shared experts, where the config has them)."""
+        ``e_score_correction_bias`` and the shared experts, with Qwen's ``shared_expert_gate``, where the config
+        has them)."""
         return self._routed(cfg, per_expert) + self._extras(cfg, self.prefix if per_expert else self.fused_prefix)
 
     def _extras(self, cfg, p: str) -> Tuple[Tensor, ...]:
         out = ()
         if cfg.moe.score_bias:
             out += (Tensor(p + "gate.e_score_correction_bias", ("e",), "router_bias"),)
-        if cfg.moe.shared_intermediate_size and not cfg.moe.shared_gate:
-            out += (Tensor(p + "shared_experts.gate_proj.weight", ("si", "h"), "shared_gate_up"),
-                    Tensor(p + "shared_experts.up_proj.weight", ("si", "h"), "shared_gate_up"),
-                    Tensor(p + "shared_experts.down_proj.weight", ("h", "si"), "shared_down"))
+        if cfg.moe.shared_intermediate_size:  # one gated shared expert (Qwen) or the shared experts as one MLP
+            stem = p + ("shared_expert." if cfg.moe.shared_gate else "shared_experts.")
+            out += (Tensor(stem + "gate_proj.weight", ("si", "h"), "shared_gate_up"),
+                    Tensor(stem + "up_proj.weight", ("si", "h"), "shared_gate_up"),
+                    Tensor(stem + "down_proj.weight", ("h", "si"), "shared_down"))
+        if cfg.moe.shared_gate:
+            out += (Tensor(p + "shared_expert_gate.weight", ("1", "h"), "shared_expert_gate"),)
         return out
 
     def _routed(self, cfg, per_expert: bool) -> Tuple[Tensor, ...]:
@@ -334,13 +338,13 @@ class Family:
         :class:`Experts`)."""
         if layer is None:
             table = self.model_tensors
-        elif self.is_linear_layer(cfg, layer):
-            table = tuple(t for t in self.layer_tensors if not t.name.startswith("self_attn.")) + self.linear_tensors
-        elif self.is_moe_layer(cfg, layer):
-            table = tuple(t for t in self.layer_tensors if t.param not in DENSE_MLP) + \
-                self.experts.tensors(cfg, self.experts.per_expert(names, layer))
         else:
             table = self.layer_tensors
+            if self.is_linear_layer(cfg, layer):  # a Gated DeltaNet layer's tensors instead of attention's
+                table = tuple(t for t in table if not t.name.startswith("self_attn.")) + self.linear_tensors
+            if self.is_moe_layer(cfg, layer):  # router and experts instead of the dense MLP
+                table = tuple(t for t in table if t.param not in DENSE_MLP) + \
+                    self.experts.tensors(cfg, self.experts.per_expert(names, layer))
         return [t for t in table if not t.when or getattr(cfg, t.when)]
 
     def shapes(self, cfg, names=None) -> Dict[str, tuple]:
