@@ -1,9 +1,11 @@
 """Qwen3.5's MoE text body (qwen3_5_moe_text: the hybrid body with a MoE block, a gated shared expert
-included, in every layer) on tiny random checkpoints written by transformers' own classes: prefill logits
-and 32 greedy tokens equal transformers' in float32 (one prompt longer than a 64-token prefill chunk);
-prompt lookup (drafting) and suffix decoding equal plain decoding, a batch equals each row alone; the
-per-expert layout (``save_pretrained``) and the stacked one (transformers 5's ``state_dict``) load to the
-same logits; the multimodal ``qwen3_5_moe`` checkpoint reads as its text body."""
+included, in every layer) and Qwen3-Next (qwen3_next: the same with Qwen2-MoE's layer rule, a dense layer
+through mlp_only_layers, and the fused per-key-head Gated DeltaNet projections) on tiny random checkpoints
+written by transformers' own classes: prefill logits and 32 greedy tokens equal transformers' in float32
+(one prompt longer than a 64-token prefill chunk); prompt lookup (drafting) and suffix decoding equal plain
+decoding, a batch equals each row alone; the per-expert layout (``save_pretrained``) and the stacked one
+(transformers 5's ``state_dict``) load to the same logits; the multimodal ``qwen3_5_moe`` checkpoint reads
+as its text body."""
 
 import math
 import shutil
@@ -34,16 +36,22 @@ PROMPTS = FAMILY_PROMPTS + ([(7 * i) % 250 + 3 for i in range(70)],)
 NEW = 32
 
 
-def reference_model(seed: int = 1, scale: float = 1.5):
+#: Qwen3-Next: four layers (Gated DeltaNet, attention, Gated DeltaNet with a dense MLP, attention)
+NEXT = dict(TINY, num_hidden_layers=4, intermediate_size=96, mlp_only_layers=[2], norm_topk_prob=True,
+            layer_types=["linear_attention", "full_attention"] * 2)
+
+
+def reference_model(seed: int = 1, scale: float = 1.5, next_: bool = False):
     """transformers' tiny random Qwen3.5-MoE text model, float32: matrices N(0, 1/sqrt(fan-in)) * 1.5
     (router and shared-expert gate included, so choices and gates stand apart), norm offsets N(0, 0.3),
     decays ``exp(g)`` spread over (0, 1). Seed 1: with seed 0 one position of the 70-token prompt is
     1.1e-4 off transformers' logits (of magnitude 6; the chunked prefill's float32 rounding, carried through
     three layers), just over the helper's 1e-4; seeds 1 and 2 stay within 6.5e-5."""
-    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3NextConfig, Qwen3NextForCausalLM
 
     torch.manual_seed(seed)
-    model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**TINY)).eval()
+    model = (Qwen3NextForCausalLM(Qwen3NextConfig(**NEXT)) if next_ else
+             Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**TINY))).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("A_log"):
@@ -64,16 +72,13 @@ def _tokenizer_files(tokenizer, folder):
     return folder
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
+def _both_layouts(root, reference):
     """(transformers' model, {"per_expert": folder, "stacked": folder}): the same weights saved by
     ``save_pretrained`` (one tensor per expert) and as the model's ``state_dict`` (experts stacked,
     ``mlp.experts.gate_up_proj`` / ``down_proj``), each with the tiny tokenizer."""
     from safetensors.torch import save_file
 
-    root = tmp_path_factory.mktemp("qwen3_5_moe")
     tokenizer = write_tiny_checkpoint(root / "tokenizer")
-    reference = reference_model()
     per_expert, stacked = root / "per_expert", root / "stacked"
     reference.save_pretrained(str(per_expert))
     stacked.mkdir()
@@ -82,6 +87,18 @@ def checkpoints(tmp_path_factory):
               metadata={"format": "pt"})
     return reference, {name: _tokenizer_files(tokenizer, f) for name, f in
                        (("per_expert", per_expert), ("stacked", stacked))}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """The Qwen3.5-MoE text checkpoint in both layouts (:func:`_both_layouts`)."""
+    return _both_layouts(tmp_path_factory.mktemp("qwen3_5_moe"), reference_model())
+
+
+@pytest.fixture(scope="module")
+def next_checkpoints(tmp_path_factory):
+    """The Qwen3-Next checkpoint in both layouts (:func:`_both_layouts`)."""
+    return _both_layouts(tmp_path_factory.mktemp("qwen3_next"), reference_model(next_=True))
 
 
 def test_the_checkpoint_reads_as_a_hybrid_body_with_moe_layers(checkpoints):
@@ -199,3 +216,40 @@ def test_the_multimodal_checkpoint_reads_as_its_text_body(checkpoints, multimoda
         a = TorchEngine(text, 32).verify(DraftTree.chain(list(prompt))).logits
         b = TorchEngine(ours, 32).verify(DraftTree.chain(list(prompt))).logits
         assert torch.equal(a, b)
+
+
+def test_qwen3_next_reads_its_layer_rule_and_fused_projections(next_checkpoints):
+    from mtpctl.model.gated_deltanet import deltanet_weights_from_checkpoint
+
+    reference, folders = next_checkpoints
+    model = Decoder.from_folder(folders["per_expert"])
+    assert model.cfg.model_type == "qwen3_next" and model.cfg.intermediate_size == 96
+    assert [(layer.deltanet is not None, layer.moe is not None) for layer in model.layers] == \
+        [(True, True), (False, True), (True, False), (False, True)]  # layer 2: mlp_only_layers, dense
+    attn = reference.model.layers[0].linear_attn
+    tensors = {f"{n}.weight": getattr(attn, n).weight for n in ("in_proj_qkvz", "in_proj_ba", "out_proj", "norm")}
+    tensors.update({"conv1d.weight": attn.conv1d.weight, "A_log": attn.A_log, "dt_bias": attn.dt_bias})
+    expected = deltanet_weights_from_checkpoint(tensors, model.cfg.deltanet).in_proj
+    assert torch.equal(model.layers[0].in_proj, expected)  # q, k, v, z, b, a order, not the file's
+    assert not torch.equal(model.layers[0].in_proj, torch.cat((attn.in_proj_qkvz.weight, attn.in_proj_ba.weight)))
+    a, b = (Decoder.from_folder(folders[k], blocked=True) for k in ("per_expert", "stacked"))
+    la = TorchEngine(a, 32).verify(DraftTree.chain(list(PROMPTS[1]))).logits
+    assert torch.equal(la, TorchEngine(b, 32).verify(DraftTree.chain(list(PROMPTS[1]))).logits)
+
+
+def test_qwen3_next_equals_transformers_and_speculation_equals_plain(next_checkpoints):
+    import mtpctl
+    from mtpctl.decode.session import GenerationRequest
+
+    reference, folders = next_checkpoints
+    folder = folders["per_expert"]
+    assert_equals_transformers(reference, Decoder.from_folder(folder), folder, PROMPTS, NEW)
+    plain = mtpctl.load(str(folder), speculate="none", dtype="float32", threads=1)
+    expected = [plain.pipeline.generate(list(p), NEW).token_ids for p in PROMPTS]
+    ngram = mtpctl.load(str(folder), speculate="ngram", dtype="float32", speculate_policy="always", threads=1,
+                        ngram_min=1, draft_len=4)
+    batch = ngram.generate_batch([GenerationRequest(list(p), NEW) for p in PROMPTS], max_batch=len(PROMPTS))
+    assert [r.token_ids for r in batch] == expected and sum(r.stats.draft_tokens for r in batch) > 20
+    suffix = mtpctl.load(str(folder), speculate="suffix", dtype="float32", speculate_policy="always", threads=1)
+    got = [suffix.pipeline.generate(list(p), NEW) for p in PROMPTS]
+    assert [r.token_ids for r in got] == expected and sum(r.stats.draft_tokens for r in got) > 0

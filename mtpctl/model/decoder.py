@@ -32,7 +32,7 @@ from mtpctl.model.native import (SlotPlan, StackWeights, attend, kernel_takes, l
                                  norm_takes, rms_norm, rotate_write)
 from mtpctl.model.linears import BlockedLinear, FixedRowsLinear, PackedLinear, TiledLinear, pack_exact
 from mtpctl.model.device import FIXED_ROWS
-from mtpctl.model.gated_deltanet import GatedDeltaNetWeights, deltanet_prefill, deltanet_tree
+from mtpctl.model.gated_deltanet import GatedDeltaNetWeights, deltanet_prefill, deltanet_tree, grouped_rows
 from mtpctl.model.linear_cache import LinearCache
 from mtpctl.model.moe import MoeWeights, _elementwise, moe_mlp
 from mtpctl.model.row_invariance import CPU_FIXED_ROWS, dense_path, int4_path
@@ -758,9 +758,14 @@ class _Filler:
         return param.data
 
     def _done(self, slot: _Slot) -> None:
-        """After the embedding, a tied lm_head: held by a kernel (a packed one from the file's values),
-        else the embedding itself."""
+        """After Qwen3-Next's grouped Gated DeltaNet input projection, its rows in q, k, v, z, b, a order.
+        After the embedding, a tied lm_head: held by a kernel (a packed one from the file's values), else
+        the embedding itself."""
         model = self.model
+        if slot.attr == "in_proj" and model.cfg.family.grouped_in_proj:
+            rows = slot.owner.in_proj.data
+            rows.copy_(rows[grouped_rows(slot.owner.deltanet).to(rows.device)])
+            return
         if slot.owner is not model or slot.attr != "embed" or not model.cfg.tie_word_embeddings:
             return
         value = self.source.read(EMBED) if self.packed else model.embed.detach()

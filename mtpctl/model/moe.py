@@ -1,13 +1,14 @@
 """Mixture-of-Experts MLP blocks, computed so that a token's output does not depend on the other rows
 of its pass (docs/numerics.md, "Mixture-of-Experts blocks").
 
-Six families, chosen by ``model_type`` and their config.json keys (never by a model's name):
+Seven families, chosen by ``model_type`` and their config.json keys (never by a model's name):
 
 - ``qwen3_moe``, ``qwen2_moe``: softmax over all experts' router logits, top-k, optionally renormalised
   (``norm_topk_prob``), the k weights rounded to the model's dtype; Qwen2-MoE adds one shared expert
   whose output is scaled by ``sigmoid(shared_expert_gate(x))``.
 - ``qwen3_5_moe_text`` (and ``qwen3_5_moe``, the multimodal checkpoint's text body): Qwen2-MoE's block,
-  the top-k always renormalised (the config has no ``norm_topk_prob``), every layer MoE.
+  the top-k always renormalised (the config has no ``norm_topk_prob``), every layer MoE; ``qwen3_next``:
+  Qwen2-MoE's block and keys, with its own defaults.
 - ``mixtral``: the same softmax and top-k, always renormalised (equal to a softmax over the top-k
   logits), the weights kept in float32.
 - ``deepseek_v3``, ``glm4_moe``: router logits in float32, sigmoid scores; experts are chosen on
@@ -42,7 +43,8 @@ from mtpctl.errors import CorruptModel, UnsupportedModel
 from mtpctl.model.device import FIXED_ROWS
 
 #: the model types :meth:`MoeConfig.from_hf` reads
-MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "qwen3_5_moe_text", "qwen3_5_moe")
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "qwen3_5_moe_text", "qwen3_5_moe",
+                   "qwen3_next")
 SCORINGS = ("softmax", "sigmoid")
 #: config activation name -> function
 ACTIVATIONS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu}
@@ -79,6 +81,9 @@ _FAMILY_DEFAULTS: Dict[str, Dict[str, object]] = {
     "qwen2_moe": dict(hidden_size=2048, num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
                       shared_expert_intermediate_size=5632, norm_topk_prob=False, decoder_sparse_step=1,
                       mlp_only_layers=(), hidden_act="silu"),
+    "qwen3_next": dict(hidden_size=2048, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+                       shared_expert_intermediate_size=512, norm_topk_prob=True, decoder_sparse_step=1,
+                       mlp_only_layers=(), hidden_act="silu"),
     "qwen3_5_moe_text": dict(hidden_size=2048, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
                              shared_expert_intermediate_size=512, hidden_act="silu"),
     "mixtral": dict(hidden_size=4096, num_local_experts=8, num_experts_per_tok=2, intermediate_size=14336,
@@ -95,6 +100,7 @@ _FAMILY_DEFAULTS: Dict[str, Dict[str, object]] = {
 _EXPERT_COUNT_KEYS = {"qwen3_moe": ("num_experts", "num_local_experts"),
                       "qwen2_moe": ("num_experts", "num_local_experts"),
                       "qwen3_5_moe_text": ("num_experts", "num_local_experts"),
+                      "qwen3_next": ("num_experts", "num_local_experts"),
                       "mixtral": ("num_local_experts", "num_experts"),
                       "deepseek_v3": ("n_routed_experts", "num_local_experts"),
                       "glm4_moe": ("n_routed_experts", "num_local_experts")}
@@ -213,8 +219,8 @@ class MoeConfig:
         num_experts = int(counts.pop()) if counts else int(get(_EXPERT_COUNT_KEYS[model_type][0]))
         common = dict(num_experts=num_experts, top_k=int(get("num_experts_per_tok")),
                       hidden_size=int(get("hidden_size")), activation=str(get("hidden_act")))
-        if model_type in ("qwen3_moe", "qwen2_moe"):
-            shared = int(get("shared_expert_intermediate_size")) if model_type == "qwen2_moe" else 0
+        if model_type in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
+            shared = int(get("shared_expert_intermediate_size")) if model_type != "qwen3_moe" else 0
             return cls(scoring="softmax", intermediate_size=int(get("moe_intermediate_size")),
                        norm_topk_prob=bool(get("norm_topk_prob")), shared_intermediate_size=shared,
                        shared_gate=shared > 0, decoder_sparse_step=int(get("decoder_sparse_step")),

@@ -37,6 +37,8 @@ DIMS = {
     "lhv": lambda c: c.deltanet.num_v_heads,
     "ldv": lambda c: c.deltanet.v_head_dim,
     "lk": lambda c: c.deltanet.conv_kernel,
+    "lqkvz": lambda c: c.deltanet.conv_dim + c.deltanet.value_dim,  # Qwen3-Next's fused projections
+    "2lhv": lambda c: 2 * c.deltanet.num_v_heads,
     "1": lambda c: 1,
 }
 #: the per-layer attention types of a config (Hugging Face's ``layer_types`` values)
@@ -128,6 +130,12 @@ DELTANET_LAYER = (Tensor("linear_attn.A_log", ("lhv",), "a_log"),
                   Tensor("linear_attn.in_proj_a.weight", ("lhv", "h"), "in_proj"),
                   Tensor("linear_attn.norm.weight", ("ldv",), "gated_norm_weight"),
                   Tensor("linear_attn.out_proj.weight", ("h", "lv"), "out_proj"))
+#: Qwen3-Next's Gated DeltaNet layer: the input projections fused per key head (``in_proj_qkvz``, then
+#: ``in_proj_ba``), stacked into ``in_proj`` in that order and put in q, k, v, z, b, a order once loaded
+#: (:attr:`Family.grouped_in_proj`)
+GROUPED_DELTANET_LAYER = DELTANET_LAYER[:3] + \
+    (Tensor("linear_attn.in_proj_qkvz.weight", ("lqkvz", "h"), "in_proj"),
+     Tensor("linear_attn.in_proj_ba.weight", ("2lhv", "h"), "in_proj")) + DELTANET_LAYER[7:]
 
 
 @dataclass(frozen=True)
@@ -280,6 +288,9 @@ class Family:
         linear_tensors: a Gated DeltaNet layer's tensors (:data:`DELTANET_LAYER`), for a family with
             ``block.linear_attention``; the layers its config makes linear hold them instead of
             :attr:`layer_tensors`' attention (the norms and the MLP stay).
+        grouped_in_proj: the Gated DeltaNet input projection's rows are grouped per key head in the
+            checkpoint (Qwen3-Next's :data:`GROUPED_DELTANET_LAYER`); loading reorders them
+            (:func:`mtpctl.model.gated_deltanet.grouped_rows`).
         ignored: name prefixes of checkpoint tensors the body does not read (Qwen3.5's ``mtp.``).
         text_config: config.json is a multimodal model's, the body's keys under ``text_config``
             (:meth:`text_part`).
@@ -303,6 +314,7 @@ class Family:
     qk_norm_key: str = ""
     mlp_bias_key: str = "mlp_bias"
     linear_tensors: Tuple[Tensor, ...] = ()
+    grouped_in_proj: bool = False
     ignored: Tuple[str, ...] = ()
     text_config: bool = False
     renames: Tuple[Tuple[str, str], ...] = ()
