@@ -253,3 +253,16 @@ def test_qwen3_next_equals_transformers_and_speculation_equals_plain(next_checkp
     suffix = mtpctl.load(str(folder), speculate="suffix", dtype="float32", speculate_policy="always", threads=1)
     got = [suffix.pipeline.generate(list(p), NEW) for p in PROMPTS]
     assert [r.token_ids for r in got] == expected and sum(r.stats.draft_tokens for r in got) > 0
+
+
+def test_the_pure_torch_path_with_prompt_lookup_equals_its_plain_decoding(checkpoints):
+    """kernels="torch": the MoE blocks in the placement's fixed rows, prefill through the masked path."""
+    import mtpctl
+
+    folder = checkpoints[1]["per_expert"]
+    prompt = list(PROMPTS[3])
+    plain = mtpctl.load(str(folder), speculate="none", dtype="float32", threads=1, kernels="torch")
+    ngram = mtpctl.load(str(folder), speculate="ngram", dtype="float32", threads=1, kernels="torch",
+                        speculate_policy="always", ngram_min=1)
+    got = ngram.pipeline.generate(prompt, NEW)
+    assert got.token_ids == plain.pipeline.generate(prompt, NEW).token_ids and got.stats.draft_tokens > 0

@@ -876,7 +876,8 @@ class Decoder(nn.Module):
         optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
         files = shard_files(Path(folder))
         renames = cfg.family.renames
-        names = {renamed(n, renames) for n in read_headers(files)} if cfg.moe is not None else None  # the experts' layout
+        # the experts' layout, from the names as the tensor map reads them
+        names = {renamed(n, renames) for n in read_headers(files)} if cfg.moe is not None else None
         # MTP layers after the body's (num_nextn_predict_layers) are not the body's: not read, not checked
         mtp = tuple(f"model.layers.{i}." for i in range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.mtp_layers))
         mtp += cfg.family.ignored  # a family's own MTP tensors (Qwen3.5's mtp.*)
