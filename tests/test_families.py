@@ -18,7 +18,7 @@ from mtpctl.model.decoder import Decoder, _slots, expected_tensors
 from mtpctl.model.families import FAMILIES, Family, family_of
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3",
-             "gpt_oss", "qwen3_5_text", "qwen3_5")
+             "gpt_oss", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next")
 #: tiny MoE blocks for the MoE families (their config classes' defaults are 128 and 8 large experts)
 MOE = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1]),
        "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
@@ -31,13 +31,20 @@ MOE = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_
        # not MoE: a hybrid body's tiny Gated DeltaNet layer, one layer of each type
        "qwen3_5_text": dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
                             linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8)}
+#: the hybrid body with a MoE block in every layer (a shared expert with its sigmoid gate)
+MOE["qwen3_5_moe_text"] = dict(MOE["qwen3_5_text"], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                               shared_expert_intermediate_size=48)
+MOE["qwen3_next"] = dict(MOE["qwen3_5_moe_text"], layer_types=["linear_attention", "full_attention"],
+                         mlp_only_layers=[1])  # layer 1 dense
+#: the multimodal configs and the text body each nests under ``text_config``
+MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
 
 def tiny(model_type, **overrides):
     """The tiny config of ``model_type``, with a tiny MoE block for a MoE family (Qwen3.5's multimodal
     config: the hybrid text body's under ``text_config``)."""
-    if model_type == "qwen3_5":
-        text = tiny("qwen3_5_text", **overrides)
+    if model_type in MULTIMODAL:
+        text = tiny(MULTIMODAL[model_type], **overrides)
         return {"model_type": model_type, "architectures": text["architectures"],
                 "tie_word_embeddings": text["tie_word_embeddings"], "text_config": text}
     return tiny_config_dict(model_type=model_type, **MOE.get(model_type, {}), **overrides)
@@ -57,7 +64,8 @@ def test_every_supported_model_type_resolves_to_its_own_family():
 @pytest.mark.parametrize("model_type", ["gpt2", None, "", "Llama"])
 def test_an_unknown_model_type_is_refused_in_one_line(model_type):
     want = f"model_type {model_type!r} is not supported by the native runtime (supported: " \
-           "deepseek_v3, gemma3_text, glm4_moe, gpt_oss, llama, mistral, mixtral, qwen2, qwen3, qwen3_5, qwen3_5_text, qwen3_moe)"
+           "deepseek_v3, gemma3_text, glm4_moe, gpt_oss, llama, mistral, mixtral, qwen2, qwen3, qwen3_5, qwen3_5_moe, " \
+           "qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next)"
     with pytest.raises(UnsupportedModel) as caught:
         family_of(model_type)
     assert str(caught.value) == want and "\n" not in str(caught.value)

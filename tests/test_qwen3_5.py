@@ -187,9 +187,7 @@ def test_a_scripted_drafter_on_bfloat16_equals_plain(checkpoints):
         assert run(model, drafter, max_new=NEW, prompt=prompt).token_ids == alone.token_ids
 
 
-def test_what_does_not_run_on_it_is_refused_in_one_line(checkpoints, tmp_path):
-    import json
-
+def test_what_does_not_run_on_it_is_refused_in_one_line(checkpoints):
     import mtpctl
 
     folder = checkpoints["plain"][1]
@@ -208,11 +206,6 @@ def test_what_does_not_run_on_it_is_refused_in_one_line(checkpoints, tmp_path):
     with pytest.raises(UnsupportedModel, match="one sequence a pass"):
         model(torch.zeros(2, 3, dtype=torch.long), torch.arange(3).expand(2, 3), cache,
               {None: torch.ones(2, 1, 3, 16, dtype=torch.bool)})
-    raw = json.loads((folder / "config.json").read_text())
-    for model_type in ("qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next"):
-        with pytest.raises(UnsupportedModel) as caught:
-            DecoderConfig.from_dict({**raw, "model_type": model_type})
-        assert "is not supported" in str(caught.value) and "\n" not in str(caught.value)
 
 
 def test_the_per_node_states_of_draft_trees_are_reported(checkpoints):

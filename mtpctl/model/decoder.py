@@ -32,11 +32,11 @@ from mtpctl.model.native import (SlotPlan, StackWeights, attend, kernel_takes, l
                                  norm_takes, rms_norm, rotate_write)
 from mtpctl.model.linears import BlockedLinear, FixedRowsLinear, PackedLinear, TiledLinear, pack_exact
 from mtpctl.model.device import FIXED_ROWS
-from mtpctl.model.gated_deltanet import GatedDeltaNetWeights, deltanet_prefill, deltanet_tree
+from mtpctl.model.gated_deltanet import GatedDeltaNetWeights, deltanet_prefill, deltanet_tree, grouped_rows
 from mtpctl.model.linear_cache import LinearCache
 from mtpctl.model.moe import MoeWeights, _elementwise, moe_mlp
 from mtpctl.model.row_invariance import CPU_FIXED_ROWS, dense_path, int4_path
-from mtpctl.model.weights import CheckpointReader, MemoryTensors, read_headers, shard_files
+from mtpctl.model.weights import CheckpointReader, MemoryTensors, read_headers, renamed, shard_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LINEARS = ("qkv", "o_proj", "gate_up", "down", "lm_head", "q_b", "kv_b")  # weights that may be held packed
@@ -383,9 +383,10 @@ class DecoderLayer(nn.Module):
         self.k_norm = param(hd, dtype=norm_dtype) if cfg.qk_norm else None
         if self.moe is not None:  # sigmoid routing's score bias (float32) and shared experts
             self.router_bias = param(e, dtype=torch.float32) if self.moe.score_bias else None
-            s = 0 if self.moe.shared_gate else self.moe.shared_intermediate_size
+            s = self.moe.shared_intermediate_size
             self.shared_gate_up = param(2 * s, h) if s else None
             self.shared_down = param(h, s) if s else None
+            self.shared_expert_gate = param(1, h) if self.moe.shared_gate else None  # Qwen's sigmoid gate
             if self.moe.router_float32:  # kept in float32, as transformers keeps the gate
                 self.router = param(e, h, dtype=torch.float32)
         # the native kernel that rotates and writes the cache in one go turns whole heads
@@ -624,7 +625,8 @@ def mixer_out_and_mlp(layer: DecoderLayer, x: torch.Tensor, out: torch.Tensor, n
                              shared_down=getattr(layer, "shared_down", None),
                              router_bias=getattr(layer, "router_logit_bias", None),
                              gate_up_bias=getattr(layer, "experts_gate_up_bias", None),
-                             down_bias=getattr(layer, "experts_down_bias", None))
+                             down_bias=getattr(layer, "experts_down_bias", None),
+                             shared_gate=getattr(layer, "shared_expert_gate", None))
         out = moe_mlp(norm(x, layer.post_attention_norm, eps), moe, weights, layer.moe_rows)
     else:
         gate, up = _linear(norm(x, layer.post_attention_norm, eps), layer.gate_up, layer.gate_up_bias).chunk(2, dim=2)
@@ -797,9 +799,14 @@ class _Filler:
         return param.data
 
     def _done(self, slot: _Slot) -> None:
-        """After the embedding, a tied lm_head: held by a kernel (a packed one from the file's values),
-        else the embedding itself."""
+        """After Qwen3-Next's grouped Gated DeltaNet input projection, its rows in q, k, v, z, b, a order.
+        After the embedding, a tied lm_head: held by a kernel (a packed one from the file's values), else
+        the embedding itself."""
         model = self.model
+        if slot.attr == "in_proj" and model.cfg.family.grouped_in_proj:
+            rows = slot.owner.in_proj.data
+            rows.copy_(rows[grouped_rows(slot.owner.deltanet).to(rows.device)])
+            return
         if slot.owner is not model or slot.attr != "embed" or not model.cfg.tie_word_embeddings:
             return
         value = self.source.read(EMBED) if self.packed else model.embed.detach()
@@ -909,13 +916,14 @@ class Decoder(nn.Module):
             raise UnsupportedModel("int4 weights run with bfloat16 activations, not float32", option="dtype")
         optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
         files = shard_files(Path(folder))
-        names = set(read_headers(files)) if cfg.moe is not None else None  # the experts' layout
+        renames = cfg.family.renames
+        # the experts' layout, from the names as the tensor map reads them
+        names = {renamed(n, renames) for n in read_headers(files)} if cfg.moe is not None else None
         # MTP layers after the body's (num_nextn_predict_layers) are not the body's: not read, not checked
         mtp = tuple(f"model.layers.{i}." for i in range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.mtp_layers))
         mtp += cfg.family.ignored  # a family's own MTP tensors (Qwen3.5's mtp.*)
         reader = CheckpointReader(files, expected_tensors(cfg, names), optional, ignored=mtp,
-                                  renames=cfg.family.renames, fp8_block=cfg.fp8_block,
-                                  mxfp4=cfg.mxfp4)  # headers only
+                                  renames=renames, fp8_block=cfg.fp8_block, mxfp4=cfg.mxfp4)  # headers only
         model = cls(cfg, dtype, device, lazy=True)
         _Filler(model, reader, packed, blocked, native_int4).run()
         return model

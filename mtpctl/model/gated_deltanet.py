@@ -1,7 +1,8 @@
 """Gated DeltaNet linear-attention layers (Qwen3.5, Qwen3-Next), computed so that speculation can roll
 their recurrent state back exactly (docs/numerics.md, "Gated DeltaNet layers: state that verification
-rolls back"). The Decoder calls it for the ``qwen3_5_text`` family (:func:`mtpctl.model.decoder.deltanet_pass`),
-each sequence's states held in a :class:`~mtpctl.model.linear_cache.LinearCache` beside its KV cache.
+rolls back"). The Decoder calls it for the ``qwen3_5_text``, ``qwen3_5_moe_text`` and ``qwen3_next``
+families (:func:`mtpctl.model.decoder.deltanet_pass`), each sequence's states held in a
+:class:`~mtpctl.model.linear_cache.LinearCache` beside its KV cache.
 
 A Gated DeltaNet layer keeps no KV cache: each sequence carries a fixed-size :class:`LinearState`, the
 last ``K - 1`` inputs of a short causal depthwise convolution over q, k and v (``conv [conv_dim, K-1]``)
@@ -196,6 +197,17 @@ class GatedDeltaNetWeights:
         return self.in_proj.dtype
 
 
+def grouped_rows(cfg: GatedDeltaNetConfig) -> torch.Tensor:
+    """Qwen3-Next's input projection, ``in_proj_qkvz`` then ``in_proj_ba`` stacked by rows (per key head:
+    its q, k, then the v and z of its ``Hv/Hk`` value heads; then per key head the b, then the a of its
+    value heads), put in this module's order q, k, v, z, b, a: ``ours = grouped[grouped_rows(cfg)]``.
+    ``[proj_dim]`` int64."""
+    hk, dk, dv, r = cfg.num_k_heads, cfg.k_head_dim, cfg.v_head_dim, cfg.num_v_heads // cfg.num_k_heads
+    qkvz = torch.arange(hk * (2 * dk + 2 * r * dv)).view(hk, -1).split([dk, dk, r * dv, r * dv], dim=1)
+    ba = (hk * (2 * dk + 2 * r * dv) + torch.arange(2 * cfg.num_v_heads)).view(hk, -1).split([r, r], dim=1)
+    return torch.cat([part.reshape(-1) for part in qkvz + ba])
+
+
 def deltanet_weights_from_checkpoint(tensors: Mapping[str, torch.Tensor], cfg: GatedDeltaNetConfig,
                                      prefix: str = "", dtype: Optional[torch.dtype] = None) -> GatedDeltaNetWeights:
     """A Gated DeltaNet layer's tensors from a checkpoint's, the names under ``prefix`` (such as
@@ -215,8 +227,7 @@ def deltanet_weights_from_checkpoint(tensors: Mapping[str, torch.Tensor], cfg: G
     """
     ours = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
     used = set()
-    h, hk, hv, dk, dv, k = (cfg.hidden_size, cfg.num_k_heads, cfg.num_v_heads, cfg.k_head_dim, cfg.v_head_dim,
-                            cfg.conv_kernel)
+    h, hv, dv, k = cfg.hidden_size, cfg.num_v_heads, cfg.v_head_dim, cfg.conv_kernel
 
     def take(name, shape):
         if name not in ours:
@@ -231,12 +242,9 @@ def deltanet_weights_from_checkpoint(tensors: Mapping[str, torch.Tensor], cfg: G
     out_proj = take("out_proj.weight", (h, cfg.value_dim))
     dtype = dtype or out_proj.dtype
     if "in_proj_qkvz.weight" in ours or "in_proj_ba.weight" in ours:  # Qwen3-Next: grouped per key head
-        r = hv // hk
-        qkvz = take("in_proj_qkvz.weight", (2 * cfg.key_dim + 2 * cfg.value_dim, h)).view(hk, 2 * dk + 2 * r * dv, h)
-        ba = take("in_proj_ba.weight", (2 * hv, h)).view(hk, 2 * r, h)
-        q, kk, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=1)
-        b, a = torch.split(ba, [r, r], dim=1)
-        parts = [x.reshape(-1, h) for x in (q, kk, v, z, b, a)]
+        grouped = torch.cat((take("in_proj_qkvz.weight", (2 * cfg.key_dim + 2 * cfg.value_dim, h)),
+                             take("in_proj_ba.weight", (2 * hv, h))))
+        parts = [grouped[grouped_rows(cfg)]]
     else:
         parts = [take("in_proj_qkv.weight", (cfg.conv_dim, h)), take("in_proj_z.weight", (cfg.value_dim, h)),
                  take("in_proj_b.weight", (hv, h)), take("in_proj_a.weight", (hv, h))]

@@ -1,11 +1,14 @@
 """Mixture-of-Experts MLP blocks, computed so that a token's output does not depend on the other rows
 of its pass (docs/numerics.md, "Mixture-of-Experts blocks").
 
-Five families, chosen by ``model_type`` and their config.json keys (never by a model's name):
+Seven families, chosen by ``model_type`` and their config.json keys (never by a model's name):
 
 - ``qwen3_moe``, ``qwen2_moe``: softmax over all experts' router logits, top-k, optionally renormalised
   (``norm_topk_prob``), the k weights rounded to the model's dtype; Qwen2-MoE adds one shared expert
   whose output is scaled by ``sigmoid(shared_expert_gate(x))``.
+- ``qwen3_5_moe_text`` (and ``qwen3_5_moe``, the multimodal checkpoint's text body): Qwen2-MoE's block,
+  the top-k always renormalised (the config has no ``norm_topk_prob``), every layer MoE; ``qwen3_next``:
+  Qwen2-MoE's block and keys, with its own defaults.
 - ``mixtral``: the same softmax and top-k, always renormalised (equal to a softmax over the top-k
   logits), the weights kept in float32.
 - ``deepseek_v3``, ``glm4_moe``: router logits in float32, sigmoid scores; experts are chosen on
@@ -44,7 +47,8 @@ from mtpctl.errors import CorruptModel, UnsupportedModel
 from mtpctl.model.device import FIXED_ROWS
 
 #: the model types :meth:`MoeConfig.from_hf` reads
-MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss")
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_5_moe_text",
+                   "qwen3_5_moe", "qwen3_next")
 #: softmax over all experts then top-k; sigmoid scores; top-k logits then a softmax over them (gpt-oss)
 SCORINGS = ("softmax", "sigmoid", "topk_softmax")
 #: config activation name -> function
@@ -82,6 +86,11 @@ _FAMILY_DEFAULTS: Dict[str, Dict[str, object]] = {
     "qwen2_moe": dict(hidden_size=2048, num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
                       shared_expert_intermediate_size=5632, norm_topk_prob=False, decoder_sparse_step=1,
                       mlp_only_layers=(), hidden_act="silu"),
+    "qwen3_next": dict(hidden_size=2048, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+                       shared_expert_intermediate_size=512, norm_topk_prob=True, decoder_sparse_step=1,
+                       mlp_only_layers=(), hidden_act="silu"),
+    "qwen3_5_moe_text": dict(hidden_size=2048, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                             shared_expert_intermediate_size=512, hidden_act="silu"),
     "mixtral": dict(hidden_size=4096, num_local_experts=8, num_experts_per_tok=2, intermediate_size=14336,
                     hidden_act="silu"),
     "deepseek_v3": dict(hidden_size=7168, n_routed_experts=256, num_experts_per_tok=8,
@@ -97,10 +106,15 @@ _FAMILY_DEFAULTS: Dict[str, Dict[str, object]] = {
 #: per family: the config keys naming the number of routed experts (transformers' attribute_map aliases)
 _EXPERT_COUNT_KEYS = {"qwen3_moe": ("num_experts", "num_local_experts"),
                       "qwen2_moe": ("num_experts", "num_local_experts"),
+                      "qwen3_5_moe_text": ("num_experts", "num_local_experts"),
+                      "qwen3_next": ("num_experts", "num_local_experts"),
                       "mixtral": ("num_local_experts", "num_experts"),
                       "deepseek_v3": ("n_routed_experts", "num_local_experts"),
                       "glm4_moe": ("n_routed_experts", "num_local_experts"),
                       "gpt_oss": ("num_local_experts", "num_experts")}
+
+#: model types whose MoE block is another's (the multimodal Qwen3.5-MoE checkpoint's text body)
+_SAME_BLOCK = {"qwen3_5_moe": "qwen3_5_moe_text"}
 
 
 @dataclass(frozen=True)
@@ -201,6 +215,7 @@ class MoeConfig:
             CorruptModel: values that contradict each other (k above the experts, groups that do not
                 divide them, an expert count given twice differently).
         """
+        model_type = _SAME_BLOCK.get(model_type, model_type)
         if model_type not in _FAMILY_DEFAULTS:
             raise UnsupportedModel(f"no MoE block for model_type {model_type!r} "
                                    f"(MoE model types: {', '.join(MOE_MODEL_TYPES)})")
@@ -221,8 +236,8 @@ class MoeConfig:
         num_experts = int(counts.pop()) if counts else int(get(_EXPERT_COUNT_KEYS[model_type][0]))
         common = dict(num_experts=num_experts, top_k=int(get("num_experts_per_tok")),
                       hidden_size=int(get("hidden_size")), activation=str(get("hidden_act")))
-        if model_type in ("qwen3_moe", "qwen2_moe"):
-            shared = int(get("shared_expert_intermediate_size")) if model_type == "qwen2_moe" else 0
+        if model_type in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
+            shared = int(get("shared_expert_intermediate_size")) if model_type != "qwen3_moe" else 0
             return cls(scoring="softmax", intermediate_size=int(get("moe_intermediate_size")),
                        norm_topk_prob=bool(get("norm_topk_prob")), shared_intermediate_size=shared,
                        shared_gate=shared > 0, decoder_sparse_step=int(get("decoder_sparse_step")),
@@ -230,6 +245,9 @@ class MoeConfig:
         if model_type == "gpt_oss":
             return cls(scoring="topk_softmax", intermediate_size=int(get("intermediate_size")),
                        swiglu_limit=float(get("swiglu_limit")), swiglu_alpha=float(get("swiglu_alpha")), **common)
+        if model_type == "qwen3_5_moe_text":  # transformers' router renormalises always; every layer MoE
+            return cls(scoring="softmax", intermediate_size=int(get("moe_intermediate_size")), norm_topk_prob=True,
+                       shared_intermediate_size=int(get("shared_expert_intermediate_size")), shared_gate=True, **common)
         if model_type == "mixtral":
             return cls(scoring="softmax", intermediate_size=int(get("intermediate_size")), norm_topk_prob=True,
                        weights_float32=True, **common)

@@ -202,7 +202,7 @@ class CheckpointReader:
         if ignored:
             self.infos = {name: info for name, info in self.infos.items() if not name.startswith(tuple(ignored))}
         if renames:
-            self.infos = {_renamed(name, renames): info for name, info in self.infos.items()}
+            self.infos = {renamed(name, renames): info for name, info in self.infos.items()}
         self.mx = self._pair_mxfp4(mxfp4)
         pairs = fp8.pair_scales({n: i.shape for n, i in self.infos.items()},
                                 {n: i.dtype for n, i in self.infos.items()}, fp8_block, self.source)
@@ -338,7 +338,7 @@ class CheckpointReader:
                 check_finite(name, target, self.source)
 
 
-def _renamed(name: str, renames: Tuple[Tuple[str, str], ...]) -> str:
+def renamed(name: str, renames: Tuple[Tuple[str, str], ...]) -> str:
     """``name`` with the first of ``renames``' prefixes it starts with replaced."""
     for old, new in renames:
         if name.startswith(old):

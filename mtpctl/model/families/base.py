@@ -38,6 +38,8 @@ DIMS = {
     "ldv": lambda c: c.deltanet.v_head_dim,
     "lk": lambda c: c.deltanet.conv_kernel,
     "nh": lambda c: c.num_attention_heads,
+    "lqkvz": lambda c: c.deltanet.conv_dim + c.deltanet.value_dim,  # Qwen3-Next's fused projections
+    "2lhv": lambda c: 2 * c.deltanet.num_v_heads,
     "1": lambda c: 1,
 }
 #: the per-layer attention types of a config (Hugging Face's ``layer_types`` values)
@@ -129,6 +131,12 @@ DELTANET_LAYER = (Tensor("linear_attn.A_log", ("lhv",), "a_log"),
                   Tensor("linear_attn.in_proj_a.weight", ("lhv", "h"), "in_proj"),
                   Tensor("linear_attn.norm.weight", ("ldv",), "gated_norm_weight"),
                   Tensor("linear_attn.out_proj.weight", ("h", "lv"), "out_proj"))
+#: Qwen3-Next's Gated DeltaNet layer: the input projections fused per key head (``in_proj_qkvz``, then
+#: ``in_proj_ba``), stacked into ``in_proj`` in that order and put in q, k, v, z, b, a order once loaded
+#: (:attr:`Family.grouped_in_proj`)
+GROUPED_DELTANET_LAYER = DELTANET_LAYER[:3] + \
+    (Tensor("linear_attn.in_proj_qkvz.weight", ("lqkvz", "h"), "in_proj"),
+     Tensor("linear_attn.in_proj_ba.weight", ("2lhv", "h"), "in_proj")) + DELTANET_LAYER[7:]
 
 
 @dataclass(frozen=True)
@@ -208,17 +216,21 @@ class Experts:
 
     def tensors(self, cfg, per_expert: bool) -> Tuple[Tensor, ...]:
         """One MoE layer's router and expert tensors of ``cfg`` in either layout (then the router's
-        ``e_score_correction_bias`` and the shared experts, where the config has them)."""
+        ``e_score_correction_bias`` and the shared experts, with Qwen's ``shared_expert_gate``, where the config
+        has them)."""
         return self._routed(cfg, per_expert) + self._extras(cfg, self.prefix if per_expert else self.fused_prefix)
 
     def _extras(self, cfg, p: str) -> Tuple[Tensor, ...]:
         out = ()
         if cfg.moe.score_bias:
             out += (Tensor(p + "gate.e_score_correction_bias", ("e",), "router_bias"),)
-        if cfg.moe.shared_intermediate_size and not cfg.moe.shared_gate:
-            out += (Tensor(p + "shared_experts.gate_proj.weight", ("si", "h"), "shared_gate_up"),
-                    Tensor(p + "shared_experts.up_proj.weight", ("si", "h"), "shared_gate_up"),
-                    Tensor(p + "shared_experts.down_proj.weight", ("h", "si"), "shared_down"))
+        if cfg.moe.shared_intermediate_size:  # one gated shared expert (Qwen) or the shared experts as one MLP
+            stem = p + ("shared_expert." if cfg.moe.shared_gate else "shared_experts.")
+            out += (Tensor(stem + "gate_proj.weight", ("si", "h"), "shared_gate_up"),
+                    Tensor(stem + "up_proj.weight", ("si", "h"), "shared_gate_up"),
+                    Tensor(stem + "down_proj.weight", ("h", "si"), "shared_down"))
+        if cfg.moe.shared_gate:
+            out += (Tensor(p + "shared_expert_gate.weight", ("1", "h"), "shared_expert_gate"),)
         return out
 
     def _routed(self, cfg, per_expert: bool) -> Tuple[Tensor, ...]:
@@ -282,6 +294,9 @@ class Family:
         linear_tensors: a Gated DeltaNet layer's tensors (:data:`DELTANET_LAYER`), for a family with
             ``block.linear_attention``; the layers its config makes linear hold them instead of
             :attr:`layer_tensors`' attention (the norms and the MLP stay).
+        grouped_in_proj: the Gated DeltaNet input projection's rows are grouped per key head in the
+            checkpoint (Qwen3-Next's :data:`GROUPED_DELTANET_LAYER`); loading reorders them
+            (:func:`mtpctl.model.gated_deltanet.grouped_rows`).
         ignored: name prefixes of checkpoint tensors the body does not read (Qwen3.5's ``mtp.``).
         text_config: config.json is a multimodal model's, the body's keys under ``text_config``
             (:meth:`text_part`).
@@ -305,6 +320,7 @@ class Family:
     qk_norm_key: str = ""
     mlp_bias_key: str = "mlp_bias"
     linear_tensors: Tuple[Tensor, ...] = ()
+    grouped_in_proj: bool = False
     ignored: Tuple[str, ...] = ()
     text_config: bool = False
     renames: Tuple[Tuple[str, str], ...] = ()
@@ -340,13 +356,13 @@ class Family:
         :class:`Experts`)."""
         if layer is None:
             table = self.model_tensors
-        elif self.is_linear_layer(cfg, layer):
-            table = tuple(t for t in self.layer_tensors if not t.name.startswith("self_attn.")) + self.linear_tensors
-        elif self.is_moe_layer(cfg, layer):
-            table = tuple(t for t in self.layer_tensors if t.param not in DENSE_MLP) + \
-                self.experts.tensors(cfg, self.experts.per_expert(names, layer))
         else:
             table = self.layer_tensors
+            if self.is_linear_layer(cfg, layer):  # a Gated DeltaNet layer's tensors instead of attention's
+                table = tuple(t for t in table if not t.name.startswith("self_attn.")) + self.linear_tensors
+            if self.is_moe_layer(cfg, layer):  # router and experts instead of the dense MLP
+                table = tuple(t for t in table if t.param not in DENSE_MLP) + \
+                    self.experts.tensors(cfg, self.experts.per_expert(names, layer))
         return [t for t in table if not t.when or getattr(cfg, t.when)]
 
     def shapes(self, cfg, names=None) -> Dict[str, tuple]:

@@ -9,7 +9,7 @@ Gated DeltaNet's gated one holds ``1 + w``, scaled in float32 (as Gemma's). Chec
 native MTP layers (``mtp.*``), which the body does not read.
 
 ``attention_bias`` adds q/k/v and o_proj biases. The multimodal checkpoint (``qwen3_5``) reads as this
-body (:mod:`.qwen3_5`). Not supported: the MoE variant (``qwen3_5_moe_text``). No native layer stack, not
+body (:mod:`.qwen3_5`); the MoE variant is :mod:`.qwen3_5_moe_text`. No native layer stack, not
 exportable; the KV cache holds the attention layers only (``DecoderLayer.cache_index``)."""
 
 from mtpctl.model.families.base import (BIASES, DELTANET_LAYER, LLAMA_NORMS, PROJECTIONS, QK_NORMS, Block, Family,
