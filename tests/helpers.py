@@ -538,3 +538,29 @@ def assert_speculation_equals_plain(folder: Path, dtype: str, prompts=FAMILY_PRO
     for corrupt in (0, 3):
         drafter = ScriptedDrafter(len(prompts[1]), alone.token_ids, model.cfg.vocab_size, corrupt_every=corrupt)
         assert run(model, drafter, max_new=new, prompt=prompts[1]).token_ids == alone.token_ids
+
+
+def write_multimodal_checkpoint(reference, config_cls, model_cls, folder: Path, text_folder: Path) -> dict:
+    """``reference``'s text body (a transformers causal LM) inside transformers' multimodal ``model_cls``
+    (a tiny vision tower; ``config_cls`` with ``text_config``), saved into ``folder`` with an ``mtp.*``
+    tensor as released checkpoints carry and ``text_folder``'s tokenizer files. Returns its tensors as
+    transformers wrote them (before the ``mtp.*`` one)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    config = config_cls(text_config=reference.config.to_dict(), tie_word_embeddings=False,
+                        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                           out_hidden_size=64))
+    model = model_cls(config).eval()
+    model.model.language_model.load_state_dict(reference.model.state_dict())
+    model.lm_head.load_state_dict(reference.lm_head.state_dict())
+    model.save_pretrained(str(folder))
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file({**tensors, "mtp.fc.weight": torch.ones(64, 128)}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    for f in Path(text_folder).iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, folder / f.name)
+    return tensors

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import (FAMILY_PROMPTS, ScriptedDrafter, assert_equals_transformers, assert_speculation_equals_plain,
-                     run, write_tiny_checkpoint)
+                     run, write_multimodal_checkpoint, write_tiny_checkpoint)
 
 from mtpctl.backends.torch import TorchEngine
 from mtpctl.decode.tree import DraftTree
@@ -289,24 +289,11 @@ def multimodal(checkpoints, tmp_path_factory):
     """The plain checkpoint's text body inside transformers' multimodal ``Qwen3_5ForConditionalGeneration``
     (a tiny vision tower; config ``qwen3_5`` with ``text_config``), saved by transformers, plus an
     ``mtp.*`` tensor as released checkpoints carry."""
-    from safetensors.torch import load_file, save_file
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     reference, text_folder = checkpoints["plain"]
-    config = Qwen3_5Config(text_config=reference.config.to_dict(), tie_word_embeddings=False,
-                           vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
-                                              out_hidden_size=64))
-    model = Qwen3_5ForConditionalGeneration(config).eval()
-    model.model.language_model.load_state_dict(reference.model.state_dict())
-    model.lm_head.load_state_dict(reference.lm_head.state_dict())
     folder = tmp_path_factory.mktemp("qwen3_5_multimodal")
-    model.save_pretrained(str(folder))
-    tensors = load_file(str(folder / "model.safetensors"))
-    save_file({**tensors, "mtp.fc.weight": torch.ones(64, 128)}, str(folder / "model.safetensors"),
-              metadata={"format": "pt"})
-    for f in text_folder.iterdir():
-        if f.name not in ("config.json", "model.safetensors"):
-            shutil.copy(f, folder / f.name)
+    write_multimodal_checkpoint(reference, Qwen3_5Config, Qwen3_5ForConditionalGeneration, folder, text_folder)
     return folder
 
 

@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import FAMILY_PROMPTS, assert_equals_transformers, write_tiny_checkpoint
+from helpers import FAMILY_PROMPTS, assert_equals_transformers, write_multimodal_checkpoint, write_tiny_checkpoint
 
 from mtpctl.backends.torch import TorchEngine
 from mtpctl.decode.tree import DraftTree
@@ -188,23 +188,14 @@ def multimodal(checkpoints, tmp_path_factory):
     """The checkpoint's text body inside transformers' multimodal ``Qwen3_5MoeForConditionalGeneration`` (a
     tiny vision tower; config ``qwen3_5_moe`` with ``text_config``), saved by transformers, plus an
     ``mtp.*`` tensor as released checkpoints carry."""
-    from safetensors.torch import load_file, save_file
     from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
     reference, folders = checkpoints
-    config = Qwen3_5MoeConfig(text_config=reference.config.to_dict(), tie_word_embeddings=False,
-                              vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
-                                                 out_hidden_size=64))
-    model = Qwen3_5MoeForConditionalGeneration(config).eval()
-    model.model.language_model.load_state_dict(reference.model.state_dict())
-    model.lm_head.load_state_dict(reference.lm_head.state_dict())
     folder = tmp_path_factory.mktemp("qwen3_5_moe_multimodal")
-    model.save_pretrained(str(folder))
-    tensors = load_file(str(folder / "model.safetensors"))
+    tensors = write_multimodal_checkpoint(reference, Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration, folder,
+                                          folders["per_expert"])
     assert "model.language_model.layers.0.mlp.experts.0.gate_proj.weight" in tensors  # per expert, renamed
-    save_file({**tensors, "mtp.fc.weight": torch.ones(64, 128)}, str(folder / "model.safetensors"),
-              metadata={"format": "pt"})
-    return _tokenizer_files(folders["per_expert"], folder)
+    return folder
 
 
 def test_the_multimodal_checkpoint_reads_as_its_text_body(checkpoints, multimodal):
