@@ -51,7 +51,7 @@ from mtpctl.drafters.heads.eagle3 import check_aux_layers, default_aux_layers
 from mtpctl.drafters.heads.folder import save_heads
 from mtpctl.drafters.heads.tree import expected_accepted, tree_from_accuracy
 from mtpctl.drafters.retrieval import DATASTORE_FILE, Datastore
-from mtpctl.errors import BadInput, MtpctlError, UnsupportedModel
+from mtpctl.errors import BadInput, MtpctlError
 from mtpctl.files import output_folder
 from mtpctl.model.config import DecoderConfig
 from mtpctl.model.tokenizer import TextCodec
@@ -157,16 +157,12 @@ def add_heads(target_folder: Path, target_name: str, data: Sequence[Path], out: 
 
     Raises:
         BadInput: bad settings, data or device, or ``out`` exists without ``overwrite``.
-        CorruptModel, UnsupportedModel: the target cannot be loaded, or has Gated DeltaNet layers (Qwen3.5).
+        CorruptModel, UnsupportedModel: the target cannot be loaded.
     """
     settings.check()
     out = Path(out)
     if out.exists() and not overwrite:
         raise BadInput(f"{out} already exists: choose another folder or replace it", option="overwrite")
-    cfg = DecoderConfig.from_folder(Path(target_folder))
-    if cfg.deltanet is not None:
-        raise UnsupportedModel(f"heads cannot be trained on a {cfg.model_type} target yet: its features come from "
-                               "teacher-forced batches of several sequences, which its Gated DeltaNet layers do not take")
     started = time.perf_counter()
     where = distributed.init_distributed(device)
     run = prepare_features(target_folder, data, settings, home, where, resume)
@@ -227,6 +223,17 @@ class FeatureRun:
     magpie: Optional[MagpiePrompts]
 
 
+def _one_sequence_a_pass(settings: TrainSettings, cfg: DecoderConfig) -> TrainSettings:
+    """``settings`` with ``distill_batch`` 1 for a body with Gated DeltaNet layers (Qwen3.5, Qwen3-Next),
+    whose passes take one sequence each (a recurrent state per sequence, no padding): its
+    self-distillation and teacher-forced passes then run a sequence at a time."""
+    if cfg.deltanet is None or settings.distill_batch == 1:
+        return settings
+    distributed.log(f"features: {cfg.model_type} has Gated DeltaNet layers: one sequence a pass "
+                    f"(distill_batch 1, not {settings.distill_batch})")
+    return replace(settings, distill_batch=1)
+
+
 def prepare_features(target_folder: Path, data: Sequence[Path], settings: TrainSettings, home: Path,
                      where: torch.device, resume: bool = False) -> FeatureRun:
     """The features of the target over ``data`` (and Magpie prompts), extracted once into
@@ -236,8 +243,8 @@ def prepare_features(target_folder: Path, data: Sequence[Path], settings: TrainS
     target_hash = weights_hash(target_folder)
     records = read_records(data) if data or not settings.magpie_count else []
     cfg = DecoderConfig.from_folder(Path(target_folder))
-    settings = resolve_settings(_with_aux_layers(settings, cfg.num_hidden_layers), cfg.hidden_size,
-                                cfg.max_position_embeddings, where)
+    settings = _one_sequence_a_pass(resolve_settings(_with_aux_layers(settings, cfg.num_hidden_layers),
+                                                     cfg.hidden_size, cfg.max_position_embeddings, where), cfg)
     feat_dir = Path(home) / "work" / f"features-{run_key(target_hash, data_fingerprint(data), feature_shape(settings))}"
     work = Path(home) / "work" / f"heads-{run_key(feat_dir.name, training_shape(settings))}"
     timings = {}
