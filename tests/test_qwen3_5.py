@@ -290,6 +290,12 @@ def test_add_heads_trains_on_the_hybrid_body_one_sequence_a_pass(checkpoints, tm
                              tree_nodes=4, lr=3e-3, measure_prompts=0)
     summary = add_heads(folder, "tiny-qwen3_5", [data], tmp_path / "heads", settings, tmp_path / "home")
     assert summary["settings"]["distill_batch"] == 1 and summary["positions"] > 0
+    if kind == "eagle3":  # exported for vLLM with the target's own architecture as its verifier
+        from mtpctl.export.serving import export_serving_heads
+
+        export_serving_heads("speculators", folder, tmp_path / "heads", tmp_path / "spec")
+        verifier = json.loads((tmp_path / "spec" / "config.json").read_text())["speculators_config"]["verifier"]
+        assert verifier["architectures"] == ["Qwen3_5ForCausalLM"]
     plain = mtpctl.load(str(folder), speculate="none", threads=1)
     for speculate in ("heads", "heads+ngram"):
         heads = mtpctl.load(str(folder), speculate=speculate, heads=str(tmp_path / "heads"), threads=1,
