@@ -137,6 +137,7 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ro
     session = open_target(spec)
     loaded_rss = peak_rss_bytes()
     encoded = [session.codec.encode_messages(list(p.messages)) for p in prompts]
+    vllm_timeout = peer_timeout * len(encoded) * repeats  # vLLM answers a whole run at once
     built = build_methods(session, names, spec, sampling, max_new_tokens,
                           progress=lambda line: click.echo(f"mtpctl: {line}", err=True))
     draft = next((d for d in map(draft_member, (m.drafter for m in built.values())) if d is not None), None)
@@ -156,57 +157,21 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ro
                 configs = vllm_configs(session, opts, Path(tmp) / "heads")
                 peers = vllm_batched(session.folder, configs, encoded * repeats, sizes, max_new_tokens,
                                      spec.dtype, torch_threads(), session.codec.eos_ids,
-                                     timeout=peer_timeout * len(encoded) * repeats, progress=lambda line: click.echo(f"mtpctl: {line}", err=True))
+                                     timeout=vllm_timeout, progress=lambda line: click.echo(f"mtpctl: {line}", err=True))
         _bench_batched(session, built, encoded, repeats, sizes, max_new_tokens, sampling, spec.acceptance, weights,
                        peers, json_path, plot_path, fail_below_speedup, fail_above_p99_ms)
         return
     runners = {name: m.run for name, m in built.items()}
-    opened = []
-    try:
-        peers, builds = _process_peers(baseline, session, gguf, opts, max_new_tokens, peer_timeout, opened)
-        runners.update(peers)
-        _bench_one_by_one(session, spec, opts, sampling, built, runners, builds, encoded, prompts, used, weights,
-                          loaded_rss, baseline, repeats, rounds, max_new_tokens, peer_timeout, json_path, plot_path, profile,
-                          fail_below_speedup, fail_above_p99_ms)
-    finally:
-        for peer in opened:
-            peer.close()
-
-
-def _process_peers(baseline, session, gguf, opts, max_new_tokens, timeout_s, opened) -> tuple:
-    """The runners of the transformers or llama.cpp peers, each started in its own process (``opened``),
-    and which build of each runs (None for one that could not start)."""
-    import torch
-
-    common = {"eos_ids": sorted(session.codec.eos_ids), "max_new_tokens": max_new_tokens,
-              "threads": torch.get_num_threads()}
-    requests = {}
-    if baseline == "transformers":
-        for name, lookup in (("hf", 0), ("hf-prompt-lookup", opts.draft_len or 3)):
-            requests[name] = {"peer": "transformers", "folder": str(session.folder), "prompt_lookup_num_tokens": lookup}
-    if baseline == "transformers-mtp":
-        for name, use_mtp in (("hf", False), ("hf-mtp", True)):
-            requests[name] = {"peer": "transformers", "folder": str(session.folder), "use_mtp": use_mtp}
-    if gguf is not None:
-        requests["llama.cpp"] = {"peer": "llama.cpp", "gguf": str(gguf)}
-    runners, builds = {}, {}
-    for name, request in requests.items():
-        click.echo(f"mtpctl: {name}: starting in its own process", err=True)
-        runners[name], builds[name] = start_peer(name, {**request, **common}, session.codec.eos_ids, opened, timeout_s)
-    return runners, builds
-
-
-def _bench_one_by_one(session, spec, opts, sampling, built, runners, builds, encoded, prompts, used, weights,
-                      loaded_rss, baseline, repeats, rounds, max_new_tokens, peer_timeout, json_path, plot_path, profile,
-                      fail_below_speedup, fail_above_p99_ms) -> None:
-    """Every method and peer one request at a time (:func:`run_interleaved` or :func:`run_rounds`):
-    the table, the JSON, the plot, the gates, then the peers' failures."""
+    opened = []  # the peers' processes, stopped when the command ends (whatever way it ends)
+    click.get_current_context().call_on_close(lambda: [peer.close() for peer in opened])
+    peers, builds = _process_peers(baseline, session, gguf, opts, max_new_tokens, peer_timeout, opened)
+    runners.update(peers)
     peer_runs, figures = {}, {}
     if baseline == "vllm":
         with tempfile.TemporaryDirectory(prefix="mtpctl-vllm-heads-") as tmp:
             configs = vllm_configs(session, opts, Path(tmp) / "heads")
             peer_runs, figures = vllm_peers(session.folder, configs, encoded, repeats, max_new_tokens, spec.dtype,
-                                            torch_threads(), session.codec.eos_ids, timeout=peer_timeout * len(encoded) * repeats,
+                                            torch_threads(), session.codec.eos_ids, timeout=vllm_timeout,
                                             progress=lambda line: click.echo(f"mtpctl: {line}", err=True))
     drafters, per_round = {name: m.drafter for name, m in built.items()}, None
     start = max((m.cache.index.sequences for m in learning(drafters).values()), default=0)
@@ -254,6 +219,29 @@ def _bench_one_by_one(session, spec, opts, sampling, built, runners, builds, enc
     rows = gate_rows(report["rounds"]) if "rounds" in report else report["methods"]
     check_gates(rows, fail_below_speedup, fail_above_p99_ms)
     check_peers(report["methods"])
+
+
+def _process_peers(baseline, session, gguf, opts, max_new_tokens, timeout_s, opened) -> tuple:
+    """The runners of the transformers or llama.cpp peers, each started in its own process (``opened``),
+    and which build of each runs (None for one that could not start)."""
+    import torch
+
+    common = {"eos_ids": sorted(session.codec.eos_ids), "max_new_tokens": max_new_tokens,
+              "threads": torch.get_num_threads()}
+    requests = {}
+    if baseline == "transformers":
+        for name, lookup in (("hf", 0), ("hf-prompt-lookup", opts.draft_len or 3)):
+            requests[name] = {"peer": "transformers", "folder": str(session.folder), "prompt_lookup_num_tokens": lookup}
+    if baseline == "transformers-mtp":
+        for name, use_mtp in (("hf", False), ("hf-mtp", True)):
+            requests[name] = {"peer": "transformers", "folder": str(session.folder), "use_mtp": use_mtp}
+    if gguf is not None:
+        requests["llama.cpp"] = {"peer": "llama.cpp", "gguf": str(gguf)}
+    runners, builds = {}, {}
+    for name, request in requests.items():
+        click.echo(f"mtpctl: {name}: starting in its own process", err=True)
+        runners[name], builds[name] = start_peer(name, {**request, **common}, session.codec.eos_ids, opened, timeout_s)
+    return runners, builds
 
 
 def _check_rounds(rounds: int, repeats: int, baseline: str, learns: bool) -> None:

@@ -34,7 +34,7 @@ from mtpctl.model.linears import BlockedLinear, FixedRowsLinear, PackedLinear, T
 from mtpctl.model.device import FIXED_ROWS
 from mtpctl.model.gated_deltanet import GatedDeltaNetWeights, deltanet_prefill, deltanet_tree, grouped_rows
 from mtpctl.model.linear_cache import LinearCache
-from mtpctl.model.moe import MoeWeights, _elementwise, moe_mlp
+from mtpctl.model.moe import MoeWeights, elementwise, moe_mlp
 from mtpctl.model.row_invariance import CPU_FIXED_ROWS, dense_path, int4_path
 from mtpctl.model.weights import CheckpointReader, MemoryTensors, read_headers, renamed, shard_files
 
@@ -486,13 +486,14 @@ class DecoderLayer(nn.Module):
         (:func:`attention_out_and_mlp`), times ``sigmoid(gate)`` first where the layer has an output gate."""
         attn = attn.transpose(1, 2).reshape(b, n, self.q_size)
         if gate is not None:
-            attn = attn * _elementwise(torch.sigmoid, gate.reshape(-1, self.q_size)).reshape(attn.shape)
+            attn = attn * elementwise(torch.sigmoid, gate.reshape(-1, self.q_size)).reshape(attn.shape)
         return attention_out_and_mlp(self, x, attn, norm)
 
     @property
     def cache_index(self) -> int:
         """Which layer of the KV cache holds this layer's keys and values: its index, or in a hybrid body
-        (Gated DeltaNet layers hold no KV) its place among the attention layers."""
+        (Gated DeltaNet layers hold no KV) its place among the attention layers (from :attr:`index`,
+        which a self-draft's view of the first layers sets anew)."""
         d = self.cfg.deltanet
         return self.index if d is None else sum(not d.is_linear_layer(i) for i in range(self.index))
 
@@ -528,7 +529,7 @@ def deltanet_pass(layer: DecoderLayer, h: torch.Tensor, cache) -> torch.Tensor:
         spans = list(zip(cache.caches, cache.starts, cache.counts, cache.parents or [None] * len(cache.caches)))
     elif h.shape[0] != 1:
         raise UnsupportedModel(f"Gated DeltaNet layers run one sequence a pass, not a batch of {h.shape[0]} "
-                               "(teacher-forced batches, as add-heads runs, are not supported on this model yet)")
+                               "(a teacher-forced batch of several sequences: pass them one at a time)")
     else:
         spans = [(cache, 0, h.shape[1], None)]
     outs = [_deltanet_sequence(layer, h[0, start:start + n], tree, seq) for seq, start, n, tree in spans]

@@ -22,6 +22,7 @@ from typing import Dict, Mapping, Optional, Tuple
 import torch
 
 from mtpctl.errors import CorruptModel, UnsupportedModel
+from mtpctl.model.mxfp4 import is_mxfp4
 
 FP8 = torch.float8_e4m3fn
 SCALE_SUFFIX = "_scale_inv"
@@ -38,7 +39,7 @@ def block_of(config: Mapping) -> Optional[Tuple[int, int]]:
         CorruptModel: a ``quantization_config`` or ``weight_block_size`` of the wrong type.
     """
     qc = config.get("quantization_config")
-    if qc is None or (isinstance(qc, dict) and qc.get("quant_method") == "mxfp4"):  # mtpctl.model.mxfp4
+    if qc is None or is_mxfp4(config):  # MXFP4 experts: mtpctl.model.mxfp4
         return None
     if not isinstance(qc, dict):
         raise CorruptModel("config.json: quantization_config is not a JSON object")

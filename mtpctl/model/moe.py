@@ -30,7 +30,7 @@ Batch invariance: every product runs on torch's matmul in blocks of exactly ``ro
 padded with zero rows, as :class:`~mtpctl.model.linears.FixedRowsLinear` does): the router over the
 pass, the shared experts over the pass, each routed expert over the rows routed to it. Every
 transcendental element-wise op (SiLU, sigmoid, exp) runs where each value takes torch's vectorised
-path, never its scalar tail (:func:`_elementwise`); sums over experts are fixed trees of element-wise
+path, never its scalar tail (:func:`elementwise`); sums over experts are fixed trees of element-wise
 adds; selection is a stable sort (ties go to the lower expert id). A token's k expert outputs are
 weighted and added in ascending expert id order, the order transformers' blocks add them in.
 """
@@ -403,7 +403,7 @@ def _linear_rows(x: torch.Tensor, weight: torch.Tensor, rows: int) -> torch.Tens
     return y[:n]
 
 
-def _elementwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+def elementwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """``fn(x)`` for a value-by-value op on ``x [n, d]``, each value computed by torch's vectorised loop:
     rows padded with zeros to a multiple of :data:`_LANES` values, at most :data:`_SERIAL` values a
     call (one thread, from the call's start). torch's CPU loops compute the remainder of a call that
@@ -448,20 +448,20 @@ def _mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act, rows: 
     product in blocks of ``rows`` rows."""
     i = down.shape[1]
     y = _linear_rows(x, gate_up, rows)
-    return _linear_rows(_elementwise(act, y[:, :i]) * y[:, i:], down, rows)
+    return _linear_rows(elementwise(act, y[:, :i]) * y[:, i:], down, rows)
 
 
 def _clamped_mlp(x: torch.Tensor, weights: MoeWeights, expert: int, cfg: MoeConfig, rows: int) -> torch.Tensor:
     """gpt-oss's expert ``expert`` for rows ``x [n, H]``: ``h = x @ gate_up[e] + gate_up_bias[e]`` (gate
     and up columns interleaved), ``g = clamp(h_gate, max=l)``, ``u = clamp(h_up, -l, l)``, then
     ``((u + 1) * g * sigmoid(alpha * g)) @ down[e] + down_bias[e]``; each product in blocks of ``rows``
-    rows, the sigmoid on :func:`_elementwise`'s vector path."""
+    rows, the sigmoid on :func:`elementwise`'s vector path."""
     limit = cfg.swiglu_limit
     h = _linear_rows(x, weights.gate_up[expert].t(), rows)
     if weights.gate_up_bias is not None:
         h = h + weights.gate_up_bias[expert]
     gate, up = h[:, 0::2].clamp(max=limit), h[:, 1::2].clamp(min=-limit, max=limit)
-    glu = gate * _elementwise(torch.sigmoid, gate * cfg.swiglu_alpha)
+    glu = gate * elementwise(torch.sigmoid, gate * cfg.swiglu_alpha)
     y = _linear_rows((up + 1) * glu, weights.down[expert].t(), rows)
     return y + weights.down_bias[expert] if weights.down_bias is not None else y
 
@@ -497,7 +497,7 @@ def route(x: torch.Tensor, cfg: MoeConfig, weights: MoeWeights, rows: int = FIXE
     if cfg.scoring == "softmax":
         z = logits.float()
         z = z - z.amax(dim=-1, keepdim=True)
-        e = _elementwise(torch.exp, z)
+        e = elementwise(torch.exp, z)
         probs = e / _row_sum(e)[:, None]
         chosen = _top(probs, k)
         w = probs.gather(1, chosen)
@@ -506,7 +506,7 @@ def route(x: torch.Tensor, cfg: MoeConfig, weights: MoeWeights, rows: int = FIXE
     elif cfg.scoring == "topk_softmax":
         chosen, w = _topk_softmax(logits, weights.router_bias, k)
     else:
-        scores = _elementwise(torch.sigmoid, logits)
+        scores = elementwise(torch.sigmoid, logits)
         biased = scores + weights.score_bias if weights.score_bias is not None else scores
         if cfg.topk_group < cfg.n_group:
             grouped = biased.view(m, cfg.n_group, cfg.num_experts // cfg.n_group)
@@ -534,7 +534,7 @@ def _topk_softmax(logits: torch.Tensor, bias: Optional[torch.Tensor], k: int) ->
         logits = logits + bias
     chosen = _top(logits, k)
     top = logits.gather(1, chosen)
-    e = _elementwise(torch.exp, top - top[:, :1])
+    e = elementwise(torch.exp, top - top[:, :1])
     return chosen, e / _sequential_sum(e)[:, None]
 
 
@@ -590,7 +590,7 @@ def moe_mlp(x: torch.Tensor, cfg: MoeConfig, weights: MoeWeights, rows: int = FI
     if weights.shared_gate_up is not None:
         shared = _mlp(x, weights.shared_gate_up, weights.shared_down, act, rows)
         if weights.shared_gate is not None:
-            gate = _elementwise(torch.sigmoid, _linear_rows(x, weights.shared_gate, rows))
+            gate = elementwise(torch.sigmoid, _linear_rows(x, weights.shared_gate, rows))
             shared = gate * shared
         out = out + shared
     return out.reshape(shape)
