@@ -34,11 +34,9 @@ DECODED = 12
 
 def source_checkpoint(root: Path) -> Path:
     """The tests' tiny glm4_moe checkpoint with a random MTP layer, in two shards."""
-    import shutil
-
     from safetensors.torch import load_file, save_file
 
-    from helpers import write_tiny_checkpoint
+    from helpers import copy_tokenizer_files, write_tiny_checkpoint
     from test_mtp_refresh import _shard
     from test_native_mtp import _mtp_tensors, _reference
 
@@ -47,9 +45,7 @@ def source_checkpoint(root: Path) -> Path:
     tensors = load_file(str(one / "model.safetensors"))
     save_file({**tensors, **_mtp_tensors(tensors, seed=10)}, str(one / "model.safetensors"), metadata={"format": "pt"})
     tokenizer = write_tiny_checkpoint(root / "tokenizer")
-    for f in tokenizer.iterdir():
-        if f.name not in ("config.json", "model.safetensors"):
-            shutil.copy(f, one / f.name)
+    copy_tokenizer_files(tokenizer, one)
     return _shard(one, root / "source")
 
 

@@ -151,9 +151,7 @@ def write_moe_checkpoints(root: Path, model_type: str, reference=None, tokenizer
     save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(stacked / "model.safetensors"),
               metadata={"format": "pt"})
     for folder in (per_expert, stacked):
-        for f in tokenizer.iterdir():
-            if f.name not in ("config.json", "model.safetensors"):
-                shutil.copy(f, folder / f.name)
+        copy_tokenizer_files(tokenizer, folder)
     return {"per_expert": per_expert, "stacked": stacked}
 
 
@@ -545,9 +543,6 @@ def write_multimodal_checkpoint(reference, config_cls, model_cls, folder: Path, 
     (a tiny vision tower; ``config_cls`` with ``text_config``), saved into ``folder`` with an ``mtp.*``
     tensor as released checkpoints carry and ``text_folder``'s tokenizer files. Returns its tensors as
     transformers wrote them (before the ``mtp.*`` one)."""
-    import shutil
-
-    import torch
     from safetensors.torch import load_file, save_file
 
     config = config_cls(text_config=reference.config.to_dict(), tie_word_embeddings=False,
@@ -560,7 +555,59 @@ def write_multimodal_checkpoint(reference, config_cls, model_cls, folder: Path, 
     tensors = load_file(str(folder / "model.safetensors"))
     save_file({**tensors, "mtp.fc.weight": torch.ones(64, 128)}, str(folder / "model.safetensors"),
               metadata={"format": "pt"})
-    for f in Path(text_folder).iterdir():
-        if f.name not in ("config.json", "model.safetensors"):
-            shutil.copy(f, folder / f.name)
+    copy_tokenizer_files(text_folder, folder)
     return tensors
+
+
+def copy_tokenizer_files(tokenizer: Path, folder: Path) -> Path:
+    """Copy the tokenizer files of checkpoint folder ``tokenizer`` (all but its config.json and weights)
+    into checkpoint folder ``folder``; returns ``folder``."""
+    import shutil
+
+    for f in Path(tokenizer).iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, Path(folder) / f.name)
+    return Path(folder)
+
+
+def randomize_hybrid_weights(model, scale: float):
+    """A transformers Qwen3.5 / Qwen3-Next model's parameters drawn in place, for a tiny hybrid body
+    whose layers all matter: matrices N(0, 1/sqrt(fan-in)) * ``scale``, biases N(0, 0.5), RMSNorm
+    offsets N(0, 0.3) (the gated norm's weight around 1, as it is used), decays ``exp(g)`` spread over
+    (0, 1). Returns ``model``."""
+    import math
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(0.01, 4).log())
+            elif name.endswith("bias"):  # dt_bias and attention biases
+                p.copy_(0.5 * torch.randn_like(p))
+            elif p.dim() == 1:  # RMSNorm offsets (1 + w), the gated norm's weight as it is
+                p.copy_((1.0 if name.endswith("linear_attn.norm.weight") else 0.0) + 0.3 * torch.randn_like(p))
+            else:
+                p.copy_(scale * torch.randn_like(p) / math.sqrt(p.shape[-1]))
+    return model
+
+
+def assert_distilled_features_match(model: Decoder) -> None:
+    """The features add-heads trains on, kept from batched self-distillation of ``model`` (padded rows of
+    different lengths), equal one teacher-forced pass over each finished sequence (hidden states and
+    EAGLE-3 layer streams within bfloat16 storage, argmax tokens exactly) and the decoding engine's
+    verify pass over it (argmax tokens, hidden states)."""
+    from mtpctl.train.distill import TrainSequence, batch_greedy
+    from mtpctl.train.features import compute_features
+    from mtpctl.train.settings import TrainSettings
+
+    prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9]]
+    got = batch_greedy(model, prompts, 6, eos_ids=set(), batch_size=3, keep_features=True, aux_layers=(0, 2))
+    eagle3 = TrainSettings(kind="eagle3", aux_layers=[0, 2])
+    for prompt, d in zip(prompts, got):
+        ids = prompt + d.response
+        ref = compute_features(model, [TrainSequence(ids, len(prompt))], eagle3)
+        torch.testing.assert_close(d.hidden.float(), ref.hidden.float(), atol=0.02, rtol=0.02)  # bf16 storage
+        torch.testing.assert_close(d.aux.float(), ref.aux.float(), atol=0.05, rtol=0.02)
+        assert d.pred.tolist() == ref.pred.tolist()
+        out = TorchEngine(model, len(ids) + 1).verify(DraftTree.chain(ids))
+        assert out.logits.argmax(-1).tolist() == ref.pred.tolist()
+        torch.testing.assert_close(out.hidden_states.float(), ref.hidden.float(), atol=0.02, rtol=0.02)

@@ -171,7 +171,7 @@ def glm_with_mtp_at_46(root):
     layout, which transformers' MTP loader finds by that number), with the tiny tokenizer."""
     from safetensors.torch import load_file, save_file
 
-    from helpers import random_reference_model, write_tiny_checkpoint
+    from helpers import copy_tokenizer_files, random_reference_model, write_tiny_checkpoint
     from test_glm_deepseek_families import COMMON, EXTRA
     from test_native_mtp import _mtp_tensors
 
@@ -182,10 +182,7 @@ def glm_with_mtp_at_46(root):
     tensors = load_file(str(folder / "model.safetensors"))
     save_file({**tensors, **_mtp_tensors(tensors, seed=3, layers=46)}, str(folder / "model.safetensors"),
               metadata={"format": "pt"})
-    for f in write_tiny_checkpoint(root / "tokenizer").iterdir():
-        if f.name not in ("config.json", "model.safetensors"):
-            shutil.copy(f, folder / f.name)
-    return folder
+    return copy_tokenizer_files(write_tiny_checkpoint(root / "tokenizer"), folder)
 
 
 def test_the_transformers_mtp_peer_drafts_with_the_checkpoints_own_layers(capsys, prompt_file, tmp_path, tiny_folder):

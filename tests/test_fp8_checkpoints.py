@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from helpers import (FAMILY_PROMPTS, assert_equals_transformers, assert_one_line_exit_2,
-                     assert_speculation_equals_plain, cli, random_reference_model, write_tiny_checkpoint)
+                     assert_speculation_equals_plain, cli, copy_tokenizer_files, random_reference_model,
+                     write_tiny_checkpoint)
 
 from mtpctl.model import weights
 from mtpctl.model.decoder import Decoder
@@ -89,9 +90,7 @@ def write_pair(reference, layout: str, tokenizer, fp8_folder, float_folder) -> N
     for folder, state, cfg in ((fp8_folder, fp8, {**config, "quantization_config": QUANT}),
                                (float_folder, plain, config)):
         folder.mkdir(exist_ok=True)
-        for f in tokenizer.iterdir():
-            if f.name not in ("config.json", "model.safetensors"):
-                shutil.copy(f, folder / f.name)
+        copy_tokenizer_files(tokenizer, folder)
         (folder / "config.json").write_text(json.dumps(cfg))
         save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 

@@ -7,13 +7,12 @@ in the published layout (``model.layers.{num_hidden_layers}.*``) are left to the
 loading stays strict; YaRN's frequencies and scales equal transformers'."""
 
 import json
-import shutil
 
 import pytest
 import torch
 
 from helpers import (FAMILY_PROMPTS, assert_equals_transformers, assert_speculation_equals_plain,
-                     random_reference_model, write_tiny_checkpoint)
+                     copy_tokenizer_files, random_reference_model, write_tiny_checkpoint)
 
 from mtpctl.errors import CorruptModel
 from mtpctl.model.config import DecoderConfig, rope_attention_factor
@@ -52,9 +51,7 @@ def folders(tmp_path_factory):
         reference = reference_model(model_type)
         folder = root / model_type
         reference.save_pretrained(str(folder))
-        for f in tokenizer.iterdir():
-            if f.name not in ("config.json", "model.safetensors"):
-                shutil.copy(f, folder / f.name)
+        copy_tokenizer_files(tokenizer, folder)
         out[model_type] = (reference, folder)
     return out
 

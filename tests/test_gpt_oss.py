@@ -9,8 +9,9 @@ import dataclasses
 import pytest
 import torch
 
-from helpers import (FAMILY_PROMPTS, MOE_COMMON, assert_equals_transformers, assert_speculation_equals_plain,
-                     random_reference_model, write_moe_checkpoints, write_tiny_checkpoint)
+from helpers import (FAMILY_PROMPTS, MOE_COMMON, assert_distilled_features_match, assert_equals_transformers,
+                     assert_speculation_equals_plain, random_reference_model, write_moe_checkpoints,
+                     write_tiny_checkpoint)
 
 from mtpctl.backends.torch import TorchEngine
 from mtpctl.decode.tree import DraftTree
@@ -261,18 +262,4 @@ def test_onnx_export_is_refused_in_one_line_and_the_cost_identity_counts_experts
 def test_batched_self_distillation_features_equal_the_decoding_engine(checkpoint):
     """add-heads' teacher-forced batches (padded rows, the masked attention with sinks) give the argmax
     tokens and hidden states of the decoding engine's verify pass (the plan attention with sinks)."""
-    from mtpctl.train.distill import TrainSequence, batch_greedy
-    from mtpctl.train.features import compute_features
-    from mtpctl.train.settings import TrainSettings
-
-    model = Decoder.from_folder(checkpoint[1])
-    prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9]]
-    got = batch_greedy(model, prompts, 6, eos_ids=set(), batch_size=3, keep_features=True, aux_layers=(0, 2))
-    eagle3 = TrainSettings(kind="eagle3", aux_layers=[0, 2])
-    for prompt, d in zip(prompts, got):
-        ids = prompt + d.response
-        ref = compute_features(model, [TrainSequence(ids, len(prompt))], eagle3)
-        assert d.pred.tolist() == ref.pred.tolist()
-        out = TorchEngine(model, len(ids) + 1).verify(DraftTree.chain(ids))
-        assert out.logits.argmax(-1).tolist() == ref.pred.tolist()
-        torch.testing.assert_close(out.hidden_states.float(), ref.hidden.float(), atol=0.02, rtol=0.02)
+    assert_distilled_features_match(Decoder.from_folder(checkpoint[1]))

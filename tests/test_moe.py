@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from mtpctl.errors import CorruptModel, UnsupportedModel
-from mtpctl.model.moe import (MoeConfig, _elementwise, _row_sum, is_moe_layer, moe_mlp, moe_weights_from_checkpoint,
+from mtpctl.model.moe import (MoeConfig, elementwise, _row_sum, is_moe_layer, moe_mlp, moe_weights_from_checkpoint,
                               route, stack_experts)
 
 transformers = pytest.importorskip("transformers")
@@ -185,8 +185,8 @@ def test_elementwise_and_row_sum_compute_a_row_alike_anywhere(width, dtype):
     g = torch.Generator().manual_seed(width)
     x = (torch.randn(40, width, generator=g) * 6).to(dtype)
     for fn in (F.silu, torch.sigmoid, torch.exp):
-        alone = torch.cat([_elementwise(fn, x[i:i + 1]) for i in range(len(x))])
-        assert torch.equal(_elementwise(fn, x), alone)
+        alone = torch.cat([elementwise(fn, x[i:i + 1]) for i in range(len(x))])
+        assert torch.equal(elementwise(fn, x), alone)
         torch.testing.assert_close(alone, fn(x))
     sums = torch.stack([_row_sum(x[i:i + 1].float())[0] for i in range(len(x))])
     assert torch.equal(_row_sum(x.float()), sums)

@@ -16,7 +16,8 @@ import json
 import pytest
 import torch
 
-from helpers import cli, moe_reference_model, write_moe_checkpoints, write_tiny_checkpoint
+from helpers import (assert_distilled_features_match, cli, moe_reference_model, write_moe_checkpoints,
+                     write_tiny_checkpoint)
 
 from mtpctl.decode.sampling import SamplingParams
 
@@ -166,26 +167,9 @@ def test_self_distillation_features_equal_a_teacher_forced_pass_of_the_moe_targe
     """The hidden states, EAGLE-3 layer streams and argmax tokens add-heads trains on, kept from batched
     self-distillation over MoE layers, equal one teacher-forced pass over each finished sequence, and
     the decoding engine's hidden states."""
-    from mtpctl.backends.torch import TorchEngine
-    from mtpctl.decode.tree import DraftTree
     from mtpctl.model.decoder import Decoder
-    from mtpctl.train.distill import TrainSequence, batch_greedy
-    from mtpctl.train.features import compute_features
-    from mtpctl.train.settings import TrainSettings
 
-    model = Decoder.from_folder(moe[0])
-    prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9]]
-    got = batch_greedy(model, prompts, 6, eos_ids=set(), batch_size=3, keep_features=True, aux_layers=(0, 2))
-    eagle3 = TrainSettings(kind="eagle3", aux_layers=[0, 2])
-    for prompt, d in zip(prompts, got):
-        ids = prompt + d.response
-        ref = compute_features(model, [TrainSequence(ids, len(prompt))], eagle3)
-        torch.testing.assert_close(d.hidden.float(), ref.hidden.float(), atol=0.02, rtol=0.02)  # bf16 storage
-        torch.testing.assert_close(d.aux.float(), ref.aux.float(), atol=0.05, rtol=0.02)
-        assert d.pred.tolist() == ref.pred.tolist()
-        out = TorchEngine(model, len(ids) + 1).verify(DraftTree.chain(ids))
-        assert out.logits.argmax(-1).tolist() == ref.pred.tolist()
-        torch.testing.assert_close(out.hidden_states.float(), ref.hidden.float(), atol=0.02, rtol=0.02)
+    assert_distilled_features_match(Decoder.from_folder(moe[0]))
 
 
 @pytest.mark.parametrize("fmt", ["speculators", "eagle", "vllm"])

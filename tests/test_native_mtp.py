@@ -17,7 +17,8 @@ import shutil
 import pytest
 import torch
 
-from helpers import assert_one_line_exit_2, cli, random_reference_model, run, write_tiny_checkpoint
+from helpers import (assert_one_line_exit_2, cli, copy_tokenizer_files, random_reference_model, run,
+                     write_tiny_checkpoint)
 
 from test_glm_deepseek_families import COMMON, EXTRA, MODEL_TYPES, PROMPTS
 
@@ -69,9 +70,7 @@ def folders(tmp_path_factory):
         assert not any(n.startswith(f"model.layers.{LAYERS}.") for n in tensors)  # transformers writes none
         save_file({**tensors, **_mtp_tensors(tensors, seed=10 + i)}, str(folder / "model.safetensors"),
                   metadata={"format": "pt"})
-        for f in tokenizer.iterdir():
-            if f.name not in ("config.json", "model.safetensors"):
-                shutil.copy(f, folder / f.name)
+        copy_tokenizer_files(tokenizer, folder)
         out[model_type] = folder
     plain = root / "plain"
     shutil.copytree(out["glm4_moe"], plain)

@@ -5,14 +5,13 @@ decoding, a scripted drafter with corrupted drafts) and batches equal plain deco
 state committed after a verified chain or tree is bit for bit plain decoding's; what does not run on it
 is refused in one line."""
 
-import math
-import shutil
 
 import pytest
 import torch
 
 from helpers import (FAMILY_PROMPTS, ScriptedDrafter, assert_equals_transformers, assert_speculation_equals_plain,
-                     run, write_multimodal_checkpoint, write_tiny_checkpoint)
+                     copy_tokenizer_files, randomize_hybrid_weights, run, write_multimodal_checkpoint,
+                     write_tiny_checkpoint)
 
 from mtpctl.backends.torch import TorchEngine
 from mtpctl.decode.tree import DraftTree
@@ -41,26 +40,12 @@ def reference_model(seed: int = 0, scale: float = 1.5, **overrides):
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     torch.manual_seed(seed)
-    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{**TINY, **overrides})).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.empty_like(p).uniform_(0.01, 4).log())
-            elif name.endswith("dt_bias") or name.endswith("bias"):
-                p.copy_(0.5 * torch.randn_like(p))
-            elif p.dim() == 1:  # RMSNorm offsets (1 + w), the gated norm's weight as it is
-                p.copy_((1.0 if name.endswith("linear_attn.norm.weight") else 0.0) + 0.3 * torch.randn_like(p))
-            else:
-                p.copy_(scale * torch.randn_like(p) / math.sqrt(p.shape[-1]))
-    return model
+    return randomize_hybrid_weights(Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{**TINY, **overrides})).eval(), scale)
 
 
 def _save(reference, folder, tokenizer):
     reference.save_pretrained(str(folder))
-    for f in tokenizer.iterdir():
-        if f.name not in ("config.json", "model.safetensors"):
-            shutil.copy(f, folder / f.name)
-    return folder
+    return copy_tokenizer_files(tokenizer, folder)
 
 
 @pytest.fixture(scope="module")

@@ -7,13 +7,12 @@ decoding, a batch equals each row alone; the per-expert layout (``save_pretraine
 (transformers 5's ``state_dict``) load to the same logits; the multimodal ``qwen3_5_moe`` checkpoint reads
 as its text body."""
 
-import math
-import shutil
 
 import pytest
 import torch
 
-from helpers import FAMILY_PROMPTS, assert_equals_transformers, write_multimodal_checkpoint, write_tiny_checkpoint
+from helpers import (FAMILY_PROMPTS, assert_equals_transformers, randomize_hybrid_weights, write_moe_checkpoints,
+                     write_multimodal_checkpoint)
 
 from mtpctl.backends.torch import TorchEngine
 from mtpctl.decode.tree import DraftTree
@@ -52,53 +51,21 @@ def reference_model(seed: int = 1, scale: float = 1.5, next_: bool = False):
     torch.manual_seed(seed)
     model = (Qwen3NextForCausalLM(Qwen3NextConfig(**NEXT)) if next_ else
              Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**TINY))).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.empty_like(p).uniform_(0.01, 4).log())
-            elif name.endswith("dt_bias"):
-                p.copy_(0.5 * torch.randn_like(p))
-            elif p.dim() == 1:  # RMSNorm offsets (1 + w), the gated norm's weight as it is
-                p.copy_((1.0 if name.endswith("linear_attn.norm.weight") else 0.0) + 0.3 * torch.randn_like(p))
-            else:
-                p.copy_(scale * torch.randn_like(p) / math.sqrt(p.shape[-1]))
-    return model
-
-
-def _tokenizer_files(tokenizer, folder):
-    for f in tokenizer.iterdir():
-        if f.name not in ("config.json", "model.safetensors"):
-            shutil.copy(f, folder / f.name)
-    return folder
-
-
-def _both_layouts(root, reference):
-    """(transformers' model, {"per_expert": folder, "stacked": folder}): the same weights saved by
-    ``save_pretrained`` (one tensor per expert) and as the model's ``state_dict`` (experts stacked,
-    ``mlp.experts.gate_up_proj`` / ``down_proj``), each with the tiny tokenizer."""
-    from safetensors.torch import save_file
-
-    tokenizer = write_tiny_checkpoint(root / "tokenizer")
-    per_expert, stacked = root / "per_expert", root / "stacked"
-    reference.save_pretrained(str(per_expert))
-    stacked.mkdir()
-    shutil.copy(per_expert / "config.json", stacked / "config.json")
-    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(stacked / "model.safetensors"),
-              metadata={"format": "pt"})
-    return reference, {name: _tokenizer_files(tokenizer, f) for name, f in
-                       (("per_expert", per_expert), ("stacked", stacked))}
+    return randomize_hybrid_weights(model, scale)  # (these models have no biases but dt_bias)
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """The Qwen3.5-MoE text checkpoint in both layouts (:func:`_both_layouts`)."""
-    return _both_layouts(tmp_path_factory.mktemp("qwen3_5_moe"), reference_model())
+    """The Qwen3.5-MoE text checkpoint in both layouts (:func:`helpers.write_moe_checkpoints`)."""
+    reference = reference_model()
+    return reference, write_moe_checkpoints(tmp_path_factory.mktemp("qwen3_5_moe"), "qwen3_5_moe_text", reference)
 
 
 @pytest.fixture(scope="module")
 def next_checkpoints(tmp_path_factory):
-    """The Qwen3-Next checkpoint in both layouts (:func:`_both_layouts`)."""
-    return _both_layouts(tmp_path_factory.mktemp("qwen3_next"), reference_model(next_=True))
+    """The Qwen3-Next checkpoint in both layouts (:func:`helpers.write_moe_checkpoints`)."""
+    reference = reference_model(next_=True)
+    return reference, write_moe_checkpoints(tmp_path_factory.mktemp("qwen3_next"), "qwen3_next", reference)
 
 
 def test_the_checkpoint_reads_as_a_hybrid_body_with_moe_layers(checkpoints):
