@@ -64,9 +64,18 @@ static inline void store_sum(void *y, int bf16_out, int64_t at, float sum) {
 #define PREFETCH_q4 3  /* locality hint of the next tile's prefetch: 3 into L1, 2 into L2 (see TILE) */
 #define PREFETCH_q8 3
 #define PREFETCH_bf 2
+#define AHEAD 4        /* one- and two-row passes ask for the group of the tile this many tiles ahead (see TILE) */
 #define CHUNK 4        /* activation rows sharing registers */
 #define DIRECT 8       /* passes of up to this many rows dequantize in registers (TILE, TILE_PAIRS) */
 
+
+/* ask for group g of the tile AHEAD tiles past `tile` (G groups of `block` bytes a tile) into L2: a
+ * one- or two-row pass reads its weights once, faster than the hardware's prefetch brings them on some
+ * CPUs (TILE). A prefetch never faults, past the blob's end included. */
+static inline void prefetch_ahead(const uint8_t *tile, int64_t G, int64_t g, int block) {
+    for (int l = 0; l < block; l += 64)
+        __builtin_prefetch(tile + (AHEAD * G + g) * block + l, 0, 2);
+}
 
 #if defined(INT4_SIMD)
 typedef uint16_t xelem; /* what the tiles read of an activation: bfloat16 as given */
@@ -196,6 +205,8 @@ static void x_wide(const uint16_t *x, int64_t count, int dense, float *out) {
                 acc[j][r] = _mm256_setzero_ps();                                                           \
         for (int64_t g = 0; g < G; g++) {                                                                  \
             const uint8_t *block = tile + g * BLOCK_##KIND;                                                \
+            if (!wbuf)                                                                                     \
+                prefetch_ahead(tile, G, g, BLOCK_##KIND);                                                  \
             for (int c = 0; c < 4; c++) {                                                                  \
                 __m256 w[NT];                                                                              \
                 for (int j = 0; j < NT; j++)                                                               \
@@ -273,11 +284,14 @@ static inline float acc_sum(accum a) { float s = 0.f; for (int l = 0; l < 16; l+
 /* rows m0..m0+R of one tile, weights dequantized in registers (direct) or read from wbuf. Passes of 3
  * rows or more ask for the next tile's group while they compute this one's (a prefetch, which never
  * faults past the blob's end): with that much arithmetic between loads, the hardware's own prefetch
- * left a whole model's matmuls 4-16% slower at 6-16 rows in int4 and 20% at 16 rows in bfloat16; one
- * or two rows stream fast enough without it. Dense tiles are prefetched into L2 only, quantized ones
- * into L1 as well: a dense tile is read again for every 4 rows, and the L2 hint took 15-30% off a
- * whole model's dense matmuls at 3-12 rows (5-17% at 16); quantized tiles, read once, went 3-7%
- * slower at 3-8 rows with it (2-3% faster at 12-16). */
+ * left a whole model's matmuls 4-16% slower at 6-16 rows in int4 and 20% at 16 rows in bfloat16.
+ * Dense tiles are prefetched into L2 only, quantized ones into L1 as well: a dense tile is read again
+ * for every 4 rows, and the L2 hint took 15-30% off a whole model's dense matmuls at 3-12 rows (5-17%
+ * at 16); quantized tiles, read once, went 3-7% slower at 3-8 rows with it (2-3% faster at 12-16).
+ * Passes of one or two rows ask for the group AHEAD tiles on, into L2 (prefetch_ahead): on an AMD EPYC
+ * the hardware's prefetch alone kept up, but on an Intel Xeon (Sapphire Rapids) a whole SmolLM2-135M's
+ * int4 layers, streamed from memory, took 13.0 ms without it and 6.3 ms with it (12 against 6 GB/s;
+ * the weights read from L2 take 5.2 ms); docs/decisions/int4-matmul.md. */
 #define TILE(KIND, R)                                                                                      \
     static void tile_##KIND##_##R(const xelem *x, int64_t K, const uint8_t *tile, const wvec *wbuf,        \
                                   int64_t N, int64_t n0, int64_t m0, void *y, int bf16_out, IOTA_T iota) { \
@@ -290,6 +304,8 @@ static inline float acc_sum(accum a) { float s = 0.f; for (int l = 0; l < 16; l+
             if (R > 2)                                                                                     \
                 for (int l = 0; l < BLOCK_##KIND; l += 64)                                                 \
                     __builtin_prefetch(tile + (G + g) * BLOCK_##KIND + l, 0, PREFETCH_##KIND);              \
+            else                                                                                           \
+                prefetch_ahead(tile, G, g, BLOCK_##KIND);                                                  \
             for (int j = 0; j < NT; j++) {                                                                 \
                 wvec w = wbuf ? load_w(wbuf + g * NT + j) : dequant_##KIND(tile + g * BLOCK_##KIND, j, iota); \
                 for (int r = 0; r < R; r++)                                                                \
