@@ -105,3 +105,27 @@ def test_verify_rows_across_a_chunk_boundary_equal_plain_decoding(checkpoint, na
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_speculation_and_batches_equal_plain_decoding(checkpoint, dtype):
     assert_speculation_equals_plain(checkpoint[1], dtype, PROMPTS, NEW)
+
+
+def test_the_multimodal_checkpoint_reads_as_its_text_body(checkpoint, tmp_path):
+    """``llama4`` (transformers' ``Llama4ForConditionalGeneration`` with a tiny vision tower, the text body
+    under ``language_model.``): the same weights and logits as the text checkpoint; the vision tower and
+    projector are not read."""
+    from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+    from helpers import copy_tokenizer_files
+
+    reference, folder = checkpoint
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=28,
+                  patch_size=14, vision_output_dim=64, projector_input_dim=64, projector_output_dim=64)
+    wrapper = Llama4ForConditionalGeneration(Llama4Config(text_config=reference.config.to_dict(),
+                                                          vision_config=vision, tie_word_embeddings=False))
+    wrapper.language_model.load_state_dict(reference.state_dict())
+    wrapper.save_pretrained(str(tmp_path))
+    copy_tokenizer_files(folder, tmp_path)
+    cfg = DecoderConfig.from_folder(tmp_path)
+    assert cfg.model_type == "llama4" and cfg.layer_windows == (Chunk(8), None, Chunk(8), None)
+    prompt = PROMPTS[-1]
+    text, multimodal = (TorchEngine(Decoder.from_folder(f), len(prompt) + 1).verify(DraftTree.chain(prompt)).logits
+                        for f in (folder, tmp_path))
+    assert torch.equal(text, multimodal)
