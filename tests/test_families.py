@@ -18,7 +18,8 @@ from mtpctl.model.decoder import Decoder, _slots, expected_tensors
 from mtpctl.model.families import FAMILIES, Family, family_of
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3",
-             "gpt_oss", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next")
+             "gpt_oss", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next", "llama4_text",
+             "llama4")
 #: tiny MoE blocks for the MoE families (their config classes' defaults are 128 and 8 large experts)
 MOE = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1]),
        "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
@@ -36,8 +37,11 @@ MOE["qwen3_5_moe_text"] = dict(MOE["qwen3_5_text"], num_experts=4, num_experts_p
                                shared_expert_intermediate_size=48)
 MOE["qwen3_next"] = dict(MOE["qwen3_5_moe_text"], layer_types=["linear_attention", "full_attention"],
                          mlp_only_layers=[1])  # layer 1 dense
+#: Llama 4: layer 1 MoE (a shared expert), layer 0 dense (intermediate_size_mlp); layer 1 NoPE
+MOE["llama4_text"] = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, intermediate_size_mlp=128,
+                          interleave_moe_layer_step=2, no_rope_layers=[1, 0], attention_chunk_size=8)
 #: the multimodal configs and the text body each nests under ``text_config``
-MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "llama4": "llama4_text"}
 
 
 def tiny(model_type, **overrides):
@@ -64,7 +68,7 @@ def test_every_supported_model_type_resolves_to_its_own_family():
 @pytest.mark.parametrize("model_type", ["gpt2", None, "", "Llama"])
 def test_an_unknown_model_type_is_refused_in_one_line(model_type):
     want = f"model_type {model_type!r} is not supported by the native runtime (supported: " \
-           "deepseek_v3, gemma3_text, glm4_moe, gpt_oss, llama, mistral, mixtral, qwen2, qwen3, qwen3_5, qwen3_5_moe, " \
+           "deepseek_v3, gemma3_text, glm4_moe, gpt_oss, llama, llama4, llama4_text, mistral, mixtral, qwen2, qwen3, qwen3_5, qwen3_5_moe, " \
            "qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next)"
     with pytest.raises(UnsupportedModel) as caught:
         family_of(model_type)

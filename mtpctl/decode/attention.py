@@ -9,7 +9,10 @@
 - :func:`draft_rows_mask`: the EAGLE layer's draft rows (committed rows, then the row's own path);
 - :func:`unrolled_draft_mask`: the EAGLE layer's training-time test (each unrolled draft step).
 
-A draft tree's shape comes from :class:`mtpctl.decode.tree.DraftTree` (depths, ancestor mask).
+A draft tree's shape comes from :class:`mtpctl.decode.tree.DraftTree` (depths, ancestor mask). An
+attention window is None (full attention), a sliding window's length in tokens, or a
+:class:`~mtpctl.model.config.Chunk` (chunked attention); a token at position p sees the positions
+from :func:`~mtpctl.model.config.first_visible` to p, in every mask and plan alike.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from mtpctl.decode.tree import DraftTree
+from mtpctl.model.config import first_visible
 from mtpctl.model.decoder import AttentionGroup, AttentionPlan
 from mtpctl.model.native import SlotPlan
 
@@ -119,8 +123,8 @@ def attention_plan(windows, length: int, depth: torch.Tensor, tree_mask: Optiona
     for window in set(windows):
         tail_mask, head_mask = valid, None
         if window is not None:
-            tail_mask = valid & (query - tail_pos < window)
-            head_mask = (query - torch.arange(max(heads))[None]) < window
+            tail_mask = valid & (tail_pos >= first_visible(window, query))
+            head_mask = torch.arange(max(heads))[None] >= first_visible(window, query)
         groups = []
         for head, rows in by_head.items():
             allowed = tail_mask[rows]
@@ -151,11 +155,11 @@ def slot_plan(windows, length: int, depth: torch.Tensor, tree_mask: Optional[tor
     pos = length + depth
     plans = {}
     for window in set(windows):
-        allowed = on_path if window is None else on_path & ((pos[:, None] - pos[None, :]) < window)
+        allowed = on_path if window is None else on_path & (pos[None, :] >= first_visible(window, pos)[:, None])
         order = torch.argsort((~allowed).to(torch.int8), dim=1, stable=True)  # path nodes first, root first
         slots = torch.where(allowed, length + torch.arange(n), -1).gather(1, order)
         paths = slots[:, :max(1, int(allowed.sum(1).max()))].contiguous()  # once per pass, not per layer
-        starts = torch.zeros(n, dtype=torch.long) if window is None else (pos - window + 1).clamp(0, length)
+        starts = first_visible(window, pos).clamp(0, length)
         plans[window] = SlotPlan(starts, torch.full((n,), length, dtype=torch.long), paths)
     return plans
 
@@ -170,7 +174,7 @@ def prefill_plan(windows, length: int, n: int) -> dict:
     pos = length + torch.arange(n)
     plans = {}
     for window in set(windows):
-        starts = torch.zeros(n, dtype=torch.long) if window is None else (pos - window + 1).clamp(min=0)
+        starts = first_visible(window, pos).clamp(min=0)
         plans[window] = SlotPlan(starts, pos.clone(), pos[:, None].clone())
     return plans
 
@@ -247,7 +251,7 @@ def attention_masks(windows, length: int, depth: torch.Tensor, tree_mask: Option
     slot_pos[length:length + n] = pos
     masks: Dict[Optional[int], torch.Tensor] = {}
     for window in set(windows):
-        windowed = allowed if window is None else allowed & ((pos[:, None] - slot_pos[None, :]) < window)
+        windowed = allowed if window is None else allowed & (slot_pos[None, :] >= first_visible(window, pos)[:, None])
         masks[window] = windowed[None, None]
     return masks
 
@@ -263,7 +267,7 @@ def padded_batch_masks(windows, valid: torch.Tensor, slot_pos: torch.Tensor, que
     q_pos = slot_pos[:, queries]  # [b, N]
     masks = {}
     for window in set(windows):
-        m = allowed if window is None else allowed & ((q_pos[:, :, None] - slot_pos[:, None, :]) < window)
+        m = allowed if window is None else allowed & (slot_pos[:, None, :] >= first_visible(window, q_pos)[:, :, None])
         m = m | ~valid[:, queries][:, :, None] & (slots[None, None, :] == queries[None, :, None])
         masks[window] = m[:, None]
     return masks

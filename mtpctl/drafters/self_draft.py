@@ -240,7 +240,7 @@ class _Prefill:
         self.model, self.ids, self.start = model, ids, start
         n = len(ids)
         self.cache = model.new_cache(n)
-        positions = torch.arange(n, device=model.device)[None]
+        self.positions = positions = torch.arange(n, device=model.device)[None]
         self.masks = plans_on(attention_masks(model.cfg.layer_windows, 0, torch.arange(n), None, n), model.device)
         self.ropes = {local: (cos[positions].unsqueeze(2), sin[positions].unsqueeze(2))
                       for local, (cos, sin) in ((False, (model.rope_cos, model.rope_sin)),
@@ -257,7 +257,8 @@ class _Prefill:
         model = self.model
         cos, sin = self.ropes[model.local_rope[index]]
         with torch.inference_mode():
-            return model.layers[index](x, cos, sin, self.cache, self.masks[model.cfg.layer_windows[index]])
+            return model.layers[index](x, cos, sin, self.cache, self.masks[model.cfg.layer_windows[index]],
+                                       positions=self.positions)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """The argmax ``[m]`` at the positions that predict answer tokens."""

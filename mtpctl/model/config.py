@@ -90,6 +90,27 @@ class MlaConfig:
 
 
 @dataclass(frozen=True)
+class Chunk:
+    """A chunked-attention layer's :attr:`DecoderConfig.layer_windows` entry (Llama 4's
+    ``attention_chunk_size``): positions are cut into chunks of ``size``, and a token attends to the
+    positions of its own chunk up to itself (not a sliding window: the first token of a chunk sees
+    itself alone)."""
+
+    size: int
+
+
+def first_visible(window, pos):
+    """The first position a token at ``pos`` (an int or a long tensor) attends to in a layer of
+    attention window ``window``: 0 for None (full attention), ``pos - window + 1`` for a sliding window
+    of ``window`` tokens (may be negative), the start of its chunk for a :class:`Chunk`."""
+    if window is None:
+        return pos * 0
+    if isinstance(window, Chunk):
+        return pos // window.size * window.size
+    return pos - window + 1
+
+
+@dataclass(frozen=True)
 class DecoderConfig:
     """Shapes and options of a Llama-family or Gemma 3 decoder.
 
@@ -116,6 +137,16 @@ class DecoderConfig:
     ``quantization_config`` names MXFP4, whose ``*_blocks``/``*_scales`` expert stacks are dequantized at
     load (:mod:`mtpctl.model.mxfp4`). ``attention_sinks``: a learned logit per query head joins each
     attention softmax's denominator (gpt-oss, the family's :class:`~mtpctl.model.families.Block` flag).
+    ``layer_windows[i]`` may also be a :class:`Chunk` (chunked attention, Llama 4). ``pair_rope``: the
+    rotary embedding turns adjacent pairs of values (2i, 2i+1) as complex numbers in float32, its
+    tables kept in float32 (Llama 4), not the two halves of a head. ``nope_layers``: the layers (by
+    index) without a rotary embedding (Llama 4's ``no_rope_layers`` zeros). ``qk_l2_norm``: queries and
+    keys of the rotary layers RMS-normed without a weight after the rotary embedding (Llama 4's
+    ``use_qk_norm``). ``attn_temperature``: ``(floor_scale, attn_scale)``: the NoPE layers' queries
+    times ``1 + attn_scale * log1p(floor((p + 1) / floor_scale))`` at position p (Llama 4's
+    ``attn_temperature_tuning``), None: not scaled. ``o_bias``: ``o_proj`` has a bias with
+    ``attention_bias`` (the family's :class:`~mtpctl.model.families.Block` flag; gpt-oss and Qwen3.5
+    have it through their other flags).
     """
 
     model_type: str
@@ -150,6 +181,11 @@ class DecoderConfig:
     attention_sinks: bool = False
     fp8_block: Optional[Tuple[int, int]] = None
     mxfp4: bool = False
+    pair_rope: bool = False
+    nope_layers: Tuple[int, ...] = ()
+    qk_l2_norm: bool = False
+    attn_temperature: Optional[Tuple[float, float]] = None
+    o_bias: bool = False
 
     @property
     def q_lora(self) -> bool:
@@ -212,6 +248,7 @@ class DecoderConfig:
             scalar = cfg.get("query_pre_attn_scalar")
             cap = cfg.get("final_logit_softcapping")
             rope, rope_local = _ropes_from_dict(cfg)
+            nope = _nope_layers(cfg, layers) if family.block.nope_layers else ()
             kv_heads = int(cfg.get("num_key_value_heads") or heads)
             if "yarn" in (rope.rope_type, getattr(rope_local, "rope_type", None)) and \
                     not (family.block.mla or family.block.yarn):
@@ -239,7 +276,7 @@ class DecoderConfig:
                 model_type=model_type,
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
+                intermediate_size=int(cfg[family.intermediate_key]),
                 num_hidden_layers=layers,
                 num_attention_heads=heads,
                 num_key_value_heads=kv_heads,
@@ -268,6 +305,12 @@ class DecoderConfig:
                 attention_sinks=family.block.attention_sinks,
                 fp8_block=block_of(cfg),
                 mxfp4=is_mxfp4(cfg),
+                pair_rope=family.block.pair_rope,
+                nope_layers=nope,
+                qk_l2_norm=family.block.qk_l2_norm and bool(cfg.get("use_qk_norm", True)),
+                attn_temperature=(float(cfg.get("floor_scale", 8192)), float(cfg.get("attn_scale", 0.1)))
+                if family.block.nope_layers and cfg.get("attn_temperature_tuning", True) else None,
+                o_bias=family.block.o_bias,
             )
         except (KeyError, TypeError, ValueError) as err:
             raise CorruptModel(f"config.json is missing or has a bad value for {err}") from err
@@ -349,9 +392,41 @@ def _rope_from_dict(cfg: dict, params: dict, theta_default) -> RopeConfig:
     )
 
 
+def _nope_layers(cfg: dict, layers: int) -> Tuple[int, ...]:
+    """The layers without a rotary embedding: the zeros of ``no_rope_layers`` (one entry a layer, 1:
+    rotary), else every ``no_rope_layer_interval``-th layer (default 4), as Llama 4's config class
+    fills them in."""
+    flags = cfg.get("no_rope_layers")
+    if not flags:
+        interval = int(cfg.get("no_rope_layer_interval") or 4)
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(flags) < layers:
+        raise CorruptModel(f"config.json: no_rope_layers has {len(flags)} entries for {layers} layers")
+    return tuple(i for i in range(layers) if not flags[i])
+
+
+def _chunked_windows(cfg: dict, layers: int) -> tuple:
+    """Per-layer :class:`Chunk` of a chunked-attention family (Llama 4): the layers ``layer_types``
+    names ``chunked_attention`` (without it, the rotary layers) attend within chunks of
+    ``attention_chunk_size``; None (no chunk size): every layer attends fully."""
+    size = cfg.get("attention_chunk_size")
+    if not size:
+        return (None,) * layers
+    types = cfg.get("layer_types")
+    if types is None:
+        nope = set(_nope_layers(cfg, layers))
+        types = ["full_attention" if i in nope else "chunked_attention" for i in range(layers)]
+    if len(types) != layers:
+        raise CorruptModel(f"config.json: layer_types has {len(types)} entries for {layers} layers")
+    return tuple(Chunk(int(size)) if t == "chunked_attention" else None for t in types)
+
+
 def _layer_windows(cfg: dict, layers: int, family: Family) -> tuple:
     """Per-layer sliding window from ``layer_types`` (HF v5 configs), else the family's rule for the
-    older keys (:attr:`Family.layer_types <mtpctl.model.families.Family.layer_types>`)."""
+    older keys (:attr:`Family.layer_types <mtpctl.model.families.Family.layer_types>`); a
+    chunked-attention family's chunks (:func:`_chunked_windows`)."""
+    if family.block.chunked_attention:
+        return _chunked_windows(cfg, layers)
     window: Optional[int] = cfg.get("sliding_window")
     if not window or cfg.get("use_sliding_window") is False:
         return (None,) * layers

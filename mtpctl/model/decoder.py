@@ -312,6 +312,25 @@ def _rotate_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     return torch.cat((_rotate(x[..., :rd], cos, sin), x[..., rd:]), dim=-1)
 
 
+def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x [..., d]`` whose rotated pairs are adjacent values (2i, 2i+1), each pair
+    multiplied as a complex number by ``cos_i + j sin_i`` in float32 and written back in place (Llama 4's
+    ``apply_rotary_emb``), in ``x``'s dtype; cos/sin ``[..., d]`` as :func:`_rotate` takes them."""
+    half = cos.shape[-1] // 2
+    c, s = cos[..., :half].float(), sin[..., :half].float()
+    h = x.float()
+    x1, x2 = h[..., 0::2], h[..., 1::2]
+    return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2).to(x.dtype)
+
+
+def temperature_scales(positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
+    """Llama 4's attention temperature of tokens at ``positions`` (long, any shape), float32 of the same
+    shape: ``1 + attn_scale * log1p(floor((p + 1) / floor_scale))``, the log on :func:`elementwise`'s
+    vector path (a token's factor the same in any pass)."""
+    steps = torch.floor((positions.reshape(-1, 1).float() + 1.0) / floor_scale)
+    return (elementwise(torch.log1p, steps) * attn_scale + 1.0).reshape(positions.shape)
+
+
 def _rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of ``x [..., d]`` whose rotated pairs are adjacent values (2i, 2i+1), written
     out de-interleaved (the even values' results, then the odd ones'): DeepSeek's layout, transformers'
@@ -346,7 +365,7 @@ class DecoderLayer(nn.Module):
         norm_dtype = torch.float32 if cfg.norm_offset else dtype
         self.norm = _rms_norm_float32_scale if cfg.norm_offset else _rms_norm
         # decode and verify passes on the native kernels (a SlotPlan) norm with the native RMSNorm too
-        self.native_norms = norm_takes(h) and (not cfg.qk_norm or norm_takes(hd))
+        self.native_norms = norm_takes(h) and (not (cfg.qk_norm or cfg.qk_l2_norm) or norm_takes(hd))
         self.act = ACTIVATIONS[cfg.hidden_act]
         self.input_norm = param(h, dtype=norm_dtype)
         self.post_attention_norm = param(h, dtype=norm_dtype)
@@ -357,7 +376,7 @@ class DecoderLayer(nn.Module):
         self.qkv = param((2 if cfg.output_gate else 1) * self.q_size + 2 * self.kv_size, h)
         self.qkv_bias = param(self.qkv.shape[0]) if cfg.attention_bias else None
         self.o_proj = param(h, self.q_size)
-        self.o_bias = param(h) if cfg.attention_bias and (cfg.output_gate or cfg.attention_sinks) else None
+        self.o_bias = param(h) if cfg.attention_bias and (cfg.output_gate or cfg.attention_sinks or cfg.o_bias) else None
         # gpt-oss: a learned logit per query head in each softmax's denominator
         self.sinks = param(cfg.num_attention_heads) if cfg.attention_sinks else None
         # a MoE layer (cfg.moe says which): router and stacked experts instead of the dense MLP, run by
@@ -375,8 +394,9 @@ class DecoderLayer(nn.Module):
             self.experts_gate_up = param(e, 2 * i, h)
             self.experts_down = param(e, h, i)
             self.gate_up = self.gate_up_bias = self.down = self.down_bias = None
-            if self.moe.clamped:  # gpt-oss: biases, transformers' transposed layout (mtpctl.model.moe)
+            if self.moe.experts_transposed:  # gpt-oss, Llama 4: transformers' transposed layout (mtpctl.model.moe)
                 self.experts_gate_up, self.experts_down = param(e, h, 2 * i), param(e, i, h)
+            if self.moe.clamped:  # gpt-oss: biases
                 self.router_logit_bias, self.experts_gate_up_bias = param(e), param(e, 2 * i)
                 self.experts_down_bias = param(e, h)
         self.q_norm = param(hd, dtype=norm_dtype) if cfg.qk_norm else None
@@ -389,8 +409,14 @@ class DecoderLayer(nn.Module):
             self.shared_expert_gate = param(1, h) if self.moe.shared_gate else None  # Qwen's sigmoid gate
             if self.moe.router_float32:  # kept in float32, as transformers keeps the gate
                 self.router = param(e, h, dtype=torch.float32)
-        # the native kernel that rotates and writes the cache in one go turns whole heads
-        self.fused_rotary = cfg.rope_dim == hd and cfg.mla is None
+        # Llama 4: NoPE layers (no rotary embedding; queries scaled by position with attn_temperature),
+        # the rotary layers' queries and keys RMS-normed without a weight after the rotary embedding
+        self.rotary = index not in cfg.nope_layers
+        self.temperature = None if self.rotary else cfg.attn_temperature
+        self.qk_l2_weight = torch.ones(hd, dtype=dtype, device=device) if cfg.qk_l2_norm and self.rotary else None
+        # the native kernel that rotates and writes the cache in one go turns whole heads (rotate-half)
+        self.fused_rotary = cfg.rope_dim == hd and cfg.mla is None and not cfg.pair_rope and self.rotary \
+            and self.qk_l2_weight is None
         self.mla = cfg.mla
         if cfg.mla is not None:  # multi-head latent attention: its own projections (see _mla_qkv)
             m, heads = cfg.mla, cfg.num_attention_heads
@@ -416,8 +442,11 @@ class DecoderLayer(nn.Module):
             self.gated_norm_weight = param(d.v_head_dim)
             self.out_proj = param(h, d.value_dim)
 
-    def forward(self, x, cos, sin, cache, mask: Optional[torch.Tensor], plan=None):
+    def forward(self, x, cos, sin, cache, mask: Optional[torch.Tensor], plan=None,
+                positions: Optional[torch.Tensor] = None):
         """x ``[batch, N, hidden]`` -> ``[batch, N, hidden]``; writes this layer's N new KV slots.
+        ``positions [batch, N]``: the tokens' positions, which a layer whose queries are scaled by
+        position (``cfg.attn_temperature``, NoPE layers) needs.
 
         Prefill and teacher-forced passes: ``cache`` a :class:`KVCache` and ``mask`` (the fused SDPA
         kernel attends over the used slots only, which is faster for long N). Decode and verify passes:
@@ -449,7 +478,7 @@ class DecoderLayer(nn.Module):
         gate = None
         if self.output_gate:
             qkv, gate = split_output_gate(qkv, heads, cfg.head_dim)
-        q, k, v = qkv_heads(self, qkv, cos, sin, norm)
+        q, k, v = qkv_heads(self, qkv, cos, sin, norm, positions)
         return self._attention_out_and_mlp(x, self._attend(q, k, v, cache, mask, plan, x.dtype), b, n, norm, gate)
 
     def _attend(self, q, k, v, cache, mask, plan, dtype):
@@ -557,17 +586,30 @@ def _deltanet_sequence(layer: DecoderLayer, rows: torch.Tensor, parents, cache: 
 # runtime's cache; one masked softmax over a functional cache) between these two. Written with
 # non-negative dims, so a traced graph needs no Mod op.
 
-def qkv_heads(layer: DecoderLayer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm):
+def qkv_heads(layer: DecoderLayer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm,
+              positions: Optional[torch.Tensor] = None):
     """Queries ``[batch, heads, N, head_dim]``, keys and values ``[batch, kv_heads, N, head_dim]``
     from the fused q/k/v projection ``qkv [batch, N, q + 2 kv]``: with the family's QK-norm
-    (``norm``: the RMSNorm function to apply), queries and keys rotated in one go."""
+    (``norm``: the RMSNorm function to apply), queries and keys rotated in one go (pairs of adjacent
+    values with ``cfg.pair_rope``; not at all in a NoPE layer), then RMS-normed without a weight where
+    the layer has ``qk_l2_weight``; a NoPE layer's queries scaled by position (``positions [batch, N]``,
+    :func:`temperature_scales`) where it has ``temperature``."""
     cfg = layer.cfg
     hd, heads, kv_heads = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     qk = qkv[..., :layer.q_size + layer.kv_size].unflatten(2, (heads + kv_heads, hd))
     if layer.q_norm is not None:
         qk = torch.cat((norm(qk[:, :, :heads], layer.q_norm, cfg.rms_norm_eps),
                         norm(qk[:, :, heads:], layer.k_norm, cfg.rms_norm_eps)), dim=2)
-    qk = _rotate_partial(qk, cos, sin).transpose(1, 2)
+    if layer.rotary:
+        qk = _rotate_pairs(qk, cos, sin) if cfg.pair_rope else _rotate_partial(qk, cos, sin)
+    if layer.qk_l2_weight is not None:
+        qk = norm(qk, layer.qk_l2_weight, cfg.rms_norm_eps)
+    if layer.temperature is not None:
+        if positions is None:
+            raise ValueError("a layer whose queries are scaled by position needs the tokens' positions")
+        scale = temperature_scales(positions, *layer.temperature)[..., None, None]
+        qk = torch.cat(((qk[:, :, :heads].float() * scale).to(qk.dtype), qk[:, :, heads:]), dim=2)
+    qk = qk.transpose(1, 2)
     q, k = qk[:, :heads], qk[:, heads:]
     v = qkv[..., layer.q_size + layer.kv_size:].unflatten(2, (kv_heads, hd)).transpose(1, 2)
     return q, k, v
@@ -875,8 +917,9 @@ class Decoder(nn.Module):
             cos, sin = angles.cos(), angles.sin()
             if factor != 1.0:
                 cos, sin = cos * factor, sin * factor
-            self.register_buffer(prefix + "_cos", cos.to(device, dtype), persistent=False)
-            self.register_buffer(prefix + "_sin", sin.to(device, dtype), persistent=False)
+            table = torch.float32 if cfg.pair_rope else dtype  # Llama 4 rotates in float32
+            self.register_buffer(prefix + "_cos", cos.to(device, table), persistent=False)
+            self.register_buffer(prefix + "_sin", sin.to(device, table), persistent=False)
         # per layer: rotate with the local rope (a sliding-window layer of a config that has one)
         self.local_rope = tuple(w is not None and cfg.rope_local is not None for w in cfg.layer_windows)
         #: decode and verify passes run every layer in one native call where it covers the blocks
@@ -1043,9 +1086,9 @@ class Decoder(nn.Module):
         for index, (layer, window, is_local) in enumerate(zip(self.layers, self.cfg.layer_windows, self.local_rope), 1):
             cos, sin = local if is_local else rot
             if plans is not None:
-                x = layer(x, cos, sin, cache, None, plans[window])
+                x = layer(x, cos, sin, cache, None, plans[window], positions=position_ids)
             else:
-                x = layer(x, cos, sin, cache, masks[window])
+                x = layer(x, cos, sin, cache, masks[window], positions=position_ids)
             if aux is not None and index in aux:
                 aux[index] = x
         native = plans is not None and any(isinstance(p, SlotPlan) for p in plans.values()) \

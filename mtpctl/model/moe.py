@@ -20,6 +20,12 @@ Seven families, chosen by ``model_type`` and their config.json keys (never by a 
   with biases and the clamped SwiGLU ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)``,
   ``g = clamp(gate, max=l)``, their weights as transformers 5 holds them (transposed, gate and up
   columns interleaved: ``gate_up [E, H, 2I]``, ``down [E, I, H]``; :func:`_clamped_mlp`).
+- ``llama4_text`` (and ``llama4``, the multimodal checkpoint's text body): the top k router logits
+  (in the model's dtype), each expert's weight the sigmoid of its logit, multiplying the expert's
+  *input* (not its output); experts as transformers holds them, transposed with gate and up columns
+  concatenated (``gate_up [E, H, 2I]``: the gate's I columns, then the up's; ``down [E, I, H]``); one
+  shared expert of ``intermediate_size``, ungated, added to every token's output; the MoE layers
+  ``moe_layers``, else every ``interleave_moe_layer_step``-th.
 
 Expert weights live in one stacked layout: ``gate_up [E, 2I, H]`` (each expert's gate rows, then its up
 rows) and ``down [E, H, I]``, which is transformers 5's own ``mlp.experts.gate_up_proj`` /
@@ -48,9 +54,10 @@ from mtpctl.model.device import FIXED_ROWS
 
 #: the model types :meth:`MoeConfig.from_hf` reads
 MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_5_moe_text",
-                   "qwen3_5_moe", "qwen3_next")
-#: softmax over all experts then top-k; sigmoid scores; top-k logits then a softmax over them (gpt-oss)
-SCORINGS = ("softmax", "sigmoid", "topk_softmax")
+                   "qwen3_5_moe", "qwen3_next", "llama4_text", "llama4")
+#: softmax over all experts then top-k; sigmoid scores; top-k logits then a softmax over them (gpt-oss);
+#: top-k logits, each weighted by its sigmoid (Llama 4)
+SCORINGS = ("softmax", "sigmoid", "topk_softmax", "topk_sigmoid")
 #: config activation name -> function
 ACTIVATIONS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu}
 
@@ -102,6 +109,8 @@ _FAMILY_DEFAULTS: Dict[str, Dict[str, object]] = {
                      routed_scaling_factor=1.0, first_k_dense_replace=1, hidden_act="silu"),
     "gpt_oss": dict(hidden_size=2880, num_local_experts=128, num_experts_per_tok=4, intermediate_size=2880,
                     swiglu_alpha=1.702, swiglu_limit=7.0, hidden_act="silu"),
+    "llama4_text": dict(hidden_size=5120, num_local_experts=16, num_experts_per_tok=1, intermediate_size=8192,
+                        interleave_moe_layer_step=1, hidden_act="silu"),
 }
 #: per family: the config keys naming the number of routed experts (transformers' attribute_map aliases)
 _EXPERT_COUNT_KEYS = {"qwen3_moe": ("num_experts", "num_local_experts"),
@@ -111,10 +120,11 @@ _EXPERT_COUNT_KEYS = {"qwen3_moe": ("num_experts", "num_local_experts"),
                       "mixtral": ("num_local_experts", "num_experts"),
                       "deepseek_v3": ("n_routed_experts", "num_local_experts"),
                       "glm4_moe": ("n_routed_experts", "num_local_experts"),
-                      "gpt_oss": ("num_local_experts", "num_experts")}
+                      "gpt_oss": ("num_local_experts", "num_experts"),
+                      "llama4_text": ("num_local_experts", "num_experts")}
 
 #: model types whose MoE block is another's (the multimodal Qwen3.5-MoE checkpoint's text body)
-_SAME_BLOCK = {"qwen3_5_moe": "qwen3_5_moe_text"}
+_SAME_BLOCK = {"qwen3_5_moe": "qwen3_5_moe_text", "llama4": "llama4_text"}
 
 
 @dataclass(frozen=True)
@@ -145,6 +155,12 @@ class MoeConfig:
             (:func:`is_moe_layer`).
         swiglu_limit, swiglu_alpha: gpt-oss's experts (``swiglu_limit > 0``): biased router and experts,
             the clamped SwiGLU and transformers' transposed, interleaved expert layout (:func:`_clamped_mlp`).
+        scale_input: each routed expert's input is multiplied by its weight, and its output is added as
+            it is (Llama 4); else the output is weighted.
+        transposed: the experts are held as transformers' ``gate_up [E, H, 2I]`` (gate columns, then up
+            columns) and ``down [E, I, H]`` (Llama 4; gpt-oss's clamped experts are transposed too).
+        moe_layers: the MoE layers by index (Llama 4's ``moe_layers``), which then replaces the other
+            rules of :meth:`is_moe_layer`; None: those rules.
     """
 
     scoring: str
@@ -167,11 +183,19 @@ class MoeConfig:
     mlp_only_layers: Tuple[int, ...] = ()
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.702
+    scale_input: bool = False
+    transposed: bool = False
+    moe_layers: Optional[Tuple[int, ...]] = None
 
     @property
     def clamped(self) -> bool:
         """gpt-oss's experts: biases, the clamped SwiGLU, the transposed interleaved layout."""
         return self.swiglu_limit > 0
+
+    @property
+    def experts_transposed(self) -> bool:
+        """The experts are held transposed, ``gate_up [E, H, 2I]`` and ``down [E, I, H]`` (gpt-oss, Llama 4)."""
+        return self.transposed or self.clamped
 
     def __post_init__(self):
         problems = []
@@ -242,6 +266,12 @@ class MoeConfig:
                        norm_topk_prob=bool(get("norm_topk_prob")), shared_intermediate_size=shared,
                        shared_gate=shared > 0, decoder_sparse_step=int(get("decoder_sparse_step")),
                        mlp_only_layers=tuple(int(i) for i in get("mlp_only_layers")), **common)
+        if model_type == "llama4_text":
+            return cls(scoring="topk_sigmoid", intermediate_size=int(get("intermediate_size")),
+                       shared_intermediate_size=int(get("intermediate_size")), scale_input=True, transposed=True,
+                       decoder_sparse_step=int(get("interleave_moe_layer_step")),
+                       moe_layers=None if config.get("moe_layers") is None
+                       else tuple(int(i) for i in config["moe_layers"]), **common)
         if model_type == "gpt_oss":
             return cls(scoring="topk_softmax", intermediate_size=int(get("intermediate_size")),
                        swiglu_limit=float(get("swiglu_limit")), swiglu_alpha=float(get("swiglu_alpha")), **common)
@@ -270,7 +300,10 @@ class MoeConfig:
                    first_k_dense_replace=int(get("first_k_dense_replace")), **common)
 
     def is_moe_layer(self, index: int) -> bool:
-        """Whether decoder layer ``index`` has this MoE block (:func:`is_moe_layer`)."""
+        """Whether decoder layer ``index`` has this MoE block (``moe_layers`` where given, else
+        :func:`is_moe_layer`)."""
+        if self.moe_layers is not None:
+            return index in self.moe_layers
         return is_moe_layer(index, first_k_dense_replace=self.first_k_dense_replace,
                             decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=self.mlp_only_layers,
                             num_experts=self.num_experts)
@@ -451,6 +484,14 @@ def _mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act, rows: 
     return _linear_rows(elementwise(act, y[:, :i]) * y[:, i:], down, rows)
 
 
+def _expert(weights: MoeWeights, expert: int, cfg: MoeConfig) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Expert ``expert``'s ``gate_up [2I, H]`` and ``down [H, I]`` (views of transposed stacks where the
+    config holds them so)."""
+    if cfg.experts_transposed:
+        return weights.gate_up[expert].t(), weights.down[expert].t()
+    return weights.gate_up[expert], weights.down[expert]
+
+
 def _clamped_mlp(x: torch.Tensor, weights: MoeWeights, expert: int, cfg: MoeConfig, rows: int) -> torch.Tensor:
     """gpt-oss's expert ``expert`` for rows ``x [n, H]``: ``h = x @ gate_up[e] + gate_up_bias[e]`` (gate
     and up columns interleaved), ``g = clamp(h_gate, max=l)``, ``u = clamp(h_up, -l, l)``, then
@@ -505,6 +546,9 @@ def route(x: torch.Tensor, cfg: MoeConfig, weights: MoeWeights, rows: int = FIXE
             w = w / _sequential_sum(w)[:, None]
     elif cfg.scoring == "topk_softmax":
         chosen, w = _topk_softmax(logits, weights.router_bias, k)
+    elif cfg.scoring == "topk_sigmoid":  # Llama 4: the k largest logits, each expert's weight its sigmoid
+        chosen = _top(logits, k)
+        w = elementwise(torch.sigmoid, logits.float().gather(1, chosen))
     else:
         scores = elementwise(torch.sigmoid, logits)
         biased = scores + weights.score_bias if weights.score_bias is not None else scores
@@ -578,11 +622,15 @@ def moe_mlp(x: torch.Tensor, cfg: MoeConfig, weights: MoeWeights, rows: int = FI
         pairs = order[start:start + count]
         start += count
         tokens, slot = pairs // k, pairs % k
+        w = routing.weights[tokens, slot]
         if cfg.clamped:
             y = _clamped_mlp(x[tokens], weights, expert, cfg, rows)
+        elif cfg.scale_input:  # Llama 4: the weight scales the expert's input, its output is added as it is
+            gate_up, down = _expert(weights, expert, cfg)
+            slots[tokens, slot] = _mlp(x[tokens] * w[:, None].to(x.dtype), gate_up, down, act, rows)
+            continue
         else:
-            y = _mlp(x[tokens], weights.gate_up[expert], weights.down[expert], act, rows)
-        w = routing.weights[tokens, slot]
+            y = _mlp(x[tokens], *_expert(weights, expert, cfg), act, rows)
         slots[tokens, slot] = (y.to(w.dtype) * w[:, None]).to(x.dtype)
     out = torch.zeros_like(x)
     for j in range(k):  # ascending expert id: the order transformers' index_add_ adds them in

@@ -161,6 +161,18 @@ class Block:
         attention_sinks: a learned logit per query head (``self_attn.sinks``) joins each softmax's
             denominator and takes no value (gpt-oss); ``o_proj`` has a bias with ``attention_bias``.
         yarn: the family's config may ask for YaRN rope scaling (MLA families may too).
+        pair_rope: the rotary embedding turns adjacent pairs of values (2i, 2i+1) as complex numbers in
+            float32 (Llama 4's ``apply_rotary_emb``), not rotate-half.
+        nope_layers: the config's ``no_rope_layers`` (else every ``no_rope_layer_interval``-th layer)
+            names layers without a rotary embedding (Llama 4's NoPE layers); with
+            ``attn_temperature_tuning`` their queries are scaled by position (``floor_scale``,
+            ``attn_scale``).
+        qk_l2_norm: with the config's ``use_qk_norm`` (default on), the rotary layers' queries and keys
+            are RMS-normed per head without a weight after the rotary embedding (Llama 4).
+        chunked_attention: the layers ``layer_types`` names ``chunked_attention`` (without it, the rotary
+            layers) attend within chunks of ``attention_chunk_size`` positions
+            (:class:`~mtpctl.model.config.Chunk`).
+        o_bias: ``o_proj`` has a bias where config.json sets ``attention_bias`` (Llama 4).
     """
 
     qk_norm: bool = False
@@ -173,6 +185,11 @@ class Block:
     linear_attention: bool = False
     attention_sinks: bool = False
     yarn: bool = False
+    pair_rope: bool = False
+    nope_layers: bool = False
+    qk_l2_norm: bool = False
+    chunked_attention: bool = False
+    o_bias: bool = False
 
 
 def every_layer_slides(cfg: dict, layers: int) -> List[str]:
@@ -302,6 +319,8 @@ class Family:
             (:meth:`text_part`).
         renames: (checkpoint prefix, the prefix the tensor map names) pairs: a multimodal checkpoint's
             text body under ``model.language_model.`` read as ``model.``.
+        intermediate_key: the config key of the dense MLP's intermediate size (Llama 4's
+            ``intermediate_size_mlp``; its ``intermediate_size`` is the experts').
     """
 
     model_type: str
@@ -324,6 +343,7 @@ class Family:
     ignored: Tuple[str, ...] = ()
     text_config: bool = False
     renames: Tuple[Tuple[str, str], ...] = ()
+    intermediate_key: str = "intermediate_size"
 
     def text_part(self, cfg: dict) -> dict:
         """``cfg`` (a parsed config.json) as the body reads it: for a :attr:`text_config` family its

@@ -1,0 +1,131 @@
+"""Llama 4 (``llama4_text``) on a tiny random checkpoint written by transformers' own ``Llama4ForCausalLM``
+(float32): 4 layers mixing rotary and NoPE layers with dense and MoE feed-forwards, QK L2-norm, attention
+temperature tuning that moves within the prompts, Llama 3 rope scaling and chunks of 8 positions that
+every prompt crosses. Prefill logits and greedy tokens equal transformers'; prompt lookup, a scripted
+drafter and batches equal plain decoding on both attention paths; a verify pass whose rows cross a
+chunk boundary scores each row bit for bit as plain decoding does."""
+
+import pytest
+import torch
+
+from helpers import (FAMILY_PROMPTS, MOE_COMMON, assert_equals_transformers, assert_speculation_equals_plain,
+                     plain_decode_logits, random_reference_model, write_moe_checkpoints, write_tiny_checkpoint)
+
+from mtpctl.backends.torch import TorchEngine
+from mtpctl.decode.tree import DraftTree
+from mtpctl.model.config import Chunk, DecoderConfig
+from mtpctl.model.decoder import Decoder
+from mtpctl.model.native import kernel_runs
+
+transformers = pytest.importorskip("transformers")
+
+#: layer 0 rotary + dense, 1 NoPE + MoE, 2 rotary + MoE, 3 NoPE + dense; one expert a token, as released
+CONFIG = {**MOE_COMMON, "num_hidden_layers": 4, "num_local_experts": 4, "num_experts_per_tok": 1,
+          "intermediate_size": 32, "intermediate_size_mlp": 96, "moe_layers": [1, 2], "no_rope_layers": [1, 0, 1, 0],
+          "use_qk_norm": True, "attn_temperature_tuning": True, "floor_scale": 4, "attn_scale": 0.5,
+          "attention_chunk_size": 8,
+          "rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}
+#: FAMILY_PROMPTS and a longer, repetitive one (prompt lookup drafts from it): each crosses a chunk boundary
+#: or reaches it while decoding
+PROMPTS = FAMILY_PROMPTS + ([7, 8, 9, 10, 11] * 4,)
+NEW = 16
+NATIVE = kernel_runs(4, 2, 16)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(transformers' model, its save_pretrained folder with the tiny tokenizer)."""
+    root = tmp_path_factory.mktemp("llama4")
+    reference = random_reference_model("llama4_text", **CONFIG)
+    folders = write_moe_checkpoints(root, "llama4_text", reference, write_tiny_checkpoint(root / "tokenizer"))
+    return reference, folders["per_expert"]
+
+
+def test_config_and_tensor_map(checkpoint):
+    _, folder = checkpoint
+    cfg = DecoderConfig.from_folder(folder)
+    assert cfg.layer_windows == (Chunk(8), None, Chunk(8), None) and cfg.nope_layers == (1, 3)
+    assert cfg.pair_rope and cfg.qk_l2_norm and not cfg.qk_norm and cfg.attn_temperature == (4.0, 0.5)
+    assert cfg.rope.rope_type == "llama3" and cfg.intermediate_size == 96
+    assert [cfg.moe.is_moe_layer(i) for i in range(4)] == [False, True, True, False]
+    assert cfg.moe.scoring == "topk_sigmoid" and cfg.moe.scale_input and cfg.moe.shared_intermediate_size == 32
+    assert not cfg.family.exportable and not cfg.family.native_stack
+    model = Decoder.from_folder(folder)
+    assert model.layers[1].experts_gate_up.shape == (4, 64, 64) and model.layers[0].gate_up.shape == (192, 64)
+
+
+def test_defaults_of_a_bare_config():
+    cfg = DecoderConfig.from_dict({"model_type": "llama4_text"})
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size, cfg.moe.num_experts, cfg.moe.top_k) == \
+        (5120, 48, 16384, 16, 1)
+    assert cfg.nope_layers[:2] == (3, 7) and cfg.layer_windows[:4] == (Chunk(8192),) * 3 + (None,)
+    assert cfg.rope.theta == 500000.0 and cfg.attn_temperature == (8192.0, 0.1)
+
+
+def test_logits_and_greedy_tokens_equal_transformers_in_float32(checkpoint):
+    reference, folder = checkpoint
+    assert len(PROMPTS[-1]) > 2 * CONFIG["attention_chunk_size"]
+    assert_equals_transformers(reference, Decoder.from_folder(folder), folder, PROMPTS, NEW)
+
+
+@pytest.mark.parametrize("part", ["chunks", "temperature"])
+def test_chunks_and_temperature_move_the_logits(checkpoint, part):
+    """The parity above would catch a block without them: each changes the logits past 1e-3."""
+    reference, folder = checkpoint
+    model = Decoder.from_folder(folder)
+    for layer in model.layers:
+        if part == "temperature":
+            layer.temperature = None
+    if part == "chunks":
+        import dataclasses
+
+        model.cfg = dataclasses.replace(model.cfg, layer_windows=(None,) * 4)
+    prompt = PROMPTS[-1]
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt])).logits[0]
+    ours = TorchEngine(model, len(prompt) + 1).verify(DraftTree.chain(prompt)).logits
+    assert (ours - expected).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not NATIVE, reason="the native attention kernel does not build here"))], ids=["torch", "native"])
+def test_verify_rows_across_a_chunk_boundary_equal_plain_decoding(checkpoint, native):
+    """A chain of 6 draft tokens from position 13 crosses the chunk boundary at 16: each row's logits are
+    bit for bit those of plain decoding (one token a pass), bfloat16 weights."""
+    model = Decoder.from_folder(checkpoint[1], dtype=torch.bfloat16)
+    prompt, chain = PROMPTS[-1][:13], [3, 99, 41, 7, 250, 18]
+    engine = TorchEngine(model, 40, native=native)
+    engine.prefill(prompt)
+    rows = engine.verify(DraftTree.chain(chain)).logits
+    for i in range(len(chain)):
+        assert torch.equal(rows[i], plain_decode_logits(model, prompt, chain[:i + 1], 40, native=native))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_speculation_and_batches_equal_plain_decoding(checkpoint, dtype):
+    assert_speculation_equals_plain(checkpoint[1], dtype, PROMPTS, NEW)
+
+
+def test_the_multimodal_checkpoint_reads_as_its_text_body(checkpoint, tmp_path):
+    """``llama4`` (transformers' ``Llama4ForConditionalGeneration`` with a tiny vision tower, the text body
+    under ``language_model.``): the same weights and logits as the text checkpoint; the vision tower and
+    projector are not read."""
+    from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+    from helpers import copy_tokenizer_files
+
+    reference, folder = checkpoint
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=28,
+                  patch_size=14, vision_output_dim=64, projector_input_dim=64, projector_output_dim=64)
+    wrapper = Llama4ForConditionalGeneration(Llama4Config(text_config=reference.config.to_dict(),
+                                                          vision_config=vision, tie_word_embeddings=False))
+    wrapper.language_model.load_state_dict(reference.state_dict())
+    wrapper.save_pretrained(str(tmp_path))
+    copy_tokenizer_files(folder, tmp_path)
+    cfg = DecoderConfig.from_folder(tmp_path)
+    assert cfg.model_type == "llama4" and cfg.layer_windows == (Chunk(8), None, Chunk(8), None)
+    prompt = PROMPTS[-1]
+    text, multimodal = (TorchEngine(Decoder.from_folder(f), len(prompt) + 1).verify(DraftTree.chain(prompt)).logits
+                        for f in (folder, tmp_path))
+    assert torch.equal(text, multimodal)
