@@ -116,6 +116,8 @@ class DecoderConfig:
     ``quantization_config`` names MXFP4, whose ``*_blocks``/``*_scales`` expert stacks are dequantized at
     load (:mod:`mtpctl.model.mxfp4`). ``attention_sinks``: a learned logit per query head joins each
     attention softmax's denominator (gpt-oss, the family's :class:`~mtpctl.model.families.Block` flag).
+    ``interleaved_rotary``: the rotary embedding turns adjacent pairs of each head's values (ERNIE 4.5, the
+    family's :class:`~mtpctl.model.families.Block` flag).
     """
 
     model_type: str
@@ -148,6 +150,7 @@ class DecoderConfig:
     deltanet: Optional[GatedDeltaNetConfig] = None
     output_gate: bool = False
     attention_sinks: bool = False
+    interleaved_rotary: bool = False
     fp8_block: Optional[Tuple[int, int]] = None
     mxfp4: bool = False
 
@@ -198,7 +201,7 @@ class DecoderConfig:
         if act not in SUPPORTED_ACTIVATIONS:
             raise UnsupportedModel(f"{family.activation_key} {act!r} is not supported "
                                    f"(supported: {', '.join(SUPPORTED_ACTIVATIONS)})")
-        for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        for key in ("attn_logit_softcapping", "use_bidirectional_attention", "use_bias"):  # use_bias: ERNIE's
             if cfg.get(key):
                 raise UnsupportedModel(f"config.json sets {key}={cfg[key]!r}, which the native runtime does not support")
         try:
@@ -206,7 +209,7 @@ class DecoderConfig:
             hidden = int(cfg["hidden_size"])
             layers = int(cfg["num_hidden_layers"])
             head_dim = int(cfg.get("head_dim") or hidden // heads)
-            attention_bias = cfg.get("attention_bias")
+            attention_bias = cfg.get(family.attention_bias_key) if family.attention_bias_key else None
             if attention_bias is None:
                 attention_bias = family.attention_bias
             scalar = cfg.get("query_pre_attn_scalar")
@@ -262,10 +265,11 @@ class DecoderConfig:
                 moe=MoeConfig.from_hf(cfg, model_type) if family.experts is not None else None,
                 rotary_dim=rotary_dim,
                 mla=mla,
-                mtp_layers=int(cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers")) or 0),
+                mtp_layers=int(cfg.get("num_nextn_predict_layers") or cfg.get("num_mtp_layers") or 0),
                 deltanet=GatedDeltaNetConfig.from_hf(cfg) if family.block.linear_attention else None,
                 output_gate=family.block.output_gate,
                 attention_sinks=family.block.attention_sinks,
+                interleaved_rotary=family.block.interleaved_rotary,
                 fp8_block=block_of(cfg),
                 mxfp4=is_mxfp4(cfg),
             )

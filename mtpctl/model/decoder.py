@@ -322,6 +322,16 @@ def _rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
+def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x [..., d]`` whose rotated pairs are adjacent values (2i, 2i+1), each result
+    kept in its pair's place (ERNIE 4.5's layout: transformers' ``Ernie4_5_Moe`` ``apply_rotary_pos_emb``,
+    the same products and sums); cos/sin ``[..., d]`` as :func:`_rotate` takes them."""
+    half = cos.shape[-1] // 2
+    c, s = cos[..., :half], sin[..., :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+
+
 class DecoderLayer(nn.Module):
     """One pre-norm transformer block: attention (GQA) then a gated MLP (SwiGLU or GELU-tanh), each
     with a residual; with ``cfg.sandwich_norms`` (Gemma) each branch's output is normed before its add.
@@ -390,7 +400,7 @@ class DecoderLayer(nn.Module):
             if self.moe.router_float32:  # kept in float32, as transformers keeps the gate
                 self.router = param(e, h, dtype=torch.float32)
         # the native kernel that rotates and writes the cache in one go turns whole heads
-        self.fused_rotary = cfg.rope_dim == hd and cfg.mla is None
+        self.fused_rotary = cfg.rope_dim == hd and cfg.mla is None and not cfg.interleaved_rotary
         self.mla = cfg.mla
         if cfg.mla is not None:  # multi-head latent attention: its own projections (see _mla_qkv)
             m, heads = cfg.mla, cfg.num_attention_heads
@@ -560,14 +570,15 @@ def _deltanet_sequence(layer: DecoderLayer, rows: torch.Tensor, parents, cache: 
 def qkv_heads(layer: DecoderLayer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm):
     """Queries ``[batch, heads, N, head_dim]``, keys and values ``[batch, kv_heads, N, head_dim]``
     from the fused q/k/v projection ``qkv [batch, N, q + 2 kv]``: with the family's QK-norm
-    (``norm``: the RMSNorm function to apply), queries and keys rotated in one go."""
+    (``norm``: the RMSNorm function to apply), queries and keys rotated in one go (adjacent pairs with
+    ``cfg.interleaved_rotary``)."""
     cfg = layer.cfg
     hd, heads, kv_heads = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     qk = qkv[..., :layer.q_size + layer.kv_size].unflatten(2, (heads + kv_heads, hd))
     if layer.q_norm is not None:
         qk = torch.cat((norm(qk[:, :, :heads], layer.q_norm, cfg.rms_norm_eps),
                         norm(qk[:, :, heads:], layer.k_norm, cfg.rms_norm_eps)), dim=2)
-    qk = _rotate_partial(qk, cos, sin).transpose(1, 2)
+    qk = (_rotate_pairs if cfg.interleaved_rotary else _rotate_partial)(qk, cos, sin).transpose(1, 2)
     q, k = qk[:, :heads], qk[:, heads:]
     v = qkv[..., layer.q_size + layer.kv_size:].unflatten(2, (kv_heads, hd)).transpose(1, 2)
     return q, k, v
