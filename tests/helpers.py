@@ -137,7 +137,7 @@ def write_moe_checkpoints(root: Path, model_type: str, reference=None, tokenizer
     """``model_type``'s tiny MoE checkpoint in both layouts under ``root``, each with the tiny
     byte-level tokenizer (:func:`write_tiny_checkpoint`'s): ``{"per_expert": folder}`` (what
     ``save_pretrained`` writes: one tensor per expert) and ``{"stacked": folder}`` (transformers 5's
-    ``state_dict``: experts stacked)."""
+    ``state_dict``: experts stacked; a tied lm_head left out)."""
     import shutil
 
     from safetensors.torch import save_file
@@ -148,7 +148,10 @@ def write_moe_checkpoints(root: Path, model_type: str, reference=None, tokenizer
     reference.save_pretrained(str(per_expert))
     stacked.mkdir(parents=True)
     shutil.copy(per_expert / "config.json", stacked / "config.json")
-    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(stacked / "model.safetensors"),
+    state = reference.state_dict()
+    if reference.config.tie_word_embeddings:  # the lm_head is the embedding: not written twice
+        del state["lm_head.weight"]
+    save_file({k: v.contiguous() for k, v in state.items()}, str(stacked / "model.safetensors"),
               metadata={"format": "pt"})
     for folder in (per_expert, stacked):
         copy_tokenizer_files(tokenizer, folder)

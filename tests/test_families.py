@@ -19,7 +19,7 @@ from mtpctl.model.families import FAMILIES, Family, family_of
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3",
              "gpt_oss", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next", "llama4_text",
-             "llama4")
+             "llama4", "ernie4_5_moe")
 #: tiny MoE blocks for the MoE families (their config classes' defaults are 128 and 8 large experts)
 MOE = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1]),
        "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
@@ -29,6 +29,9 @@ MOE = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_
                            topk_group=1, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16,
                            qk_rope_head_dim=16, v_head_dim=16),
        "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2),
+       # layer 0 dense (moe_layer_start_index), two shared experts, the [1, E] moe_statics bias
+       "ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=2,
+                            moe_layer_start_index=1),
        # not MoE: a hybrid body's tiny Gated DeltaNet layer, one layer of each type
        "qwen3_5_text": dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
                             linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8)}
@@ -68,8 +71,8 @@ def test_every_supported_model_type_resolves_to_its_own_family():
 @pytest.mark.parametrize("model_type", ["gpt2", None, "", "Llama"])
 def test_an_unknown_model_type_is_refused_in_one_line(model_type):
     want = f"model_type {model_type!r} is not supported by the native runtime (supported: " \
-           "deepseek_v3, gemma3_text, glm4_moe, gpt_oss, llama, llama4, llama4_text, mistral, mixtral, qwen2, qwen3, qwen3_5, qwen3_5_moe, " \
-           "qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next)"
+           "deepseek_v3, ernie4_5_moe, gemma3_text, glm4_moe, gpt_oss, llama, llama4, llama4_text, mistral, mixtral, qwen2, qwen3, " \
+           "qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next)"
     with pytest.raises(UnsupportedModel) as caught:
         family_of(model_type)
     assert str(caught.value) == want and "\n" not in str(caught.value)
@@ -96,7 +99,10 @@ def test_tensor_map_is_the_expected_checkpoint_and_fills_every_parameter(model_t
     for slot in slots:
         param = slot.owner._parameters[slot.attr]
         rows = sum(shapes[n][0] for n in slot.names)
-        assert (rows, *shapes[slot.names[0]][1:]) == tuple(param.shape), slot.names
+        stacked = (rows, *shapes[slot.names[0]][1:])
+        if stacked[0] == 1 and len(stacked) == 2 and param.dim() == 1:  # ERNIE's [1, E] bias fills an [E] one
+            stacked = stacked[1:]
+        assert stacked == tuple(param.shape), slot.names
         assert slot.norm == (param.dim() == 1 and slot.attr.endswith("norm"))
 
 

@@ -46,10 +46,15 @@ def _family(model_type):
         return (transformers.Qwen2MoeConfig(hidden_size=64, num_experts=12, moe_intermediate_size=32,
                                             shared_expert_intermediate_size=48, num_experts_per_tok=3),
                 Qwen2MoeSparseMoeBlock)
+    if model_type == "ernie4_5_moe":  # moe_norm_min above some rows' top-4 sums, so the clamp is exercised
+        from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import Ernie4_5_MoeSparseMoeBlock
+        return (transformers.Ernie4_5_MoeConfig(hidden_size=64, moe_num_experts=16, moe_intermediate_size=40,
+                                                moe_k=4, moe_num_shared_experts=2, moe_norm_min=0.75),
+                Ernie4_5_MoeSparseMoeBlock)
     raise AssertionError(model_type)
 
 
-FAMILIES = ["qwen3_moe", "qwen3_moe_unnormed", "mixtral", "deepseek_v3", "glm4_moe", "qwen2_moe"]
+FAMILIES = ["qwen3_moe", "qwen3_moe_unnormed", "mixtral", "deepseek_v3", "glm4_moe", "qwen2_moe", "ernie4_5_moe"]
 
 
 def hf_block(name, seed=0):
@@ -103,6 +108,24 @@ def test_score_bias_changes_the_choice_not_the_weights():
     scores = torch.sigmoid(a.logits)
     chosen = scores.gather(1, a.experts)
     torch.testing.assert_close(a.weights, chosen / chosen.sum(-1, keepdim=True) * 2.5, atol=1e-6, rtol=1e-5)
+
+
+def test_ernie_chooses_on_biased_probabilities_and_renormalises_with_norm_min():
+    """ERNIE 4.5: softmax probabilities plus the moe_statics bias pick the experts; the weights are the
+    unbiased probabilities over max(their sum, moe_norm_min)."""
+    block, hf_config, cfg = hf_block("ernie4_5_moe")
+    assert cfg.scoring == "softmax" and cfg.score_bias and cfg.norm_min == 0.75 and cfg.router_float32
+    state = block.state_dict()
+    weights = moe_weights_from_checkpoint(state, cfg)
+    unbiased = moe_weights_from_checkpoint({**state, "gate.moe_statics.e_score_correction_bias":
+                                            torch.zeros(1, cfg.num_experts)}, cfg)
+    x = torch.randn(64, hf_config.hidden_size)
+    a, b = route(x, cfg, weights), route(x, cfg, unbiased)
+    assert not torch.equal(a.experts, b.experts)
+    chosen = torch.softmax(a.logits, dim=-1).gather(1, a.experts)
+    sums = chosen.sum(-1, keepdim=True)
+    assert (sums < 0.75).any() and (sums > 0.75).any()  # both sides of the clamp
+    torch.testing.assert_close(a.weights, chosen / sums.clamp(min=0.75), atol=1e-6, rtol=1e-5)
 
 
 def test_grouped_selection_stays_inside_the_best_groups():
@@ -323,3 +346,21 @@ def test_is_moe_layer_follows_transformers_decoder_layers():
     assert [cfg.is_moe_layer(i) for i in range(5)] == _layer_kinds(DeepseekV3DecoderLayer, deepseek, DeepseekV3MoE)
     assert [cfg.is_moe_layer(i) for i in range(5)] == [False, False, True, True, True]
     assert is_moe_layer(0) and not is_moe_layer(0, num_experts=0)
+
+
+def test_ernie_moe_layers_follow_transformers_decoder_layers():
+    """ERNIE 4.5: from moe_layer_start_index to moe_layer_end_index (-1: the last), every
+    moe_layer_interval-th."""
+    from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import (Ernie4_5_MoeDecoderLayer,
+                                                                        Ernie4_5_MoeSparseMoeBlock)
+
+    for keys, want in ((dict(moe_layer_start_index=1, moe_layer_end_index=6, moe_layer_interval=2),
+                        [False, True, False, True, False, True, False, False]),
+                       (dict(moe_layer_start_index=2, moe_layer_end_index=-1), [False, False] + [True] * 6)):
+        ernie = transformers.Ernie4_5_MoeConfig(hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                                                moe_num_experts=4, moe_k=2, num_hidden_layers=8, num_attention_heads=2,
+                                                num_key_value_heads=1, **keys)
+        raw = {**ernie.to_dict(), **keys}  # the -1 end index as config.json may give it
+        cfg = MoeConfig.from_hf(raw, "ernie4_5_moe")
+        assert [cfg.is_moe_layer(i) for i in range(8)] == want
+        assert want == _layer_kinds(Ernie4_5_MoeDecoderLayer, ernie, Ernie4_5_MoeSparseMoeBlock)

@@ -234,7 +234,7 @@ class DecoderConfig:
         if act not in SUPPORTED_ACTIVATIONS:
             raise UnsupportedModel(f"{family.activation_key} {act!r} is not supported "
                                    f"(supported: {', '.join(SUPPORTED_ACTIVATIONS)})")
-        for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        for key in ("attn_logit_softcapping", "use_bidirectional_attention", "use_bias"):  # use_bias: ERNIE's
             if cfg.get(key):
                 raise UnsupportedModel(f"config.json sets {key}={cfg[key]!r}, which the native runtime does not support")
         try:
@@ -242,7 +242,7 @@ class DecoderConfig:
             hidden = int(cfg["hidden_size"])
             layers = int(cfg["num_hidden_layers"])
             head_dim = int(cfg.get("head_dim") or hidden // heads)
-            attention_bias = cfg.get("attention_bias")
+            attention_bias = cfg.get(family.attention_bias_key) if family.attention_bias_key else None
             if attention_bias is None:
                 attention_bias = family.attention_bias
             scalar = cfg.get("query_pre_attn_scalar")
@@ -299,7 +299,7 @@ class DecoderConfig:
                 moe=MoeConfig.from_hf(cfg, model_type) if family.experts is not None else None,
                 rotary_dim=rotary_dim,
                 mla=mla,
-                mtp_layers=int(cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers")) or 0),
+                mtp_layers=int(cfg.get("num_nextn_predict_layers") or cfg.get("num_mtp_layers") or 0),
                 deltanet=GatedDeltaNetConfig.from_hf(cfg) if family.block.linear_attention else None,
                 output_gate=family.block.output_gate,
                 attention_sinks=family.block.attention_sinks,

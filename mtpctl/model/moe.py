@@ -1,7 +1,7 @@
 """Mixture-of-Experts MLP blocks, computed so that a token's output does not depend on the other rows
 of its pass (docs/numerics.md, "Mixture-of-Experts blocks").
 
-Seven families, chosen by ``model_type`` and their config.json keys (never by a model's name):
+Eight families, chosen by ``model_type`` and their config.json keys (never by a model's name):
 
 - ``qwen3_moe``, ``qwen2_moe``: softmax over all experts' router logits, top-k, optionally renormalised
   (``norm_topk_prob``), the k weights rounded to the model's dtype; Qwen2-MoE adds one shared expert
@@ -16,6 +16,11 @@ Seven families, chosen by ``model_type`` and their config.json keys (never by a 
   score is the sum of its two best biased scores), weighted by their unbiased scores, optionally
   renormalised, times ``routed_scaling_factor``; ``n_shared_experts`` shared experts, run as one MLP of
   ``n_shared_experts * moe_intermediate_size``, added to every token's output.
+- ``ernie4_5_moe``: router logits in float32, softmax over all experts; experts chosen on
+  ``probability + e_score_correction_bias`` (``moe_statics``), weighted by their unbiased probabilities
+  divided by ``max(sum, moe_norm_min)``, rounded to the model's dtype; ``moe_num_shared_experts`` shared
+  experts run as one MLP; MoE layers from ``moe_layer_start_index`` to ``moe_layer_end_index`` whose
+  ``index + 1`` is a multiple of ``moe_layer_interval``.
 - ``gpt_oss``: router logits with a bias, the top k logits chosen, then a softmax over those k; experts
   with biases and the clamped SwiGLU ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)``,
   ``g = clamp(gate, max=l)``, their weights as transformers 5 holds them (transposed, gate and up
@@ -54,7 +59,7 @@ from mtpctl.model.device import FIXED_ROWS
 
 #: the model types :meth:`MoeConfig.from_hf` reads
 MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_5_moe_text",
-                   "qwen3_5_moe", "qwen3_next", "llama4_text", "llama4")
+                   "qwen3_5_moe", "qwen3_next", "llama4_text", "llama4", "ernie4_5_moe")
 #: softmax over all experts then top-k; sigmoid scores; top-k logits then a softmax over them (gpt-oss);
 #: top-k logits, each weighted by its sigmoid (Llama 4)
 SCORINGS = ("softmax", "sigmoid", "topk_softmax", "topk_sigmoid")
@@ -74,16 +79,18 @@ _SERIAL = 16384
 
 
 def is_moe_layer(index: int, *, first_k_dense_replace: int = 0, decoder_sparse_step: int = 1,
-                 mlp_only_layers: Sequence[int] = (), num_experts: int = 1) -> bool:
+                 mlp_only_layers: Sequence[int] = (), num_experts: int = 1,
+                 last_moe_layer: Optional[int] = None) -> bool:
     """Whether decoder layer ``index`` (0-based) has a MoE block rather than a dense MLP.
 
     DeepSeek-V3 and GLM-4.5 keep the first ``first_k_dense_replace`` layers dense; Qwen2/Qwen3-MoE make
     a layer sparse when it is not in ``mlp_only_layers``, there are experts, and ``(index + 1)`` is a
-    multiple of ``decoder_sparse_step`` (transformers' ``Qwen3MoeDecoderLayer``). Mixtral: every layer
-    (the defaults).
+    multiple of ``decoder_sparse_step`` (transformers' ``Qwen3MoeDecoderLayer``); ERNIE 4.5 also keeps
+    the layers after ``last_moe_layer`` dense (its ``moe_layer_end_index``; None: no such bound).
+    Mixtral: every layer (the defaults).
     """
     return (num_experts > 0 and index >= first_k_dense_replace and index not in mlp_only_layers
-            and (index + 1) % decoder_sparse_step == 0)
+            and (index + 1) % decoder_sparse_step == 0 and (last_moe_layer is None or index <= last_moe_layer))
 
 
 #: per family: the defaults of its transformers config class for the keys read here
@@ -107,6 +114,9 @@ _FAMILY_DEFAULTS: Dict[str, Dict[str, object]] = {
     "glm4_moe": dict(hidden_size=4096, n_routed_experts=128, num_experts_per_tok=8, moe_intermediate_size=1408,
                      n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True,
                      routed_scaling_factor=1.0, first_k_dense_replace=1, hidden_act="silu"),
+    "ernie4_5_moe": dict(hidden_size=2560, moe_num_experts=64, moe_k=6, moe_intermediate_size=1536,
+                         moe_num_shared_experts=2, moe_layer_start_index=1, moe_layer_end_index=-1,
+                         moe_layer_interval=1, moe_norm_min=1e-12, hidden_act="silu"),
     "gpt_oss": dict(hidden_size=2880, num_local_experts=128, num_experts_per_tok=4, intermediate_size=2880,
                     swiglu_alpha=1.702, swiglu_limit=7.0, hidden_act="silu"),
     "llama4_text": dict(hidden_size=5120, num_local_experts=16, num_experts_per_tok=1, intermediate_size=8192,
@@ -121,7 +131,10 @@ _EXPERT_COUNT_KEYS = {"qwen3_moe": ("num_experts", "num_local_experts"),
                       "deepseek_v3": ("n_routed_experts", "num_local_experts"),
                       "glm4_moe": ("n_routed_experts", "num_local_experts"),
                       "gpt_oss": ("num_local_experts", "num_experts"),
-                      "llama4_text": ("num_local_experts", "num_experts")}
+                      "llama4_text": ("num_local_experts", "num_experts"),
+                      "ernie4_5_moe": ("moe_num_experts", "num_experts")}
+#: per family whose config class names it otherwise: the config keys naming the experts per token
+_TOP_K_KEYS = {"ernie4_5_moe": ("moe_k", "num_experts_per_tok")}
 
 #: model types whose MoE block is another's (the multimodal Qwen3.5-MoE checkpoint's text body)
 _SAME_BLOCK = {"qwen3_5_moe": "qwen3_5_moe_text", "llama4": "llama4_text"}
@@ -139,10 +152,13 @@ class MoeConfig:
         hidden_size: H.
         intermediate_size: each routed expert's intermediate size I.
         norm_topk_prob: the k weights divided by their sum (sigmoid scoring: plus 1e-20).
+        norm_min: with ``norm_topk_prob`` and softmax scoring, the k weights are divided by
+            ``max(sum, norm_min)`` (ERNIE 4.5's ``moe_norm_min``); 0: by the sum itself.
         n_group, topk_group: sigmoid scoring picks experts only in the ``topk_group`` groups (of
             ``n_group`` consecutive experts) whose two best biased scores sum highest.
         routed_scaling_factor: multiplies the k weights after any renormalisation.
-        score_bias: a per-expert ``e_score_correction_bias`` added to the scores for the choice only.
+        score_bias: a per-expert ``e_score_correction_bias`` added to the scores (sigmoid scoring) or the
+            probabilities (softmax scoring, ERNIE 4.5's ``moe_statics``) for the choice only.
         shared_intermediate_size: intermediate size of the shared-expert MLP run on every token (0: none).
         shared_gate: the shared expert's output scaled by ``sigmoid(x @ shared_gate.T)`` (Qwen2-MoE).
         activation: the experts' activation (config ``hidden_act``).
@@ -151,7 +167,7 @@ class MoeConfig:
         weights_float32: each expert's output is multiplied by its float32 weight in float32, then rounded
             to the model's dtype (Mixtral, DeepSeek-V3, GLM-4.5); else the weights are rounded to the
             model's dtype first (Qwen). The same in a float32 model.
-        first_k_dense_replace, decoder_sparse_step, mlp_only_layers: which layers are MoE
+        first_k_dense_replace, decoder_sparse_step, mlp_only_layers, last_moe_layer: which layers are MoE
             (:func:`is_moe_layer`).
         swiglu_limit, swiglu_alpha: gpt-oss's experts (``swiglu_limit > 0``): biased router and experts,
             the clamped SwiGLU and transformers' transposed, interleaved expert layout (:func:`_clamped_mlp`).
@@ -181,6 +197,8 @@ class MoeConfig:
     first_k_dense_replace: int = 0
     decoder_sparse_step: int = 1
     mlp_only_layers: Tuple[int, ...] = ()
+    last_moe_layer: Optional[int] = None
+    norm_min: float = 0.0
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.702
     scale_input: bool = False
@@ -214,8 +232,12 @@ class MoeConfig:
         elif self.top_k > self.topk_group * (self.num_experts // self.n_group):
             problems.append(f"{self.top_k} experts per token from {self.topk_group} groups of "
                             f"{self.num_experts // self.n_group}")
-        if self.scoring != "sigmoid" and (self.n_group != 1 or self.score_bias):
-            problems.append("grouped selection or a score bias with softmax scoring")
+        if self.scoring != "sigmoid" and self.n_group != 1:
+            problems.append("grouped selection with softmax scoring")
+        if self.score_bias and self.scoring == "topk_softmax":
+            problems.append("a score bias with top-k softmax scoring")
+        if self.norm_min < 0:
+            problems.append(f"norm_min {self.norm_min}")
         if self.shared_gate and not self.shared_intermediate_size:
             problems.append("a shared-expert gate without a shared expert")
         if self.decoder_sparse_step < 1 or self.first_k_dense_replace < 0:
@@ -253,12 +275,15 @@ class MoeConfig:
                 raise CorruptModel(f"MoE config of {model_type}: no {key!r}")
             return value
 
-        counts = {config[k] for k in _EXPERT_COUNT_KEYS[model_type] if config.get(k) is not None}
-        if len(counts) > 1:
-            raise CorruptModel(f"MoE config of {model_type}: the number of experts given twice "
-                               f"({' and '.join(_EXPERT_COUNT_KEYS[model_type])} differ)")
-        num_experts = int(counts.pop()) if counts else int(get(_EXPERT_COUNT_KEYS[model_type][0]))
-        common = dict(num_experts=num_experts, top_k=int(get("num_experts_per_tok")),
+        def aliased(keys, what):
+            values = {config[k] for k in keys if config.get(k) is not None}
+            if len(values) > 1:
+                raise CorruptModel(f"MoE config of {model_type}: the number of {what} given twice "
+                                   f"({' and '.join(keys)} differ)")
+            return int(values.pop()) if values else int(get(keys[0]))
+
+        common = dict(num_experts=aliased(_EXPERT_COUNT_KEYS[model_type], "experts"),
+                      top_k=aliased(_TOP_K_KEYS.get(model_type, ("num_experts_per_tok",)), "experts per token"),
                       hidden_size=int(get("hidden_size")), activation=str(get("hidden_act")))
         if model_type in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
             shared = int(get("shared_expert_intermediate_size")) if model_type != "qwen3_moe" else 0
@@ -281,6 +306,8 @@ class MoeConfig:
         if model_type == "mixtral":
             return cls(scoring="softmax", intermediate_size=int(get("intermediate_size")), norm_topk_prob=True,
                        weights_float32=True, **common)
+        if model_type == "ernie4_5_moe":
+            return cls._ernie(get, common)
         # deepseek_v3, glm4_moe
         if config.get("scoring_func", "sigmoid") != "sigmoid":
             raise UnsupportedModel(f"{model_type} with scoring_func {config['scoring_func']!r} "
@@ -299,6 +326,21 @@ class MoeConfig:
                    router_float32=True, weights_float32=True,
                    first_k_dense_replace=int(get("first_k_dense_replace")), **common)
 
+    @classmethod
+    def _ernie(cls, get, common: dict) -> "MoeConfig":
+        """ERNIE 4.5's block (transformers' ``Ernie4_5_MoeSparseMoeBlock``): float32 router, softmax then the
+        top k of probability + ``moe_statics`` bias, always renormalised (``moe_norm_min``), the weights
+        rounded to the model's dtype; ``moe_num_shared_experts`` shared experts as one MLP. MoE layers:
+        ``moe_layer_start_index`` to ``moe_layer_end_index`` (-1: the last layer), every
+        ``moe_layer_interval``-th (``index + 1`` a multiple of it)."""
+        intermediate, end = int(get("moe_intermediate_size")), int(get("moe_layer_end_index"))
+        return cls(scoring="softmax", intermediate_size=intermediate, norm_topk_prob=True,
+                   norm_min=float(get("moe_norm_min")), score_bias=True,
+                   shared_intermediate_size=intermediate * int(get("moe_num_shared_experts")), router_float32=True,
+                   first_k_dense_replace=int(get("moe_layer_start_index")),
+                   decoder_sparse_step=int(get("moe_layer_interval")),
+                   last_moe_layer=None if end == -1 else end, **common)
+
     def is_moe_layer(self, index: int) -> bool:
         """Whether decoder layer ``index`` has this MoE block (``moe_layers`` where given, else
         :func:`is_moe_layer`)."""
@@ -306,7 +348,7 @@ class MoeConfig:
             return index in self.moe_layers
         return is_moe_layer(index, first_k_dense_replace=self.first_k_dense_replace,
                             decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=self.mlp_only_layers,
-                            num_experts=self.num_experts)
+                            num_experts=self.num_experts, last_moe_layer=self.last_moe_layer)
 
 
 # -------------------------------------------------------------------------------------------- weights
@@ -354,6 +396,14 @@ def stack_experts(gates: Sequence[torch.Tensor], ups: Sequence[torch.Tensor],
     return gate_up, torch.stack(list(downs))
 
 
+def _score_bias_names(e: int) -> Tuple[Tuple[str, Tuple[int, ...]], ...]:
+    """Where a block's selection bias may be, and its shape: DeepSeek-V3's and GLM-4.5's router
+    ``gate.e_score_correction_bias [E]``; ERNIE 4.5's ``moe_statics`` ``[1, E]``, in the router in
+    transformers' ``state_dict`` and beside it as released."""
+    return (("gate.e_score_correction_bias", (e,)), ("gate.moe_statics.e_score_correction_bias", (1, e)),
+            ("moe_statics.e_score_correction_bias", (1, e)))
+
+
 #: per-expert tensor names: (gate, up, down); Mixtral's released checkpoints name them w1, w3, w2
 _EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 
@@ -363,7 +413,8 @@ def moe_weights_from_checkpoint(tensors: Mapping[str, torch.Tensor], cfg: MoeCon
     """A MoE block's tensors from a checkpoint's, the names under ``prefix`` (such as
     ``"model.layers.3.mlp."``, or Mixtral's ``"model.layers.3.block_sparse_moe."``):
 
-    - router ``gate.weight`` and, with ``cfg.score_bias``, ``gate.e_score_correction_bias``;
+    - router ``gate.weight`` and, with ``cfg.score_bias``, ``gate.e_score_correction_bias`` (ERNIE 4.5's
+      ``[1, E]`` ``gate.moe_statics.e_score_correction_bias`` or ``moe_statics.e_score_correction_bias``);
     - experts stacked as transformers 5 holds them, ``experts.gate_up_proj [E, 2I, H]`` and
       ``experts.down_proj [E, H, I]``, or per expert ``experts.{i}.gate_proj.weight`` / ``up_proj`` /
       ``down_proj`` (Mixtral's: ``w1`` / ``w3`` / ``w2``);
@@ -400,7 +451,10 @@ def moe_weights_from_checkpoint(tensors: Mapping[str, torch.Tensor], cfg: MoeCon
                                       [take(f"experts.{x}.{names[2]}.weight", (h, i)) for x in range(e)])
     dtype = dtype or gate_up.dtype
     router = take("gate.weight", (e, h)).to(torch.float32 if cfg.router_float32 else dtype)
-    score_bias = take("gate.e_score_correction_bias", (e,)).float() if cfg.score_bias else None
+    score_bias = None
+    if cfg.score_bias:
+        name, shape = next(((n, shape) for n, shape in _score_bias_names(e) if n in ours), _score_bias_names(e)[0])
+        score_bias = take(name, shape).float().reshape(e)
     shared_gate_up = shared_down = shared_gate = None
     if s:
         stem = "shared_expert." if cfg.shared_gate else "shared_experts."
@@ -540,10 +594,11 @@ def route(x: torch.Tensor, cfg: MoeConfig, weights: MoeWeights, rows: int = FIXE
         z = z - z.amax(dim=-1, keepdim=True)
         e = elementwise(torch.exp, z)
         probs = e / _row_sum(e)[:, None]
-        chosen = _top(probs, k)
+        chosen = _top(probs + weights.score_bias if weights.score_bias is not None else probs, k)
         w = probs.gather(1, chosen)
         if cfg.norm_topk_prob:
-            w = w / _sequential_sum(w)[:, None]
+            total = _sequential_sum(w)
+            w = w / (total.clamp(min=cfg.norm_min) if cfg.norm_min else total)[:, None]
     elif cfg.scoring == "topk_softmax":
         chosen, w = _topk_softmax(logits, weights.router_bias, k)
     elif cfg.scoring == "topk_sigmoid":  # Llama 4: the k largest logits, each expert's weight its sigmoid

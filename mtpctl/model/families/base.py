@@ -162,7 +162,7 @@ class Block:
             denominator and takes no value (gpt-oss); ``o_proj`` has a bias with ``attention_bias``.
         yarn: the family's config may ask for YaRN rope scaling (MLA families may too).
         pair_rope: the rotary embedding turns adjacent pairs of values (2i, 2i+1) as complex numbers in
-            float32 (Llama 4's ``apply_rotary_emb``), not rotate-half.
+            float32 (Llama 4's ``apply_rotary_emb``; ERNIE 4.5's rotary, also in float32), not rotate-half.
         nope_layers: the config's ``no_rope_layers`` (else every ``no_rope_layer_interval``-th layer)
             names layers without a rotary embedding (Llama 4's NoPE layers); with
             ``attn_temperature_tuning`` their queries are scaled by position (``floor_scale``,
@@ -217,11 +217,18 @@ class Experts:
         prefix: the block's prefix in the per-expert layout (``mlp.``; Mixtral's ``block_sparse_moe.``).
         names: the per-expert projections' names: gate, up, down (Mixtral: ``w1``, ``w3``, ``w2``).
         fused_prefix: the block's prefix in the stacked layout (``mlp.`` for both).
+        score_bias: the router's selection bias (``MoeConfig.score_bias``; parameter ``router_bias [E]``)
+            after the block's prefix in the per-expert layout, and ``fused_score_bias`` in the stacked one
+            (ERNIE 4.5: ``moe_statics.e_score_correction_bias``, ``gate.moe_statics.e_score_correction_bias``).
+        score_bias_shape: its shape by :data:`DIMS` symbol (ERNIE 4.5: ``(1, E)``, read as ``[E]``).
     """
 
     prefix: str = "mlp."
     names: Tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     fused_prefix: str = "mlp."
+    score_bias: str = "gate.e_score_correction_bias"
+    fused_score_bias: str = "gate.e_score_correction_bias"
+    score_bias_shape: Tuple[str, ...] = ("e",)
 
     def per_expert(self, names, layer: int) -> bool:
         """Whether checkpoint ``names`` (a set, or None: the stacked layout) hold layer ``layer``'s experts
@@ -235,12 +242,13 @@ class Experts:
         """One MoE layer's router and expert tensors of ``cfg`` in either layout (then the router's
         ``e_score_correction_bias`` and the shared experts, with Qwen's ``shared_expert_gate``, where the config
         has them)."""
-        return self._routed(cfg, per_expert) + self._extras(cfg, self.prefix if per_expert else self.fused_prefix)
+        p, bias = (self.prefix, self.score_bias) if per_expert else (self.fused_prefix, self.fused_score_bias)
+        return self._routed(cfg, per_expert) + self._extras(cfg, p, bias)
 
-    def _extras(self, cfg, p: str) -> Tuple[Tensor, ...]:
+    def _extras(self, cfg, p: str, bias: str) -> Tuple[Tensor, ...]:
         out = ()
         if cfg.moe.score_bias:
-            out += (Tensor(p + "gate.e_score_correction_bias", ("e",), "router_bias"),)
+            out += (Tensor(p + bias, self.score_bias_shape, "router_bias"),)
         if cfg.moe.shared_intermediate_size:  # one gated shared expert (Qwen) or the shared experts as one MLP
             stem = p + ("shared_expert." if cfg.moe.shared_gate else "shared_experts.")
             out += (Tensor(stem + "gate_proj.weight", ("si", "h"), "shared_gate_up"),
@@ -289,7 +297,9 @@ class Family:
         layer_tensors: one layer's checkpoint tensors, in Hugging Face's order, and the parameters
             they fill (:class:`Tensor`).
         block: the parts of the functional block it uses (:class:`Block`).
-        attention_bias: q/k/v projection bias when config.json has no ``attention_bias`` key.
+        attention_bias: q/k/v projection bias when config.json has no ``attention_bias_key`` key.
+        attention_bias_key: the config.json key that gives q/k/v biases (``attention_bias``); "" where the
+            family's config class reads none (ERNIE 4.5's ``use_bias``, refused, gives every projection one).
         activation_key: the config key naming the MLP activation.
         defaults: values of config keys the family's config class fills in when config.json omits
             them (e.g. Gemma 3's rope bases, sliding window and query_pre_attn_scalar).
@@ -328,6 +338,7 @@ class Family:
     layer_tensors: Tuple[Tensor, ...] = LLAMA_LAYER
     block: Block = Block()
     attention_bias: bool = False
+    attention_bias_key: str = "attention_bias"
     activation_key: str = "hidden_act"
     defaults: Tuple[Tuple[str, object], ...] = ()
     layer_types: Callable[[dict, int], List[str]] = every_layer_slides
