@@ -1,7 +1,8 @@
 """The supported model families, one module each (:mod:`.llama`, :mod:`.mistral`, :mod:`.qwen2`,
 :mod:`.qwen3`, :mod:`.gemma3_text`, :mod:`.qwen3_moe`, :mod:`.mixtral`,
 :mod:`.glm4_moe`, :mod:`.deepseek_v3`, :mod:`.gpt_oss`,
-:mod:`.qwen3_5_text`, :mod:`.qwen3_5`, :mod:`.qwen3_5_moe_text`, :mod:`.qwen3_5_moe`, :mod:`.qwen3_next`),
+:mod:`.qwen3_5_text`, :mod:`.qwen3_5`, :mod:`.qwen3_5_moe_text`, :mod:`.qwen3_5_moe`, :mod:`.qwen3_next`,
+:mod:`.mimo`),
 each a :class:`Family` description; :data:`FAMILIES` maps config.json's ``model_type`` to it. Adding a
 family: docs/architecture.md, "Adding a model family".
 """
@@ -14,6 +15,7 @@ from mtpctl.errors import UnsupportedModel
 from mtpctl.model.families import (deepseek_v3, gemma3_text, glm4_moe, gpt_oss, llama, mistral, mixtral, qwen2,
                                    qwen3, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_moe,
                                    qwen3_next)
+from mtpctl.model.families import mimo
 from mtpctl.model.families.base import Block, Experts, Family, Tensor
 
 __all__ = ["Block", "Experts", "FAMILIES", "Family", "Tensor", "family_of"]
@@ -22,7 +24,7 @@ __all__ = ["Block", "Experts", "FAMILIES", "Family", "Tensor", "family_of"]
 FAMILIES: Dict[str, Family] = {m.FAMILY.model_type: m.FAMILY for m in (llama, mistral, qwen2, qwen3, gemma3_text,
                                                                       qwen3_moe, mixtral, glm4_moe, deepseek_v3,
                                                                       gpt_oss, qwen3_5_text, qwen3_5, qwen3_5_moe_text,
-                                                                      qwen3_5_moe, qwen3_next)}
+                                                                      qwen3_5_moe, qwen3_next, mimo)}
 
 
 def family_of(model_type) -> Family:

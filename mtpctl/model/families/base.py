@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
+from mtpctl.model.families.mtp_layouts import MtpLayout
+
 #: the config's dimensions a tensor's shape is written in (:meth:`Family.shapes`)
 DIMS = {
     "h": lambda c: c.hidden_size,
@@ -302,6 +304,8 @@ class Family:
             (:meth:`text_part`).
         renames: (checkpoint prefix, the prefix the tensor map names) pairs: a multimodal checkpoint's
             text body under ``model.language_model.`` read as ``model.``.
+        mtp_layout: where its checkpoints keep native MTP layers (:mod:`.mtp_layouts`), None where
+            mtpctl reads none.
     """
 
     model_type: str
@@ -324,6 +328,7 @@ class Family:
     ignored: Tuple[str, ...] = ()
     text_config: bool = False
     renames: Tuple[Tuple[str, str], ...] = ()
+    mtp_layout: Optional[MtpLayout] = None
 
     def text_part(self, cfg: dict) -> dict:
         """``cfg`` (a parsed config.json) as the body reads it: for a :attr:`text_config` family its
