@@ -19,7 +19,7 @@ from mtpctl.model.families import FAMILIES, Family, family_of
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3",
              "gpt_oss", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next", "llama4_text",
-             "llama4", "ernie4_5_moe")
+             "llama4", "ernie4_5_moe", "mimo")
 #: tiny MoE blocks for the MoE families (their config classes' defaults are 128 and 8 large experts)
 MOE = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1]),
        "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
@@ -45,6 +45,8 @@ MOE["llama4_text"] = dict(num_local_experts=4, num_experts_per_tok=2, intermedia
                           interleave_moe_layer_step=2, no_rope_layers=[1, 0], attention_chunk_size=8)
 #: the multimodal configs and the text body each nests under ``text_config``
 MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "llama4": "llama4_text"}
+#: families transformers has no class for, and the one whose body they are (MiMo: Qwen2's)
+BODY_OF = {"mimo": "qwen2"}
 
 
 def tiny(model_type, **overrides):
@@ -71,8 +73,8 @@ def test_every_supported_model_type_resolves_to_its_own_family():
 @pytest.mark.parametrize("model_type", ["gpt2", None, "", "Llama"])
 def test_an_unknown_model_type_is_refused_in_one_line(model_type):
     want = f"model_type {model_type!r} is not supported by the native runtime (supported: " \
-           "deepseek_v3, ernie4_5_moe, gemma3_text, glm4_moe, gpt_oss, llama, llama4, llama4_text, mistral, mixtral, qwen2, qwen3, " \
-           "qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next)"
+           "deepseek_v3, ernie4_5_moe, gemma3_text, glm4_moe, gpt_oss, llama, llama4, llama4_text, mimo, mistral, mixtral, " \
+           "qwen2, qwen3, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next)"
     with pytest.raises(UnsupportedModel) as caught:
         family_of(model_type)
     assert str(caught.value) == want and "\n" not in str(caught.value)
@@ -152,6 +154,7 @@ def test_tensor_map_names_what_transformers_saves(model_type):
     raw = tiny(model_type, tie_word_embeddings=False)
     raw.pop("architectures")
     reference = transformers.AutoModelForCausalLM.from_config(
-        transformers.AutoConfig.for_model(**raw), dtype=torch.float32)
+        transformers.AutoConfig.for_model(**{**raw, "model_type": BODY_OF.get(model_type, model_type)}),
+        dtype=torch.float32)
     saved = {name: tuple(t.shape) for name, t in reference.state_dict().items() if "rotary" not in name}
     assert saved == expected_tensors(DecoderConfig.from_dict(raw))

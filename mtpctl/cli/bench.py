@@ -126,8 +126,11 @@ def bench_cmd(methods, batch_sizes, prompts_path, categories, limit, repeats, ro
         require_vllm()
     if baseline == "transformers-mtp":
         folder = resolve_model(spec.model)
-        check_mtp_layers(DecoderConfig.from_folder(folder), folder, option="baseline",
-                         instead="compare with the transformers baseline")
+        cfg = DecoderConfig.from_folder(folder)
+        check_mtp_layers(cfg, folder, option="baseline", instead="compare with the transformers baseline")
+        if not cfg.family.mtp_layout.transformers_reads:
+            raise BadInput(f"transformers does not read the MTP layers of {cfg.model_type} checkpoints: compare "
+                           "with --baseline vllm, or none", option="baseline")
     if baseline == "llama.cpp":
         if importlib.util.find_spec("llama_cpp") is None:
             raise BadInput("--baseline llama.cpp needs llama-cpp-python: pip install llama-cpp-python "

@@ -1,18 +1,18 @@
 """Native MTP layers: the target checkpoint's own multi-token-prediction layers as a drafter.
 
-DeepSeek-V3 (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", section 2.2) and GLM-4.5 ship
-``num_nextn_predict_layers`` MTP layers after the body's, in the layout ``model.layers.{L + k}.*`` (L =
-``num_hidden_layers``): ``enorm`` and ``hnorm`` (RMSNorms), ``eh_proj [H, 2H]``, a full decoder block
-of the family (attention and MoE: transformers builds it with ``first_k_dense_replace = 0``),
-``shared_head.norm``, and optionally ``shared_head.head [V, H]`` and ``embed_tokens [V, H]`` (copies
-of the target's lm_head and embedding in the published checkpoints).
+DeepSeek-V3 (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", section 2.2), GLM-4.5, Qwen3.5 / Qwen3-Next
+and Xiaomi MiMo ship MTP layers beside the body, each family in its own layout
+(:mod:`mtpctl.model.families.mtp_layouts`, the family's ``mtp_layout``): two RMSNorms, a projection
+``[H, 2H]``, a full decoder block of the family (DeepSeek's and GLM's a MoE layer, Qwen's a full-attention
+layer, MiMo's a Qwen2 layer), a final norm, and optionally copies of the target's lm_head and embedding.
 
 Row j of an MTP layer reads the target's hidden state ``h_j`` (after its final norm) and the next token
-``x_{j+1}``: ``u_j = eh_proj [enorm(embed(x_{j+1})) ; hnorm(h_j)]``, runs the block (attention over
-rows ``0..j`` of the layer's own KV cache) and gives ``g_j``; ``shared_head.norm`` then the head turn
-``g_j`` into logits for ``x_{j+2}``. Drafting deeper than the trained layers reuses the layer on its
-own output (as vLLM does): the next row reads ``g`` (raw or normed, :class:`MtpSettings`) and the
-token just drafted.
+``x_{j+1}``: ``u_j = proj [norm_e(embed(x_{j+1})) ; norm_h(h_j)]`` (MiMo: the hidden state first), runs
+the block (attention over rows ``0..j`` of the layer's own KV cache; on a hybrid Gated DeltaNet body too
+the block attends, so its cache is a KV cache and the body's recurrent state is not the drafter's) and
+gives ``g_j``; the final norm then the head turn ``g_j`` into logits for ``x_{j+2}``. Drafting deeper
+than the trained layers reuses the layer on its own output (as vLLM does): the next row reads ``g`` (raw
+or normed, :class:`MtpSettings`, whose defaults are the layout's engine's) and the token just drafted.
 
 :class:`MtpLayers` reads the layer strictly from the checkpoint; :class:`MtpDrafter` keeps its KV cache
 indexed by position, as the EAGLE drafter does (:mod:`mtpctl.drafters.heads.eagle`): each call first
@@ -22,7 +22,6 @@ draft rows wrote there), then drafts a chain of k tokens past them, which the ne
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -35,41 +34,18 @@ from mtpctl.decode.tree import DraftTree
 from mtpctl.errors import BadInput, CorruptModel, UnsupportedModel
 from mtpctl.model import fp8
 from mtpctl.model.config import DecoderConfig, read_json
-from mtpctl.model.decoder import Decoder, _Filler, _rms_norm, expected_tensors
+from mtpctl.model.decoder import Decoder, _Filler, _rms_norm, _rms_norm_float32_scale, expected_tensors, stored_norm
+from mtpctl.model.families import FAMILIES
+from mtpctl.model.families.mtp_layouts import MtpLayout, MtpSettings
 from mtpctl.model.weights import (MemoryTensors, TensorInfo, check_finite as check_finite_tensor, read_headers,
                                   shard_files)
 
-#: families whose checkpoints carry MTP layers in the published ``model.layers.{L + k}`` layout
-FAMILIES = ("glm4_moe", "deepseek_v3")
-#: the tensors of an MTP layer besides its decoder block (``optional``: copies of the target's)
-EXTRAS = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
-OPTIONAL = ("shared_head.head.weight", "embed_tokens.weight")
+__all__ = ["MtpDrafter", "MtpLayers", "MtpSettings", "check_mtp_layers", "mtp_drafter"]
 
-
-@dataclass(frozen=True)
-class MtpSettings:
-    """Where the engines running these layers differ (docs/heads.md, "Native MTP layers").
-
-    Attributes:
-        carry: what a recursive step reads as the hidden state of the step before: ``raw`` (the block's
-            output before ``shared_head.norm``: vLLM's and the DeepSeek-V3 report's ``h^k``) or
-            ``normed`` (after it: transformers' ``MtpModel``, whose layer output is post-normed).
-        zero_first_embedding: zero the token embedding of the row at position 0 (vLLM's
-            ``inputs_embeds[positions == 0] = 0``); transformers does not.
-        own_vocab: use the layer's own ``embed_tokens`` / ``shared_head.head`` where the checkpoint has
-            them (vLLM); False: the target's embedding and lm_head always (transformers).
-        hidden_first: ``eh_proj`` reads ``[hnorm(h) ; enorm(e)]`` instead of ``[enorm(e) ; hnorm(h)]``
-            (transformers' ``mtp_hidden_states_first``; not DeepSeek's or GLM's order).
-    """
-
-    carry: str = "raw"
-    zero_first_embedding: bool = False
-    own_vocab: bool = True
-    hidden_first: bool = False
-
-    def check(self) -> None:
-        if self.carry not in ("raw", "normed"):
-            raise BadInput(f"MTP carry {self.carry!r}: choose raw or normed", option="mtp")
+#: the MtpLayers attribute of each role of a layout's own tensors (:data:`~mtpctl.model.families.mtp_layouts.ROLES`)
+ATTRS = {"embedding_norm": "enorm", "hidden_norm": "hnorm", "projection": "eh_proj", "final_norm": "norm"}
+#: the block's names in the one-layer decoder that runs it
+BLOCK = "model.layers.0."
 
 
 def check_mtp_layers(cfg: DecoderConfig, folder: Path, option: str = "speculate",
@@ -80,11 +56,13 @@ def check_mtp_layers(cfg: DecoderConfig, folder: Path, option: str = "speculate"
         UnsupportedModel: a family whose MTP layout is not read.
         BadInput: a checkpoint that declares no MTP layers.
     """
-    if cfg.family.model_type not in FAMILIES:
+    layout = cfg.family.mtp_layout
+    if layout is None:
+        known = ", ".join(t for t, family in FAMILIES.items() if family.mtp_layout is not None)
         raise UnsupportedModel(f"MTP layers of {cfg.family.model_type} checkpoints are not read (known layouts: "
-                               f"{', '.join(FAMILIES)})", option=option)
+                               f"{known})", option=option)
     if cfg.mtp_layers <= 0:
-        raise BadInput(f"{folder} has no MTP layers (num_nextn_predict_layers is 0): {instead}", option=option)
+        raise BadInput(f"{folder} has no MTP layers ({layout.count_keys[0]} is 0): {instead}", option=option)
 
 
 class _Source(MemoryTensors):
@@ -114,37 +92,75 @@ def _read_tensors(prefix: str, found: Dict[str, TensorInfo]) -> Dict[str, torch.
     return out
 
 
+def block_config(layout: MtpLayout, raw: dict) -> DecoderConfig:
+    """The config of the one-layer decoder that runs an MTP block: config.json's body (``raw``, its text
+    part) with one layer, the layout's :attr:`~mtpctl.model.families.mtp_layouts.MtpLayout.block_config`,
+    no MTP layers of its own and the lm_head tied (its embedding is the target's)."""
+    counts = {key: 0 for key in layout.count_keys}
+    return DecoderConfig.from_dict({**raw, "num_hidden_layers": 1, **dict(layout.block_config), **counts,
+                                    "tie_word_embeddings": True})
+
+
 class MtpLayers:
     """The first MTP layer of a checkpoint, ready to draft beside the target ``model``.
 
     The block is held as a one-layer :class:`~mtpctl.model.decoder.Decoder` (``self.block``: its
-    ``layers[0]``, rope tables and KV cache shapes; its embedding is the target's, not copied).
+    ``layers[0]``, rope tables and KV cache shapes; its embedding is the target's, not copied; its own
+    final norm unused).
 
     Attributes:
-        enorm, hnorm, norm: ``[H]`` the RMSNorm weights (``norm``: ``shared_head.norm``).
-        eh_proj: ``[H, 2H]``.
-        embed: ``[V, H]`` the embedding the layer reads (its own, or the target's).
-        head: ``[V, H]`` its own ``shared_head.head`` where used and unlike the target's lm_head, else
-            None (the target's lm_head, on its kernels).
+        layout: the family's :class:`~mtpctl.model.families.mtp_layouts.MtpLayout`.
+        settings: the :class:`MtpSettings` it runs with, the layout's defaults filled in.
+        prefix: what the layer's checkpoint names start with (``model.layers.{L}.``, ``mtp.``).
+        names: attribute (``enorm``, ``hnorm``, ``eh_proj``, ``norm``) -> checkpoint name after
+            :attr:`prefix` of the layer's own tensors besides its block (``norm`` absent where the final
+            norm is the body's).
+        block_prefix: the block's prefix after :attr:`prefix`.
+        enorm, hnorm, norm: ``[H]`` the RMSNorm weights of the embedding, the hidden state and the
+            block's output (held as ``offset + w`` in float32 where the layout stores offsets).
+        eh_proj: ``[H, 2H]`` the projection.
+        embed: ``[V, H]`` the embedding the layer reads (its own copy, or the target's).
+        head: ``[V, H]`` its own lm_head copy where used and unlike the target's lm_head, else None (the
+            target's lm_head, on its kernels).
         count: MTP layers the checkpoint declares (only the first drafts).
+        shapes: checkpoint name (after :attr:`prefix`) -> shape of every tensor of the layer read.
+        stored: checkpoint name (after :attr:`prefix`) -> value as read of each one-dimensional tensor of
+            the layer where norms hold an offset (writing back gives unchanged norms as stored, bit for bit).
     """
 
     def __init__(self, model: Decoder, folder: Path, settings: MtpSettings = MtpSettings()):
         cfg = model.cfg
         check_mtp_layers(cfg, folder)
-        self.model, self.settings, self.count = model, settings, cfg.mtp_layers
-        raw = read_json(Path(folder) / "config.json")
-        self.cfg = DecoderConfig.from_dict({**raw, "num_hidden_layers": 1, "first_k_dense_replace": 0,
-                                            "num_nextn_predict_layers": 0, "num_mtp_layers": 0,
-                                            "tie_word_embeddings": True})
-        self.prefix = f"model.layers.{cfg.num_hidden_layers}."
-        tensors = self._read(Path(folder), cfg.num_hidden_layers)
-        #: checkpoint name (after :attr:`prefix`) -> shape of every tensor of the layer read
+        layout = cfg.family.mtp_layout
+        raw = cfg.family.text_part(read_json(Path(folder) / "config.json"))
+        for key, value in layout.refused:
+            if raw.get(key) == value:
+                raise UnsupportedModel(f"{folder}: config.json sets {key}={value!r}, an MTP layout mtpctl does not "
+                                       "read", option="speculate")
+        self.model, self.layout, self.count = model, layout, cfg.mtp_layers
+        self.settings = layout.settings_for(settings)
+        self.cfg = block_config(layout, raw)
+        if self.cfg.layer_windows[0] is not None:
+            raise UnsupportedModel(f"{folder}: a sliding-window MTP block is not read", option="speculate")
+        n = layout.number(cfg.num_hidden_layers)
+        self.prefix, self.block_prefix = layout.prefix.format(n=n), layout.block.format(n=n)
+        roles = layout.names(n)
+        self.names = {ATTRS[role]: name for role, name in roles.items() if role in ATTRS}
+        self.copies = (roles.get("head_copy"), roles.get("embedding_copy"))
+        tensors = self._read(Path(folder))
         self.shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+        self.offset = cfg.norm_offset if layout.offset_norms else 0.0
+        self.stored = {name: t for name, t in tensors.items() if t.dim() == 1} if self.offset else {}
+        self._norm = _rms_norm_float32_scale if self.offset else _rms_norm
         dtype = model.dtype
-        self.enorm, self.hnorm, self.eh_proj, self.norm = (tensors.pop(name).to(dtype) for name in EXTRAS)
-        own_head, own_embed = (tensors.pop(name, None) for name in OPTIONAL)
-        use_own = settings.own_vocab
+        held = {attr: tensors.pop(name) for attr, name in self.names.items()}
+        self.eh_proj = held.pop("eh_proj").to(dtype)
+        for attr, value in held.items():
+            setattr(self, attr, value.float() + self.offset if self.offset else value.to(dtype))
+        if "norm" not in held:  # the body's own final norm (held as the body holds it)
+            self.norm = model.norm.detach()
+        own_head, own_embed = (tensors.pop(name, None) if name else None for name in self.copies)
+        use_own = self.settings.own_vocab
         self.embed = own_embed.to(dtype) if use_own and own_embed is not None else model.embed.detach()
         self.head = None
         if use_own and own_head is not None:
@@ -152,42 +168,64 @@ class MtpLayers:
             target = model.dense_lm_head()
             if not (head.shape == target.shape and torch.equal(head, target.to(dtype))):
                 self.head = head
-        block = {f"model.layers.0.{name}": t for name, t in tensors.items()}
+        block = {self.block_name(name): t for name, t in tensors.items()}
         block["model.embed_tokens.weight"] = self.embed
-        block["model.norm.weight"] = self.norm
+        block["model.norm.weight"] = torch.zeros(self.cfg.hidden_size, dtype=dtype)  # unused: self.norm norms
         self.block = Decoder(self.cfg, dtype, model.device, lazy=True)
         _Filler(self.block, _Source(block, shared=("model.embed_tokens.weight",)), False, False, None).run()
         self.block.layer_stack = False
         self.eps = cfg.rms_norm_eps
 
-    def _read(self, folder: Path, layers: int) -> Dict[str, torch.Tensor]:
-        """The first MTP layer's tensors (names after ``model.layers.{layers}.``), checked: the block's
-        names and shapes are the family's MoE layer's, the extras are present with their shapes, and
-        every value is finite; block-scaled FP8 weights dequantized to float32 (their scales consumed)."""
+    def block_name(self, name: str) -> str:
+        """The one-layer decoder's name of the block's tensor ``name`` (after :attr:`prefix`)."""
+        return BLOCK + name[len(self.block_prefix):]
+
+    def checkpoint_name(self, block_name: str) -> str:
+        """The inverse of :meth:`block_name`."""
+        return self.block_prefix + block_name[len(BLOCK):]
+
+    def in_block(self, name: str) -> bool:
+        """Whether checkpoint name ``name`` (after :attr:`prefix`) is the block's."""
+        return name.startswith(self.block_prefix) and name not in self.names.values() and name not in self.copies
+
+    def stored_value(self, name: str, held: torch.Tensor) -> torch.Tensor:
+        """The checkpoint value of the layer's own tensor ``name`` (after :attr:`prefix`) holding ``held``:
+        a norm held with an offset given back as stored where unchanged (:func:`~mtpctl.model.decoder.stored_norm`)."""
+        if self.offset and name != self.names["eh_proj"]:
+            return stored_norm(held, self.stored.get(name), self.offset)
+        return held
+
+    def _read(self, folder: Path) -> Dict[str, torch.Tensor]:
+        """The first MTP layer's tensors (names after :attr:`prefix`), checked: the block's names and
+        shapes are the family's layer's, the others are present with their shapes, and every value is
+        finite; block-scaled FP8 weights dequantized to float32 (their scales consumed)."""
         files = shard_files(folder)
-        prefix = f"model.layers.{layers}."
-        found = {name[len(prefix):]: info for name, info in read_headers(files).items() if name.startswith(prefix)}
-        where = f"{folder}: MTP layer {prefix}"
+        mine = set(self.names.values()) | {c for c in self.copies if c}
+        found = {name[len(self.prefix):]: info for name, info in read_headers(files).items()
+                 if name.startswith(self.prefix) and (name[len(self.prefix):] in mine
+                                                      or name[len(self.prefix):].startswith(self.block_prefix))}
+        where = f"{folder}: MTP layer {self.prefix}"
         pairs = fp8.pair_scales({n: i.shape for n, i in found.items()}, {n: i.dtype for n, i in found.items()},
                                 self.cfg.fp8_block, where)
         self._check_layout({n: i for n, i in found.items() if n not in pairs.values()}, where)
-        out = _read_tensors(prefix, found)
+        out = _read_tensors(self.prefix, found)
         for weight, scale in pairs.items():
             out[weight] = fp8.dequantize_stack(out[weight], out.pop(scale), self.cfg.fp8_block)
         for name, value in out.items():
-            check_finite_tensor(prefix + name, value, str(folder))
+            check_finite_tensor(self.prefix + name, value, str(folder))
         return out
 
     def _check_layout(self, found: Dict[str, TensorInfo], where: str) -> None:
         """Raise CorruptModel unless ``found`` (name after the prefix -> info) is an MTP layer of the
-        published layout: the family's MoE block, the extras, the optional copies, with their shapes."""
+        published layout: the family's block, the layout's own tensors, the optional copies, with their
+        shapes."""
         h, v = self.cfg.hidden_size, self.cfg.vocab_size
-        names = {f"model.layers.0.{name}" for name in found}
-        block = {name[len("model.layers.0."):]: tuple(shape) for name, shape in
-                 expected_tensors(self.cfg, names).items() if name.startswith("model.layers.0.")}
-        shapes = {**block, "enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h),
-                  "shared_head.norm.weight": (h,), "shared_head.head.weight": (v, h), "embed_tokens.weight": (v, h)}
-        missing = sorted(set(shapes) - set(found) - set(OPTIONAL))
+        names = {self.block_name(name) for name in found if self.in_block(name)}
+        shapes = {self.checkpoint_name(name): tuple(shape) for name, shape in
+                  expected_tensors(self.cfg, names).items() if name.startswith(BLOCK)}
+        shapes.update({name: (h, 2 * h) if attr == "eh_proj" else (h,) for attr, name in self.names.items()})
+        shapes.update({name: (v, h) for name in self.copies if name})
+        missing = sorted(set(shapes) - set(found) - set(self.copies))
         unexpected = sorted(set(found) - set(shapes))
         if missing or unexpected:
             what = f"missing {missing[0]!r}" if missing else f"unexpected {unexpected[0]!r}"
@@ -197,7 +235,11 @@ class MtpLayers:
                 raise CorruptModel(f"{where}{name} has shape {tuple(info.shape)}, expected {shapes[name]}")
 
     def new_cache(self, capacity: int):
-        return self.block.new_cache(capacity)
+        """An empty KV cache of the block for ``capacity`` rows: keys and values only (on a hybrid body
+        the block attends, and the body's Gated DeltaNet states are not the drafter's)."""
+        cache = self.block.new_cache(capacity)
+        cache.linear = None
+        return cache
 
     def rows(self, hidden: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor, cache) -> torch.Tensor:
         """Run rows ``(hidden [M, H], tokens [M])`` at consecutive ``slots [M]`` (from ``cache.length``)
@@ -219,9 +261,9 @@ class MtpLayers:
         return e
 
     def project(self, hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
-        """The block's input ``eh_proj [enorm(e) ; hnorm(h)]`` (``[..., H]``) of hidden states and
-        token embeddings ``[..., H]``."""
-        parts = (_rms_norm(embeds, self.enorm, self.eps), _rms_norm(hidden.to(embeds.dtype), self.hnorm, self.eps))
+        """The block's input ``eh_proj [enorm(e) ; hnorm(h)]`` (``[..., H]``; the hidden state first with
+        :attr:`MtpSettings.hidden_first`) of hidden states and token embeddings ``[..., H]``."""
+        parts = (self._norm(embeds, self.enorm, self.eps), self._norm(hidden.to(embeds.dtype), self.hnorm, self.eps))
         return F.linear(torch.cat(parts[::-1] if self.settings.hidden_first else parts, dim=-1), self.eh_proj)
 
     def run_block(self, x: torch.Tensor, slots: torch.Tensor, cache, mask: torch.Tensor) -> torch.Tensor:
@@ -233,8 +275,8 @@ class MtpLayers:
         return self.block.layers[0](x, cos, sin, cache, mask)
 
     def normed(self, g: torch.Tensor) -> torch.Tensor:
-        """``shared_head.norm`` of the block's outputs."""
-        return _rms_norm(g, self.norm, self.eps)
+        """The final norm of the block's outputs."""
+        return self._norm(g, self.norm, self.eps)
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[M, V]`` of normed outputs ``[M, H]``."""

@@ -127,8 +127,9 @@ class DecoderConfig:
     first ``rotary_dim`` values of each head (GLM-4.5's ``partial_rotary_factor``), None: all.
     ``mla``: multi-head latent attention (DeepSeek-V3, :class:`MlaConfig`): then ``head_dim`` is the
     cache's head length (:attr:`MlaConfig.cache_head_dim`), ``num_key_value_heads`` the heads, and
-    ``rotary_dim`` the rotary part. ``mtp_layers``: MTP layers the checkpoint may carry at layer
-    indices ``num_hidden_layers`` and above (``num_nextn_predict_layers``), which the body does not read.
+    ``rotary_dim`` the rotary part. ``mtp_layers``: native MTP layers the checkpoint declares (under the
+    family's :attr:`~mtpctl.model.families.mtp_layouts.MtpLayout.count_keys`; without a layout
+    ``num_nextn_predict_layers``, at layer indices ``num_hidden_layers`` and above), which the body does not read.
     ``deltanet``: a hybrid body's Gated DeltaNet layers (Qwen3.5, :class:`GatedDeltaNetConfig`, whose
     ``layer_types`` say which layers they are), None where every layer attends. ``output_gate``: the
     attention layers' output times ``sigmoid(gate)`` (the family's :class:`~mtpctl.model.families.Block` flag).
@@ -299,7 +300,7 @@ class DecoderConfig:
                 moe=MoeConfig.from_hf(cfg, model_type) if family.experts is not None else None,
                 rotary_dim=rotary_dim,
                 mla=mla,
-                mtp_layers=int(cfg.get("num_nextn_predict_layers") or cfg.get("num_mtp_layers") or 0),
+                mtp_layers=_mtp_layers(cfg, family),
                 deltanet=GatedDeltaNetConfig.from_hf(cfg) if family.block.linear_attention else None,
                 output_gate=family.block.output_gate,
                 attention_sinks=family.block.attention_sinks,
@@ -319,6 +320,16 @@ class DecoderConfig:
     def from_folder(cls, folder: Path) -> "DecoderConfig":
         """Read ``folder/config.json``. Raises CorruptModel if it is missing or not JSON."""
         return cls.from_dict(read_json(Path(folder) / "config.json"))
+
+
+#: the config keys counting MTP layers at ``model.layers.{num_hidden_layers + k}`` of a family without a layout
+MTP_COUNT_KEYS = ("num_nextn_predict_layers", "num_mtp_layers")
+
+
+def _mtp_layers(cfg: dict, family: Family) -> int:
+    """The native MTP layers ``cfg`` declares: the first of the family layout's count keys present."""
+    keys = family.mtp_layout.count_keys if family.mtp_layout is not None else MTP_COUNT_KEYS
+    return int(next((cfg[k] for k in keys if cfg.get(k) is not None), 0))
 
 
 def read_json(path: Path) -> dict:

@@ -728,17 +728,23 @@ def _rows_of(dest: torch.Tensor, row: int, shape: tuple) -> torch.Tensor:
     return dest.view(-1, dest.shape[-1]).narrow(0, row, _rows(shape)).view(shape)
 
 
-def checkpoint_tensors(model: "Decoder", shapes: Dict[str, tuple]) -> Dict[str, torch.Tensor]:
+def checkpoint_tensors(model: "Decoder", shapes: Dict[str, tuple],
+                       stored: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
     """The inverse of loading: each checkpoint tensor named in ``shapes`` (name -> shape, the family's
     names, as the checkpoint the model was loaded from has them) as views of the rows of ``model``'s
     (fused) parameter it filled, in the model's dtype; names no parameter holds are left out. Only for
     a model whose parameters are dense (loaded without ``packed`` or ``blocked``).
 
+    A config whose norms hold an offset (``offset + w``, Gemma's, Qwen3.5's) needs ``stored``, the
+    checkpoint's own values of its norm tensors by name: each norm is given back by
+    :func:`stored_norm` (as stored where it did not change).
+
     Raises:
-        ValueError: a parameter held by a kernel, or a config whose norms hold an offset (Gemma).
+        ValueError: a parameter held by a kernel, or a config whose norms hold an offset without ``stored``.
     """
-    if model.cfg.norm_offset:
-        raise ValueError("norm weights held with an offset are not written back")
+    offset = model.cfg.norm_offset
+    if offset and stored is None:
+        raise ValueError("norm weights held with an offset are written back only beside their stored values")
     present = set(shapes) if model.cfg.moe is not None else None
     out: Dict[str, torch.Tensor] = {}
     for slot in _slots(model, present):
@@ -750,8 +756,18 @@ def checkpoint_tensors(model: "Decoder", shapes: Dict[str, tuple]) -> Dict[str, 
         row = 0
         for name in slot.names:
             out[name] = _rows_of(param.detach(), row, shapes[name])
+            if slot.norm and offset:
+                out[name] = stored_norm(out[name], stored.get(name), offset)
             row += _rows(shapes[name])
     return out
+
+
+def stored_norm(held: torch.Tensor, stored: Optional[torch.Tensor], offset: float) -> torch.Tensor:
+    """A norm weight held as ``offset + w`` (float32) given back as its checkpoint's ``w``: ``stored`` itself
+    (bit for bit) while ``held`` is still what loading made of it, else ``held - offset``."""
+    if stored is not None and torch.equal(stored.to(held.device, torch.float32) + offset, held):
+        return stored
+    return held - offset
 
 
 class _Filler:
@@ -963,9 +979,11 @@ class Decoder(nn.Module):
         renames = cfg.family.renames
         # the experts' layout, from the names as the tensor map reads them
         names = {renamed(n, renames) for n in read_headers(files)} if cfg.moe is not None else None
-        # MTP layers after the body's (num_nextn_predict_layers) are not the body's: not read, not checked
-        mtp = tuple(f"model.layers.{i}." for i in range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.mtp_layers))
-        mtp += cfg.family.ignored  # a family's own MTP tensors (Qwen3.5's mtp.*)
+        # native MTP layers are not the body's (mtpctl.drafters.mtp reads them): not read, not checked
+        layout, body = cfg.family.mtp_layout, cfg.num_hidden_layers
+        mtp = layout.tensor_prefixes(body, cfg.mtp_layers) if layout is not None else \
+            tuple(f"model.layers.{i}." for i in range(body, body + cfg.mtp_layers))
+        mtp += cfg.family.ignored  # tensors the family's body never reads (Qwen3.5's mtp.*, its vision tower)
         reader = CheckpointReader(files, expected_tensors(cfg, names), optional, ignored=mtp,
                                   renames=renames, fp8_block=cfg.fp8_block, mxfp4=cfg.mxfp4)  # headers only
         model = cls(cfg, dtype, device, lazy=True)

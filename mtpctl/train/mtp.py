@@ -40,12 +40,10 @@ import torch
 from torch import nn
 
 from mtpctl.decode.attention import unrolled_draft_mask
-from mtpctl.drafters.mtp import EXTRAS, MtpLayers
+from mtpctl.drafters.mtp import MtpLayers
 from mtpctl.model.decoder import checkpoint_tensors
 from mtpctl.train.eagle import EagleTrainer
 
-#: MtpLayers' attributes holding the extras (:data:`~mtpctl.drafters.mtp.EXTRAS`, in that order)
-EXTRA_ATTRS = ("enorm", "hnorm", "eh_proj", "norm")
 #: block parameters that stay frozen: DeepSeek's routing score bias is balanced, not trained by gradient
 FROZEN = ("router_bias",)
 
@@ -69,8 +67,9 @@ class _UnrolledKeys:
 
 class MtpHead(nn.Module):
     """The checkpoint's MTP layer as a trainable module: the block's parameters (the routing score bias
-    excepted) and the extras ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` in float32; the
-    embedding and head it reads stay frozen. ``layers`` computes with these very tensors, so the
+    excepted) and the layer's own tensors (``enorm``, ``hnorm``, ``eh_proj`` and the final norm where it
+    is the layer's: :attr:`MtpLayers.names`) in float32; the embedding and head it reads stay frozen (as a
+    final norm that is the body's). ``layers`` computes with these very tensors, so the
     drafter built on it drafts with what was trained.
 
     Raises:
@@ -85,10 +84,10 @@ class MtpHead(nn.Module):
         self.block = layers.block.layers[0]
         for name, param in self.block.named_parameters():
             param.requires_grad_(name not in FROZEN)
-        for name in EXTRA_ATTRS:
-            param = nn.Parameter(getattr(layers, name).detach().clone())
-            setattr(layers, name, param)
-            self.register_parameter(name, param)
+        for attr in layers.names:
+            param = nn.Parameter(getattr(layers, attr).detach().clone())
+            setattr(layers, attr, param)
+            self.register_parameter(attr, param)
 
     def forward(self, feats: torch.Tensor, token_embeds: torch.Tensor, valid: torch.Tensor,
                 steps: int) -> List[torch.Tensor]:
@@ -120,11 +119,15 @@ class MtpHead(nn.Module):
         return self.layers.logits(self.layers.normed(g))
 
     def tensors(self) -> Dict[str, torch.Tensor]:
-        """Checkpoint name (after the layer's prefix, ``model.layers.{L}.``) -> value of every tensor of
-        the layer this module holds: the block's and the extras (frozen ones as they were read)."""
-        block = checkpoint_tensors(self.layers.block, {f"model.layers.0.{n}": s for n, s in self.layers.shapes.items()})
-        out = {name[len("model.layers.0."):]: v for name, v in block.items()}
-        out.update({name: getattr(self, attr).detach() for name, attr in zip(EXTRAS, EXTRA_ATTRS)})
+        """Checkpoint name (after the layer's prefix, :attr:`MtpLayers.prefix`) -> value of every tensor of
+        the layer this module holds: the block's and the layer's own (frozen ones as they were read; norms
+        held with an offset given back as stored where unchanged)."""
+        layers = self.layers
+        shapes = {layers.block_name(n): s for n, s in layers.shapes.items() if layers.in_block(n)}
+        stored = {layers.block_name(n): t for n, t in layers.stored.items() if layers.in_block(n)}
+        block = checkpoint_tensors(layers.block, shapes, stored if layers.offset else None)
+        out = {layers.checkpoint_name(name): v for name, v in block.items()}
+        out.update({name: layers.stored_value(name, getattr(self, attr).detach()) for attr, name in layers.names.items()})
         return out
 
 

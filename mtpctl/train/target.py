@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from mtpctl.errors import CorruptModel
 from mtpctl.model.config import DecoderConfig
-from mtpctl.model.weights import check_tensors, safetensors_files
+from mtpctl.model.weights import check_tensors, renamed, safetensors_files
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
@@ -37,7 +37,7 @@ class TargetHead:
         """
         cfg = DecoderConfig.from_folder(Path(folder))
         names = [EMBED] if cfg.tie_word_embeddings else [EMBED, LM_HEAD]
-        found = _read_named(Path(folder), names)
+        found = _read_named(Path(folder), names, cfg.family.renames)
         check_tensors(found, {n: (cfg.vocab_size, cfg.hidden_size) for n in names}, source=str(folder))
         embed = found[EMBED].to(device, dtype)
         return cls(cfg, embed, embed if cfg.tie_word_embeddings else found[LM_HEAD].to(device, dtype))
@@ -61,17 +61,18 @@ class TargetHead:
         return self.lm_head
 
 
-def _read_named(folder: Path, names) -> Dict[str, torch.Tensor]:
+def _read_named(folder: Path, names, renames=()) -> Dict[str, torch.Tensor]:
     """Tensors ``names`` from the checkpoint's safetensors files (each file's header read; only these
-    tensors' bytes)."""
+    tensors' bytes), as the family's ``renames`` name them (a multimodal checkpoint's text body)."""
     from safetensors import SafetensorError, safe_open
 
     found: Dict[str, torch.Tensor] = {}
     for path in safetensors_files(folder):
         try:
             with safe_open(str(path), framework="pt") as handle:
-                for name in set(names) & set(handle.keys()):
-                    found[name] = handle.get_tensor(name)
+                for stored in handle.keys():
+                    if renamed(stored, renames) in names:
+                        found[renamed(stored, renames)] = handle.get_tensor(stored)
         except SafetensorError as err:
             raise CorruptModel(f"{path} is not a readable safetensors file ({err}); re-create or re-download it") \
                 from err

@@ -2,7 +2,7 @@
 :mod:`.qwen3`, :mod:`.gemma3_text`, :mod:`.qwen3_moe`, :mod:`.mixtral`,
 :mod:`.glm4_moe`, :mod:`.deepseek_v3`, :mod:`.gpt_oss`, :mod:`.llama4_text`, :mod:`.llama4`,
 :mod:`.qwen3_5_text`, :mod:`.qwen3_5`, :mod:`.qwen3_5_moe_text`, :mod:`.qwen3_5_moe`, :mod:`.qwen3_next`,
-:mod:`.ernie4_5_moe`),
+:mod:`.ernie4_5_moe`, :mod:`.mimo`),
 each a :class:`Family` description; :data:`FAMILIES` maps config.json's ``model_type`` to it. Adding a
 family: docs/architecture.md, "Adding a model family".
 """
@@ -13,8 +13,8 @@ from typing import Dict
 
 from mtpctl.errors import UnsupportedModel
 from mtpctl.model.families import (deepseek_v3, ernie4_5_moe, gemma3_text, glm4_moe, gpt_oss, llama, llama4,
-                                   llama4_text, mistral, mixtral, qwen2, qwen3, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text,
-                                   qwen3_moe, qwen3_next)
+                                   llama4_text, mimo, mistral, mixtral, qwen2, qwen3, qwen3_5, qwen3_5_moe,
+                                   qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next)
 from mtpctl.model.families.base import Block, Experts, Family, Tensor
 
 __all__ = ["Block", "Experts", "FAMILIES", "Family", "Tensor", "family_of"]
@@ -24,7 +24,7 @@ FAMILIES: Dict[str, Family] = {m.FAMILY.model_type: m.FAMILY for m in (llama, mi
                                                                       qwen3_moe, mixtral, glm4_moe, deepseek_v3,
                                                                       gpt_oss, qwen3_5_text, qwen3_5, qwen3_5_moe_text,
                                                                       qwen3_5_moe, qwen3_next, llama4_text, llama4,
-                                                                      ernie4_5_moe)}
+                                                                      ernie4_5_moe, mimo)}
 
 
 def family_of(model_type) -> Family:

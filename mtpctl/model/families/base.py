@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
+from mtpctl.model.families.mtp_layouts import MtpLayout
+
 #: the config's dimensions a tensor's shape is written in (:meth:`Family.shapes`)
 DIMS = {
     "h": lambda c: c.hidden_size,
@@ -331,6 +333,8 @@ class Family:
             text body under ``model.language_model.`` read as ``model.``.
         intermediate_key: the config key of the dense MLP's intermediate size (Llama 4's
             ``intermediate_size_mlp``; its ``intermediate_size`` is the experts').
+        mtp_layout: where its checkpoints keep native MTP layers (:mod:`.mtp_layouts`), None where
+            mtpctl reads none.
     """
 
     model_type: str
@@ -355,6 +359,7 @@ class Family:
     text_config: bool = False
     renames: Tuple[Tuple[str, str], ...] = ()
     intermediate_key: str = "intermediate_size"
+    mtp_layout: Optional[MtpLayout] = None
 
     def text_part(self, cfg: dict) -> dict:
         """``cfg`` (a parsed config.json) as the body reads it: for a :attr:`text_config` family its

@@ -8,12 +8,14 @@ layout (``rope_interleave``: pairs of adjacent values). YaRN rope scaling (``rop
 "yarn"``) scales the tables by its attention factor and the softmax scale by ``mscale(factor,
 mscale_all_dim) ** 2``. MoE as GLM-4.5's (sigmoid router, groups, shared experts,
 ``first_k_dense_replace`` dense layers); MTP layers at indices ``num_hidden_layers`` and above are not
-read by the body.
+read by the body (the MTP drafter reads them: :data:`~.mtp_layouts.DEEPSEEK`).
 
 The KV cache holds each head's expanded key and value (the value zero-padded to the key's length), not
 the compressed latent: see docs/architecture.md. No native layer stack, not exportable."""
 
 from mtpctl.model.families.base import MLA_LAYER, Block, Experts, Family
+from mtpctl.model.families.mtp_layouts import DEEPSEEK
 
 FAMILY = Family(model_type="deepseek_v3", architecture="DeepseekV3ForCausalLM", layer_tensors=MLA_LAYER,
-                block=Block(mla=True), exportable=False, native_stack=False, experts=Experts(), mlp_bias_key="")
+                block=Block(mla=True), exportable=False, native_stack=False, experts=Experts(), mlp_bias_key="",
+                mtp_layout=DEEPSEEK)

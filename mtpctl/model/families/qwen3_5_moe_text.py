@@ -6,7 +6,7 @@ experts of ``moe_intermediate_size``, softmax router, top ``num_experts_per_tok`
 weights rounded to the model's dtype; and one shared expert of ``shared_expert_intermediate_size``
 (``mlp.shared_expert.*``) scaled by ``sigmoid(mlp.shared_expert_gate(x))``. Experts load per expert (what
 ``save_pretrained`` writes) or stacked (transformers 5's ``state_dict``). The config names no
-``intermediate_size``: no layer has a dense MLP (0 here). ``mtp.*`` tensors are not read.
+``intermediate_size``: no layer has a dense MLP (0 here). ``mtp.*`` tensors are the MTP drafter's.
 
 The multimodal checkpoint (``qwen3_5_moe``) reads as this body (:mod:`.qwen3_5_moe`). No native layer
 stack, not exportable."""

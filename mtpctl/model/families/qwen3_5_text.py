@@ -6,7 +6,8 @@ Qwen3's (QK-norm) with an output gate (``q_proj`` gives each head's query then i
 rows a head; attention's output times ``sigmoid(gate)`` before ``o_proj``) and a rotary embedding on the
 first ``int(head_dim * partial_rotary_factor)`` values of each head (default 0.25). Every RMSNorm but the
 Gated DeltaNet's gated one holds ``1 + w``, scaled in float32 (as Gemma's). Checkpoints may carry the
-native MTP layers (``mtp.*``), which the body does not read.
+native MTP layers (``mtp.*``), which the body does not read (the MTP drafter does:
+:data:`~.mtp_layouts.QWEN`, for every Qwen3.5 and Qwen3-Next family).
 
 ``attention_bias`` adds q/k/v and o_proj biases. The multimodal checkpoint (``qwen3_5``) reads as this
 body (:mod:`.qwen3_5`); the MoE variant is :mod:`.qwen3_5_moe_text`. No native layer stack, not
@@ -14,6 +15,7 @@ exportable; the KV cache holds the attention layers only (``DecoderLayer.cache_i
 
 from mtpctl.model.families.base import (BIASES, DELTANET_LAYER, LLAMA_NORMS, PROJECTIONS, QK_NORMS, Block, Family,
                                         Tensor)
+from mtpctl.model.families.mtp_layouts import QWEN
 
 #: the full-attention layer's tensors: q_proj with the output gate's rows, then Qwen3's; biases (q's
 #: with the gate's rows, o_proj's too) where config.json sets ``attention_bias``
@@ -26,4 +28,5 @@ FAMILY = Family(model_type="qwen3_5_text", architecture="Qwen3_5ForCausalLM",
                 block=Block(qk_norm=True, norm_offset=1.0, partial_rotary=True, output_gate=True,
                             linear_attention=True),
                 defaults=(("partial_rotary_factor", 0.25), ("head_dim", 256)), exportable=False,
-                native_stack=False, mlp_bias_key="", linear_tensors=DELTANET_LAYER, ignored=("mtp.",))
+                native_stack=False, mlp_bias_key="", linear_tensors=DELTANET_LAYER, ignored=("mtp.",),
+                mtp_layout=QWEN)

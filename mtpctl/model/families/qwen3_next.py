@@ -7,7 +7,7 @@ SwiGLU experts of ``moe_intermediate_size``, softmax router, top ``num_experts_p
 ``norm_topk_prob``, and one shared expert of ``shared_expert_intermediate_size`` scaled by
 ``sigmoid(shared_expert_gate(x))``; the other layers a dense MLP of ``intermediate_size``. The Gated
 DeltaNet input projections are fused per key head (``in_proj_qkvz``, ``in_proj_ba``), reordered once
-loaded (:func:`mtpctl.model.gated_deltanet.grouped_rows`). ``mtp.*`` tensors are not read. No native
+loaded (:func:`mtpctl.model.gated_deltanet.grouped_rows`). ``mtp.*`` tensors are the MTP drafter's. No native
 layer stack, not exportable."""
 
 import dataclasses
