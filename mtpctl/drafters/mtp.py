@@ -271,7 +271,7 @@ class MtpLayers:
         (row s at position s + 1), writing their keys and values into ``cache`` (a KV cache, or any
         object with its ``length`` and ``write``) and attending as ``mask [B or 1, 1, N, slots]`` says."""
         positions = slots + 1
-        cos, sin = self.block.rope_cos[positions].unsqueeze(2), self.block.rope_sin[positions].unsqueeze(2)
+        cos, sin = (t.unsqueeze(2) for t in self.block.rope(positions))
         return self.block.layers[0](x, cos, sin, cache, mask)
 
     def normed(self, g: torch.Tensor) -> torch.Tensor:

@@ -242,10 +242,7 @@ class _Prefill:
         self.cache = model.new_cache(n)
         self.positions = positions = torch.arange(n, device=model.device)[None]
         self.masks = plans_on(attention_masks(model.cfg.layer_windows, 0, torch.arange(n), None, n), model.device)
-        self.ropes = {local: (cos[positions].unsqueeze(2), sin[positions].unsqueeze(2))
-                      for local, (cos, sin) in ((False, (model.rope_cos, model.rope_sin)),
-                                                (True, (model.rope_local_cos, model.rope_local_sin)))
-                      if cos is not None}
+        self.ropes = {local: tuple(t.unsqueeze(2) for t in model.rope(positions, local)) for local in (False, True)}
 
     def embed(self) -> torch.Tensor:
         model = self.model

@@ -118,6 +118,7 @@ class FusedStep(nn.Module):
         if model.packed_weights:
             raise UnsupportedModel("packed int4 weights cannot be exported: load the model with dense weights")
         self.model, self.heads = model, heads
+        model.reserve_rope(model.cfg.max_position_embeddings)  # the graph takes any position of the context
 
     def forward(self, input_ids, position_ids, attention_mask, *past):
         m = self.model
@@ -131,9 +132,8 @@ class FusedStep(nn.Module):
             x = F.embedding(input_ids, m.embed)
         if m.embed_scale is not None:
             x = x * m.embed_scale
-        rot = (m.rope_cos[position_ids].unsqueeze(2), m.rope_sin[position_ids].unsqueeze(2))
-        local = rot if m.rope_local_cos is None else (
-            m.rope_local_cos[position_ids].unsqueeze(2), m.rope_local_sin[position_ids].unsqueeze(2))
+        rot = tuple(t.unsqueeze(2) for t in m.rope(position_ids))  # the whole tables: constants of the graph
+        local = rot if m.rope_local_cos is None else tuple(t.unsqueeze(2) for t in m.rope(position_ids, True))
         masks: Dict[Optional[int], torch.Tensor] = {None: attention_mask}
         windows = set(w for w in cfg.layer_windows if w is not None)
         if windows:  # past slot j holds position j; new slot j holds position_ids[:, j]

@@ -98,6 +98,31 @@ def yarn_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
     return interpolation * (1 - keep) + extrapolation * keep
 
 
+#: rotary table rows a model builds at first, and the block of positions rows are computed in (so that a row
+#: holds the same bits in a table of any length: each block is the same computation)
+ROPE_START = 4096
+#: a Decoder's rotary table buffers: global cos, sin; the sliding-window layers' own cos, sin (Gemma 3)
+ROPE_TABLES = ("rope_cos", "rope_sin", "rope_local_cos", "rope_local_sin")
+
+
+def rope_rows(rope: RopeConfig, dim: int, start: int, end: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``[end - start, dim]`` (float32) of positions ``[start, end)``: the angles
+    ``position * inv_freq`` (:func:`rope_inv_freq`, float32) repeated over both halves, times YaRN's
+    attention factor (:func:`mtpctl.model.config.rope_attention_factor`; 1 otherwise), computed a block
+    of :data:`ROPE_START` positions at a time from ``start`` (a multiple of it)."""
+    inv, factor = rope_inv_freq(rope, dim), rope_attention_factor(rope)
+    cos, sin = [], []
+    for first in range(start, end, ROPE_START):
+        freqs = torch.outer(torch.arange(first, min(first + ROPE_START, end), dtype=torch.float32), inv)
+        angles = torch.cat((freqs, freqs), dim=-1)  # [block, dim]
+        c, s = angles.cos(), angles.sin()
+        if factor != 1.0:
+            c, s = c * factor, s * factor
+        cos.append(c)
+        sin.append(s)
+    return torch.cat(cos), torch.cat(sin)
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm (Zhang & Sennrich 2019) computed in float32, returned in ``x``'s dtype.
 
@@ -922,26 +947,74 @@ class Decoder(nn.Module):
         self.packed_weights: list = []  # names of the weights held packed (see load_hf_tensors)
         self.lm_head = self.embed if cfg.tie_word_embeddings else nn.Parameter(
             torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=where), requires_grad=False)
-        for prefix, rope in (("rope", cfg.rope), ("rope_local", cfg.rope_local)):
-            if rope is None:  # sliding-window layers share the global rope
-                self.rope_local_cos = self.rope_local_sin = None
-                continue
-            freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32),
-                                rope_inv_freq(rope, cfg.rope_dim))
-            angles = torch.cat((freqs, freqs), dim=-1)  # [max_position, rope_dim]
-            factor = rope_attention_factor(rope)  # YaRN's, on the tables in float32 (1 otherwise)
-            cos, sin = angles.cos(), angles.sin()
-            if factor != 1.0:
-                cos, sin = cos * factor, sin * factor
-            table = torch.float32 if cfg.pair_rope else dtype  # Llama 4 rotates in float32
-            self.register_buffer(prefix + "_cos", cos.to(device, table), persistent=False)
-            self.register_buffer(prefix + "_sin", sin.to(device, table), persistent=False)
+        # rotary tables [positions, rope_dim] (rope_local_*: None where sliding-window layers share the
+        # global rope): the first ROPE_START positions now, more as caches and passes ask (reserve_rope)
+        for name in ROPE_TABLES:
+            self.register_buffer(name, None, persistent=False)
+        self.reserve_rope(1)
         # per layer: rotate with the local rope (a sliding-window layer of a config that has one)
         self.local_rope = tuple(w is not None and cfg.rope_local is not None for w in cfg.layer_windows)
         #: decode and verify passes run every layer in one native call where it covers the blocks
         #: (:meth:`native_stack`); False runs them layer by layer (comparisons, profiles)
         self.layer_stack = True
         self._stack: Optional[Tuple[int, Optional[StackWeights]]] = None  # (id of the model it describes, stack)
+
+    @property
+    def rope_positions(self) -> int:
+        """Positions the rotary tables hold now (rows of ``rope_cos``); :meth:`reserve_rope` grows them."""
+        return self.rope_cos.shape[0]
+
+    def reserve_rope(self, end: int) -> None:
+        """Build the rotary tables for positions ``[0, end)`` at least (``end``: a host int, so nothing
+        waits on the device): when they hold fewer, they grow to the next power of two at or above
+        ``end``, at least :data:`ROPE_START`, at most ``max_position_embeddings`` (an ``end`` past it
+        builds them whole). The rows already built stay; the new ones hold the bits a table built at once
+        would hold (:func:`rope_rows`), in float32 for ``pair_rope`` (Llama 4), else the model's dtype.
+        A copy of the model that shares its buffer dict (:func:`mtpctl.drafters.self_draft.layer_subset`)
+        sees the grown tables too."""
+        cfg, have = self.cfg, 0 if self.rope_cos is None else self.rope_cos.shape[0]
+        limit = cfg.max_position_embeddings
+        if end <= have or have >= limit:
+            return
+        size = min(limit, max(ROPE_START, 1 << (end - 1).bit_length()))
+        table = torch.float32 if cfg.pair_rope else self.dtype  # Llama 4 rotates in float32
+        device = self.rope_cos.device if have else self._home
+        for prefix, rope in (("rope", cfg.rope), ("rope_local", cfg.rope_local)):
+            if rope is None:  # sliding-window layers share the global rope
+                continue
+            with torch.inference_mode(False):  # plain tensors, which training passes may also read
+                rows = [t.to(device, table) for t in rope_rows(rope, cfg.rope_dim, have, size)]
+                if have:
+                    rows = [torch.cat((getattr(self, prefix + part), new)) for part, new in zip(("_cos", "_sin"), rows)]
+            setattr(self, prefix + "_cos", rows[0])
+            setattr(self, prefix + "_sin", rows[1])
+
+    def rope(self, positions: torch.Tensor, local: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[*positions.shape, rope_dim]`` at ``positions`` (long, on the model's device) of
+        the global rotary tables, or with ``local`` of the sliding-window layers' own (the global ones
+        where the config has none).
+
+        Positions past the tables' rows grow them when ``positions`` is on the CPU (torch's bounds check
+        finds them; nothing is checked otherwise). On a GPU the rows must be there already: a KV cache
+        reserves its slots' positions when it is made (:meth:`new_cache`), and other callers
+        :meth:`reserve_rope` from the host.
+
+        Raises:
+            ValueError: a position at or past ``max_position_embeddings``.
+        """
+        cos, sin = (self.rope_local_cos, self.rope_local_sin) if local and self.rope_local_cos is not None \
+            else (self.rope_cos, self.rope_sin)
+        try:
+            return cos[positions], sin[positions]
+        except IndexError:  # a position past the rows built so far (or past the model's context)
+            last, limit = int(positions.max()), self.cfg.max_position_embeddings
+            if last >= limit:
+                raise ValueError(f"position {last} is past the model's context of {limit} positions "
+                                 "(max_position_embeddings)") from None
+            if last < self.rope_positions:
+                raise  # not a position the tables lack (a negative one past their length)
+            self.reserve_rope(last + 1)
+            return self.rope(positions, local)
 
     @classmethod
     def from_folder(cls, folder: Path, dtype: torch.dtype = torch.float32, packed: bool = False,
@@ -1050,8 +1123,12 @@ class Decoder(nn.Module):
         float32 in every dtype, so the cache is float32 (torch's ops read it without converting), or
         with ``compact`` in a bfloat16 model's dtype: its keys and values are bfloat16 values, so
         nothing is rounded, and the native kernels, which widen what they read, read half the bytes
-        (a pass's attention reads every committed slot of its sequences)."""
+        (a pass's attention reads every committed slot of its sequences).
+
+        The rotary tables grow to hold the positions of its slots, one past them included (an MTP
+        layer's row at slot s sits at position s + 1), here on the host rather than at each pass."""
         c = self.cfg
+        self.reserve_rope(capacity + spare + 1)
         dtype = torch.bfloat16 if compact and self.dtype == torch.bfloat16 else torch.float32
         linear = [layer.index for layer in self.layers if layer.deltanet is not None]
         cache = KVCache(c.num_hidden_layers - len(linear), batch, c.num_key_value_heads, c.head_dim, capacity, dtype,
@@ -1098,9 +1175,8 @@ class Decoder(nn.Module):
             x = x * self.embed_scale
         if aux is not None and 0 in aux:
             aux[0] = x
-        rot = (self.rope_cos[position_ids].unsqueeze(2), self.rope_sin[position_ids].unsqueeze(2))
-        local = rot if self.rope_local_cos is None else (
-            self.rope_local_cos[position_ids].unsqueeze(2), self.rope_local_sin[position_ids].unsqueeze(2))
+        rot = tuple(t.unsqueeze(2) for t in self.rope(position_ids))  # 2 x [batch, N, 1, rope_dim]
+        local = rot if self.rope_local_cos is None else tuple(t.unsqueeze(2) for t in self.rope(position_ids, True))
         for index, (layer, window, is_local) in enumerate(zip(self.layers, self.cfg.layer_windows, self.local_rope), 1):
             cos, sin = local if is_local else rot
             if plans is not None:
@@ -1119,7 +1195,7 @@ class Decoder(nn.Module):
         one call, or with ``aux`` in parts that end at its layers (each part computes what the whole
         stack does, so the tokens are the same either way)."""
         x = F.embedding(input_ids[0], self.embed)
-        cos, sin = self.rope_cos[position_ids[0]], self.rope_sin[position_ids[0]]
+        cos, sin = self.rope(position_ids[0])
         norm, layers = self.norm.detach(), self.cfg.num_hidden_layers
         if not aux:
             return layer_stack(x, self.stack, norm, cos, sin, cache.kv, cache.dest, cache.kv_bf16, plan)[None]

@@ -102,6 +102,7 @@ class MtpHead(nn.Module):
         """
         b, t, _ = feats.shape
         slots = torch.arange(t, device=feats.device)[None]
+        self.layers.block.reserve_rope(t + 1)  # rows sit at positions 1..t (known here, not on the device)
         cache, outs, current = _UnrolledKeys(), [], feats
         for step in range(1, steps + 1):
             x = self.layers.project(current, token_embeds)
