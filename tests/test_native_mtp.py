@@ -85,11 +85,19 @@ def folders(tmp_path_factory):
 
 def _transformers_drafts(folder, model_type, prompt, monkeypatch):
     """transformers' greedy generation with its MTP drafting: (tokens, [(pending position, [draft])])."""
+    return transformers_mtp_drafts(folder, prompt, monkeypatch, rf"model\.layers\.{LAYERS}\..*")
+
+
+def transformers_mtp_drafts(folder, prompt, monkeypatch, mtp_keys=None, new=NEW):
+    """transformers' greedy generation of ``new`` tokens with ``use_mtp=True`` (float32): (tokens,
+    [(pending position, [draft per MTP layer])]). ``mtp_keys``: the regex of the MTP tensors' names
+    ``MtpModel`` reads, set on the loaded model (the published models name their own layer numbers); None:
+    the class's own."""
     from transformers.generation.candidate_generator import MTPCandidateGenerator
 
-    cls = type(_reference(model_type))
-    monkeypatch.setattr(cls, "_keys_to_ignore_on_load_unexpected", [rf"model\.layers\.{LAYERS}\..*"])
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    if mtp_keys is not None:
+        model._keys_to_ignore_on_load_unexpected = [mtp_keys]  # what MtpModel.get_mtp_weights_regex reads
     drafts = []
     original = MTPCandidateGenerator.get_candidates
 
@@ -101,7 +109,7 @@ def _transformers_drafts(folder, model_type, prompt, monkeypatch):
 
     monkeypatch.setattr(MTPCandidateGenerator, "get_candidates", recording)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
                              use_mtp=True, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist(), drafts
 
