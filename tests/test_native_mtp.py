@@ -8,7 +8,8 @@ The reference drafts are transformers' own: ``generate(use_mtp=True, do_sample=F
 ``_keys_to_ignore_on_load_unexpected``, which names the published models' layer numbers: the test
 points it at layer 3 of the tiny models), and each ``get_candidates`` call is recorded: (position of the
 pending token, draft token). mtpctl's depth-1 drafter records the same pairs; both greedy generations
-accept the same drafts, so their steps line up one for one.
+accept the same drafts, so their steps line up one for one. A glm4_moe checkpoint with two MTP layers
+checks the chain of layers (depth i from layer i-1) against transformers' the same way.
 """
 
 import json
@@ -85,11 +86,19 @@ def folders(tmp_path_factory):
 
 def _transformers_drafts(folder, model_type, prompt, monkeypatch):
     """transformers' greedy generation with its MTP drafting: (tokens, [(pending position, [draft])])."""
+    return transformers_mtp_drafts(folder, prompt, monkeypatch, rf"model\.layers\.{LAYERS}\..*")
+
+
+def transformers_mtp_drafts(folder, prompt, monkeypatch, mtp_keys=None, new=NEW):
+    """transformers' greedy generation of ``new`` tokens with ``use_mtp=True`` (float32): (tokens,
+    [(pending position, [draft per MTP layer])]). ``mtp_keys``: the regex of the MTP tensors' names
+    ``MtpModel`` reads, set on the loaded model (the published models name their own layer numbers); None:
+    the class's own."""
     from transformers.generation.candidate_generator import MTPCandidateGenerator
 
-    cls = type(_reference(model_type))
-    monkeypatch.setattr(cls, "_keys_to_ignore_on_load_unexpected", [rf"model\.layers\.{LAYERS}\..*"])
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    if mtp_keys is not None:
+        model._keys_to_ignore_on_load_unexpected = [mtp_keys]  # what MtpModel.get_mtp_weights_regex reads
     drafts = []
     original = MTPCandidateGenerator.get_candidates
 
@@ -101,7 +110,7 @@ def _transformers_drafts(folder, model_type, prompt, monkeypatch):
 
     monkeypatch.setattr(MTPCandidateGenerator, "get_candidates", recording)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
                              use_mtp=True, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist(), drafts
 
@@ -183,3 +192,98 @@ def test_cli_json_and_a_target_without_mtp_layers(folders, capsys):
     code, out, err = cli(capsys, "generate", "-m", folders["plain"], "--json", "--max-new-tokens", 8,
                          "--no-chat", "--speculate", "mtp", "abc")
     assert_one_line_exit_2(code, out, err, "has no MTP layers (num_nextn_predict_layers is 0)")
+
+
+@pytest.fixture(scope="module")
+def two_layers(tmp_path_factory):
+    """A glm4_moe checkpoint with two MTP layers (``num_nextn_predict_layers`` 2: ``model.layers.{L}`` and
+    ``model.layers.{L + 1}``, each with fresh random weights) and the tiny tokenizer."""
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("two_mtp_layers")
+    folder = root / "glm4_moe"
+    random_reference_model("glm4_moe", **{**COMMON, "num_nextn_predict_layers": 2}, **EXTRA["glm4_moe"]).save_pretrained(
+        str(folder))
+    tensors = load_file(str(folder / "model.safetensors"))
+    first = _mtp_tensors(tensors, seed=21)
+    second = _mtp_tensors({**tensors, **first}, seed=22, layers=LAYERS + 1)
+    save_file({**tensors, **first, **second}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    copy_tokenizer_files(write_tiny_checkpoint(root / "tokenizer"), folder)
+    return folder
+
+
+def test_two_layers_draft_depth_two_as_transformers_chains_them(two_layers, monkeypatch):
+    """transformers' ``MtpModel`` drafts one token per layer, layer 1 reading layer 0's post-normed output
+    at the same row (``carry="normed"``), each layer with its own cache: mtpctl's two drafts a step equal
+    its own at every common step."""
+    from mtpctl.drafters.mtp import MtpSettings, mtp_drafter, read_mtp_layers
+
+    llm = _load(two_layers, speculate_policy="always")
+    layers = read_mtp_layers(llm.session.model, two_layers)
+    assert [(m.index, m.prefix) for m in layers] == [(0, f"model.layers.{LAYERS}."), (1, f"model.layers.{LAYERS + 1}.")]
+    assert not torch.equal(layers[0].eh_proj, layers[1].eh_proj)
+    compared = 0
+    for prompt in PROMPTS[:2]:
+        hf_tokens, hf_drafts = transformers_mtp_drafts(two_layers, list(prompt), monkeypatch,
+                                                       rf"model\.layers\.({LAYERS}|{LAYERS + 1})\..*")
+        record = []
+        drafter = mtp_drafter(llm.session, 2, MtpSettings(carry="normed"), record=record)
+        ours = run(llm.session.model, drafter, max_new=NEW, prompt=list(prompt))
+        assert ours.token_ids == hf_tokens[:len(ours.token_ids)]
+        theirs = {n: d for n, d in hf_drafts if len(d) == 2}
+        common = [(n, d) for n, d in record if n in theirs and len(d) == 2]
+        assert len(common) >= NEW // 4
+        assert [d for _, d in common] == [theirs[n] for n, _ in common]
+        compared += len(common)
+    assert compared >= NEW // 2
+
+
+def test_two_layers_and_recursion_past_them_equal_plain_decoding(two_layers):
+    from mtpctl.decode.session import GenerationRequest
+
+    expected = [_load(two_layers).pipeline.generate(list(p), NEW).token_ids for p in PROMPTS]
+    for depth in (1, 2, 4):  # 4: two more drafts from the second layer run on its own output
+        llm = _load(two_layers, "mtp", speculate_policy="always", draft_len=depth)
+        assert [llm.pipeline.generate(list(p), NEW).token_ids for p in PROMPTS] == expected, depth
+        batch = llm.generate_batch([GenerationRequest(list(p), NEW) for p in PROMPTS], max_batch=len(PROMPTS))
+        assert [r.token_ids for r in batch] == expected, depth
+
+
+def test_a_refresh_of_two_layers_is_depth_one_only(two_layers, tmp_path):
+    from mtpctl.drafters.mtp import MtpLayers
+    from mtpctl.errors import BadInput
+    from mtpctl.train.mtp_refresh import refresh_mtp
+    from mtpctl.train.settings import TrainSettings
+    from mtpctl.train.target import TargetHead
+
+    with pytest.raises(BadInput) as caught:
+        MtpLayers(TargetHead.from_folder(two_layers, torch.float32), two_layers, index=2)
+    assert "declares 2 MTP layer(s): there is no layer 2" in str(caught.value)
+    settings = TrainSettings(kind="mtp", num_heads=2, self_distill=True, response_tokens=8, steps=1, measure_prompts=0)
+    with pytest.raises(BadInput) as caught:
+        refresh_mtp(two_layers, [tmp_path / "unread.jsonl"], tmp_path / "out", settings, tmp_path / "home", device="cpu")
+    assert "has 2 MTP layers" in str(caught.value) and "--num-heads 1" in str(caught.value)
+
+
+def test_positions_taken_back_rebuild_every_layer(two_layers):
+    """After positions are taken back (a pass committing rows from before what the drafter holds), the
+    two layers draft what a fresh drafter given the same rows drafts."""
+    from types import SimpleNamespace
+
+    from mtpctl.decode.drafter import TargetStep
+    from mtpctl.drafters.mtp import MtpDrafter, read_mtp_layers
+
+    model = _load(two_layers).session.model
+    layers = read_mtp_layers(model, two_layers)
+    h = torch.randn(10, model.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+
+    def prefill(rows):
+        return TargetStep(SimpleNamespace(prompt_hidden_states=rows, hidden_states=None), row=rows.shape[0] - 1)
+
+    taken_back, fresh = [], []
+    drafter = MtpDrafter(layers, 3, record=taken_back)
+    drafter.propose(list(range(5, 16)), 3, prefill(h))  # positions 0..9 seen, pending token at 10
+    context = list(range(5, 13)) + [200]  # back to position 5; another token at 8
+    drafter.propose(context, 3, prefill(h[5:8]))
+    MtpDrafter(layers, 3, record=fresh).propose(context, 3, prefill(h[:8]))
+    assert drafter.held == 8 and taken_back[1] == fresh[0] and len(fresh[0][1]) == 3

@@ -226,12 +226,13 @@ def test_mtp_speculation_equals_plain_greedy(checkpoints, layout):
 def test_the_layouts_come_from_the_family_descriptions(checkpoints):
     from mtpctl.drafters.mtp import MtpLayers, MtpSettings
     from mtpctl.model.families import FAMILIES
-    from mtpctl.model.families.mtp_layouts import DEEPSEEK, MIMO as MIMO_LAYOUT, QWEN
+    from mtpctl.model.families.mtp_layouts import DEEPSEEK, ERNIE, MIMO as MIMO_LAYOUT, QWEN
     from mtpctl.train.target import TargetHead
 
     with_layouts = {t: f.mtp_layout for t, f in FAMILIES.items() if f.mtp_layout is not None}
     assert with_layouts == {"glm4_moe": DEEPSEEK, "deepseek_v3": DEEPSEEK, "qwen3_5_text": QWEN, "qwen3_5": QWEN,
-                            "qwen3_5_moe_text": QWEN, "qwen3_5_moe": QWEN, "qwen3_next": QWEN, "mimo": MIMO_LAYOUT}
+                            "qwen3_5_moe_text": QWEN, "qwen3_5_moe": QWEN, "qwen3_next": QWEN, "mimo": MIMO_LAYOUT,
+                            "ernie4_5_moe": ERNIE}
     folder = checkpoints["qwen3_5"][2]
     layers = MtpLayers(TargetHead.from_folder(folder, torch.float32), folder, MtpSettings(zero_first_embedding=True))
     assert layers.prefix == "mtp." and layers.count == 1 and layers.offset == 1.0

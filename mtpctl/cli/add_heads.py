@@ -90,9 +90,10 @@ Examples:
                    "features, --num-heads steps deep (hydra and eagle: torch backend only); eagle3: EAGLE-3, "
                    "the layer reading a low, a middle and a high target layer, with its own lm_head (what "
                    "vLLM, SGLang and TensorRT-LLM run: mtpctl export --format); mtp: the checkpoint's own MTP "
-                   "layer (GLM-4.5, DeepSeek-V3, Qwen3.5, Qwen3-Next, MiMo): measure its acceptance, refresh it "
-                   "on the current body and write a new checkpoint folder to --out where only its tensors change "
-                   "[default: medusa].")
+                   "layer (GLM-4.5, DeepSeek-V3, Qwen3.5, Qwen3-Next, MiMo, ERNIE-4.5-MoE): measure its "
+                   "acceptance, refresh it on the current body and write a new checkpoint folder to --out where only its tensors change "
+                   "(a checkpoint with several MTP layers: the first only, at depth 1; the others are written "
+                   "unchanged) [default: medusa].")
 @click.option("--num-heads", type=int, default=None,
               help="K heads; head k predicts k+1 tokens past the next; eagle and mtp: draft steps (depths) [default: 4; "
                    "mtp: 1].")

@@ -89,8 +89,8 @@ Examples:
 @click.option("--speculate", default="none", show_default=True,
               help="Drafter: none (plain decoding), or one or more of heads (MTP heads, --heads), draft (a draft "
                    "model or the target's own layers, --draft), mtp (the checkpoint's own MTP layers, a chain of "
-                   "--draft-len tokens: GLM-4.5, DeepSeek-V3, Qwen3.5, Qwen3-Next, MiMo), ngram (prompt lookup, "
-                   "a chain of --draft-len tokens), "
+                   "--draft-len tokens: GLM-4.5, DeepSeek-V3, Qwen3.5, Qwen3-Next, MiMo, ERNIE-4.5-MoE), ngram "
+                   "(prompt lookup, a chain of --draft-len tokens), "
                    "retrieval (a tree of --retrieval-nodes continuations from a datastore of the target's own text), "
                    "suffix (suffix decoding: the most frequent continuations of the context's suffix in this request "
                    "and in the responses served before, --suffix-*) and lookahead (lookahead decoding, --lookahead) "

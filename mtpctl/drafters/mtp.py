@@ -10,14 +10,20 @@ Row j of an MTP layer reads the target's hidden state ``h_j`` (after its final n
 ``x_{j+1}``: ``u_j = proj [norm_e(embed(x_{j+1})) ; norm_h(h_j)]`` (MiMo: the hidden state first), runs
 the block (attention over rows ``0..j`` of the layer's own KV cache; on a hybrid Gated DeltaNet body too
 the block attends, so its cache is a KV cache and the body's recurrent state is not the drafter's) and
-gives ``g_j``; the final norm then the head turn ``g_j`` into logits for ``x_{j+2}``. Drafting deeper
-than the trained layers reuses the layer on its own output (as vLLM does): the next row reads ``g`` (raw
-or normed, :class:`MtpSettings`, whose defaults are the layout's engine's) and the token just drafted.
+gives ``g_j``; the final norm then the head turn ``g_j`` into logits for ``x_{j+2}``.
 
-:class:`MtpLayers` reads the layer strictly from the checkpoint; :class:`MtpDrafter` keeps its KV cache
-indexed by position, as the EAGLE drafter does (:mod:`mtpctl.drafters.heads.eagle`): each call first
-runs the rows the target committed in its last pass with their true hidden states (overwriting what
-draft rows wrote there), then drafts a chain of k tokens past them, which the next call overwrites.
+A checkpoint may declare several layers (DeepSeek-V3's sequential MTP modules): layer i (0-based) row j
+reads layer i-1's output at row j (raw or normed, :class:`MtpSettings`, whose defaults are the layout's
+engine's) and the token ``x_{j+i+1}``, and predicts ``x_{j+i+2}``; so layer i drafts depth i+1, each
+with its own KV cache, as transformers' ``MtpModel`` chains them (row j of layer i at position
+j + i + 1). Drafting deeper than the last layer reuses it on its own output (as vLLM does): the next row
+reads its output and the token just drafted.
+
+:class:`MtpLayers` reads one layer strictly from the checkpoint (:func:`read_mtp_layers`: all of them);
+:class:`MtpDrafter` keeps each layer's KV cache indexed by position, as the EAGLE drafter does
+(:mod:`mtpctl.drafters.heads.eagle`): each call first runs the rows whose inputs the target committed
+(their true hidden states and tokens, overwriting what draft rows wrote there), then drafts a chain of k
+tokens past them, which the next call overwrites.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from mtpctl.model.families.mtp_layouts import MtpLayout, MtpSettings
 from mtpctl.model.weights import (MemoryTensors, TensorInfo, check_finite as check_finite_tensor, read_headers,
                                   shard_files)
 
-__all__ = ["MtpDrafter", "MtpLayers", "MtpSettings", "check_mtp_layers", "mtp_drafter"]
+__all__ = ["MtpDrafter", "MtpLayers", "MtpSettings", "check_mtp_layers", "mtp_drafter", "read_mtp_layers"]
 
 #: the MtpLayers attribute of each role of a layout's own tensors (:data:`~mtpctl.model.families.mtp_layouts.ROLES`)
 ATTRS = {"embedding_norm": "enorm", "hidden_norm": "hnorm", "projection": "eh_proj", "final_norm": "norm"}
@@ -102,7 +108,7 @@ def block_config(layout: MtpLayout, raw: dict) -> DecoderConfig:
 
 
 class MtpLayers:
-    """The first MTP layer of a checkpoint, ready to draft beside the target ``model``.
+    """MTP layer ``index`` (0: the first) of a checkpoint, ready to draft beside the target ``model``.
 
     The block is held as a one-layer :class:`~mtpctl.model.decoder.Decoder` (``self.block``: its
     ``layers[0]``, rope tables and KV cache shapes; its embedding is the target's, not copied; its own
@@ -122,15 +128,20 @@ class MtpLayers:
         embed: ``[V, H]`` the embedding the layer reads (its own copy, or the target's).
         head: ``[V, H]`` its own lm_head copy where used and unlike the target's lm_head, else None (the
             target's lm_head, on its kernels).
-        count: MTP layers the checkpoint declares (only the first drafts).
+        count: MTP layers the checkpoint declares.
+        index: which of them this is (it drafts depth ``index + 1``; its rows sit ``index`` positions
+            later than the first layer's).
         shapes: checkpoint name (after :attr:`prefix`) -> shape of every tensor of the layer read.
         stored: checkpoint name (after :attr:`prefix`) -> value as read of each one-dimensional tensor of
             the layer where norms hold an offset (writing back gives unchanged norms as stored, bit for bit).
     """
 
-    def __init__(self, model: Decoder, folder: Path, settings: MtpSettings = MtpSettings()):
+    def __init__(self, model: Decoder, folder: Path, settings: MtpSettings = MtpSettings(), index: int = 0):
         cfg = model.cfg
         check_mtp_layers(cfg, folder)
+        if not 0 <= index < cfg.mtp_layers:
+            raise BadInput(f"{folder} declares {cfg.mtp_layers} MTP layer(s): there is no layer {index}", option="mtp")
+        self.index = index
         layout = cfg.family.mtp_layout
         raw = cfg.family.text_part(read_json(Path(folder) / "config.json"))
         for key, value in layout.refused:
@@ -142,7 +153,7 @@ class MtpLayers:
         self.cfg = block_config(layout, raw)
         if self.cfg.layer_windows[0] is not None:
             raise UnsupportedModel(f"{folder}: a sliding-window MTP block is not read", option="speculate")
-        n = layout.number(cfg.num_hidden_layers)
+        n = layout.number(cfg.num_hidden_layers, index)
         self.prefix, self.block_prefix = layout.prefix.format(n=n), layout.block.format(n=n)
         roles = layout.names(n)
         self.names = {ATTRS[role]: name for role, name in roles.items() if role in ATTRS}
@@ -196,7 +207,7 @@ class MtpLayers:
         return held
 
     def _read(self, folder: Path) -> Dict[str, torch.Tensor]:
-        """The first MTP layer's tensors (names after :attr:`prefix`), checked: the block's names and
+        """The layer's tensors (names after :attr:`prefix`), checked: the block's names and
         shapes are the family's layer's, the others are present with their shapes, and every value is
         finite; block-scaled FP8 weights dequantized to float32 (their scales consumed)."""
         files = shard_files(folder)
@@ -239,13 +250,14 @@ class MtpLayers:
         the block attends, and the body's Gated DeltaNet states are not the drafter's)."""
         cache = self.block.new_cache(capacity)
         cache.linear = None
+        self.block.reserve_rope(capacity + 1 + self.index)  # row s of layer i sits at position s + 1 + i
         return cache
 
     def rows(self, hidden: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor, cache) -> torch.Tensor:
         """Run rows ``(hidden [M, H], tokens [M])`` at consecutive ``slots [M]`` (from ``cache.length``)
         through the layer, each attending to the slots up to its own; writes their KV (uncommitted) and
-        returns the block's raw outputs ``g [M, H]``. Row s sits at position s + 1 (transformers'; the
-        attention reads relative positions only)."""
+        returns the block's raw outputs ``g [M, H]``. Row s sits at position s + 1 + :attr:`index`
+        (transformers'; the attention reads relative positions only)."""
         device = self.eh_proj.device
         slots = slots.to(device)
         x = self.project(hidden, self.embedding(tokens.to(device), slots))
@@ -268,9 +280,9 @@ class MtpLayers:
 
     def run_block(self, x: torch.Tensor, slots: torch.Tensor, cache, mask: torch.Tensor) -> torch.Tensor:
         """The block's raw outputs ``[B, N, H]`` of inputs ``x [B, N, H]`` at ``slots [1 or B, N]``
-        (row s at position s + 1), writing their keys and values into ``cache`` (a KV cache, or any
+        (row s at position s + 1 + :attr:`index`), writing their keys and values into ``cache`` (a KV cache, or any
         object with its ``length`` and ``write``) and attending as ``mask [B or 1, 1, N, slots]`` says."""
-        positions = slots + 1
+        positions = slots + 1 + self.index
         cos, sin = (t.unsqueeze(2) for t in self.block.rope(positions))
         return self.block.layers[0](x, cos, sin, cache, mask)
 
@@ -289,29 +301,44 @@ class MtpLayers:
         return normed if self.settings.carry == "normed" else g
 
 
+def read_mtp_layers(model: Decoder, folder: Path, settings: MtpSettings = MtpSettings()) -> List[MtpLayers]:
+    """Every MTP layer the checkpoint in ``folder`` declares (:class:`MtpLayers` each), in order."""
+    first = MtpLayers(model, folder, settings)
+    return [first] + [MtpLayers(model, folder, settings, k) for k in range(1, first.count)]
+
+
 class MtpDrafter(Drafter):
-    """Drafts a chain of up to ``budget`` tokens with the checkpoint's MTP layer: token 1 from the row
-    of the target's last committed hidden state and the pending token, tokens 2.. by running the layer
-    again on its own output (recursively past its trained depth of one). Drafts are greedy (q None):
-    rejection sampling commits the target's own samples, so sampled requests stay seed-stable.
+    """Drafts a chain of up to ``budget`` tokens with the checkpoint's MTP layers: token 1 from layer 0's
+    row of the target's last committed hidden state and the pending token, token i+1 from layer i's row
+    at the same position (reading layer i-1's output there and token i), tokens past the last layer by
+    running it again on its own output (recursively). Drafts are greedy (q None): rejection sampling
+    commits the target's own samples, so sampled requests stay seed-stable.
+
+    Each layer i holds the rows whose inputs are committed: row j once the target committed ``h_j`` and
+    the token ``x_{j+i+1}``; its KV cache holds them, and :attr:`kept` the inputs of the rows after them
+    known so far (the target's hidden states for layer 0, layer i-1's carried outputs for layer i).
 
     Attributes:
-        layers: the :class:`MtpLayers` (shared by forks).
-        cache: this request's KV cache of the layer; ``cache.length`` rows hold committed positions.
+        layers: the :class:`MtpLayers`, one per layer (shared by forks).
+        caches: this request's KV cache of each layer; ``caches[i].length`` rows hold committed rows.
+        kept: per layer, the committed inputs ``[rows, H]`` of its rows not run yet.
+        history: with several layers, every committed hidden state of the target (to rebuild the layers'
+            rows when positions are taken back); None with one.
         record: a list each call appends its chain to, ``(position of the pending token, draft tokens)``,
             shared by forks (tests compare them with transformers'); None: nothing kept.
     """
 
-    def __init__(self, layers: MtpLayers, budget: int, record: Optional[list] = None):
+    def __init__(self, layers: Sequence[MtpLayers], budget: int, record: Optional[list] = None):
         if not 1 <= budget <= MAX_DRAFT_DEPTH:
             raise BadInput(f"MTP drafting takes 1 to {MAX_DRAFT_DEPTH} tokens a step, not {budget}", option="draft_len")
-        self.layers, self.budget, self.record = layers, budget, record
-        self.cache = layers.new_cache(256)
-        self.kept: List[torch.Tensor] = []  # committed rows' hidden states not run yet (steps that drafted nothing)
+        self.layers, self.budget, self.record = list(layers), budget, record
+        self.caches = [layer.new_cache(256) for layer in self.layers]
+        self.kept: List[List[torch.Tensor]] = [[] for _ in self.layers]
+        self.history: Optional[List[torch.Tensor]] = [] if len(self.layers) > 1 else None
         self.held = 0  # positions whose hidden states were seen (run or kept)
 
     def fork(self) -> "MtpDrafter":
-        """The same layer with an empty KV cache of its own."""
+        """The same layers with empty KV caches of their own."""
         return MtpDrafter(self.layers, self.budget, self.record)
 
     def propose(self, context: Sequence[int], max_tokens: int, last: Optional[TargetStep] = None) -> DraftTree:
@@ -335,33 +362,61 @@ class MtpDrafter(Drafter):
             if start != self.held:
                 raise ValueError(f"the MTP drafter holds {self.held} positions but the target's last pass "
                                  f"committed positions from {start}: it must see every target pass")
-            self.kept.append(hidden)
+            self.kept[0].append(hidden)
+            if self.history is not None:
+                self.history.append(hidden)
             self.held = n
             k = min(max_tokens, self.budget)
             if k <= 0:
                 return DraftTree(pending)
-            first = self.cache.length
-            rows = torch.cat(self.kept) if len(self.kept) > 1 else hidden
-            self.kept = []
-            tokens = torch.tensor(list(context[first + 1:n + 1]), dtype=torch.long)
-            self._reserve(n + k)
-            g = self.layers.rows(rows.to(self.layers.eh_proj.dtype), tokens, torch.arange(first, n), self.cache)
-            self.cache.advance(n - first)
-            g = g[-1:]
-            drafted: List[int] = []
-            for step in range(k):
-                normed = self.layers.normed(g)
-                token = int(check_finite(self.layers.logits(normed), "the MTP layer")[0].argmax())
-                drafted.append(token)
-                if step + 1 == k:
-                    break
-                g = self.layers.rows(self.layers.carried(g, normed), torch.tensor([token]),
-                                     torch.tensor([self.cache.length]), self.cache)
-                self.cache.advance(1)
-            self.cache.rollback(n)
+            drafted = self._draft(list(context), n, k)
         if self.record is not None:
             self.record.append((n, drafted))
         return DraftTree.chain([pending] + drafted)
+
+    def _draft(self, context: List[int], n: int, k: int) -> List[int]:
+        """``k`` draft tokens after the pending token at position ``n``: each layer used runs its rows from
+        its cache's length to n - 1 (those reading drafted tokens, or outputs that did, last), commits
+        the ones whose inputs are committed and hands their carried outputs to the next layer."""
+        self._reserve(n + k)
+        drafted: List[int] = []
+        used = min(k, len(self.layers))
+        commits, draft_rows, g = [], None, None
+        for i in range(used):
+            layer, cache = self.layers[i], self.caches[i]
+            first = cache.length
+            kept = torch.cat(self.kept[i]) if self.kept[i] else draft_rows[:0]
+            rows = kept if draft_rows is None else torch.cat((kept, draft_rows))
+            if rows.shape[0] != n - first:
+                raise ValueError(f"MTP layer {i} holds inputs of {rows.shape[0]} rows, not {n - first}: it missed "
+                                 "a target pass")
+            tokens = torch.tensor((context + drafted)[first + i + 1:n + i + 1], dtype=torch.long)
+            g = layer.rows(rows.to(layer.eh_proj.dtype), tokens, torch.arange(first, n), cache)  # rows first..n-1
+            cache.advance(n - first)
+            normed = layer.normed(g)
+            drafted.append(self._argmax(layer, normed[-1:]))
+            valid = max(n - i - first, 0)  # rows first..n-1-i read committed tokens only
+            commits.append(first + valid)
+            self.kept[i] = [kept[valid:]] if kept.shape[0] > valid else []
+            if i + 1 < len(self.layers):
+                carried = layer.carried(g, normed)
+                if valid:
+                    self.kept[i + 1].append(carried[:valid])
+                draft_rows = carried[valid:]
+        layer, cache = self.layers[used - 1], self.caches[used - 1]
+        g = g[-1:]
+        while len(drafted) < k:  # past the last layer: the last layer again on its own output
+            g = layer.rows(layer.carried(g, layer.normed(g)), torch.tensor([drafted[-1]]),
+                           torch.tensor([cache.length]), cache)
+            cache.advance(1)
+            drafted.append(self._argmax(layer, layer.normed(g)))
+        for cache, length in zip(self.caches, commits):
+            cache.rollback(length)
+        return drafted
+
+    @staticmethod
+    def _argmax(layer: MtpLayers, normed: torch.Tensor) -> int:
+        return int(check_finite(layer.logits(normed), "the MTP layer")[0].argmax())
 
     def _committed(self, last: TargetStep) -> torch.Tensor:
         if last.rows is not None:
@@ -371,29 +426,41 @@ class MtpDrafter(Drafter):
         return last.out.prompt_hidden_states
 
     def _forget(self, start: int) -> None:
-        """Forget positions from ``start`` on (their rows are recomputed when seen again)."""
-        kept_from = self.cache.length
+        """Forget positions from ``start`` on (their rows are recomputed when seen again). With several
+        layers every layer's rows are rebuilt from the target's hidden states kept in :attr:`history`."""
+        if self.history is not None:
+            kept = torch.cat(self.history)[:start] if self.history else None
+            for cache in self.caches:
+                cache.rollback(0)
+            self.kept = [[kept] if kept is not None and kept.shape[0] else []] + [[] for _ in self.layers[1:]]
+            self.history = list(self.kept[0])
+            self.held = start
+            return
+        cache = self.caches[0]
+        kept_from = cache.length
         if start <= kept_from:
-            self.cache.rollback(start)
-            self.kept = []
+            cache.rollback(start)
+            self.kept[0] = []
         else:
-            rows = torch.cat(self.kept)[: start - kept_from]
-            self.kept = [rows] if rows.shape[0] else []
+            rows = torch.cat(self.kept[0])[: start - kept_from]
+            self.kept[0] = [rows] if rows.shape[0] else []
         self.held = start
 
     def _reserve(self, slots: int) -> None:
-        if slots > self.cache.capacity:
-            grown = self.layers.new_cache(max(slots, 2 * self.cache.capacity))
-            length = self.cache.length
-            grown.k[:, :, :, :length] = self.cache.k[:, :, :, :length]
-            grown.v[:, :, :, :length] = self.cache.v[:, :, :, :length]
-            grown.length = length
-            self.cache = grown
+        for i, cache in enumerate(self.caches):
+            if slots > cache.capacity:
+                grown = self.layers[i].new_cache(max(slots, 2 * cache.capacity))
+                length = cache.length
+                grown.k[:, :, :, :length] = cache.k[:, :, :, :length]
+                grown.v[:, :, :, :length] = cache.v[:, :, :, :length]
+                grown.length = length
+                self.caches[i] = grown
 
 
 def mtp_drafter(session, budget: int, settings: Optional[MtpSettings] = None,
                 record: Optional[list] = None) -> MtpDrafter:
-    """The MTP drafter of ``session``'s target (its checkpoint's own layers), ``budget`` tokens a step.
+    """The MTP drafter of ``session``'s target (its checkpoint's own layers, all of them), ``budget``
+    tokens a step.
 
     Raises:
         BadInput: a backend without the torch model, a target without MTP layers, a budget out of range.
@@ -404,5 +471,4 @@ def mtp_drafter(session, budget: int, settings: Optional[MtpSettings] = None,
         raise BadInput(f"MTP layers draft beside the torch backend's target, not {session.backend}", option="backend")
     settings = settings or MtpSettings()
     settings.check()
-    return MtpDrafter(MtpLayers(session.model, session.folder, settings), budget, record)
-
+    return MtpDrafter(read_mtp_layers(session.model, session.folder, settings), budget, record)

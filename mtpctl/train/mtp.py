@@ -1,8 +1,9 @@
 """``add-heads --kind mtp``: measure and refresh a checkpoint's own MTP layer on the current body.
 
-The layer is the one ``--speculate mtp`` drafts with (:class:`~mtpctl.drafters.mtp.MtpLayers`, the
-same row math): :class:`MtpHead` makes its tensors trainable (float32) and unrolls it over whole
-sequences of the cached features as the EAGLE layer's training-time test does
+The layer is the first one ``--speculate mtp`` drafts with (:class:`~mtpctl.drafters.mtp.MtpLayers`, the
+same row math; a checkpoint's later layers, which draft depths 2 and on, are not trained here):
+:class:`MtpHead` makes its tensors trainable (float32) and unrolls it over whole sequences of the
+cached features as the EAGLE layer's training-time test does
 (:class:`~mtpctl.train.eagle.EagleTrainer`, :func:`~mtpctl.decode.attention.unrolled_draft_mask`):
 depth 1 at row p reads the body's hidden state ``h_p`` (after its final norm) and the token
 ``x_{p+1}`` and predicts ``x_{p+2}``; depth s reads depth s-1's output at row p-1 (raw or normed,

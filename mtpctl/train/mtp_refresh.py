@@ -9,6 +9,11 @@ self-distillation on the current body, and write it back into a new checkpoint f
 4. measure again on the same held-out sequences;
 5. write back (:func:`mtpctl.model.rewrite.rewrite_checkpoint`): a new folder where only the layer's
    tensors hold new values (same names, dtypes, shards), with ``mtp_refresh.json`` (the figures).
+
+Only the first MTP layer is measured and refreshed. On a checkpoint with several, the later layers draft
+depths 2.. (:class:`~mtpctl.drafters.mtp.MtpDrafter`), which the recursive depths here would not measure:
+the depth is then 1 (``num_heads`` > 1 is refused), and the others are written back unchanged, with a
+warning (they read the refreshed first layer's output).
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ def refresh_mtp(target_folder: Path, data: Sequence[Path], out: Optional[Path], 
 
     Raises:
         BadInput: bad settings, no ``out``, ``out`` exists without ``overwrite`` or is the target, a
-            checkpoint without MTP layers, several processes.
+            checkpoint without MTP layers, a depth over 1 on a checkpoint with several, several processes.
         UnsupportedModel: a family whose MTP layers are not read; a refresh of a block-scaled FP8 checkpoint.
         CorruptModel: an MTP layer without the published layout.
     """
@@ -63,6 +68,9 @@ def refresh_mtp(target_folder: Path, data: Sequence[Path], out: Optional[Path], 
     cfg = DecoderConfig.from_folder(target_folder)
     check_mtp_layers(cfg, target_folder, option="kind",
                      instead="add-heads --kind mtp refreshes a checkpoint's own layers (train heads of another kind)")
+    if cfg.mtp_layers > 1 and settings.num_heads > 1:
+        raise BadInput(f"{target_folder} has {cfg.mtp_layers} MTP layers: its layer k+1 drafts depth k+1, and only "
+                       "the first is measured and refreshed here: use depth 1 (--num-heads 1)", option="num_heads")
     if cfg.fp8_block is not None and not measure_only:
         raise UnsupportedModel(f"{target_folder} holds block-scaled FP8 weights: a refreshed MTP layer is not "
                                "written back into them (measure it only)", option="measure_only")
@@ -77,7 +85,8 @@ def refresh_mtp(target_folder: Path, data: Sequence[Path], out: Optional[Path], 
     layers = MtpLayers(target, target_folder, mtp)
     if layers.count > 1:
         distributed.log(f"warning: only the first of the checkpoint's {layers.count} MTP layers is measured and "
-                        "refreshed; the others are written unchanged")
+                        "refreshed; the others, which draft depths 2 and on reading its output, are written "
+                        "unchanged")
     run.work.mkdir(parents=True, exist_ok=True)
     trainer = MtpTrainer(target, run.store, run.settings, run.work, layers, device=where)
     summary = {"target": str(target_folder), "depth": run.settings.num_heads, "settings": asdict(run.settings)}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -15,18 +15,21 @@ from mtpctl.errors import CorruptModel
 from mtpctl.model.config import DecoderConfig
 from mtpctl.model.weights import check_tensors, renamed, safetensors_files
 
-EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+EMBED, LM_HEAD, NORM = "model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"
 
 
 @dataclass
 class TargetHead:
     """The target's embedding and lm_head ``[vocab, hidden]`` (the same tensor when tied), on one
     device in one dtype; :meth:`logits` is :meth:`mtpctl.model.decoder.Decoder.logits` of a dense
-    lm_head."""
+    lm_head. ``norm``: the body's final norm ``[hidden]`` where the family's native MTP layers use it as
+    theirs (ERNIE-4.5's layout: ``final_norm`` ""), held as :class:`~mtpctl.model.decoder.Decoder` holds
+    it; else None."""
 
     cfg: DecoderConfig
     embed: torch.Tensor
     lm_head: torch.Tensor
+    norm: Optional[torch.Tensor] = None
 
     @classmethod
     def from_folder(cls, folder: Path, dtype: torch.dtype, device: torch.device = torch.device("cpu")) -> "TargetHead":
@@ -37,10 +40,16 @@ class TargetHead:
         """
         cfg = DecoderConfig.from_folder(Path(folder))
         names = [EMBED] if cfg.tie_word_embeddings else [EMBED, LM_HEAD]
-        found = _read_named(Path(folder), names, cfg.family.renames)
-        check_tensors(found, {n: (cfg.vocab_size, cfg.hidden_size) for n in names}, source=str(folder))
+        layout = cfg.family.mtp_layout
+        shared_norm = layout is not None and not layout.final_norm and cfg.mtp_layers > 0
+        found = _read_named(Path(folder), names + [NORM] * shared_norm, cfg.family.renames)
+        shapes = {n: (cfg.vocab_size, cfg.hidden_size) for n in names}
+        check_tensors(found, {**shapes, **({NORM: (cfg.hidden_size,)} if shared_norm else {})}, source=str(folder))
         embed = found[EMBED].to(device, dtype)
-        return cls(cfg, embed, embed if cfg.tie_word_embeddings else found[LM_HEAD].to(device, dtype))
+        norm = found[NORM].to(device, torch.float32 if cfg.norm_offset else dtype) if shared_norm else None
+        if norm is not None and cfg.norm_offset:  # held as the Decoder holds it: offset + w in float32
+            norm = norm + cfg.norm_offset
+        return cls(cfg, embed, embed if cfg.tie_word_embeddings else found[LM_HEAD].to(device, dtype), norm)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -13,15 +13,17 @@ as ``mlp.moe_statics.*``) or stacked (transformers 5's ``state_dict``, the bias 
 
 Released checkpoints carry ``num_nextn_predict_layers`` MTP layers as ``model.mtp_block.{k}.*``,
 ``model.mtp_emb_norm.{k}``, ``model.mtp_hidden_norm.{k}`` and ``model.mtp_linear_proj.{k}``, which the body
-does not read (``ignored``). ``use_bias`` (biases on every projection and the lm_head) is refused. No
-native layer stack, not exportable."""
+does not read (the MTP drafter does: :data:`~.mtp_layouts.ERNIE`, its final norm the body's ``model.norm``).
+``use_bias`` (biases on every projection and the lm_head) is refused. No native layer stack, not
+exportable."""
 
 from mtpctl.model.families.base import LLAMA_NORMS, PROJECTIONS, Block, Experts, Family
+from mtpctl.model.families.mtp_layouts import ERNIE
 
 FAMILY = Family(
     model_type="ernie4_5_moe", architecture="Ernie4_5_MoeForCausalLM", layer_tensors=LLAMA_NORMS + PROJECTIONS,
     block=Block(pair_rope=True), attention_bias_key="", mlp_bias_key="", exportable=False,
-    native_stack=False, ignored=("model.mtp_", "mtp_"),
+    native_stack=False, mtp_layout=ERNIE,
     experts=Experts(score_bias="moe_statics.e_score_correction_bias",
                     fused_score_bias="gate.moe_statics.e_score_correction_bias", score_bias_shape=("1", "e")),
     defaults=(("vocab_size", 103424), ("hidden_size", 2560), ("intermediate_size", 12288), ("num_hidden_layers", 28),

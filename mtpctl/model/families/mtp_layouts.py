@@ -31,12 +31,20 @@ differ in names, concatenation order, norm storage and what the engines feed a r
   plain RMSNorms; position 0's embedding zeroed; the forward returns the state after ``final_layernorm``
   (``carry="normed"``); the target's embedding and lm_head; the count ``num_nextn_predict_layers``.
 
-ERNIE-4.5-MoE's layout (not read: no body yet) would be one more description: per transformers'
-conversion of its names (``conversion_mapping.py``, ``MtpModel``) and vLLM's ``ernie_mtp.py``,
-``MtpLayout(prefix="model.", embedding_norm="mtp_emb_norm.{n}.weight",
-hidden_norm="mtp_hidden_norm.{n}.weight", projection="mtp_linear_proj.{n}.weight", final_norm="",
-block="mtp_block.{n}.", count_keys=("num_nextn_predict_layers",), ...)``, its final norm the body's own
-``model.norm`` (``final_norm=""``).
+- :data:`ERNIE` (ernie4_5_moe), as released (the ``-PT`` checkpoints) and read by transformers' ``MtpModel``
+  (its ``conversion_mapping.py`` renames ``mtp_block.{k}``, ``mtp_emb_norm.{k}``, ``mtp_hidden_norm.{k}``,
+  ``mtp_linear_proj.{k}`` after the ``model.`` prefix; ``Ernie4_5_MoePreTrainedModel._keys_shared_with_mtp``
+  makes the body's ``model.norm`` the layer's post-norm), vLLM's ``ernie_mtp.py`` and Baidu's FastDeploy
+  (``ernie4_5_mtp.py``): ``model.mtp_block.{k}.*`` a decoder layer of the family at layer index 0 (dense
+  where ``moe_layer_start_index`` > 0, as released: transformers' ``Ernie4_5_MoeDecoderLayer(config, 0)``,
+  vLLM's Llama layer, FastDeploy's layer ``mtp_block.0``), ``model.mtp_linear_proj.{k} [H, 2H]`` over
+  ``[mtp_emb_norm(e) ; mtp_hidden_norm(h)]`` (the embedding first), plain RMSNorms, no final norm of its
+  own: the body's ``model.norm`` (``final_norm=""``; transformers and FastDeploy apply it, vLLM applies
+  none); the target's embedding and lm_head; the count ``num_nextn_predict_layers``. The defaults follow
+  transformers and FastDeploy, whose forward returns the normed state (``carry="normed"``) and which do not
+  zero position 0's embedding (vLLM does). Paddle's training code (PaddleFormers' ``Ernie4_5_Model``) feeds
+  the MTP layers the body's output before ``model.norm`` and chains depths on the raw block output; the
+  engines above, and mtpctl, read the normed hidden state.
 
 Pure data: nothing here imports the runtime.
 """
@@ -180,3 +188,8 @@ MIMO = MtpLayout(prefix="model.mtp_layers.{n}.", embedding_norm="token_layernorm
                  hidden_norm="hidden_layernorm.weight", projection="input_proj.weight",
                  final_norm="final_layernorm.weight", block="", count_keys=("num_nextn_predict_layers",),
                  hidden_first=True, settings=MtpSettings(carry="normed", zero_first_embedding=True, own_vocab=True))
+#: ERNIE-4.5-MoE's ``model.mtp_*.{k}`` (its final norm the body's ``model.norm``)
+ERNIE = MtpLayout(prefix="model.", embedding_norm="mtp_emb_norm.{n}.weight", hidden_norm="mtp_hidden_norm.{n}.weight",
+                  projection="mtp_linear_proj.{n}.weight", final_norm="", block="mtp_block.{n}.",
+                  count_keys=("num_nextn_predict_layers",), transformers_reads=True,
+                  settings=MtpSettings(carry="normed", zero_first_embedding=False, own_vocab=True))
