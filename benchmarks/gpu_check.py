@@ -245,10 +245,11 @@ def train_heads(model: Path, work: Path, device: str, table: Table, args, timeou
 
 
 def bench(model: Path, heads: Optional[Path], device: str, table: Table, new: int, timeout: int) -> None:
-    """``mtpctl bench`` on the device: plain, ngram and (with heads) heads+ngram on one prompt a category."""
+    """``mtpctl bench`` on the device: plain, ngram and (with heads) heads+ngram on one prompt a category, with
+    where each decode step's time goes (``--profile``: on CUDA each phase timed after the device's queued work)."""
     methods = "plain,ngram" + (",heads+ngram" if heads else "")
     command = mtpctl_command("bench", "-m", str(model), "--device", device, "--dtype", "bfloat16", "--methods",
-                             methods, "--limit", "1", "--max-new-tokens", str(new))
+                             methods, "--limit", "1", "--max-new-tokens", str(new), "--profile")
     if heads:
         command += ["--heads", str(heads)]
     done = run(table, f"bench on {device} ({methods})", command, timeout)

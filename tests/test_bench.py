@@ -47,6 +47,8 @@ def test_table_and_json_agree(capsys, tiny_folder, prompt_file, tmp_path):
     assert memory["weight_bytes"] == memory["weights_on_host_bytes"] > 0
     assert memory["peak_rss_bytes"] >= memory["peak_rss_after_load_bytes"] > memory["weight_bytes"]
     assert "host memory: peak RSS" in err
+    assert not [k for m in report["methods"] for k in m if k.startswith("device_peak")]  # measured on CUDA only
+    assert "device peak" not in out
 
 
 def test_gates_exit_1_naming_the_method(capsys, tiny_folder, prompt_file, tmp_path):

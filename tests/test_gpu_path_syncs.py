@@ -1,17 +1,19 @@
 """The pure-torch path as it runs on a GPU, checked on the CPU under a virtual CUDA device
 (tests/virtual_cuda.py): plain greedy decoding with ``device="cuda"`` mixes no host tensor into device
-ops, syncs with the host at most once a decode step (the new token's id), and launches a bounded
-number of kernels per decoder layer (docs/numerics.md, "The pure-torch path")."""
+ops, syncs with the host at most once a decode step (the new token's id), never waits for the device
+at a timer (``mtpctl bench`` does: tests/test_gpu_bench.py), and launches a bounded number of kernels
+per decoder layer; greedy speculation brings only each pass's argmax ids to the host, prefill's
+included (docs/numerics.md, "The pure-torch path")."""
 
 from __future__ import annotations
 
 import collections
 
 import pytest
-import torch
 
 from mtpctl.backends import torch as torch_backend
 from mtpctl.model import decoder as decoder_module
+from helpers import ScriptedDrafter
 from virtual_cuda import virtual_cuda
 
 #: host syncs a plain greedy decode step may make after prefill: the new token's id to the host
@@ -65,6 +67,7 @@ def test_plain_greedy_on_a_virtual_gpu_makes_one_sync_a_step(tiny_folder, monkey
     assert len(decode_layers) == layers * len(steps)
     print("launches per layer", max(decode_layers), [ops for step, ops in layer_ops if step >= 1][0])
     assert max(per_step) <= MAX_SYNCS_PER_STEP, dict(detail)
+    assert not [e for e in mode.events if e.kind == "barrier"]  # no timer waits for the device outside bench
     assert all("non_blocking" in what for what, _ in h2d), dict(h2d)  # no copy to the device blocks the host
     assert max(decode_layers) <= MAX_LAUNCHES_PER_LAYER[dtype]
 
@@ -80,3 +83,23 @@ def test_speculation_on_a_virtual_gpu_mixes_no_host_tensors_and_equals_plain(tin
             drafter = build(session, parse(spec), DraftOptions())
             assert session.generate(prompt, NEW_TOKENS, drafter=drafter).token_ids == plain, spec
     assert not [e for e in mode.events if e.kind == "mixup"]
+
+
+def test_greedy_speculation_brings_only_argmax_ids_to_the_host(tiny_folder):
+    """Every host sync of a greedy generation with accepted and rejected drafts, prefill included, is one
+    lm_head call's argmax ids (int64, one per row computed): no logits row comes to the host (prefill's
+    first token read its whole row before)."""
+    with virtual_cuda() as mode:
+        session = torch_backend.TorchSession(tiny_folder, "float32", device="cuda", kernels="torch")
+        prompt = session.encode("count: 1 2 3 1 2 3")
+        plain = session.generate(prompt, NEW_TOKENS).token_ids
+        drafter = ScriptedDrafter(len(prompt), plain, session.vocab_size, corrupt_every=3, budget=4)
+        mode.events.clear()
+        result = session.generate(prompt, NEW_TOKENS, drafter=drafter)
+    assert result.token_ids == plain
+    assert 0 < result.stats.accepted_tokens < result.stats.draft_tokens  # drafts accepted and rejected
+    syncs = [e for e in mode.events if e.kind == "sync"]
+    assert {(e.what, e.site.rsplit(" ", 1)[1]) for e in syncs} == {(".cpu()", "(_device_best)")}, syncs
+    assert all(e.detail.startswith("int64[") for e in syncs), [e.detail for e in syncs]
+    assert len(syncs) == result.stats.decode_steps + 1  # one a pass: prefill and each verify pass
+    assert sum(int(e.detail[6:-1]) for e in syncs[1:]) == result.stats.decode_steps + result.stats.draft_tokens

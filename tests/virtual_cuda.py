@@ -9,6 +9,11 @@ sees every torch call and records, with the calling line in mtpctl:
   ``nonzero``, a boolean-mask index, ``.cpu()``/``.to("cpu")``);
 - ``h2d``: a host-to-device copy (``.to(cuda)``, ``torch.tensor(..., device=cuda)``, a host index
   tensor into a device tensor), noting whether it is non-blocking;
+- ``barrier``: a ``torch.cuda.synchronize()`` (the site: the caller of :func:`mtpctl.model.device.clock`);
+
+a sync's ``detail`` is the dtype and shape of the tensor brought to the host (what a GPU would copy);
+``torch.cuda.max_memory_allocated``/``max_memory_reserved`` answer the bytes of every device tensor made
+so far (the mode keeps them alive: a bound, not an allocator's peak);
 
 and, inside :meth:`VirtualCuda.counting`, the ops that launch a kernel on a device tensor (a new
 storage, or in place; views launch nothing). It finds device mix-ups, syncs and launch counts, not
@@ -39,17 +44,20 @@ INPLACE = {"__setitem__", "__iadd__", "__imul__", "__isub__", "__itruediv__"}
 
 
 class Event(NamedTuple):
-    kind: str  # "sync", "h2d", "mixup"
+    kind: str  # "sync", "h2d", "mixup", "barrier"
     what: str
     site: str
     step: int  # VirtualCuda.step when it happened
+    detail: str = ""  # a sync: the dtype and shape brought to the host
 
 
-def _site() -> str:
-    """The innermost mtpctl frame calling into torch, as ``path:line (function)``."""
+def _site(skip: str = "") -> str:
+    """The innermost mtpctl frame calling into torch (outside a file ending in ``skip``), as
+    ``path:line (function)``."""
     f = sys._getframe(2)
     while f is not None:
-        if f.f_code.co_filename.startswith(ROOT):
+        name = f.f_code.co_filename
+        if name.startswith(ROOT) and not (skip and name.endswith(skip)):
             return f"{f.f_code.co_filename[len(ROOT) - 6:]}:{f.f_lineno} ({f.f_code.co_name})"
         f = f.f_back
     return "?"
@@ -83,6 +91,7 @@ class VirtualCuda(TorchFunctionMode):
         super().__init__()
         self.keep: list = []  # tagged tensors stay alive, so their storages are not reused untagged
         self.ptrs: set = set()
+        self.bytes: dict = {}  # storage pointer -> its bytes, for every tagged storage
         self.events: List[Event] = []
         self.step = 0
         self.ops = None  # a Counter of kernel-launching ops while counting
@@ -102,10 +111,19 @@ class VirtualCuda(TorchFunctionMode):
             if p is not None:
                 self.keep.append(t)
                 self.ptrs.add(p)
+                self.bytes[p] = t.untyped_storage().nbytes()
         return out
 
-    def _ev(self, kind: str, what: str) -> None:
-        self.events.append(Event(kind, what, _site(), self.step))
+    def _ev(self, kind: str, what: str, detail: str = "") -> None:
+        self.events.append(Event(kind, what, _site(), self.step, detail))
+
+    def synchronize(self, *args, **kwargs) -> None:
+        """``torch.cuda.synchronize``: recorded as a barrier at the line that asked for the time."""
+        self.events.append(Event("barrier", "synchronize", _site("model/device.py"), self.step))
+
+    def device_bytes(self, *args, **kwargs) -> int:
+        """Bytes of every device tensor made so far (``max_memory_allocated`` and ``_reserved``)."""
+        return sum(self.bytes.values())
 
     @contextlib.contextmanager
     def counting(self):
@@ -144,7 +162,7 @@ class VirtualCuda(TorchFunctionMode):
             return self.tag(out) if to_dev or (dev and short.endswith("_like") and "device" not in kwargs) else out
         if dev:
             if short in SYNCS:
-                self._ev("sync", short)
+                self._ev("sync", short, _shape(dev[0]))
             index = _flat(args[1], []) if short in ("__getitem__", "__setitem__") and len(args) > 1 else []
             if short == "__getitem__" and any(t.dtype == torch.bool for t in index):
                 self._ev("sync", "boolean-mask index")
@@ -196,8 +214,13 @@ class VirtualCuda(TorchFunctionMode):
         if target:
             self._ev("h2d", ".to(cuda)" + (" non_blocking" if kwargs.get("non_blocking") else " blocking"))
             return self.tag(out)
-        self._ev("sync", ".cpu()" if short == "cpu" else ".to(cpu)")
+        self._ev("sync", ".cpu()" if short == "cpu" else ".to(cpu)", _shape(src))
         return out
+
+
+def _shape(t: torch.Tensor) -> str:
+    """``int64[3]``: a tensor's dtype and shape."""
+    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
 
 
 @contextlib.contextmanager
@@ -205,14 +228,17 @@ def virtual_cuda():
     """Inside: ``torch.cuda`` reports one device and the yielded :class:`VirtualCuda` watches every
     torch call (restored on exit)."""
     saved = {name: getattr(torch.cuda, name) for name in
-             ("is_available", "device_count", "current_device", "set_device", "is_bf16_supported", "synchronize")}
+             ("is_available", "device_count", "current_device", "set_device", "is_bf16_supported", "synchronize",
+              "reset_peak_memory_stats", "max_memory_allocated", "max_memory_reserved")}
+    mode = VirtualCuda()
     torch.cuda.is_available = lambda: True
     torch.cuda.device_count = lambda: 1
     torch.cuda.current_device = lambda: 0
     torch.cuda.set_device = lambda d: None
     torch.cuda.is_bf16_supported = lambda *a, **k: True
-    torch.cuda.synchronize = lambda *a, **k: None
-    mode = VirtualCuda()
+    torch.cuda.synchronize = mode.synchronize
+    torch.cuda.reset_peak_memory_stats = lambda *a, **k: None
+    torch.cuda.max_memory_allocated = torch.cuda.max_memory_reserved = mode.device_bytes
     try:
         with mode:
             yield mode

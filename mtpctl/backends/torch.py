@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -16,7 +15,7 @@ from mtpctl.decode.session import Session
 from mtpctl.decode.tree import DraftTree
 from mtpctl.errors import UnsupportedModel
 from mtpctl.model.decoder import DTYPES, Decoder
-from mtpctl.model.device import Placement, device_numerics, pin_device_numerics, resolve_placement
+from mtpctl.model.device import Placement, clock, device_numerics, pin_device_numerics, resolve_placement
 from mtpctl.model.linears import PackedLinear, TiledLinear
 from mtpctl.model.kv_cache import PassSlots
 from mtpctl.model.native import check_plan, kernel_runs, matmul_isa
@@ -55,14 +54,14 @@ class PassLogits:
 
     def _logits(self, rows: List[int]) -> torch.Tensor:
         """Rows' logits where the model is (off the CPU their argmax too, only the ids to the host)."""
-        start = time.perf_counter()
+        start = clock()
         with torch.inference_mode():
             out, best = self.model.logits_best(self.hidden_states[rows])
             if out.device.type != "cpu":  # the argmax where the logits are: only the ids to the host
                 best = _device_best(out)
         if best is not None:
             self._best.update(zip(rows, best.tolist()))
-        self.ms += (time.perf_counter() - start) * 1e3
+        self.ms += (clock() - start) * 1e3
         return out
 
     def _on_host(self, key, logits: torch.Tensor) -> torch.Tensor:
@@ -427,6 +426,11 @@ class TorchSession(Session):
     def device(self) -> str:
         """Where the target computes (``cpu``, ``cuda:0``)."""
         return str(self.placement.device)
+
+    @property
+    def torch_device(self) -> str:
+        """The placement's device (:attr:`device`): where the passes' work is queued and allocated."""
+        return self.device
 
     @property
     def kernels(self) -> str:

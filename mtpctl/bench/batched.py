@@ -13,21 +13,23 @@ a machine whose speed drifts hits them alike. Figures per (method, B):
 - ITL p50 / p99: each step's time divided among the tokens a request committed in it;
 - tau and acceptance over every request's steps;
 - same as plain: requests whose tokens equal plain decoding's at batch size 1 (greedy: all of them);
-- peak memory: the weights plus the KV caches of the B largest requests held at once.
+- peak memory: the weights plus the KV caches of the B largest requests held at once; on CUDA also the
+  device's measured peaks, allocated and reserved (the highest of the rounds' runs, each reset when it started).
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Callable, Dict, List, Optional, Sequence
 
-from mtpctl.bench.harness import itl_samples, percentile
+from mtpctl.bench.harness import DEVICE_COLUMN, DEVICE_PEAKS, device_cell, itl_samples, percentile
 from mtpctl.decode.loop import GenerationResult
 from mtpctl.decode.session import GenerationRequest, Session
 from mtpctl.errors import MtpctlError
+from mtpctl.model.device import clock, measured
 
-#: one run of the request set: ``{"results": [GenerationResult per request], "wall_ms": float}``
+#: one run of the request set: ``{"results": [GenerationResult per request], "wall_ms": float}``, and on
+#: CUDA the device's peaks during it (``device_peak_allocated_bytes``, ``device_peak_reserved_bytes``)
 Run = dict
 
 
@@ -50,13 +52,14 @@ def run_batch_sizes(session: Session, drafters: Dict[str, object], prompts: Sequ
             turn += 1
             for name in names[shift:] + names[:shift]:
                 requests = [make_request(ids) for ids in prompts]
-                start = time.perf_counter()
-                outcomes = session.generate_batch(requests, drafters[name], size, make_policy(name), acceptance)
-                wall_ms = (time.perf_counter() - start) * 1e3
+                with measured(session.torch_device) as memory:  # on CUDA: phases synchronized, the peak measured
+                    start = clock()
+                    outcomes = session.generate_batch(requests, drafters[name], size, make_policy(name), acceptance)
+                    wall_ms = (clock() - start) * 1e3
                 failed = next((o for o in outcomes if isinstance(o, MtpctlError)), None)
                 if failed is not None:
                     raise failed
-                runs.setdefault((name, size), []).append({"results": outcomes, "wall_ms": wall_ms})
+                runs.setdefault((name, size), []).append({"results": outcomes, "wall_ms": wall_ms, **memory})
                 if progress:
                     progress(f"round {round_ + 1}/{rounds} batch {size} {name}: {len(outcomes)} requests, "
                              f"{sum(r.stats.new_tokens for r in outcomes)} tokens, {_rate(outcomes, wall_ms):.1f} tokens/s")
@@ -119,6 +122,7 @@ def summarize_batched(runs: Dict[tuple, List[Run]], weight_bytes: Dict[str, int]
             "same_as_plain": (sum(a.token_ids == first[i % len(first)].token_ids  # a peer's run: every round's requests
                                   for run in rounds for i, a in enumerate(run["results"])) if first else None),
             "peak_memory_bytes": (weight_bytes[name] + sum(kv)) if name in weight_bytes else None,
+            **{key: max(run[key] for run in rounds) for key in DEVICE_PEAKS if key in rounds[0]},
         })
     return rows
 
@@ -144,18 +148,20 @@ def format_batched(rows: List[dict]) -> str:
         spread = r.get("speedup_range")
         return f(r["speedup"], ".2f") + (f" ({spread[0]:.2f}-{spread[1]:.2f})" if spread else "")
 
+    device = any(DEVICE_PEAKS[0] in r for r in rows)  # measured on CUDA
     lines = ["| batch | method | tokens/s | speedup vs plain (lowest-highest round) | TTFT p50 ms from arrival | ITL p50 / p99 ms | tau | acceptance "
-             "| same as plain | peak memory MiB |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| same as plain | peak memory MiB |" + (DEVICE_COLUMN[0] if device else ""),
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|" + (DEVICE_COLUMN[1] if device else "")]
     for r in rows:
         if r.get("failed"):
-            lines.append(f"| {r['batch_size']} | {r['method']} | failed: {r['failed']} |" + " - |" * 7)
+            lines.append(f"| {r['batch_size']} | {r['method']} | failed: {r['failed']} |" + " - |" * (7 + device))
             continue
         lines.append(f"| {r['batch_size']} | {r['method']} | {r['tokens_per_s']:.1f} | {speedup(r)} "
                      f"| {f(r['ttft_ms_p50'], '.0f')} | {f(r['itl_ms_p50'], '.1f')} / {f(r['itl_ms_p99'], '.1f')} "
                      f"| {f(r['tau'], '.2f')} | {f(r['acceptance_rate'], '.2f')} "
                      f"| {r['same_as_plain']}/{r['requests']} "
-                     f"| {f(r['peak_memory_bytes'] and r['peak_memory_bytes'] / 2 ** 20, '.1f')} |")
+                     f"| {f(r['peak_memory_bytes'] and r['peak_memory_bytes'] / 2 ** 20, '.1f')} |"
+                     + (device_cell(r) if device else ""))
     paying = stops_paying(rows)
     if paying:
         lines.append("")

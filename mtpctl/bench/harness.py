@@ -13,6 +13,8 @@ affects all methods alike. Figures (glossary in docs/glossary.md):
   draft tokens at position j / draft tokens proposed at position j.
 - same as plain: runs whose tokens equal plain's run of the same prompt and round (greedy
   speculation is lossless: every run; with sampling, or for peers with other numerics, fewer).
+- device peak memory (CUDA only): the most torch allocated (and reserved) on the device in one run of
+  the method, each run's peak reset when it starts (:func:`device_peaks`).
 - failed: a peer that crashed, hung or could not start (:class:`~mtpctl.bench.peer_process.PeerFailed`):
   its row says why and carries no figures; the other methods run on.
 """
@@ -122,7 +124,8 @@ def summarize(runs: MethodRuns, plain: Optional[MethodRuns], weight_bytes: Optio
 
     ``weight_bytes``: memory of the weights the method runs (target + drafter), bytes; with it the
     summary gives ``peak_memory_bytes`` = weights + the largest KV cache a run allocated (the memory
-    the method needs, not the process's RSS, which is shared by every method of the run).
+    the method needs, not the process's RSS, which is shared by every method of the run). On a CUDA
+    device it also gives the device's measured peaks (:func:`device_peaks`).
     """
     if runs.failed:
         return failed_summary(runs)
@@ -145,6 +148,7 @@ def summarize(runs: MethodRuns, plain: Optional[MethodRuns], weight_bytes: Optio
         "peak_memory_bytes": (weight_bytes + max(r.stats.kv_cache_bytes for r in results)
                               if weight_bytes is not None and results else None),
         "profile_ms_per_step": step_profile(results),
+        **device_peaks(results),
     }
     if plain is not None:
         ratios = [_ms_per_token(p) / _ms_per_token(m) for p, m in zip(plain.results, results)
@@ -165,6 +169,28 @@ def failed_summary(runs: MethodRuns) -> dict:
     """The row of a peer that failed: why, how many runs it completed, no figures."""
     return {"method": runs.name, "failed": runs.failed, "runs": len(runs.results), "new_tokens": 0,
             "acceptance_by_position": [], "accept_length_histogram": {}, **dict.fromkeys(FIGURES)}
+
+
+#: the device memory figures of a run on CUDA (:func:`mtpctl.model.device.peak_memory`)
+DEVICE_PEAKS = ("device_peak_allocated_bytes", "device_peak_reserved_bytes")
+#: the tables' device memory column (header, alignment), where the runs measured a CUDA device
+DEVICE_COLUMN = (" device peak MiB (allocated / reserved) |", "---:|")
+
+
+def device_cell(row: dict) -> str:
+    """A table row's device memory cell: its peaks in MiB, allocated / reserved (``-`` where not measured)."""
+    return " " + " / ".join("-" if row.get(key) is None else f"{row[key] / 2**20:.1f}" for key in DEVICE_PEAKS) + " |"
+
+
+def device_peaks(results: Sequence[GenerationResult]) -> Dict[str, int]:
+    """The highest of each device memory peak over ``results`` (``device_peak_allocated_bytes``,
+    ``device_peak_reserved_bytes``: each run's own, its peaks reset when it started,
+    :func:`mtpctl.model.device.peak_memory`); {} where no run measured one (the CPU, peers)."""
+    out: Dict[str, int] = {}
+    for r in results:
+        for key, value in r.stats.device_memory.items():
+            out[key] = max(out.get(key, 0), value)
+    return out
 
 
 PHASES = ("draft", "verify", "logits", "accept", "commit")

@@ -14,6 +14,7 @@ from mtpctl.decode.session import Session
 from mtpctl.drafters.build import check, draft_member, load_parts, parse
 from mtpctl.drafters.pipeline import Pipeline, PipelineSpec, Shared, assemble
 from mtpctl.errors import BadInput
+from mtpctl.model.device import measured
 
 
 def parse_methods(text: str) -> List[str]:
@@ -36,8 +37,10 @@ def parse_methods(text: str) -> List[str]:
 @dataclass
 class Method:
     """One way to decode: ``run(prompt ids)`` generates with ``pipeline`` (its ``drafter``, None: plain
-    decoding, under a fresh policy each generation); ``drafter_bytes`` is the memory of the drafter's
-    own weights and data (heads, datastore, draft model; a self-draft's weights are the target's), bytes."""
+    decoding, under a fresh policy each generation), on a GPU timed and measured as a benchmark run
+    (:func:`mtpctl.model.device.measured`: its stats' ``device_memory``); ``drafter_bytes`` is the
+    memory of the drafter's own weights and data (heads, datastore, draft model; a self-draft's weights
+    are the target's), bytes."""
 
     name: str
     run: Callable[[List[int]], GenerationResult]
@@ -76,7 +79,10 @@ def build_methods(session: Session, names: Sequence[str], spec: PipelineSpec, sa
             (draft.weight_bytes if draft else 0)
 
         def run(ids, pipeline=pipeline):
-            return pipeline.generate(ids, max_new_tokens, sampling)
+            with measured(session.torch_device) as memory:  # on CUDA: phases synchronized, the peak measured
+                result = pipeline.generate(ids, max_new_tokens, sampling)
+            result.stats.device_memory = memory
+            return result
 
         methods[name] = Method(name, run, pipeline, size)
     return methods

@@ -11,7 +11,7 @@ import platform
 from pathlib import Path
 from typing import Dict, Optional
 
-from mtpctl.bench.harness import summarize
+from mtpctl.bench.harness import DEVICE_COLUMN, DEVICE_PEAKS, device_cell, summarize
 from mtpctl.decode.cost_table import cpu_name
 from mtpctl.bench.peer_process import PeerFailed
 from mtpctl.errors import BadInput, GateFailed
@@ -59,12 +59,13 @@ def _fmt(value, spec: str) -> str:
 
 def format_table(report: dict) -> str:
     """The methods as a markdown table (the same numbers as the JSON, rounded)."""
+    device = any(DEVICE_PEAKS[0] in m for m in report["methods"])  # measured on CUDA
     lines = ["| method | tokens/s | speedup (p10-p90) | TTFT p50 ms | ITL p50 / p90 / p99 ms | tau | acceptance "
-             "| by position | same as plain | peak memory MiB |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+             "| by position | same as plain | peak memory MiB |" + (DEVICE_COLUMN[0] if device else ""),
+             "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|" + (DEVICE_COLUMN[1] if device else "")]
     for m in report["methods"]:
         if m.get("failed"):
-            lines.append(f"| {m['method']} | failed after {m['runs']} run(s): {m['failed']} |" + " - |" * 8)
+            lines.append(f"| {m['method']} | failed after {m['runs']} run(s): {m['failed']} |" + " - |" * (8 + device))
             continue
         speed = "1.00 (baseline)" if m["method"] == "plain" else (
             f"{_fmt(m.get('speedup'), '.2f')} ({_fmt(m.get('speedup_p10'), '.2f')}-{_fmt(m.get('speedup_p90'), '.2f')})")
@@ -73,7 +74,8 @@ def format_table(report: dict) -> str:
         same = "-" if m.get("same_as_plain") is None else f"{m['same_as_plain']}/{m['runs']}"
         lines.append(f"| {m['method']} | {m['tokens_per_s']:.1f} | {speed} | {_fmt(m['ttft_ms_p50'], '.1f')} | {itl} "
                      f"| {_fmt(m['tau'], '.2f')} | {_fmt(m['acceptance_rate'], '.2f')} | {positions} "
-                     f"| {same} | {_fmt(m['peak_memory_bytes'] and m['peak_memory_bytes'] / 2**20, '.1f')} |")
+                     f"| {same} | {_fmt(m['peak_memory_bytes'] and m['peak_memory_bytes'] / 2**20, '.1f')} |"
+                     + (device_cell(m) if device else ""))
     cats = report["tokens_per_s_by_category"]
     names = [m["method"] for m in report["methods"] if not m.get("failed")]
     lines += ["", "| category | " + " | ".join(f"{n} tokens/s" for n in names) + " |",

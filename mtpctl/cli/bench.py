@@ -91,7 +91,8 @@ Examples:
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Draw tokens/s and accept lengths (PNG).")
 @click.option("--profile", is_flag=True,
               help="Also print where each method's decode steps spend their time (draft, the target's pass, lm_head "
-                   "rows, acceptance, commit) and what lies outside the pass.")
+                   "rows, acceptance, commit) and what lies outside the pass. On a CUDA GPU every timed run waits for "
+                   "the device at each phase's end, so each phase gets its own GPU time.")
 @click.option("--fail-below-speedup", type=float, default=None, help="Exit 1 if a method's speedup is below X.")
 @click.option("--fail-above-p99-ms", type=float, default=None, help="Exit 1 if a method's p99 ITL is above Y ms.")
 @debug_option

@@ -17,7 +17,6 @@ Glossary (also in docs/glossary.md):
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
@@ -32,6 +31,7 @@ from mtpctl.decode.sampling import SamplingParams, next_token, position_uniform
 from mtpctl.decode.stopping import CONTEXT, StopChecker
 from mtpctl.decode.tree import DraftTree
 from mtpctl.errors import InternalFault, MtpctlError, NonFinite, OutputClosed
+from mtpctl.model.device import clock
 
 
 @dataclass
@@ -43,7 +43,9 @@ class GenerationStats:
     tokens verified (None when nothing was drafted). Times are in ms from the request's arrival (the
     start of the ``generate`` call), rates in tokens/s; TTFT covers waiting for a row, prefill and the
     first token; ``tokens_per_s`` is new tokens over the whole generation time; a step's time is that
-    of the whole batch's step.
+    of the whole batch's step. On a GPU, phases are timed as run only under
+    :func:`~mtpctl.model.device.timed_on` (``mtpctl bench``): elsewhere a phase's time lands in the next
+    one that waits for the device.
     """
 
     prompt_tokens: int = 0
@@ -63,6 +65,9 @@ class GenerationStats:
     # a hybrid model's Gated DeltaNet states kept per draft tree node: the most a verify pass held
     # (every node's state in every such layer, until commit keeps one), bytes; 0 for other models
     draft_state_bytes_max: int = 0
+    # the device's memory peaks during this generation, bytes (device_peak_allocated_bytes,
+    # device_peak_reserved_bytes: mtpctl.model.device.peak_memory), where bench measured them on CUDA; else {}
+    device_memory: Dict[str, int] = field(default_factory=dict)
 
     @property
     def tau(self) -> Optional[float]:
@@ -82,8 +87,10 @@ class GenerationStats:
         return self.new_tokens / (self.total_ms / 1e3) if self.total_ms > 0 else 0.0
 
     def to_dict(self) -> dict:
-        """All figures, derived ones included, as plain JSON-ready values."""
+        """All figures, derived ones included, as plain JSON-ready values (``device_memory`` only where measured)."""
         out = asdict(self)
+        if not self.device_memory:
+            del out["device_memory"]
         out.update(draft_tokens=self.draft_tokens, tau=self.tau, acceptance_rate=self.acceptance_rate,
                    tokens_per_s=self.tokens_per_s)
         return out
@@ -164,9 +171,16 @@ class _Row:
         self.steps = 0
         out = engine.prefill(self.context)
         self.last = TargetStep(out, len(out) - 1)
-        first = next_token(_CheckedRows(out, "prefill")[self.last.row], request.sampling, self.uniform(0))
-        self.stats.ttft_ms = (time.perf_counter() - arrival) * 1e3
+        first = self._first_token(out)
+        self.stats.ttft_ms = (clock() - arrival) * 1e3
         self.done = self._commit([first])
+
+    def _first_token(self, out: StepOutput) -> int:
+        """The token after the prompt, from prefill's last row: greedy takes the pass's own argmax where it
+        has one (``greedy``: on a GPU only the id comes to the host), else reads the row (NaN and inf refused)."""
+        rows, sampling = _CheckedRows(out, "prefill"), self.request.sampling
+        token = rows.greedy(self.last.row) if sampling.greedy else None
+        return token if token is not None else next_token(rows[self.last.row], sampling, self.uniform(0))
 
     def uniform(self, depth: int) -> float:
         """The uniform of the token ``depth`` places after the next one this row commits: keyed by the
@@ -242,7 +256,7 @@ class _Row:
 
     def result(self) -> GenerationResult:
         """The finished generation; streams the last of its text."""
-        self.stats.total_ms = (time.perf_counter() - self.arrival) * 1e3
+        self.stats.total_ms = (clock() - self.arrival) * 1e3
         self.stats.new_tokens = len(self.stop.tokens)
         if self.request.on_text:
             self.request.on_text(self.stop.stream())
@@ -283,14 +297,14 @@ def run(requests: Sequence[Request], new_engine: Callable[[Request], Engine], ve
         ValueError: an empty prompt or a prompt that leaves no room in its engine.
     """
     policy = policy or AlwaysDraft()
-    arrival = time.perf_counter()
+    arrival = clock()
     waiting = list(range(len(requests)))
     outcomes: List[Optional[Outcome]] = [None] * len(requests)
     reported: set = set()
     rows: List[_Row] = []
     while waiting or rows:
         waited = {r.index for r in rows}  # rows that wait while newcomers are prefilled
-        admit_start = time.perf_counter()
+        admit_start = clock()
         while waiting and len(rows) < max_batch:
             index = waiting.pop(0)
             row = _admit(index, requests[index], new_engine, arrival, outcomes)
@@ -301,7 +315,7 @@ def run(requests: Sequence[Request], new_engine: Callable[[Request], Engine], ve
                 row.done = True
         rows = _finish(rows, outcomes)
         if rows:
-            admit_ms = (time.perf_counter() - admit_start) * 1e3
+            admit_ms = (clock() - admit_start) * 1e3
             _step(rows, verify_many, policy, acceptance, outcomes, waited, admit_ms)
             rows = _finish(rows, outcomes)
         for index, outcome in enumerate(outcomes):
@@ -316,11 +330,11 @@ def _step(rows: List[_Row], verify_many: VerifyMany, policy: Policy, acceptance:
           waited: set, admit_ms: float) -> None:
     """One step of every active row: draft (the policy's sizes), one pass over every tree, accept
     and commit each row's path; a row whose drafter or logits failed ends with its error."""
-    clock = [time.perf_counter()]
+    times = [clock()]  # each a timer boundary: on a GPU under bench, after the device's queued work (timed_on)
 
     def lap() -> float:  # ms since the last lap
-        clock.append(time.perf_counter())
-        return (clock[-1] - clock[-2]) * 1e3
+        times.append(clock())
+        return (times[-1] - times[-2]) * 1e3
 
     sizes = policy.draft_sizes([r.room() for r in rows], [r.index for r in rows])
     allowed = {row.index: min(size, row.room()) for row, size in zip(rows, sizes)}
@@ -348,7 +362,7 @@ def _step(rows: List[_Row], verify_many: VerifyMany, policy: Policy, acceptance:
         by_size = accepted_by_size(result.path, accepted, allowed[row.index]) if tree.extra is None else None
         policy.observe(row.index, tree.rows - 1, accepted, by_size)
     phases["commit"] = lap()
-    step_ms = (clock[-1] - clock[0]) * 1e3
+    step_ms = (times[-1] - times[0]) * 1e3
     for row in rows:
         if outcomes[row.index] is None:
             row.stats.step_ms.append(step_ms + (admit_ms if row.index in waited else 0.0))

@@ -37,7 +37,7 @@ class Session:
             ``extra``: lookahead decoding's window); an exported graph verifies tree nodes only.
 
     What a backend may lack is declared here with its default (:attr:`mode`, :attr:`policy_mode`,
-    :attr:`fused_heads`), so that callers read it without probing the session's type.
+    :attr:`fused_heads`, :attr:`torch_device`), so that callers read it without probing the session's type.
     """
 
     backend = ""
@@ -82,6 +82,14 @@ class Session:
     def fused_heads(self) -> Optional[dict]:
         """What the backend records of MTP heads fused into its passes (an exported graph's manifest
         entry: kind, count, tree, weights' sha256), or None (the default: no heads in the pass)."""
+        return None
+
+    @property
+    def torch_device(self) -> Optional[str]:
+        """The torch device the target's passes queue their work on and allocate from (``cpu``,
+        ``cuda:0``), or None (the default) where the target is an exported graph, whose outputs come back
+        finished and whose memory torch does not allocate (what ``mtpctl bench`` synchronizes and measures,
+        :func:`mtpctl.model.device.measured`)."""
         return None
 
     def new_engine(self, capacity: int, aux_layers: Sequence[int] = ()) -> Engine:

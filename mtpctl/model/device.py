@@ -12,7 +12,11 @@ alone and inside a verify pass. How far that holds on a device is measured, not 
 
 from __future__ import annotations
 
+import contextlib
+import time
+from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Iterator, Optional
 
 import torch
 
@@ -20,6 +24,8 @@ from mtpctl.errors import BadInput
 
 DEVICES = ("auto", "cpu", "cuda", "cuda:N")
 KERNELS = ("auto", "native", "torch")
+#: the CUDA device whose queued work every timer boundary waits for (:func:`timed_on`); None: no wait
+_TIMED: ContextVar[Optional[torch.device]] = ContextVar("mtpctl_timed_device", default=None)
 #: rows of each block a linear layer of the pure-torch path computes, per device type: on a CPU a
 #: block's rows cost compute (a one-row step computes 4), on a GPU a decode step is bound by reading
 #: the weights, so 64 rows cost about what one does
@@ -123,3 +129,60 @@ def resolve_placement(device: str = "auto", kernels: str = "auto") -> Placement:
     if kernels == "native" and where.type != "cpu":
         raise BadInput(f"the native kernels run on the CPU only; on {where} use the torch kernels", option="kernels")
     return Placement(where, kernels)
+
+
+def _cuda(device) -> Optional[torch.device]:
+    """``device`` (a name or a torch.device) where it is a CUDA device, else None (None, a CPU)."""
+    if device is None:
+        return None
+    device = torch.device(device)
+    return device if device.type == "cuda" else None
+
+
+@contextlib.contextmanager
+def timed_on(device) -> Iterator[None]:
+    """Inside, every timer boundary of decoding (:func:`clock`) first waits for the work queued on
+    ``device`` where it is a CUDA device: GPU work is asynchronous, so without the wait a phase's time
+    lands in whichever later phase first waits for the device (the pass's time in acceptance, where
+    the argmax ids come to the host). Nothing changes on a CPU (or ``device`` None). ``mtpctl bench``
+    times its runs inside; plain generation does not, as a wait at every phase would stop the host
+    queueing the next phase's kernels while the GPU still runs the last one."""
+    token = _TIMED.set(_cuda(device))
+    try:
+        yield
+    finally:
+        _TIMED.reset(token)
+
+
+def clock() -> float:
+    """``time.perf_counter()`` seconds, taken after the device of the enclosing :func:`timed_on` has
+    finished its queued work (CUDA only; no wait elsewhere or outside :func:`timed_on`)."""
+    device = _TIMED.get()
+    if device is not None:
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+@contextlib.contextmanager
+def peak_memory(device) -> Iterator[dict]:
+    """Measures the peak of torch's CUDA memory on ``device`` inside: the peaks are reset on entry and
+    on exit the yielded dict holds ``device_peak_allocated_bytes`` (``torch.cuda.max_memory_allocated``:
+    tensors, the weights already held included) and ``device_peak_reserved_bytes``
+    (``max_memory_reserved``: what torch's caching allocator held from the driver); it stays empty on a
+    CPU (or ``device`` None). The CUDA context and memory allocated outside torch are not counted."""
+    cuda = _cuda(device)
+    out: dict = {}
+    if cuda is not None:
+        torch.cuda.reset_peak_memory_stats(cuda)
+    yield out
+    if cuda is not None:
+        out.update(device_peak_allocated_bytes=int(torch.cuda.max_memory_allocated(cuda)),
+                   device_peak_reserved_bytes=int(torch.cuda.max_memory_reserved(cuda)))
+
+
+@contextlib.contextmanager
+def measured(device) -> Iterator[dict]:
+    """One benchmark run on ``device``: its timer boundaries synchronized (:func:`timed_on`) and its
+    device memory peak measured (:func:`peak_memory`, the yielded dict)."""
+    with timed_on(device), peak_memory(device) as memory:
+        yield memory
