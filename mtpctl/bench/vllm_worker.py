@@ -8,7 +8,9 @@ stdout; vLLM's own logs go to stderr.
 Request: ``model`` (a checkpoint folder), ``prompts`` (token id lists), ``max_new_tokens``,
 ``speculative_config`` (vLLM's, or null for plain decoding), ``threads``, ``dtype``, ``max_model_len``,
 ``weights_track`` (false turns off vLLM's check that every checkpoint tensor was loaded: its Medusa
-loader loads ``token_map`` without reporting it).
+loader loads ``token_map`` without reporting it), ``in_process`` (true: vLLM's engine core and its model
+worker run in this process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which its CPU platform allows only
+then; it starts in about half the time, for tests; by default each is a process of its own).
 
 With ``max_num_seqs`` B the prompts after the first (a warm-up, run alone) run together, vLLM
 scheduling up to B at once (continuous batching): each result's ``total_ms`` is then the whole
@@ -54,6 +56,8 @@ def main() -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if request.get("in_process"):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
     from vllm import LLM, SamplingParams, __version__
     from vllm.inputs import TokensPrompt
