@@ -176,3 +176,13 @@ def test_sizes_of_zero_or_below_are_refused_in_one_line(checkpoint, tmp_path, ca
     changes = {key: value, "no_rope_layers": None} if key == "no_rope_layer_interval" else {key: value}
     folder = _with_config(checkpoint[1], tmp_path / "bad", **changes)
     assert_one_line_exit_2(*cli(capsys, "generate", "-m", folder, "--no-chat", "hi"), key)
+
+
+def test_a_layer_type_of_another_family_is_refused_not_read_as_full_attention(checkpoint, tmp_path, capsys):
+    """``sliding_attention`` in a Llama 4 config (no mask for it in transformers' Llama 4) was read as full
+    attention silently: it is refused in one line."""
+    from helpers import assert_one_line_exit_2, cli
+
+    types = ["chunked_attention", "sliding_attention", "chunked_attention", "full_attention"]
+    folder = _with_config(checkpoint[1], tmp_path / "sliding", layer_types=types)
+    assert_one_line_exit_2(*cli(capsys, "generate", "-m", folder, "--no-chat", "hi"), "'sliding_attention'")

@@ -437,7 +437,8 @@ def _attn_temperature(cfg: dict) -> Optional[Tuple[float, float]]:
 def _chunked_windows(cfg: dict, layers: int) -> tuple:
     """Per-layer :class:`Chunk` of a chunked-attention family (Llama 4): the layers ``layer_types``
     names ``chunked_attention`` (without it, the rotary layers) attend within chunks of
-    ``attention_chunk_size``; None (no chunk size): every layer attends fully."""
+    ``attention_chunk_size``, its ``full_attention`` ones fully (another type is refused); None (no chunk
+    size): every layer attends fully."""
     if cfg.get("attention_chunk_size") is None:
         return (None,) * layers
     size = _positive(cfg, "attention_chunk_size", None)
@@ -447,6 +448,10 @@ def _chunked_windows(cfg: dict, layers: int) -> tuple:
         types = ["full_attention" if i in nope else "chunked_attention" for i in range(layers)]
     if len(types) != layers:
         raise CorruptModel(f"config.json: layer_types has {len(types)} entries for {layers} layers")
+    unknown = sorted(map(str, set(types) - {"chunked_attention", "full_attention"}))
+    if unknown:  # transformers' Llama 4 has no mask for them either
+        raise UnsupportedModel(f"config.json: layer_types {unknown[0]!r} is not a layer of this family "
+                               "(chunked_attention or full_attention)")
     return tuple(Chunk(int(size)) if t == "chunked_attention" else None for t in types)
 
 
