@@ -186,3 +186,13 @@ def test_a_layer_type_of_another_family_is_refused_not_read_as_full_attention(ch
     types = ["chunked_attention", "sliding_attention", "chunked_attention", "full_attention"]
     folder = _with_config(checkpoint[1], tmp_path / "sliding", layer_types=types)
     assert_one_line_exit_2(*cli(capsys, "generate", "-m", folder, "--no-chat", "hi"), "'sliding_attention'")
+
+
+def test_onnx_export_is_refused_from_the_config_before_the_weights_are_read(checkpoint, tmp_path, capsys):
+    """No ONNX graph for Llama 4: the refusal comes first, one line, not after hashing the weights and
+    loading them in float32 (minutes, or out of memory, for a released checkpoint); nothing is written."""
+    from helpers import assert_one_line_exit_2, cli
+
+    out = tmp_path / "onnx"
+    assert_one_line_exit_2(*cli(capsys, "export", checkpoint[1], "--onnx", out), "cannot be exported")
+    assert not out.exists() and list(tmp_path.iterdir()) == []
