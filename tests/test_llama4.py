@@ -129,3 +129,70 @@ def test_the_multimodal_checkpoint_reads_as_its_text_body(checkpoint, tmp_path):
     text, multimodal = (TorchEngine(Decoder.from_folder(f), len(prompt) + 1).verify(DraftTree.chain(prompt)).logits
                         for f in (folder, tmp_path))
     assert torch.equal(text, multimodal)
+
+
+def _with_config(folder, tmp_path, **changes):
+    """``folder``'s checkpoint (weights linked, tokenizer copied) under ``tmp_path`` with config.json keys
+    changed (None: written as null)."""
+    import json
+
+    from helpers import copy_tokenizer_files
+
+    cfg = {**json.loads((folder / "config.json").read_text()), **changes}
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.safetensors").symlink_to(folder / "model.safetensors")
+    return copy_tokenizer_files(folder, tmp_path)
+
+
+def test_released_config_values_load_and_decode_as_their_meaning(checkpoint, tmp_path, capsys):
+    """Llama 4's released configs write ``"attn_temperature_tuning": 4`` (true), and a null may stand for a
+    flag's default: transformers 5's config class refuses both, which the tokenizer's loading met as an
+    internal error. The CLI decodes such a checkpoint as the plain one, temperature and QK-norm on."""
+    import json
+
+    from helpers import cli
+
+    folder = checkpoint[1]
+    released = _with_config(folder, tmp_path / "released", attn_temperature_tuning=4, use_qk_norm=None)
+    cfg = DecoderConfig.from_folder(released)
+    assert cfg.attn_temperature == (4.0, 0.5) and cfg.qk_l2_norm
+    outs = []
+    for f in (folder, released):
+        code, out, err = cli(capsys, "generate", "-m", f, "--no-chat", "--json", "--max-new-tokens", 6, "abcabc")
+        assert code == 0, err
+        outs.append(json.loads(out)["token_ids"])
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("key, value", [("attention_chunk_size", -8), ("attention_chunk_size", 0),
+                                        ("no_rope_layer_interval", 0), ("floor_scale", 0)])
+def test_sizes_of_zero_or_below_are_refused_in_one_line(checkpoint, tmp_path, capsys, key, value):
+    """A negative chunk (an internal error at prefill), an interval of 0 (a division by zero in
+    transformers' config class, met first) and a floor_scale of 0 (infinite temperatures) exit 2 with one
+    line naming the key."""
+    from helpers import assert_one_line_exit_2, cli
+
+    changes = {key: value, "no_rope_layers": None} if key == "no_rope_layer_interval" else {key: value}
+    folder = _with_config(checkpoint[1], tmp_path / "bad", **changes)
+    assert_one_line_exit_2(*cli(capsys, "generate", "-m", folder, "--no-chat", "hi"), key)
+
+
+def test_a_layer_type_of_another_family_is_refused_not_read_as_full_attention(checkpoint, tmp_path, capsys):
+    """``sliding_attention`` in a Llama 4 config (no mask for it in transformers' Llama 4) was read as full
+    attention silently: it is refused in one line."""
+    from helpers import assert_one_line_exit_2, cli
+
+    types = ["chunked_attention", "sliding_attention", "chunked_attention", "full_attention"]
+    folder = _with_config(checkpoint[1], tmp_path / "sliding", layer_types=types)
+    assert_one_line_exit_2(*cli(capsys, "generate", "-m", folder, "--no-chat", "hi"), "'sliding_attention'")
+
+
+def test_onnx_export_is_refused_from_the_config_before_the_weights_are_read(checkpoint, tmp_path, capsys):
+    """No ONNX graph for Llama 4: the refusal comes first, one line, not after hashing the weights and
+    loading them in float32 (minutes, or out of memory, for a released checkpoint); nothing is written."""
+    from helpers import assert_one_line_exit_2, cli
+
+    out = tmp_path / "onnx"
+    assert_one_line_exit_2(*cli(capsys, "export", checkpoint[1], "--onnx", out), "cannot be exported")
+    assert not out.exists() and list(tmp_path.iterdir()) == []

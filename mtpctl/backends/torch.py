@@ -14,6 +14,7 @@ from mtpctl.decode.engine import StepOutput
 from mtpctl.decode.session import Session
 from mtpctl.decode.tree import DraftTree
 from mtpctl.errors import UnsupportedModel
+from mtpctl.model.config import DecoderConfig
 from mtpctl.model.decoder import DTYPES, Decoder
 from mtpctl.model.device import Placement, clock, device_numerics, pin_device_numerics, resolve_placement
 from mtpctl.model.linears import PackedLinear, TiledLinear
@@ -355,6 +356,7 @@ class TorchSession(Session):
         if weights == "int4" and self.placement.device.type != "cpu":
             raise UnsupportedModel(f"int4 weights run on the CPU's kernels only; on {self.placement.device} load "
                                    "dense weights (--dtype bfloat16)", option="weights")
+        DecoderConfig.from_folder(folder)  # config.json's one-line errors before the tokenizer's model config reads it
         super().__init__(folder, TextCodec(Path(folder)))
         self._target_hash: Optional[str] = None
         native = self.placement.native

@@ -49,6 +49,7 @@ from mtpctl.drafters.heads.medusa import MedusaHeads
 from mtpctl.errors import CorruptModel, UnsupportedModel
 from mtpctl.export.heads import exportable_heads
 from mtpctl.files import output_folder, sha256_file
+from mtpctl.model.config import DecoderConfig
 from mtpctl.model.decoder import Decoder, _linear, attention_out_and_mlp, qkv_heads
 from mtpctl.model.families import FAMILIES
 from mtpctl.model.weights import weights_hash
@@ -98,6 +99,13 @@ def _layer_step(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pa
     return attention_out_and_mlp(layer, x, attn, layer.norm), keys, values
 
 
+def check_exportable(cfg: DecoderConfig) -> None:
+    """Raises UnsupportedModel where ``cfg``'s family has no exported graph (:data:`EXPORTABLE`)."""
+    if not cfg.family.exportable:
+        raise UnsupportedModel(f"model_type {cfg.model_type!r} cannot be exported yet "
+                               f"(exportable: {', '.join(EXPORTABLE)})")
+
+
 class FusedStep(nn.Module):
     """The fused draft/verify step of ``model`` (and ``heads``) with the KV cache as inputs/outputs.
 
@@ -112,9 +120,7 @@ class FusedStep(nn.Module):
 
     def __init__(self, model: Decoder, heads: Optional[MedusaHeads] = None):
         super().__init__()
-        if not model.cfg.family.exportable:
-            raise UnsupportedModel(f"model_type {model.cfg.model_type!r} cannot be exported yet "
-                                   f"(exportable: {', '.join(EXPORTABLE)})")
+        check_exportable(model.cfg)
         if model.packed_weights:
             raise UnsupportedModel("packed int4 weights cannot be exported: load the model with dense weights")
         self.model, self.heads = model, heads
@@ -461,6 +467,9 @@ def export_onnx(model_folder: Path, out: Path, heads_dir: Optional[Path] = None,
         CorruptModel, UnsupportedModel: unreadable or unsupported checkpoint or heads.
     """
     model_folder = Path(model_folder)
+    # from config.json, before the weights are hashed and loaded in float32 (minutes, or more memory than
+    # the machine has, for a large MoE model that would then be refused)
+    check_exportable(DecoderConfig.from_folder(model_folder))
     with output_folder(Path(out), overwrite) as tmp:
         progress(f"hashing the weights of {model_folder}")
         target_hash = weights_hash(model_folder)

@@ -308,9 +308,8 @@ class DecoderConfig:
                 mxfp4=is_mxfp4(cfg),
                 pair_rope=family.block.pair_rope,
                 nope_layers=nope,
-                qk_l2_norm=family.block.qk_l2_norm and bool(cfg.get("use_qk_norm", True)),
-                attn_temperature=(float(cfg.get("floor_scale", 8192)), float(cfg.get("attn_scale", 0.1)))
-                if family.block.nope_layers and cfg.get("attn_temperature_tuning", True) else None,
+                qk_l2_norm=family.block.qk_l2_norm and _flag(cfg, "use_qk_norm"),
+                attn_temperature=_attn_temperature(cfg) if family.block.nope_layers else None,
                 o_bias=family.block.o_bias,
             )
         except (KeyError, TypeError, ValueError) as err:
@@ -409,26 +408,61 @@ def _nope_layers(cfg: dict, layers: int) -> Tuple[int, ...]:
     fills them in."""
     flags = cfg.get("no_rope_layers")
     if not flags:
-        interval = int(cfg.get("no_rope_layer_interval") or 4)
+        interval = int(_positive(cfg, "no_rope_layer_interval", 4))
         flags = [int((i + 1) % interval != 0) for i in range(layers)]
     if len(flags) < layers:
         raise CorruptModel(f"config.json: no_rope_layers has {len(flags)} entries for {layers} layers")
     return tuple(i for i in range(layers) if not flags[i])
 
 
+def _flag(cfg: dict, key: str, default: bool = True) -> bool:
+    """A boolean key of config.json, ``default`` where it is missing or null (Llama 4's released
+    configs write ``"attn_temperature_tuning": 4`` for true)."""
+    value = cfg.get(key)
+    return default if value is None else bool(value)
+
+
+def _positive(cfg: dict, key: str, default):
+    """A number of config.json that must be above 0, ``default`` where it is missing or null.
+
+    Raises:
+        CorruptModel: it is 0 or below (a chunk of no positions, a NoPE layer every 0 layers, ...).
+    """
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if float(value) <= 0:
+        raise CorruptModel(f"config.json: {key} is {value}; it must be above 0")
+    return value
+
+
+def _attn_temperature(cfg: dict) -> Optional[Tuple[float, float]]:
+    """Llama 4's ``(floor_scale, attn_scale)`` where ``attn_temperature_tuning`` (default on) scales the
+    NoPE layers' queries, else None."""
+    if not _flag(cfg, "attn_temperature_tuning"):
+        return None
+    scale = cfg.get("attn_scale")
+    return float(_positive(cfg, "floor_scale", 8192)), float(0.1 if scale is None else scale)
+
+
 def _chunked_windows(cfg: dict, layers: int) -> tuple:
     """Per-layer :class:`Chunk` of a chunked-attention family (Llama 4): the layers ``layer_types``
     names ``chunked_attention`` (without it, the rotary layers) attend within chunks of
-    ``attention_chunk_size``; None (no chunk size): every layer attends fully."""
-    size = cfg.get("attention_chunk_size")
-    if not size:
+    ``attention_chunk_size``, its ``full_attention`` ones fully (another type is refused); None (no chunk
+    size): every layer attends fully."""
+    if cfg.get("attention_chunk_size") is None:
         return (None,) * layers
+    size = _positive(cfg, "attention_chunk_size", None)
     types = cfg.get("layer_types")
     if types is None:
         nope = set(_nope_layers(cfg, layers))
         types = ["full_attention" if i in nope else "chunked_attention" for i in range(layers)]
     if len(types) != layers:
         raise CorruptModel(f"config.json: layer_types has {len(types)} entries for {layers} layers")
+    unknown = sorted(map(str, set(types) - {"chunked_attention", "full_attention"}))
+    if unknown:  # transformers' Llama 4 has no mask for them either
+        raise UnsupportedModel(f"config.json: layer_types {unknown[0]!r} is not a layer of this family "
+                               "(chunked_attention or full_attention)")
     return tuple(Chunk(int(size)) if t == "chunked_attention" else None for t in types)
 
 

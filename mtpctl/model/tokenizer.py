@@ -18,13 +18,11 @@ class TextCodec:
     """
 
     def __init__(self, folder: Path):
-        from transformers import AutoTokenizer
-
         folder = Path(folder)
         if not any((folder / n).exists() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
             raise CorruptModel(f"no tokenizer in {folder} (expected tokenizer.json or tokenizer.model)")
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+            self.tokenizer = _auto_tokenizer(folder)
         except (OSError, ValueError, TypeError, json.JSONDecodeError) as err:
             raise CorruptModel(f"cannot load the tokenizer in {folder}: {err}") from err
         self.eos_ids: Set[int] = _eos_ids(folder, self.tokenizer)
@@ -181,3 +179,23 @@ def _eos_ids(folder: Path, tokenizer) -> Set[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return ids
+
+
+def _auto_tokenizer(folder: Path):
+    """transformers' tokenizer of ``folder``. AutoTokenizer builds config.json's model config first, and
+    transformers 5's config classes refuse values their fields do not type (Llama 4's released
+    ``"attn_temperature_tuning": 4``, a null) although the tokenizer reads only the config's
+    ``tokenizer_class``: such a config is passed as a plain one holding that alone (the model's own
+    reading of config.json is :class:`~mtpctl.model.config.DecoderConfig`'s)."""
+    from transformers import AutoTokenizer, PretrainedConfig
+
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # an older huggingface_hub: config fields are not validated
+        StrictDataclassError = ()
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except StrictDataclassError:
+        named = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("tokenizer_class")
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
+                                         config=PretrainedConfig(tokenizer_class=named))
