@@ -186,7 +186,9 @@ def _auto_tokenizer(folder: Path):
     transformers 5's config classes refuse values their fields do not type (Llama 4's released
     ``"attn_temperature_tuning": 4``, a null) although the tokenizer reads only the config's
     ``tokenizer_class``: such a config is passed as a plain one holding that alone (the model's own
-    reading of config.json is :class:`~mtpctl.model.config.DecoderConfig`'s)."""
+    reading of config.json is :class:`~mtpctl.model.config.DecoderConfig`'s). No code the checkpoint
+    ships is run (``trust_remote_code=False``): a config that names its own class (``auto_map``, as
+    released MiMo's does) is read as a plain one too, and transformers never asks on the terminal."""
     from transformers import AutoTokenizer, PretrainedConfig
 
     try:
@@ -194,8 +196,12 @@ def _auto_tokenizer(folder: Path):
     except ImportError:  # an older huggingface_hub: config fields are not validated
         StrictDataclassError = ()
     try:
-        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
     except StrictDataclassError:
-        named = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("tokenizer_class")
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
+        pass
+    except ValueError as err:  # a config class only the checkpoint's own code defines (MiMo's auto_map)
+        if "trust_remote_code" not in str(err):
+            raise
+    named = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("tokenizer_class")
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False,
                                          config=PretrainedConfig(tokenizer_class=named))
