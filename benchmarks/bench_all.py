@@ -149,6 +149,15 @@ SECTIONS = [
                                                  ("qwen3-moe-scaled", 16, 5))],
             tables_only=False,
             notes=["add-heads' peak RSS as its positions double (SmolLM2-135M, float32 target, Medusa, features extracted afresh: `mtpctl add-heads --data F --no-self-distill --epochs 1 --device cpu --threads 2 --out DIR`, F the built-in written sets' first 25k tokens as text records, then the same records twice and four times; peak sampled from ps each second, measured at 7bac5ff): 3.24 GB at 23k training positions, 3.41 GB at 47k, 3.58 GB at 93k, about +5% a doubling (the features stream from disk; what remains is extraction's and evaluation's working memory, not the positions)."]),
+    Section("hybrid", "A hybrid Gated DeltaNet body at about 1B: what verify rows cost",
+            "A synthetic Qwen3.5-0.8B-shaped checkpoint (`benchmarks/shapes/qwen3.5-0.8b-like.json`: hidden 1024, "
+            "24 layers, every 4th full attention and the others Gated DeltaNet, vocabulary 248320 tied; 1.0B "
+            "bfloat16 values, random) loaded, decoding a few tokens, and verify passes of draft chains against a "
+            "plain step: what the auto policy weighs a draft against on such a body (it measures this shape's own "
+            "table on first use: `--json` `policy_table.source` `measured-on-first-use`).",
+            lambda a: [f"{PYTHON} benchmarks/bench_big.py --shape benchmarks/shapes/qwen3.5-0.8b-like.json "
+                       f"--cache-dir {a.synth_dir} --max-new-tokens 16 --verify-sizes 2,4,8 --reps 5 "
+                       f"--threads {THREADS}"], tables_only=False),
     Section("gpu", "On a GPU: the pipeline's check",
             "`benchmarks/gpu_check.sh` on a CUDA machine: a synthetic Llama-3.2-1B-like checkpoint (bfloat16), "
             "plain greedy and every drafter alone and batched against it (token for token), EAGLE-3 heads trained "
@@ -350,7 +359,7 @@ def main(argv=None) -> int:
             p.error("the gpu section runs where torch sees a CUDA GPU; this machine has none")
         wanted.remove("gpu")
         print("bench_all.py: no CUDA GPU here: the gpu section stays as it is", file=sys.stderr)
-    needs_heads = [k for k in wanted if k not in ("cpu", "big", "gpu", "suffix", "recipes", "exactness", "mtprefresh", "cpupeer")]
+    needs_heads = [k for k in wanted if k not in ("cpu", "big", "gpu", "suffix", "recipes", "exactness", "mtprefresh", "cpupeer", "hybrid")]
     if needs_heads and not (Path(args.heads) / "mtp_config.json").is_file():
         p.error(f"no head folder at {args.heads}: train it with {MTPCTL} add-heads --recipe "
                 f"{args.recipe} --out {args.heads} (make bench does)")
