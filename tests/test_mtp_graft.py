@@ -265,3 +265,30 @@ def test_graft_on_ernie_adds_the_published_layout(ernie, tmp_path):  # noqa: F81
     assert {n: tuple(t.shape) for n, t in new.items() if n not in published or n in mtp} == \
         {n: tuple(published[n].shape) for n in mtp}
     _lossless(src, tmp_path / "out")
+
+
+def test_add_tensors_extends_a_sharded_index_and_refuses_clashes(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from mtpctl.errors import BadInput, CorruptModel
+    from mtpctl.model.rewrite import add_tensors
+
+    src = tmp_path / "src"
+    src.mkdir()
+    names = {"model-00001-of-00002.safetensors": "a", "model-00002-of-00002.safetensors": "b"}
+    for file, tensor in names.items():
+        save_file({tensor: torch.ones(2)}, str(src / file))
+    index = {"metadata": {"total_size": 16}, "weight_map": {t: f for f, t in names.items()}}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    (src / "config.json").write_text("{}")
+    out = add_tensors(src, tmp_path / "out", {"c": torch.zeros(3, dtype=torch.bfloat16)}, {"n": 1})
+    written = json.loads((out / "model.safetensors.index.json").read_text())
+    assert written == {"metadata": {"total_size": 22}, "weight_map": {**index["weight_map"], "c": "model-mtp.safetensors"}}
+    assert json.loads((out / "config.json").read_text()) == {"n": 1}
+    assert load_file(str(out / "model-mtp.safetensors"))["c"].dtype == torch.bfloat16
+    assert all(os.stat(out / f).st_ino == os.stat(src / f).st_ino for f in names)
+    with pytest.raises(CorruptModel, match="already has the tensor 'a'"):
+        add_tensors(src, tmp_path / "other", {"a": torch.ones(2)})
+    with pytest.raises(BadInput, match="already exists"):
+        add_tensors(src, out, {"c": torch.ones(3)})
+    assert not (tmp_path / "other").exists()
