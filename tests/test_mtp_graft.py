@@ -283,7 +283,8 @@ def test_add_tensors_extends_a_sharded_index_and_refuses_clashes(tmp_path):
     (src / "config.json").write_text("{}")
     out = add_tensors(src, tmp_path / "out", {"c": torch.zeros(3, dtype=torch.bfloat16)}, {"n": 1})
     written = json.loads((out / "model.safetensors.index.json").read_text())
-    assert written == {"metadata": {"total_size": 22}, "weight_map": {**index["weight_map"], "c": "model-mtp.safetensors"}}
+    assert written == {"metadata": {"total_size": 22},
+                       "weight_map": {**index["weight_map"], "c": "model-mtp.safetensors"}}
     assert json.loads((out / "config.json").read_text()) == {"n": 1}
     assert load_file(str(out / "model-mtp.safetensors"))["c"].dtype == torch.bfloat16
     assert all(os.stat(out / f).st_ino == os.stat(src / f).st_ino for f in names)
