@@ -78,6 +78,7 @@ Examples:
   mtpctl add-heads -m smollm2-135m --self-distill --magpie-prompts 200 --magpie-seed 7 --out heads/own
   mtpctl add-heads -m zai-org/GLM-4.5-Air --kind mtp --measure-only --data prompts.jsonl --self-distill --num-heads 3
   mtpctl add-heads -m zai-org/GLM-4.5-Air --kind mtp --data prompts.jsonl --self-distill --steps 2000 --out glm-sft-mtp
+  mtpctl add-heads -m glm-sft --kind mtp --graft --data prompts.jsonl --self-distill --steps 4000 --out glm-sft-mtp
   torchrun --nproc-per-node 2 -m mtpctl add-heads --recipe R.yaml --out heads/ddp
   torchrun --nproc-per-node 8 -m mtpctl add-heads --recipe R.yaml --device cuda --out heads/ddp
   mtpctl generate --speculate heads --heads heads/smollm2-medusa --dtype bfloat16 "Explain KV caches."
@@ -104,6 +105,11 @@ Examples:
               help="Optimizer steps (0: from --epochs) [default: 0].")
 @click.option("--measure-only", is_flag=True,
               help="mtp: only report the MTP layer's per-depth acceptance on the data (teacher-forced); writes nothing.")
+@click.option("--graft", is_flag=True,
+              help="mtp: the checkpoint's MTP layer is missing (dropped by fine-tuning tools; its count may be 0): "
+                   "build a new one in the family's layout, initialised from the body's last layer of its kind, "
+                   "train it on the current body and write --out with its tensors added in a new shard "
+                   "(model-mtp.safetensors) and config.json declaring one MTP layer.")
 @click.option("--head-layers", type=int, default=None, help="Residual blocks per head [default: 1].")
 @click.option("--own-lm-head/--no-own-lm-head", default=None, help="A trainable vocabulary projection per head.")
 @click.option("--draft-vocab", type=int, default=None, help="Heads score only the N most frequent tokens (0 = all).")
@@ -149,14 +155,15 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help="Print the training summary as JSON on stdout.")
 @debug_option
 def add_heads_cmd(recipe, model, data, out, resume, overwrite, bundle, device, threads, as_json, debug,
-                  measure_only, **options) -> None:
+                  measure_only, graft, **options) -> None:
     """Graft MTP heads onto a model and train them by self-distillation (the base stays frozen).
 
     The target computes hidden states and its own predictions once (written in shards under
     $MTPCTL_HOME/work; --resume keeps the shards an interrupted run finished); the heads then train on
     them, streamed shard by shard. Writes mtp_config.json, mtp_heads.safetensors and mtp_datastore.safetensors (the training
     sequences, for --speculate retrieval) to --out. With --kind mtp, the checkpoint's own MTP layer is
-    measured, refreshed and written back instead: acceptance by depth before and after on stdout.
+    measured, refreshed and written back instead: acceptance by depth before and after on stdout; with
+    --graft, a layer the checkpoint lost is built anew, trained and added.
     """
     spec = read_recipe(recipe) if recipe else {"settings": {}, "data": []}
     magpie = magpie_settings(spec["settings"].get("magpie"), options.pop("magpie_prompts"), options.pop("magpie_seed"))
@@ -170,10 +177,12 @@ def add_heads_cmd(recipe, model, data, out, resume, overwrite, bundle, device, t
     files = list(data) or spec["data"]
     set_threads(threads)
     if settings.kind == "mtp":
-        _refresh_mtp(model_name, files, out, settings, measure_only, overwrite, resume, device, as_json)
+        _refresh_mtp(model_name, files, out, settings, measure_only, overwrite, resume, device, as_json, graft)
         return
     if measure_only:
         raise BadInput("--measure-only measures a checkpoint's own MTP layer: use it with --kind mtp")
+    if graft:
+        raise BadInput("--graft builds a checkpoint's missing MTP layer: use it with --kind mtp")
     if out is None:
         raise BadInput("give --out: the head folder to write")
     init_distributed(device)
@@ -205,13 +214,14 @@ def add_heads_cmd(recipe, model, data, out, resume, overwrite, bundle, device, t
 
 
 def _refresh_mtp(model_name: str, files, out, settings: TrainSettings, measure_only: bool, overwrite: bool,
-                 resume: bool, device: str, as_json: bool) -> None:
-    """``add-heads --kind mtp``: progress on stderr, acceptance by depth on stdout (or the summary as JSON)."""
+                 resume: bool, device: str, as_json: bool, graft: bool) -> None:
+    """``add-heads --kind mtp`` (``--graft``: a new layer): progress on stderr, acceptance by depth on stdout
+    (or the summary as JSON)."""
     from mtpctl.train.mtp_refresh import refresh_mtp
 
     summary = refresh_mtp(resolve_model(model_name), resolve_data(files, mtpctl_home() / "hub"),
                           Path(out) if out else None, settings, mtpctl_home(), measure_only=measure_only,
-                          overwrite=overwrite, resume=resume, device=device)
+                          overwrite=overwrite, resume=resume, device=device, graft=graft)
     if as_json:
         click.echo(json.dumps(summary))
         return

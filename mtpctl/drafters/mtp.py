@@ -112,7 +112,8 @@ class MtpLayers:
 
     The block is held as a one-layer :class:`~mtpctl.model.decoder.Decoder` (``self.block``: its
     ``layers[0]``, rope tables and KV cache shapes; its embedding is the target's, not copied; its own
-    final norm unused).
+    final norm unused). ``tensors`` (name after :attr:`prefix` -> value) gives the layer instead of the
+    checkpoint (a layer grafted onto a checkpoint without one: :mod:`mtpctl.train.mtp_graft`).
 
     Attributes:
         layout: the family's :class:`~mtpctl.model.families.mtp_layouts.MtpLayout`.
@@ -136,11 +137,14 @@ class MtpLayers:
             the layer where norms hold an offset (writing back gives unchanged norms as stored, bit for bit).
     """
 
-    def __init__(self, model: Decoder, folder: Path, settings: MtpSettings = MtpSettings(), index: int = 0):
+    def __init__(self, model: Decoder, folder: Path, settings: MtpSettings = MtpSettings(), index: int = 0,
+                 tensors: Optional[Dict[str, torch.Tensor]] = None):
         cfg = model.cfg
-        check_mtp_layers(cfg, folder)
-        if not 0 <= index < cfg.mtp_layers:
-            raise BadInput(f"{folder} declares {cfg.mtp_layers} MTP layer(s): there is no layer {index}", option="mtp")
+        if tensors is None:
+            check_mtp_layers(cfg, folder)
+        count = cfg.mtp_layers if tensors is None else 1  # given tensors: one layer grafted (mtpctl.train.mtp_graft)
+        if not 0 <= index < count:
+            raise BadInput(f"{folder} declares {count} MTP layer(s): there is no layer {index}", option="mtp")
         self.index = index
         layout = cfg.family.mtp_layout
         raw = cfg.family.text_part(read_json(Path(folder) / "config.json"))
@@ -148,7 +152,7 @@ class MtpLayers:
             if raw.get(key) == value:
                 raise UnsupportedModel(f"{folder}: config.json sets {key}={value!r}, an MTP layout mtpctl does not "
                                        "read", option="speculate")
-        self.model, self.layout, self.count = model, layout, cfg.mtp_layers
+        self.model, self.layout, self.count = model, layout, count
         self.settings = layout.settings_for(settings)
         self.cfg = block_config(layout, raw)
         if self.cfg.layer_windows[0] is not None:
@@ -158,7 +162,11 @@ class MtpLayers:
         roles = layout.names(n)
         self.names = {ATTRS[role]: name for role, name in roles.items() if role in ATTRS}
         self.copies = (roles.get("head_copy"), roles.get("embedding_copy"))
-        tensors = self._read(Path(folder))
+        if tensors is None:
+            tensors = self._read(Path(folder))
+        else:  # the layer's tensors given (names after the prefix), checked as read ones are
+            tensors = dict(tensors)
+            self._check_layout({name: tuple(t.shape) for name, t in tensors.items()}, f"MTP layer {self.prefix}")
         self.shapes = {name: tuple(t.shape) for name, t in tensors.items()}
         self.offset = cfg.norm_offset if layout.offset_norms else 0.0
         self.stored = {name: t for name, t in tensors.items() if t.dim() == 1} if self.offset else {}
@@ -218,7 +226,11 @@ class MtpLayers:
         where = f"{folder}: MTP layer {self.prefix}"
         pairs = fp8.pair_scales({n: i.shape for n, i in found.items()}, {n: i.dtype for n, i in found.items()},
                                 self.cfg.fp8_block, where)
-        self._check_layout({n: i for n, i in found.items() if n not in pairs.values()}, where)
+        if not found:
+            raise CorruptModel(f"{folder} declares {self.count} MTP layer(s) but holds none of the tensors of "
+                               f"MTP layer {self.prefix}{self.block_prefix}: a fine-tuning tool may have dropped them "
+                               "(mtpctl add-heads --kind mtp can graft a new layer)", option="graft")
+        self._check_layout({n: tuple(i.shape) for n, i in found.items() if n not in pairs.values()}, where)
         out = _read_tensors(self.prefix, found)
         for weight, scale in pairs.items():
             out[weight] = fp8.dequantize_stack(out[weight], out.pop(scale), self.cfg.fp8_block)
@@ -226,8 +238,8 @@ class MtpLayers:
             check_finite_tensor(self.prefix + name, value, str(folder))
         return out
 
-    def _check_layout(self, found: Dict[str, TensorInfo], where: str) -> None:
-        """Raise CorruptModel unless ``found`` (name after the prefix -> info) is an MTP layer of the
+    def _check_layout(self, found: Dict[str, tuple], where: str) -> None:
+        """Raise CorruptModel unless ``found`` (name after the prefix -> shape) is an MTP layer of the
         published layout: the family's block, the layout's own tensors, the optional copies, with their
         shapes."""
         h, v = self.cfg.hidden_size, self.cfg.vocab_size
@@ -241,9 +253,9 @@ class MtpLayers:
         if missing or unexpected:
             what = f"missing {missing[0]!r}" if missing else f"unexpected {unexpected[0]!r}"
             raise CorruptModel(f"{where} does not have the published layout ({what})")
-        for name, info in found.items():
-            if tuple(info.shape) != shapes[name]:
-                raise CorruptModel(f"{where}{name} has shape {tuple(info.shape)}, expected {shapes[name]}")
+        for name, shape in found.items():
+            if shape != shapes[name]:
+                raise CorruptModel(f"{where}{name} has shape {shape}, expected {shapes[name]}")
 
     def new_cache(self, capacity: int):
         """An empty KV cache of the block for ``capacity`` rows: keys and values only (on a hybrid body

@@ -10,6 +10,10 @@ self-distillation on the current body, and write it back into a new checkpoint f
 5. write back (:func:`mtpctl.model.rewrite.rewrite_checkpoint`): a new folder where only the layer's
    tensors hold new values (same names, dtypes, shards), with ``mtp_refresh.json`` (the figures).
 
+With ``graft`` (a checkpoint whose MTP tensors were dropped), the layer measured and trained is a new one
+(:func:`mtpctl.train.mtp_graft.fresh_layer`) and the write-back adds its tensors in a new shard, the
+config declaring one layer (:func:`mtpctl.model.rewrite.add_tensors`).
+
 Only the first MTP layer is measured and refreshed. On a checkpoint with several, the later layers draft
 depths 2.. (:class:`~mtpctl.drafters.mtp.MtpDrafter`), which the recursive depths here would not measure:
 the depth is then 1 (``num_heads`` > 1 is refused), and the others are written back unchanged, with a
@@ -26,12 +30,13 @@ from typing import Optional, Sequence
 import torch
 
 from mtpctl.drafters.mtp import MtpLayers, MtpSettings, check_mtp_layers
-from mtpctl.errors import BadInput, UnsupportedModel
-from mtpctl.model.config import DecoderConfig
-from mtpctl.model.rewrite import rewrite_checkpoint
+from mtpctl.errors import BadInput, CorruptModel, UnsupportedModel
+from mtpctl.model.config import DecoderConfig, read_json
+from mtpctl.model.rewrite import ADDED_SHARD, add_tensors, rewrite_checkpoint
 from mtpctl.train import distributed
 from mtpctl.train.add_heads import prepare_features
 from mtpctl.train.mtp import MtpTrainer
+from mtpctl.train.mtp_graft import count_key, fresh_layer, grafted_config, present_tensors
 from mtpctl.train.settings import TrainSettings
 from mtpctl.train.target import TargetHead
 
@@ -41,7 +46,7 @@ NOTES_FILE = "mtp_refresh.json"
 
 def refresh_mtp(target_folder: Path, data: Sequence[Path], out: Optional[Path], settings: TrainSettings, home: Path,
                 measure_only: bool = False, overwrite: bool = False, resume: bool = False, device: str = "auto",
-                mtp: MtpSettings = MtpSettings()) -> dict:
+                mtp: MtpSettings = MtpSettings(), graft: bool = False) -> dict:
     """Measure the MTP layer of the checkpoint in ``target_folder`` on ``data`` and, unless
     ``measure_only``, refresh it and write the checkpoint with the new layer to ``out``.
 
@@ -49,6 +54,8 @@ def refresh_mtp(target_folder: Path, data: Sequence[Path], out: Optional[Path], 
         settings: of kind ``mtp``; ``num_heads`` is the depth measured and trained (depths past the
             first by running the layer recursively), ``head_decay`` the recursive objective's weight.
         mtp: how the layer runs (the drafter's settings; the defaults are ``--speculate mtp``'s).
+        graft: the checkpoint's MTP tensors are missing: build a new layer (:mod:`mtpctl.train.mtp_graft`),
+            measure it, train it and write the checkpoint with it added to ``out``.
         The others as :func:`mtpctl.train.add_heads.add_heads`'s.
 
     Returns:
@@ -57,18 +64,19 @@ def refresh_mtp(target_folder: Path, data: Sequence[Path], out: Optional[Path], 
 
     Raises:
         BadInput: bad settings, no ``out``, ``out`` exists without ``overwrite`` or is the target, a
-            checkpoint without MTP layers, a depth over 1 on a checkpoint with several, several processes.
+            checkpoint without MTP layers (one that holds them, with ``graft``; ``graft`` with
+            ``measure_only``), a depth over 1 on a checkpoint with several, several processes.
         UnsupportedModel: a family whose MTP layers are not read; a refresh of a block-scaled FP8 checkpoint.
-        CorruptModel: an MTP layer without the published layout.
+        CorruptModel: an MTP layer without the published layout; a declared one whose tensors are all
+            missing (without ``graft``).
     """
     settings.check()
     if settings.kind != "mtp":
         raise BadInput(f"refreshing MTP layers takes settings of kind mtp, not {settings.kind}", option="kind")
     target_folder = Path(target_folder)
     cfg = DecoderConfig.from_folder(target_folder)
-    check_mtp_layers(cfg, target_folder, option="kind",
-                     instead="add-heads --kind mtp refreshes a checkpoint's own layers (train heads of another kind)")
-    if cfg.mtp_layers > 1 and settings.num_heads > 1:
+    _check_graft(cfg, target_folder, graft, measure_only)
+    if cfg.mtp_layers > 1 and settings.num_heads > 1 and not graft:
         raise BadInput(f"{target_folder} has {cfg.mtp_layers} MTP layers: its layer k+1 drafts depth k+1, and only "
                        "the first is measured and refreshed here: use depth 1 (--num-heads 1)", option="num_heads")
     if cfg.fp8_block is not None and not measure_only:
@@ -80,9 +88,10 @@ def refresh_mtp(target_folder: Path, data: Sequence[Path], out: Optional[Path], 
     if distributed.world_size() > 1:
         raise BadInput("refreshing MTP layers runs in one process (not under torchrun)")
     started = time.perf_counter()
+    fresh = fresh_layer(target_folder, cfg) if graft else None  # before the features: it may be refused
     run = prepare_features(target_folder, data, settings, home, where, resume)
     target = TargetHead.from_folder(target_folder, torch.float32, where)
-    layers = MtpLayers(target, target_folder, mtp)
+    layers = MtpLayers(target, target_folder, mtp, tensors=fresh)
     if layers.count > 1:
         distributed.log(f"warning: only the first of the checkpoint's {layers.count} MTP layers is measured and "
                         "refreshed; the others, which draft depths 2 and on reading its output, are written "
@@ -106,9 +115,42 @@ def refresh_mtp(target_folder: Path, data: Sequence[Path], out: Optional[Path], 
     distributed.log(f"MTP layer refreshed: {acceptance_line(summary['after'])}")
     values = {layers.prefix + name: value for name, value in trainer.heads.tensors().items()}
     summary["timings_s"] = {**run.timings, "total_s": round(time.perf_counter() - started, 1)}
+    if graft:
+        summary["grafted"] = {"shard": ADDED_SHARD, "tensors": len(fresh)}
+        added = {layers.prefix + name: values.get(layers.prefix + name, init).to(init.dtype)
+                 for name, init in fresh.items()}
+        add_tensors(target_folder, Path(out), added, grafted_config(cfg, target_folder), overwrite,
+                    notes={NOTES_FILE: summary})
+        distributed.log(f"wrote {out}: {len(added)} MTP tensors added in {ADDED_SHARD}, every other file as in "
+                        f"{target_folder} but config.json (one MTP layer)")
+        return summary
     rewrite_checkpoint(target_folder, Path(out), values, overwrite, notes={NOTES_FILE: summary})
     distributed.log(f"wrote {out}: {len(values)} MTP tensors replaced, every other file as in {target_folder}")
     return summary
+
+
+def _check_graft(cfg: DecoderConfig, folder: Path, graft: bool, measure_only: bool) -> None:
+    """Refuse, before any work, a checkpoint without the MTP layer to refresh (without ``graft``) or one
+    that has it (with ``graft``)."""
+    if cfg.family.mtp_layout is None:
+        check_mtp_layers(cfg, folder, option="kind")  # a family whose MTP layers are not read
+    if not graft:
+        check_mtp_layers(cfg, folder, option="graft",
+                         instead="graft a new one, trained on the current body, or train heads of another kind")
+        if not present_tensors(folder, cfg):
+            key = count_key(cfg, cfg.family.text_part(read_json(folder / "config.json")))
+            raise CorruptModel(f"{folder} declares {cfg.mtp_layers} MTP layer(s) ({key}) but holds none of their "
+                               "tensors (a fine-tuning tool may have dropped them): graft a new one, trained on "
+                               "the current body", option="graft")
+        return
+    if cfg.fp8_block is not None:
+        raise UnsupportedModel(f"{folder} holds block-scaled FP8 weights: a grafted MTP layer is not written "
+                               "into them", option="graft")
+    if measure_only:
+        raise BadInput("a grafted MTP layer is new: there is nothing to measure before it trains (its "
+                       "acceptance is measured before and after training)", option="measure_only")
+    if present_tensors(folder, cfg):
+        raise BadInput(f"{folder} already holds its MTP layer: refresh it without grafting", option="graft")
 
 
 def _check_out(target_folder: Path, out: Optional[Path], measure_only: bool, overwrite: bool) -> None:
