@@ -162,8 +162,9 @@ class TorchStepOutput(StepOutput):
 def native_attention_runs(cfg) -> bool:
     """Whether decode and verify passes of a model of ``cfg`` attend on the native kernel here: its family
     runs on the native kernels (``Family.kernels``: gpt-oss's attention sinks do not) and the kernel takes
-    the shape and loads (:func:`~mtpctl.model.native.kernel_runs`)."""
-    return "native" in cfg.family.kernels and kernel_runs(cfg.num_attention_heads, cfg.num_key_value_heads,
+    the shape and loads (:func:`~mtpctl.model.native.kernel_runs`). Multi-head latent attention attends
+    over its compressed cache on torch's ops (:func:`~mtpctl.model.decoder.latent_attention`)."""
+    return "native" in cfg.family.kernels and cfg.mla is None and kernel_runs(cfg.num_attention_heads, cfg.num_key_value_heads,
                                                           cfg.head_dim)
 
 

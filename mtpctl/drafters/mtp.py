@@ -462,10 +462,7 @@ class MtpDrafter(Drafter):
         for i, cache in enumerate(self.caches):
             if slots > cache.capacity:
                 grown = self.layers[i].new_cache(max(slots, 2 * cache.capacity))
-                length = cache.length
-                grown.k[:, :, :, :length] = cache.k[:, :, :, :length]
-                grown.v[:, :, :, :length] = cache.v[:, :, :, :length]
-                grown.length = length
+                grown.copy_committed(cache)
                 self.caches[i] = grown
 
 

@@ -84,8 +84,9 @@ class MlaConfig:
 
     @property
     def cache_head_dim(self) -> int:
-        """A KV cache slot's head length: keys and values are held expanded per head, the shorter
-        zero-padded to the longer."""
+        """An expanded head's length, the longer of a query/key head and a value head
+        (:attr:`DecoderConfig.head_dim`); the KV cache holds ``kv_lora_rank + qk_rope_head_dim`` values a
+        token instead (:class:`~mtpctl.model.kv_cache.LatentCache`)."""
         return max(self.qk_head_dim, self.v_head_dim)
 
 
@@ -125,9 +126,10 @@ class DecoderConfig:
     ``moe``: a Mixture-of-Experts family's block (:class:`~mtpctl.model.moe.MoeConfig`, which also says
     which layers have it), None for a dense model. ``rotary_dim``: the rotary embedding turns only the
     first ``rotary_dim`` values of each head (GLM-4.5's ``partial_rotary_factor``), None: all.
-    ``mla``: multi-head latent attention (DeepSeek-V3, :class:`MlaConfig`): then ``head_dim`` is the
-    cache's head length (:attr:`MlaConfig.cache_head_dim`), ``num_key_value_heads`` the heads, and
-    ``rotary_dim`` the rotary part. ``mtp_layers``: native MTP layers the checkpoint declares (under the
+    ``mla``: multi-head latent attention (DeepSeek-V3, :class:`MlaConfig`): then ``head_dim`` is an
+    expanded head's length (:attr:`MlaConfig.cache_head_dim`), ``num_key_value_heads`` the heads, and
+    ``rotary_dim`` the rotary part; its KV cache holds the compressed rows instead
+    (:class:`~mtpctl.model.kv_cache.LatentCache`). ``mtp_layers``: native MTP layers the checkpoint declares (under the
     family's :attr:`~mtpctl.model.families.mtp_layouts.MtpLayout.count_keys`; without a layout
     ``num_nextn_predict_layers``, at layer indices ``num_hidden_layers`` and above), which the body does not read.
     ``deltanet``: a hybrid body's Gated DeltaNet layers (Qwen3.5, :class:`GatedDeltaNetConfig`, whose

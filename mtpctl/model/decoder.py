@@ -27,7 +27,7 @@ from torch import nn
 
 from mtpctl.errors import CorruptModel, UnsupportedModel
 from mtpctl.model.config import DecoderConfig, RopeConfig, rope_attention_factor
-from mtpctl.model.kv_cache import KVCache, PassSlots
+from mtpctl.model.kv_cache import KVCache, LatentCache, PassSlots
 from mtpctl.model.native import (SlotPlan, StackWeights, attend, kernel_takes, layer_stack, stack_part,
                                  norm_takes, rms_norm, rotate_write)
 from mtpctl.model.linears import BlockedLinear, FixedRowsLinear, PackedLinear, TiledLinear, pack_exact
@@ -39,7 +39,8 @@ from mtpctl.model.row_invariance import CPU_FIXED_ROWS, dense_path, int4_path
 from mtpctl.model.weights import CheckpointReader, MemoryTensors, read_headers, renamed, shard_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-LINEARS = ("qkv", "o_proj", "gate_up", "down", "lm_head", "q_b", "kv_b")  # weights that may be held packed
+#: weights that may be held packed (MLA's ``kv_b`` stays dense: latent attention multiplies by its parts per head)
+LINEARS = ("qkv", "o_proj", "gate_up", "down", "lm_head", "q_b")
 EMBED = "model.embed_tokens.weight"
 #: config activation name -> function (``gelu_pytorch_tanh``: GELU with the tanh approximation)
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
@@ -244,8 +245,9 @@ def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
     each token's path gives, wherever the linear layers are batch-invariant too (bfloat16, int4, and
     float32 in oneDNN's blocked layout).
 
-    q ``[batch, heads, N, head_dim]``; keys/values ``[batch, kv_heads, slots, head_dim]``; ``scale``
-    multiplies q.k (usually ``head_dim ** -0.5``). Returns ``[batch, heads, N, head_dim]``.
+    q ``[batch, heads, N, head_dim]``; keys ``[batch, kv_heads, slots, head_dim]``, values ``[batch, kv_heads,
+    slots, value_dim]`` (``value_dim``: ``head_dim`` but for latent attention's); ``scale`` multiplies q.k
+    (usually ``head_dim ** -0.5``). Returns ``[batch, heads, N, value_dim]``.
 
     Each token attends over its head and tail (:class:`AttentionPlan`) as one softmax:
     - head: ``q @ K[:head]`` and ``P @ V[:head]`` for all tokens with that head length in one matmul
@@ -273,7 +275,7 @@ def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
         tail_k = _gather_tails(keys, plan, tail)  # [b, kv_heads, N, TAIL, d]
         tail_v = _gather_tails(values, plan, tail)
     tail_scores = torch.matmul(qg, tail_k.transpose(-1, -2))  # [b, kv_heads, N, group, TAIL]
-    out = None if len(plan.groups) == 1 else qg.new_empty(qg.shape)
+    out = None if len(plan.groups) == 1 else qg.new_empty((*qg.shape[:-1], values.shape[-1]))
     for g in plan.groups:
         pick = (lambda t: t) if g.rows is None else (lambda t: t[:, :, g.rows])
         n_g = n if g.rows is None else len(g.rows)
@@ -292,7 +294,7 @@ def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
             out = o
         else:
             out[:, :, g.rows] = o
-    return out.transpose(2, 3).reshape(b, heads, n, d).to(q.dtype)
+    return out.transpose(2, 3).reshape(b, heads, n, values.shape[-1]).to(q.dtype)
 
 
 def _softmax_with_sinks(logits: torch.Tensor, sinks: Optional[torch.Tensor], kv_heads: int,
@@ -443,7 +445,7 @@ class DecoderLayer(nn.Module):
         self.fused_rotary = cfg.rope_dim == hd and cfg.mla is None and not cfg.pair_rope and self.rotary \
             and self.qk_l2_weight is None
         self.mla = cfg.mla
-        if cfg.mla is not None:  # multi-head latent attention: its own projections (see _mla_qkv)
+        if cfg.mla is not None:  # multi-head latent attention: its own projections (see latent_attention)
             m, heads = cfg.mla, cfg.num_attention_heads
             first = m.q_lora_rank if m.q_lora_rank else heads * m.qk_head_dim
             self.q_size, self.kv_size = heads * m.v_head_dim, 0  # attention's output per token
@@ -490,10 +492,8 @@ class DecoderLayer(nn.Module):
             mixed = deltanet_pass(self, norm(x, self.input_norm, cfg.rms_norm_eps), cache)
             return mixer_out_and_mlp(self, x, mixed, norm)
         qkv = _linear(norm(x, self.input_norm, cfg.rms_norm_eps), self.qkv, self.qkv_bias)
-        if self.mla is not None:
-            q, k, v = mla_heads(self, qkv, cos, sin)
-            attn = self._attend(q, k, v, cache, mask, plan, x.dtype)[..., :self.mla.v_head_dim]
-            return self._attention_out_and_mlp(x, attn, b, n, norm)
+        if self.mla is not None:  # over the compressed cache (LatentCache)
+            return self._attention_out_and_mlp(x, latent_attention(self, qkv, cos, sin, cache, mask, plan), b, n, norm)
         if native and self.q_norm is None and self.fused_rotary:  # rotate, write the caches and attend in C
             i = self.cache_index
             q = rotate_write(qkv[0], cos[0, :, 0], sin[0, :, 0], cache.kv, i, cache.dest, heads,
@@ -640,35 +640,89 @@ def qkv_heads(layer: DecoderLayer, qkv: torch.Tensor, cos: torch.Tensor, sin: to
     return q, k, v
 
 
-def mla_heads(layer: DecoderLayer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """Multi-head latent attention's queries and keys ``[batch, heads, N, cache_head_dim]`` and values
-    (zero-padded to the same length) from the fused ``q_a_proj``/``kv_a_proj_with_mqa`` product ``qkv``
-    (or ``q_proj``'s without ``q_lora_rank``): the latent is normed and expanded by ``kv_b_proj`` into
-    every head's non-rotary key and value; the rotary key, shared by the heads, and each query head's
-    rotary part turn with cos/sin ``[batch, N, 1, qk_rope_head_dim]``. The RMSNorms of the latents are
-    torch's (:func:`_rms_norm`), row by row alike in any pass."""
+def mla_parts(layer: DecoderLayer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Multi-head latent attention's pieces from the fused ``q_a_proj``/``kv_a_proj_with_mqa`` product
+    ``qkv [batch, N, ...]`` (or ``q_proj``'s without ``q_lora_rank``): each query head's non-rotary part
+    ``[batch, N, heads, qk_nope_head_dim]`` and rotary part ``[batch, N, heads, qk_rope_head_dim]``, and
+    each token's cache row ``[batch, 1, N, kv_lora_rank + qk_rope_head_dim]``: the latent after
+    ``kv_a_layernorm``, then the rotary key every head shares. The rotary parts turn with cos/sin
+    ``[batch, N, 1, qk_rope_head_dim]``. The latents' RMSNorms are torch's (:func:`_rms_norm`), row by
+    row alike in any pass."""
     cfg, m = layer.cfg, layer.mla
-    b, n, _ = qkv.shape
     heads, eps = cfg.num_attention_heads, cfg.rms_norm_eps
     first = m.q_lora_rank if m.q_lora_rank else heads * m.qk_head_dim
     q = qkv[..., :first]
     if m.q_lora_rank:
         q = _linear(_rms_norm(q, layer.q_a_norm, eps), layer.q_b)
     q = q.unflatten(2, (heads, m.qk_head_dim))
-    latent, k_rot = qkv[..., first:first + m.kv_lora_rank], qkv[..., first + m.kv_lora_rank:]
-    kv = _linear(_rms_norm(latent, layer.kv_a_norm, eps), layer.kv_b).unflatten(2, (heads, -1))
-    k_nope, v = kv[..., :m.qk_nope_head_dim], kv[..., m.qk_nope_head_dim:]
+    latent = _rms_norm(qkv[..., first:first + m.kv_lora_rank], layer.kv_a_norm, eps)
     rotate = _rotate_interleaved if m.rope_interleave else _rotate
-    q_rot, k_rot = rotate(q[..., m.qk_nope_head_dim:], cos, sin), rotate(k_rot[:, :, None], cos, sin)
-    pad = cfg.head_dim - m.qk_head_dim
-    parts_q, parts_k = [q[..., :m.qk_nope_head_dim], q_rot], [k_nope, k_rot.expand(b, n, heads, m.qk_rope_head_dim)]
-    if pad:
-        parts_q.append(q.new_zeros(b, n, heads, pad))
-        parts_k.append(q.new_zeros(b, n, heads, pad))
-    q, k = torch.cat(parts_q, dim=-1), torch.cat(parts_k, dim=-1)
-    if cfg.head_dim > m.v_head_dim:
-        v = torch.cat((v, v.new_zeros(b, n, heads, cfg.head_dim - m.v_head_dim)), dim=-1)
-    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    q_rot = rotate(q[..., m.qk_nope_head_dim:], cos, sin)
+    k_rot = rotate(qkv[..., first + m.kv_lora_rank:][:, :, None], cos, sin)[:, :, 0]
+    return q[..., :m.qk_nope_head_dim], q_rot, torch.cat((latent, k_rot), dim=-1)[:, None]
+
+
+def latent_weights(layer: DecoderLayer) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``kv_b_proj``'s two parts per head, views of its weight: ``W_UK [heads, qk_nope_head_dim,
+    kv_lora_rank]`` (latent -> non-rotary key) and ``W_UV [heads, v_head_dim, kv_lora_rank]`` (latent ->
+    value)."""
+    m = layer.mla
+    w = layer.kv_b.view(layer.cfg.num_attention_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+    return w[:, :m.qk_nope_head_dim], w[:, m.qk_nope_head_dim:]
+
+
+def head_products(x: torch.Tensor, w: torch.Tensor, rows: Optional[int]) -> torch.Tensor:
+    """Each head's product ``x [heads, M, K] @ w [heads, K, N]`` -> ``[heads, M, N]``. With ``rows`` in
+    blocks of exactly that many rows (the last padded with zero rows), as :class:`FixedRowsLinear`
+    computes: every row then comes out of a product of one shape, the same alone or among others; None:
+    one product (prefill and teacher-forced passes)."""
+    if rows is None:
+        return torch.matmul(x, w)
+    m = x.shape[1]
+    padded = F.pad(x, (0, 0, 0, -m % rows)) if m % rows else x
+    blocks = [torch.matmul(block, w) for block in padded.split(rows, dim=1)]
+    return (blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1))[:, :m]
+
+
+def latent_attention(layer: DecoderLayer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, mask,
+                     plan) -> torch.Tensor:
+    """Multi-head latent attention over the compressed cache (:class:`~mtpctl.model.kv_cache.LatentCache`),
+    in the absorbed form: each head's non-rotary query is taken into the latent space (``q_nope @ W_UK``),
+    joined by its rotary part, and attends as one of ``heads`` query heads over one KV head, the cache
+    rows (keys: latent and rotary key; values: the latent); each head's latent result leaves through
+    ``W_UV``. The same scores as the expanded keys give (``q_nope . (W_UK c) = (q_nope W_UK) . c``),
+    rounded otherwise. Both products run in fixed row blocks in decode and verify passes
+    (:func:`head_products`), attention on torch's batch-invariant ops (:func:`_attention`), so a row's
+    result does not depend on its pass. ``qkv``, cos/sin as :func:`mla_parts` takes them; ``cache``,
+    ``mask``, ``plan`` as :meth:`DecoderLayer.forward`. ``[batch, heads, N, v_head_dim]`` in ``qkv``'s
+    dtype.
+
+    Raises:
+        UnsupportedModel: a native-kernel plan (:class:`SlotPlan`): the kernel does not attend over a latent.
+    """
+    cfg, m = layer.cfg, layer.mla
+    b, n, heads = qkv.shape[0], qkv.shape[1], cfg.num_attention_heads
+    rows = None if plan is None else layer.moe_rows
+    q_nope, q_rot, row = mla_parts(layer, qkv, cos, sin)
+    w_uk, w_uv = latent_weights(layer)
+    q_lat = head_products(q_nope.permute(2, 0, 1, 3).reshape(heads, b * n, -1), w_uk, rows)
+    q = torch.cat((q_lat.reshape(heads, b, n, -1).transpose(0, 1), q_rot.transpose(1, 2)), dim=-1)
+    i = layer.cache_index
+    if isinstance(plan, SlotPlan):
+        raise UnsupportedModel("multi-head latent attention runs on torch's attention, not the native kernel")
+    if plan is not None:  # one plan per sequence of the pass, each over its own cache
+        cache.write(i, row, row[..., :m.kv_lora_rank])
+        parts = [_attention(q[:, :, start:start + count], seq.k[i], seq.v[i], cfg.scale, seq_plan)
+                 for seq, start, count, seq_plan in zip(cache.caches, cache.starts, cache.counts, plan)]
+        attn = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+    else:
+        keys, values = cache.write(i, row, row[..., :m.kv_lora_rank])
+        used = cache.length + n
+        attn = F.scaled_dot_product_attention(q.float(), keys[:, :, :used].float(), values[:, :, :used].float(),
+                                              attn_mask=mask[..., :used], enable_gqa=True, scale=cfg.scale)
+    attn = attn.to(qkv.dtype).transpose(0, 1).reshape(heads, b * n, m.kv_lora_rank)  # [heads, M, kv_lora_rank]
+    out = head_products(attn, w_uv.transpose(1, 2), rows)
+    return out.reshape(heads, b, n, m.v_head_dim).transpose(0, 1)
 
 
 def attention_out_and_mlp(layer: DecoderLayer, x: torch.Tensor, attn: torch.Tensor, norm) -> torch.Tensor:
@@ -1119,7 +1173,8 @@ class Decoder(nn.Module):
                             cfg.rms_norm_eps, cfg.scale)
 
     def new_cache(self, capacity: int, batch: int = 1, spare: int = 0, compact: bool = False) -> KVCache:
-        """An empty KV cache for ``capacity`` tokens and ``spare`` never-written slots. Attention runs in
+        """An empty KV cache for ``capacity`` tokens and ``spare`` never-written slots (a
+        :class:`LatentCache` for multi-head latent attention). Attention runs in
         float32 in every dtype, so the cache is float32 (torch's ops read it without converting), or
         with ``compact`` in a bfloat16 model's dtype: its keys and values are bfloat16 values, so
         nothing is rounded, and the native kernels, which widen what they read, read half the bytes
@@ -1131,6 +1186,9 @@ class Decoder(nn.Module):
         self.reserve_rope(capacity + spare + 1)
         dtype = torch.bfloat16 if compact and self.dtype == torch.bfloat16 else torch.float32
         linear = [layer.index for layer in self.layers if layer.deltanet is not None]
+        if c.mla is not None:  # the compressed rows of multi-head latent attention (latent attention)
+            return LatentCache(c.num_hidden_layers, batch, c.mla.kv_lora_rank, c.mla.qk_rope_head_dim, capacity,
+                               dtype, self.device, spare=spare)
         cache = KVCache(c.num_hidden_layers - len(linear), batch, c.num_key_value_heads, c.head_dim, capacity, dtype,
                         self.device, spare=spare)  # slots for the attention layers only
         if c.deltanet is not None:  # a hybrid body: each Gated DeltaNet layer's state beside the cache

@@ -5,12 +5,13 @@ values to slots ``[length, length + N)`` without committing them. :meth:`KVCache
 prefix of those (a chain draft: nothing to copy, rejected entries are simply overwritten later),
 :meth:`KVCache.keep` keeps an arbitrary subset (an accepted path of a draft tree: copied into place)
 and :meth:`KVCache.rollback` forgets committed slots (nothing to copy either). The length changes only
-through these methods.
+through these methods. :class:`LatentCache` is the same for multi-head latent attention (DeepSeek-V3): one
+compressed row a token and layer instead of every head's key and value.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -38,10 +39,15 @@ class KVCache:
         self.capacity = capacity
         self.linear = None
 
+    def _tensors(self) -> Tuple[torch.Tensor, ...]:
+        """The tensors that hold the slots (each ``[layers, batch, heads, slots, ...]``)."""
+        return self.k, self.v
+
     @property
     def nbytes(self) -> int:
         """Memory held by keys and values (and a hybrid model's committed Gated DeltaNet states), in bytes."""
-        return self.k.numel() * self.k.element_size() * 2 + (self.linear.nbytes if self.linear is not None else 0)
+        held = sum(t.numel() * t.element_size() for t in self._tensors())
+        return held + (self.linear.nbytes if self.linear is not None else 0)
 
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
         """Store ``k_new``/``v_new`` ``[batch, kv_heads, N, head_dim]`` at slots ``[length, length+N)``
@@ -94,9 +100,18 @@ class KVCache:
         if offsets != list(range(len(offsets))):
             src = torch.tensor(offsets, dtype=torch.long, device=self.k.device) + self.length
             dst = slice(self.length, self.length + len(offsets))
-            self.k[:, :, :, dst] = self.k.index_select(3, src)
-            self.v[:, :, :, dst] = self.v.index_select(3, src)
+            for t in self._tensors():
+                t[:, :, :, dst] = t.index_select(3, src)
         self.length += len(offsets)
+
+    def copy_committed(self, other: "KVCache") -> None:
+        """Hold ``other``'s committed slots (a cache of the same kind and layers, capacity at most this
+        one's: a drafter's cache grown), replacing this one's."""
+        if other.length > self.capacity:
+            raise ValueError(f"cannot copy {other.length} committed slots into a cache of {self.capacity}")
+        for mine, theirs in zip(self._tensors(), other._tensors()):
+            mine[:, :, :, :other.length] = theirs[:, :, :, :other.length]
+        self.length = other.length
 
     def rollback(self, length: int) -> None:
         """Forget the committed slots from ``length`` on (the slots are overwritten by later passes).
@@ -115,6 +130,55 @@ class KVCache:
         if self.linear is not None:
             self.linear.reset()
         self.length = 0
+
+
+class LatentCache(KVCache):
+    """Multi-head latent attention's compressed KV cache (DeepSeek-V2/V3): per token and layer only the
+    latent ``c_kv`` after ``kv_a_layernorm`` (``kv_lora_rank`` values) and the rotary key ``k_pe`` after
+    its rotation (``qk_rope_head_dim``), which every head shares, side by side in one row. Attention runs
+    in the latent space (:func:`mtpctl.model.decoder.latent_attention`): the row is a single KV head's
+    key, and its latent part the value. Committing, rolling back and the slot layout are
+    :class:`KVCache`'s.
+
+    Attributes:
+        k: ``[layers, batch, 1, capacity + spare, kv_lora_rank + qk_rope_head_dim]``: each slot's latent
+            then its rotary key (attention's key).
+        v: a view of ``k``'s first ``kv_lora_rank`` values (attention's value: the latent), no memory
+            of its own.
+        rank: ``kv_lora_rank``.
+    """
+
+    def __init__(self, layers: int, batch: int, rank: int, rope_dim: int, capacity: int,
+                 dtype: torch.dtype = torch.float32, device="cpu", spare: int = 0):
+        self.k = torch.zeros((layers, batch, 1, capacity + spare, rank + rope_dim), dtype=dtype, device=device)
+        self.rank = rank
+        self.length = 0
+        self.capacity = capacity
+        self.linear = None
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.k[..., :self.rank]
+
+    def _tensors(self) -> Tuple[torch.Tensor, ...]:
+        return (self.k,)
+
+    def write(self, layer: int, k_new: torch.Tensor, v_new: Optional[torch.Tensor] = None):
+        """Store the rows ``k_new [batch, 1, N, kv_lora_rank + qk_rope_head_dim]`` at slots ``[length,
+        length+N)`` of ``layer`` (``v_new``, the rows' latents, is ignored: ``k_new`` holds them) and
+        return views of all slots' keys and values (:meth:`KVCache.write`).
+
+        Raises:
+            ValueError: the N new slots do not fit in ``capacity``.
+        """
+        end = self.length + k_new.shape[2]
+        if end > self.capacity:
+            raise ValueError(f"KV cache overflow: {end} slots needed, {self.capacity} allocated")
+        self.k[layer, :, :, self.length:end] = k_new
+        return self.k[layer], self.k[layer, ..., :self.rank]
+
+    def layer_for_write(self, layer: int, n: int):
+        raise ValueError("the native kernels do not write a latent (MLA) cache")
 
 
 class PassSlots:

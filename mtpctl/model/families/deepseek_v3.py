@@ -10,8 +10,10 @@ mscale_all_dim) ** 2``. MoE as GLM-4.5's (sigmoid router, groups, shared experts
 ``first_k_dense_replace`` dense layers); MTP layers at indices ``num_hidden_layers`` and above are not
 read by the body (the MTP drafter reads them: :data:`~.mtp_layouts.DEEPSEEK`).
 
-The KV cache holds each head's expanded key and value (the value zero-padded to the key's length), not
-the compressed latent: see docs/architecture.md. No native layer stack, not exportable."""
+The KV cache holds per token and layer only the normed latent and the rotated rotary key
+(:class:`~mtpctl.model.kv_cache.LatentCache`), attended in the latent space with ``kv_b_proj`` absorbed
+(:func:`~mtpctl.model.decoder.latent_attention`, on torch's ops): see docs/architecture.md. No native
+layer stack, not exportable."""
 
 from mtpctl.model.families.base import MLA_LAYER, Block, Experts, Family
 from mtpctl.model.families.mtp_layouts import DEEPSEEK
