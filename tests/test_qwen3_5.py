@@ -339,3 +339,62 @@ def test_the_pure_torch_path_and_prefill_in_passes_equal_plain_decoding(checkpoi
         a, b = whole.cache.linear.state(i), parts.cache.linear.state(i)
         assert torch.equal(a.conv, b.conv) if i == 0 else (a.conv - b.conv).abs().max() < 1e-4 * a.conv.abs().max()
         assert (a.recurrent - b.recurrent).abs().max() < 1e-4 * a.recurrent.abs().max()
+
+
+def test_the_gated_deltanet_projections_are_held_on_the_dense_linears_path(checkpoints):
+    """Loaded for decoding (``blocked``), a Gated DeltaNet layer's in_proj and out_proj are held once, on
+    the path the other dense linears take here (bfloat16: the native tiles where they build), with the
+    checkpoint's values; a chain through the held weights gives every token the bits it gets alone; the
+    pure-torch path holds them in fixed row blocks."""
+    from mtpctl.model.gated_deltanet import LinearState, deltanet_step
+    from mtpctl.model.linears import FixedRowsLinear
+    from mtpctl.model.row_invariance import dense_path, path_of
+
+    folder = checkpoints["plain"][1]
+    for dtype in (torch.float32, torch.bfloat16):
+        held, plain = Decoder.from_folder(folder, dtype=dtype, blocked=True), Decoder.from_folder(folder, dtype=dtype)
+        for i in (0, 2):
+            for name in ("in_proj", "out_proj"):
+                weight = getattr(plain.layers[i], name)
+                linear = getattr(held.layers[i], name)
+                assert path_of(linear) == dense_path(dtype, tuple(weight.shape)), (dtype, i, name)
+                assert torch.equal(linear.dense(), weight)
+        if dtype == torch.bfloat16:
+            layer = held.layers[0]
+            weights, cfg = layer.deltanet_weights(), layer.deltanet
+            torch.manual_seed(5)
+            x = (torch.randn(9, cfg.hidden_size) * torch.tensor([0.01, 1.0, 30.0])[torch.randint(3, (9, 1))]).to(dtype)
+            start = deltanet_step(x[:3], weights, cfg, LinearState.zeros(cfg)).state
+            for k in (2, 4, 6):
+                chain = deltanet_step(x[3:3 + k], weights, cfg, start, keep_every_position=True)
+                state = start
+                for t in range(k):
+                    one = deltanet_step(x[3 + t:4 + t], weights, cfg, state)
+                    state = one.state
+                    assert torch.equal(one.out[0], chain.out[t]) and state.equal(chain.positions[t]), (k, t)
+    plain.hold_fixed_rows(64)  # the pure-torch path (a GPU's row blocks)
+    assert all(isinstance(getattr(plain.layers[i], n), FixedRowsLinear) and getattr(plain.layers[i], n).rows == 64
+               for i in (0, 2) for n in ("in_proj", "out_proj"))
+
+
+def test_the_hybrid_body_on_a_virtual_gpu_mixes_no_host_tensor_and_syncs_nowhere_in_a_layer(checkpoints):
+    """The pure-torch path on a (virtual) CUDA device: Gated DeltaNet projections in the placement's fixed
+    row blocks; greedy prompt lookup equals plain decoding."""
+    from virtual_cuda import virtual_cuda
+
+    from mtpctl.backends.torch import TorchSession
+    from mtpctl.model.linears import FixedRowsLinear
+
+    folder, prompt = checkpoints["plain"][1], list(PROMPTS[3])
+    with virtual_cuda() as mode:
+        session = TorchSession(folder, "float32", device="cuda", kernels="torch")
+        mode.events.clear()
+        plain = session.generate(prompt, 8).token_ids
+        drafter = ScriptedDrafter(len(prompt), plain, session.vocab_size, corrupt_every=3, budget=4)
+        got = session.generate(prompt, 8, drafter=drafter)
+    bad = [e for e in mode.events if e.kind == "mixup"
+           or (e.kind == "sync" and ("decoder.py" in e.site or "gated_deltanet.py" in e.site))]
+    assert not bad, bad
+    assert got.token_ids == plain and len(plain) == 8 and got.stats.accepted_tokens > 0
+    layer = session.model.layers[0]
+    assert isinstance(layer.in_proj, FixedRowsLinear) and layer.in_proj.rows == layer.out_proj.rows == 64

@@ -224,3 +224,18 @@ def test_the_pure_torch_path_with_prompt_lookup_equals_its_plain_decoding(checkp
                         speculate_policy="always", ngram_min=1)
     got = ngram.pipeline.generate(prompt, NEW)
     assert got.token_ids == plain.pipeline.generate(prompt, NEW).token_ids and got.stats.draft_tokens > 0
+
+
+def test_qwen3_next_holds_its_reordered_input_projection_on_the_dense_path(next_checkpoints):
+    """Loaded for decoding (``blocked``), the fused per-key-head input projection is reordered before it
+    is held: the held weight is the q, k, v, z, b, a order the unheld model keeps."""
+    from mtpctl.model.row_invariance import dense_path, path_of
+
+    _, folders = next_checkpoints
+    for dtype in (torch.float32, torch.bfloat16):
+        plain = Decoder.from_folder(folders["per_expert"], dtype=dtype)
+        held = Decoder.from_folder(folders["per_expert"], dtype=dtype, blocked=True)
+        for i in (0, 2):
+            for name in ("in_proj", "out_proj"):
+                weight, linear = getattr(plain.layers[i], name), getattr(held.layers[i], name)
+                assert path_of(linear) == dense_path(dtype, tuple(weight.shape)) and torch.equal(linear.dense(), weight)

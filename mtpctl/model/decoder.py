@@ -35,12 +35,13 @@ from mtpctl.model.device import FIXED_ROWS
 from mtpctl.model.gated_deltanet import GatedDeltaNetWeights, deltanet_prefill, deltanet_tree, grouped_rows
 from mtpctl.model.linear_cache import LinearCache
 from mtpctl.model.moe import MoeWeights, elementwise, moe_mlp
-from mtpctl.model.row_invariance import CPU_FIXED_ROWS, dense_path, int4_path
+from mtpctl.model.row_invariance import dense_linear, int4_path
 from mtpctl.model.weights import CheckpointReader, MemoryTensors, read_headers, renamed, shard_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-#: weights that may be held packed (MLA's ``kv_b`` stays dense: latent attention multiplies by its parts per head)
-LINEARS = ("qkv", "o_proj", "gate_up", "down", "lm_head", "q_b")
+#: weights that may be held packed or on a checked dense path (MLA's ``kv_b`` stays dense: latent attention
+#: multiplies by its parts per head); ``in_proj``/``out_proj``: a Gated DeltaNet layer's projections
+LINEARS = ("qkv", "o_proj", "gate_up", "down", "lm_head", "q_b", "in_proj", "out_proj")
 EMBED = "model.embed_tokens.weight"
 #: config activation name -> function (``gelu_pytorch_tanh``: GELU with the tanh approximation)
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
@@ -896,6 +897,7 @@ class _Filler:
         left.discard(name)
         if not left:
             del self.open[slot]
+            self._arrange(slot, dest)
             if held and not self._hold(slot.owner, slot.attr, dest):
                 self._materialize(slot).copy_(dest)
             self._done(slot)
@@ -936,15 +938,16 @@ class _Filler:
             setattr(slot.owner, slot.attr, param)
         return param.data
 
+    def _arrange(self, slot: _Slot, rows: torch.Tensor) -> None:
+        """Once a slot's tensors are all read into ``rows`` (before a kernel holds them): Qwen3-Next's
+        grouped Gated DeltaNet input projection put in q, k, v, z, b, a order, in place."""
+        if slot.attr == "in_proj" and self.model.cfg.family.grouped_in_proj:
+            rows.copy_(rows[grouped_rows(slot.owner.deltanet).to(rows.device)])
+
     def _done(self, slot: _Slot) -> None:
-        """After Qwen3-Next's grouped Gated DeltaNet input projection, its rows in q, k, v, z, b, a order.
-        After the embedding, a tied lm_head: held by a kernel (a packed one from the file's values), else
+        """After the embedding, a tied lm_head: held by a kernel (a packed one from the file's values), else
         the embedding itself."""
         model = self.model
-        if slot.attr == "in_proj" and model.cfg.family.grouped_in_proj:
-            rows = slot.owner.in_proj.data
-            rows.copy_(rows[grouped_rows(slot.owner.deltanet).to(rows.device)])
-            return
         if slot.owner is not model or slot.attr != "embed" or not model.cfg.tie_word_embeddings:
             return
         value = self.source.read(EMBED) if self.packed else model.embed.detach()
@@ -964,10 +967,7 @@ class _Filler:
         if module is not None:
             self.model.packed_weights.append(f"{getattr(owner, 'index', 'model')}.{attr}")
         elif self.blocked:
-            path = dense_path(dtype, tuple(value.shape))
-            module = TiledLinear(value.to(dtype)) if path == "native-tiles" else \
-                BlockedLinear(value.to(dtype)) if path.startswith("onednn-") else \
-                FixedRowsLinear(value.to(dtype), CPU_FIXED_ROWS)
+            module = dense_linear(value, dtype)
         else:
             return False
         owner._parameters.pop(attr, None)  # a Parameter slot cannot hold a module

@@ -21,10 +21,13 @@ and one matrix per value head (``recurrent [Hv, dk, dv]``), both float32. For a 
 6. a gated RMSNorm per head: ``w * rmsnorm(o) * silu(z)`` (the norm's weight is used as it is, not
    ``1 + w``), then the output projection.
 
-Batch invariance: the projections run on torch's matmul in blocks of exactly ``rows`` rows
-(:class:`~mtpctl.model.linears.FixedRowsLinear`), and everything after them runs one token at a time
-on tensors of one shape per layer (:func:`_token`): a token's output and the state after it are the
-same bits whether it is decoded alone, inside a chain of draft tokens, or as a node of a draft tree
+Batch invariance: the projections compute every row alike in any pass (:func:`project_rows`): as the
+linear the decoder holds them in, on the path checked for the other dense linears (native bfloat16
+tiles, oneDNN's blocked layout or fixed row blocks: :func:`~mtpctl.model.row_invariance.dense_path`),
+or, for a plain weight, on torch's matmul in blocks of exactly ``rows`` rows
+(:class:`~mtpctl.model.linears.FixedRowsLinear`); everything after them runs one token at a time on
+tensors of one shape per layer (:func:`_token`): a token's output and the state after it are the same
+bits whether it is decoded alone, inside a chain of draft tokens, or as a node of a draft tree
 whose path is that chain. :func:`deltanet_step` (plain decoding and chain verification),
 :func:`deltanet_tree` (tree verification) and :func:`deltanet_prefill` with ``method="recurrent"`` all
 run that one function. ``method="chunked"`` (the default for prompts) computes the same recurrence in
@@ -40,10 +43,11 @@ order here; ``conv1d.weight``, ``dt_bias``, ``A_log``, ``norm.weight``, ``out_pr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from mtpctl.errors import CorruptModel, UnsupportedModel
 from mtpctl.model.device import FIXED_ROWS
@@ -177,24 +181,28 @@ class GatedDeltaNetWeights:
     """One layer's tensors.
 
     Attributes:
-        in_proj: ``[proj_dim, H]`` in the model's dtype, rows in the order q (head by head), k, v, z, b, a.
+        in_proj: ``[proj_dim, H]`` in the model's dtype, rows in the order q (head by head), k, v, z, b, a;
+            or that weight held by the decoder as a linear module that computes every row alike in any
+            pass (:class:`~mtpctl.model.linears.TiledLinear`, ``BlockedLinear``, ``FixedRowsLinear`` or
+            ``PackedLinear``: ``module(x [T, H]) -> [T, proj_dim]``, see :func:`project_rows`).
         conv: ``[conv_dim, K]`` float32 (the checkpoint's values widened exactly), oldest tap first.
         a_log: ``[Hv]`` float32 ``A_log``.
         dt_bias: ``[Hv]`` float32.
         norm: ``[dv]`` the gated RMSNorm's weight, in the model's dtype.
-        out_proj: ``[H, Hv * dv]`` in the model's dtype.
+        out_proj: ``[H, Hv * dv]`` in the model's dtype, or held as ``in_proj`` may be.
     """
 
-    in_proj: torch.Tensor
+    in_proj: Union[torch.Tensor, nn.Module]
     conv: torch.Tensor
     a_log: torch.Tensor
     dt_bias: torch.Tensor
     norm: torch.Tensor
-    out_proj: torch.Tensor
+    out_proj: Union[torch.Tensor, nn.Module]
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.in_proj.dtype
+        """The model's dtype (the activations'): the gated norm's weight's, as the projections'."""
+        return self.norm.dtype
 
 
 def grouped_rows(cfg: GatedDeltaNetConfig) -> torch.Tensor:
@@ -307,9 +315,19 @@ def tree_state_bytes(cfg: GatedDeltaNetConfig, nodes: int) -> int:
 # --------------------------------------------------------------------------------------- computation
 
 
+def project_rows(linear: Union[torch.Tensor, nn.Module], x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x [T, K] @ W.T`` -> ``[T, N]`` for a projection of :class:`GatedDeltaNetWeights`, every row
+    computed alike whatever ``T``: a held linear module runs as it is (its path was checked row-invariant
+    when the decoder chose it); a plain weight ``[N, K]`` on torch's matmul in blocks of exactly ``rows``
+    rows (:class:`FixedRowsLinear`, a wrapper of the tensor, no copy)."""
+    if isinstance(linear, torch.Tensor):
+        return FixedRowsLinear(linear, rows).forward(x)
+    return linear.forward(x)
+
+
 def _project(x: torch.Tensor, weights: GatedDeltaNetWeights, rows: int) -> torch.Tensor:
-    """The input projection of rows ``x [T, H]``, in blocks of exactly ``rows`` rows."""
-    return FixedRowsLinear(weights.in_proj, rows)(x)
+    """The input projection of rows ``x [T, H]`` -> ``[T, proj_dim]`` (:func:`project_rows`)."""
+    return project_rows(weights.in_proj, x, rows)
 
 
 def _token(proj: torch.Tensor, state: LinearState, weights: GatedDeltaNetWeights,
@@ -396,10 +414,11 @@ def deltanet_step(x_rows: torch.Tensor, weights: GatedDeltaNetWeights, cfg: Gate
     plain decoding (T = 1) and the verification of a chain of draft tokens (the pending token, then
     the drafts).
 
-    The recurrent form, one token at a time (:func:`_token`), with the projections in blocks of exactly
-    ``rows`` rows: token i's output row and the state after it are bit for bit those of decoding the
-    tokens one call at a time, so a verifier that accepts the first j tokens commits ``positions[j-1]``
-    and continues exactly as plain decoding would. ``state`` itself is not changed.
+    The recurrent form, one token at a time (:func:`_token`), with the projections computing each row
+    alike whatever T (:func:`project_rows`; ``rows``: the block of a plain weight): token i's output
+    row and the state after it are bit for bit those of decoding the tokens one call at a time, so a
+    verifier that accepts the first j tokens commits ``positions[j-1]`` and continues exactly as plain
+    decoding would. ``state`` itself is not changed.
     """
     _check_rows(x_rows, weights, cfg)
     proj = _project(x_rows, weights, rows)
@@ -410,7 +429,7 @@ def deltanet_step(x_rows: torch.Tensor, weights: GatedDeltaNetWeights, cfg: Gate
         if keep_every_position:
             positions.append(state)
     core = torch.stack(outs) if outs else x_rows.new_zeros(0, cfg.value_dim)
-    out = FixedRowsLinear(weights.out_proj, rows)(core)
+    out = project_rows(weights.out_proj, core, rows)
     return StepResult(out=out, state=state, positions=positions if keep_every_position else None)
 
 
@@ -436,7 +455,7 @@ def deltanet_tree(x_rows: torch.Tensor, parents: Sequence[int], weights: GatedDe
         outs.append(o)
         states.append(after)
     core = torch.stack(outs) if outs else x_rows.new_zeros(0, cfg.value_dim)
-    return TreeResult(out=FixedRowsLinear(weights.out_proj, rows)(core), states=states)
+    return TreeResult(out=project_rows(weights.out_proj, core, rows), states=states)
 
 
 def deltanet_prefill(x_rows: torch.Tensor, weights: GatedDeltaNetWeights, cfg: GatedDeltaNetConfig,
@@ -480,7 +499,7 @@ def deltanet_prefill(x_rows: torch.Tensor, weights: GatedDeltaNetWeights, cfg: G
     o, recurrent = _chunked_delta_rule(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), beta.T, g.T,
                                        state.recurrent, chunk)
     core = _gated_norm(o.transpose(0, 1).to(dtype), z, weights, cfg).reshape(t, vd)
-    out = FixedRowsLinear(weights.out_proj, rows)(core)
+    out = project_rows(weights.out_proj, core, rows)
     return StepResult(out=out, state=LinearState(conv=seq[:, t:].contiguous(), recurrent=recurrent), positions=None)
 
 

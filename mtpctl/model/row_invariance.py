@@ -264,6 +264,18 @@ def dense_path(dtype: torch.dtype, shape: Tuple[int, ...]) -> str:
     return f"fixed-rows-{name}"
 
 
+def dense_linear(weight: torch.Tensor, dtype: torch.dtype):
+    """A dense linear weight ``[N, K]`` held, in ``dtype``, on :func:`dense_path`'s path for it here: a
+    :class:`TiledLinear`, a :class:`BlockedLinear` or a :class:`FixedRowsLinear` of
+    :data:`CPU_FIXED_ROWS` rows (each computes ``x [..., K] -> [..., N]``, a row alike in any pass)."""
+    path = dense_path(dtype, tuple(weight.shape))
+    if path == "native-tiles":
+        return TiledLinear(weight.to(dtype))
+    if path.startswith("onednn-"):
+        return BlockedLinear(weight.to(dtype))
+    return FixedRowsLinear(weight.to(dtype), CPU_FIXED_ROWS)
+
+
 def path_of(linear) -> Optional[str]:
     """The checked path a linear module computes on (None for a plain weight tensor: not a decoding
     layout)."""
