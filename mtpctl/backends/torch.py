@@ -281,8 +281,28 @@ class TorchEngine:
         self.cache.keep(path)
 
     def rollback(self, length: int) -> None:
-        """Forget the committed tokens from ``length`` on."""
+        """Forget the committed tokens from ``length`` on (a hybrid model's: only back to a length
+        :meth:`reachable` gives)."""
         self.cache.rollback(length)
+
+    def reachable(self, length: int) -> int:
+        """The most committed tokens, at most ``length``, that :meth:`rollback` can return to (see
+        :meth:`mtpctl.model.kv_cache.KVCache.reachable`)."""
+        return self.cache.reachable(length)
+
+    def keep_history(self, commits: int) -> None:
+        """A hybrid model's cache keeps the Gated DeltaNet states of its last ``commits`` commits, so
+        that :meth:`rollback` can return to any of them (a draft model's cache); other models' caches
+        roll back anywhere and keep nothing."""
+        if self.cache.linear is not None:
+            self.cache.linear.keep_history(commits)
+
+    @property
+    def history_bytes(self) -> int:
+        """Memory of the Gated DeltaNet states kept for rollback (:meth:`keep_history`), bytes; 0 for
+        other models."""
+        linear = self.cache.linear
+        return linear.past_bytes if linear is not None else 0
 
 
 def verify_packed(engines: Sequence[TorchEngine], trees: Sequence[DraftTree]) -> List[TorchStepOutput]:

@@ -65,6 +65,9 @@ class GenerationStats:
     # a hybrid model's Gated DeltaNet states kept per draft tree node: the most a verify pass held
     # (every node's state in every such layer, until commit keeps one), bytes; 0 for other models
     draft_state_bytes_max: int = 0
+    # a hybrid draft model's Gated DeltaNet states kept to roll its last chain back (one per draft step
+    # and such layer, the drafter's draft_state_bytes): the most it held at a step, bytes; 0 for other drafters
+    drafter_state_bytes_max: int = 0
     # the device's memory peaks during this generation, bytes (device_peak_allocated_bytes,
     # device_peak_reserved_bytes: mtpctl.model.device.peak_memory), where bench measured them on CUDA; else {}
     device_memory: Dict[str, int] = field(default_factory=dict)
@@ -240,6 +243,7 @@ class _Row:
         s.drafted_per_step.append(tree.drafted)
         s.depth_per_step.append(tree.depth)
         s.draft_state_bytes_max = max(s.draft_state_bytes_max, staged)
+        s.drafter_state_bytes_max = max(s.drafter_state_bytes_max, getattr(self.drafter, "draft_state_bytes", 0))
 
     def _commit(self, tokens: Sequence[int]) -> bool:
         """Push tokens one by one until a stop; stream what became final. True when generation ended."""

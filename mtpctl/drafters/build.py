@@ -29,7 +29,7 @@ from mtpctl.drafters.heads.eagle3 import Eagle3Drafter, check_aux_layers
 from mtpctl.drafters.heads.folder import load_heads
 from mtpctl.drafters.heads.medusa import HydraDrafter, MedusaDrafter
 from mtpctl.drafters.heads.tree import DEFAULT_TREE_NODES, StaticTree, tree_from_accuracy
-from mtpctl.drafters.draft_model import DraftModelDrafter, refuse_linear_draft
+from mtpctl.drafters.draft_model import DraftModelDrafter
 from mtpctl.drafters.hybrid import HybridDrafter, grafts_heads
 from mtpctl.drafters.lookahead import LookaheadDrafter, LookaheadSettings
 from mtpctl.drafters.merged import MergedDrafter
@@ -387,8 +387,6 @@ def draft_drafter(session: Session, opts: DraftOptions, sampling: SamplingParams
         BadInput, ModelNotFound, CorruptModel, UnsupportedModel: see those two.
     """
     if is_self(opts.draft_model):
-        if getattr(session, "model", None) is not None:  # before the self-draft's measured search
-            refuse_linear_draft(session.model)
         return self_drafter(session, opts.draft_model, sampling, opts.draft_len, progress)
     from mtpctl.drafters.pairing import session_drafter
 

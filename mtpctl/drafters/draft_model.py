@@ -6,7 +6,11 @@ Language Model Decoding with Speculative Sampling").
 The drafter owns its own :class:`~mtpctl.backends.torch.TorchEngine` and KV cache. The KV cache is
 position-indexed, so the drafter keeps the ids its cache holds and, at each call, reuses the longest
 common prefix of those and the new context: rejected draft tokens are rolled back by shortening the
-committed length, and only the tokens after the common prefix are fed again.
+committed length, and only the tokens after the common prefix are fed again. A hybrid draft (Qwen3.5,
+Qwen3-Next: Gated DeltaNet layers, whose states cannot forget tokens) keeps those layers' states after
+each commit of its last chain (:meth:`~mtpctl.backends.torch.TorchEngine.keep_history`, at most one per
+draft token) and rolls back to the longest common prefix it kept a state for: the state is then bit for
+bit the one it had there, and :attr:`DraftModelDrafter.draft_state_bytes` says what the kept states hold.
 
 Three ways to talk to the target, chosen by ``mtpctl pair`` (:mod:`mtpctl.drafters.pairing`):
 
@@ -37,7 +41,7 @@ from mtpctl.backends.torch import TorchEngine, verify_packed
 from mtpctl.decode.drafter import Call, Drafter, TargetStep, check_finite
 from mtpctl.decode.sampling import SamplingParams, greedy_token, probs_from_logits, sample
 from mtpctl.decode.tree import DraftTree
-from mtpctl.errors import NonFinite, UnsupportedModel
+from mtpctl.errors import NonFinite
 from mtpctl.model.decoder import Decoder
 
 #: ``--draft-len auto``: start, shortest and longest draft length.
@@ -103,14 +107,6 @@ def _added_prefix(tokenizer) -> List[int]:
     return []
 
 
-def refuse_linear_draft(model: Decoder) -> None:
-    """Raises UnsupportedModel, in one line, for a draft model with Gated DeltaNet layers (a draft
-    model's cache is rolled back after each rejection; their states keep no history)."""
-    if model.cfg.deltanet is not None:
-        raise UnsupportedModel(f"a {model.cfg.model_type} model cannot draft (as a draft model or a self-draft): "
-                               "its Gated DeltaNet states cannot roll back after a rejection", option="draft")
-
-
 class DraftModelDrafter(Drafter):
     """A draft model proposing chains of draft tokens (implements
     :class:`~mtpctl.decode.drafter.Drafter`; its ``budget`` is the fixed draft length, or the
@@ -140,8 +136,6 @@ class DraftModelDrafter(Drafter):
     Raises:
         ValueError: ``id_map`` and ``text`` both given, an ``id_map`` of the wrong length or with
             ids outside the target vocabulary, or a draft length below 1.
-        UnsupportedModel: a draft with Gated DeltaNet layers (Qwen3.5): the drafter rolls its cache back
-            after each rejection, which their states cannot do.
     """
 
     def __init__(self, model: Decoder, target_vocab: int, sampling: Optional[SamplingParams] = None,
@@ -151,7 +145,6 @@ class DraftModelDrafter(Drafter):
                  source: Optional[dict] = None, shared_weights: bool = False):
         if id_map is not None and text is not None:
             raise ValueError("an id map and cross-tokenizer text mode exclude each other")
-        refuse_linear_draft(model)
         if (draft_len is not None and draft_len < 1) or max_draft_len < 1:
             raise ValueError(f"draft length must be at least 1, got {draft_len} (max {max_draft_len})")
         self.model = model
@@ -218,6 +211,12 @@ class DraftModelDrafter(Drafter):
         if self.pairing is None:
             return {"folder": None, "verdict": None, "mode": "text" if self.text is not None else "ids"}
         return {"folder": str(self.pairing.draft.folder), "verdict": self.pairing.verdict, "mode": self.pairing.mode}
+
+    @property
+    def draft_state_bytes(self) -> int:
+        """Memory of the Gated DeltaNet states a hybrid draft keeps to roll its last chain back (at most
+        ``budget - 1`` commits' states of each such layer), bytes; 0 for other drafts."""
+        return self.engine.history_bytes if self.engine is not None else 0
 
     @property
     def weight_bytes(self) -> int:
@@ -357,18 +356,21 @@ class DraftModelDrafter(Drafter):
     # -- the draft's KV cache ----------------------------------------------------------------------
     def _resume(self, ctx: List[int], k: int) -> Optional[DraftTree]:
         """Make the cache ready to take ``ctx`` (a new engine when it is too small) and return the chain
-        of the tokens it lacks, after the longest common prefix of the cache and ``ctx`` (the last
-        token is always fed again, for its logits); None when the whole of ``ctx`` needs a prefill."""
+        of the tokens it lacks, after the longest common prefix of the cache and ``ctx`` that the cache
+        can roll back to (the last token is always fed again, for its logits; a hybrid draft returns only
+        to a commit of its last chain, :meth:`TorchEngine.reachable`); None when the whole of ``ctx``
+        needs a prefill."""
         need = len(ctx) + k
         if self.engine is None or need > self.engine.capacity:
             capacity = min(self.max_positions, max(2 * need, 256))
             self.engine, self.cached = TorchEngine(self.model, capacity), []
+            self.engine.keep_history(self.budget - 1)  # a hybrid draft: the states of one chain's commits
         common = 0
         for a, b in zip(self.cached, ctx):
             if a != b:
                 break
             common += 1
-        common = min(common, len(ctx) - 1)
+        common = self.engine.reachable(min(common, len(ctx) - 1))
         self.forward_passes += 1
         if common == 0:
             return None

@@ -55,6 +55,11 @@ class HybridDrafter(Drafter):
         """The same heads with a fork of the draft model (its own KV cache)."""
         return HybridDrafter(self.heads, self.draft.fork(), self.graft)
 
+    @property
+    def draft_state_bytes(self) -> int:
+        """What the draft model keeps to roll its chain back (a hybrid draft's states), bytes."""
+        return self.draft.draft_state_bytes
+
     def finished(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
         """The heads and the draft model hear that the request ended."""
         self.heads.finished(prompt_ids, output_ids)

@@ -45,6 +45,11 @@ class MergedDrafter(Drafter):
         return self if all(f is d for f, d in zip(forks, self.drafters)) else MergedDrafter(forks, self.max_depth)
 
     @property
+    def draft_state_bytes(self) -> int:
+        """What its members keep to roll their drafts back (a hybrid draft model's states), bytes."""
+        return sum(getattr(d, "draft_state_bytes", 0) for d in self.drafters)
+
+    @property
     def family(self) -> tuple:
         """Its members' families (see :func:`mtpctl.decode.drafter.family`): merges of forks of the
         same members propose together."""

@@ -91,17 +91,22 @@ def format_layers(layers: Sequence[int]) -> str:
 def layer_subset(model: Decoder, layers: Sequence[int]) -> Decoder:
     """The decoder ``model`` run through ``layers`` only: the same parameter tensors (nothing is
     copied), embedding, final norm and lm_head; each kept layer renumbered to its place in the subset,
-    so the subset's KV cache holds the kept layers only. ``model`` itself is left unchanged."""
+    so the subset's KV cache holds the kept layers only (a hybrid body's: its kept attention layers' slots
+    and its kept Gated DeltaNet layers' states, the layer types renumbered with them). ``model`` itself is
+    left unchanged."""
     sub = copy.copy(model)  # shares the parameter and buffer dicts: the same tensors
     sub._modules = dict(model._modules)  # its own module table, so replacing its layers leaves model's alone
+    deltanet = model.cfg.deltanet
+    if deltanet is not None and deltanet.layer_types:
+        deltanet = dataclasses.replace(deltanet, layer_types=tuple(deltanet.layer_types[i] for i in layers))
+    sub.cfg = dataclasses.replace(model.cfg, num_hidden_layers=len(layers), deltanet=deltanet,
+                                  layer_windows=tuple(model.cfg.layer_windows[i] for i in layers))
     kept = []
     for place, index in enumerate(layers):
         layer = copy.copy(model.layers[index])  # the same weights under another cache index
-        layer.index = place
+        layer.index, layer.cfg = place, sub.cfg  # its cache index counts the subset's attention layers
         kept.append(layer)
     sub.layers = nn.ModuleList(kept)
-    sub.cfg = dataclasses.replace(model.cfg, num_hidden_layers=len(layers),
-                                  layer_windows=tuple(model.cfg.layer_windows[i] for i in layers))
     sub.local_rope = tuple(model.local_rope[i] for i in layers)
     return sub
 

@@ -27,7 +27,8 @@ class KVCache:
         capacity: slots that may hold tokens.
         linear: a hybrid model's Gated DeltaNet states of this sequence
             (:class:`~mtpctl.model.linear_cache.LinearCache`, set by ``Decoder.new_cache``), committed
-            and rolled back with the slots; None for a model without such layers.
+            and rolled back with the slots (back only as far as it kept states); None for a model
+            without such layers.
     """
 
     def __init__(self, layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
@@ -81,7 +82,7 @@ class KVCache:
         """Commit the first ``n`` uncommitted slots (``length += n``)."""
         self._check_advance(n)
         if self.linear is not None:
-            self.linear.keep(range(n))
+            self.linear.keep(range(n), self.length)
         self.length += n
 
     def _check_advance(self, n: int) -> None:
@@ -96,7 +97,7 @@ class KVCache:
         offsets = list(offsets)
         self._check_advance(len(offsets))
         if self.linear is not None:  # the state after the path's last token
-            self.linear.keep(offsets)
+            self.linear.keep(offsets, self.length)
         if offsets != list(range(len(offsets))):
             src = torch.tensor(offsets, dtype=torch.long, device=self.k.device) + self.length
             dst = slice(self.length, self.length + len(offsets))
@@ -122,8 +123,15 @@ class KVCache:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot roll the KV cache back to {length}: it holds {self.length} committed slots")
         if self.linear is not None:
-            self.linear.check_rollback(length, self.length)
+            self.linear.rollback(length, self.length)
         self.length = length
+
+    def reachable(self, length: int) -> int:
+        """The most committed tokens, at most ``length``, that :meth:`rollback` can return to: ``length``
+        (capped at the committed slots), or for a hybrid model the last commit up to it whose Gated
+        DeltaNet states were kept (:meth:`LinearCache.reachable <mtpctl.model.linear_cache.LinearCache.reachable>`)."""
+        length = min(length, self.length)
+        return length if self.linear is None else self.linear.reachable(length, self.length)
 
     def reset(self) -> None:
         """Forget every committed slot (``length = 0``) and a hybrid model's states; memory is kept for reuse."""
@@ -219,7 +227,8 @@ class PassSlots:
         self.kv_bf16 = caches[0].k.dtype == torch.bfloat16
         self.counts = [int(n) for n in counts]
         self.starts = [sum(self.counts[:s]) for s in range(len(self.counts))]
-        rows = torch.tensor([[c.k.data_ptr(), c.v.data_ptr(), c.k[0].numel(), c.k.shape[3]] for c in self.caches],
+        rows = torch.tensor([[c.k.data_ptr(), c.v.data_ptr(), c.k[0].numel() if len(c.k) else 0, c.k.shape[3]]
+                             for c in self.caches],  # no layers: a hybrid draft of Gated DeltaNet layers only
                             dtype=torch.long)
         counts_t = torch.tensor(self.counts)
         self.kv = rows.repeat_interleave(counts_t, dim=0)
