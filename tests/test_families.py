@@ -158,3 +158,11 @@ def test_tensor_map_names_what_transformers_saves(model_type):
         dtype=torch.float32)
     saved = {name: tuple(t.shape) for name, t in reference.state_dict().items() if "rotary" not in name}
     assert saved == expected_tensors(DecoderConfig.from_dict(raw))
+
+
+@pytest.mark.parametrize("model_type,kind", [("llama", "chunked_attention"), ("qwen3", "linear_attention"),
+                                             ("gemma3_text", "mamba")])
+def test_a_layer_kind_the_family_does_not_compute_is_refused_naming_it(model_type, kind):
+    """A layer read as another kind would give other tokens than the model's: refused in one line."""
+    with pytest.raises(UnsupportedModel, match=f"layer_types '{kind}' is not a layer of {model_type}"):
+        DecoderConfig.from_dict(tiny(model_type, layer_types=["full_attention", kind], sliding_window=8))

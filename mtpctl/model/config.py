@@ -468,12 +468,23 @@ def _chunked_windows(cfg: dict, layers: int) -> tuple:
     return tuple(Chunk(int(size)) if t == "chunked_attention" else None for t in types)
 
 
+def _check_layer_types(types, family: Family) -> None:
+    """Raise UnsupportedModel, in one line, for a ``layer_types`` entry this family does not compute (a
+    layer kind read as another would give other tokens than the model's)."""
+    known = {GLOBAL_ROPE, LOCAL_ROPE} | ({"linear_attention"} if family.block.linear_attention else set())
+    unknown = sorted(map(str, set(types or ()) - known))
+    if unknown:
+        raise UnsupportedModel(f"config.json: layer_types {unknown[0]!r} is not a layer of {family.model_type} "
+                               f"(known: {', '.join(sorted(known))})")
+
+
 def _layer_windows(cfg: dict, layers: int, family: Family) -> tuple:
     """Per-layer sliding window from ``layer_types`` (HF v5 configs), else the family's rule for the
     older keys (:attr:`Family.layer_types <mtpctl.model.families.Family.layer_types>`); a
     chunked-attention family's chunks (:func:`_chunked_windows`)."""
     if family.block.chunked_attention:
         return _chunked_windows(cfg, layers)
+    _check_layer_types(cfg.get("layer_types"), family)
     window: Optional[int] = cfg.get("sliding_window")
     if not window or cfg.get("use_sliding_window") is False:
         return (None,) * layers
