@@ -4,7 +4,9 @@ teacher-forced, the layer refreshed by self-distillation on the body, and writte
 checkpoint folder that transformers loads with ``use_mtp=True``.
 
 The goal test: the layer trained on the body accepts well at depth 1; a stand-in for fine-tuning the
-body (its last layer's weights replaced) makes it stale; the refresh restores it."""
+body (its last layer's weights replaced) makes it stale; the refresh restores it. The glm4_moe checkpoint
+with two MTP layers (tests/test_native_mtp.py's) is refreshed whole, both layers chained as the drafter
+chains them."""
 
 import json
 import os
@@ -16,7 +18,7 @@ import torch
 
 from helpers import assert_one_line_exit_2, cli, write_tiny_checkpoint
 
-from test_native_mtp import LAYERS, _transformers_drafts, folders  # noqa: F401 (a fixture)
+from test_native_mtp import LAYERS, _transformers_drafts, folders, two_layers  # noqa: F401 (fixtures)
 
 transformers = pytest.importorskip("transformers")
 
@@ -141,18 +143,18 @@ def test_unrolled_depths_equal_the_drafter_rows(folders):  # noqa: F811
     """The training-time test's depth s at row p is the decode-time draft s steps after the committed
     row p - s + 1 (its KV cache holding rows 0..p-s+1 and its own chain), for any inputs."""
     from mtpctl.drafters.mtp import MtpLayers, MtpSettings
-    from mtpctl.train.mtp import MtpHead
+    from mtpctl.train.mtp import MtpChain
     from mtpctl.train.target import TargetHead
 
     folder = folders["deepseek_v3"]
     for settings in (MtpSettings(), MtpSettings(carry="normed", zero_first_embedding=True)):
         layers = MtpLayers(TargetHead.from_folder(folder, torch.float32), folder, settings)
-        head = MtpHead(layers)
+        chain = MtpChain(layers)
         gen = torch.Generator().manual_seed(0)
         t, h = 9, layers.eh_proj.shape[0]
         feats, tokens = torch.randn(1, t, h, generator=gen), torch.randint(0, 250, (1, t), generator=gen)
         with torch.no_grad():
-            outs = head(feats, layers.embedding(tokens, torch.arange(t)), torch.ones(1, t, dtype=torch.bool), 3)
+            outs = chain(feats, tokens, torch.ones(1, t, dtype=torch.bool), 3)
             for q in range(t - 2):
                 cache = layers.new_cache(32)
                 g = layers.rows(feats[0, :q + 1], tokens[0, :q + 1], torch.arange(q + 1), cache)[-1:]
@@ -163,6 +165,64 @@ def test_unrolled_depths_equal_the_drafter_rows(folders):  # noqa: F811
                                     torch.tensor([cache.length]), cache)
                     cache.advance(1)
                     torch.testing.assert_close(g[0], outs[s - 1][0, q + s - 1], rtol=1e-4, atol=1e-4)
+
+
+def _drafter_rows(layers, feats, tokens, q, depths):
+    """The drafter's block outputs ``[depths][H]`` of the chain after committed row q (pending token
+    ``tokens[q]``), run as :meth:`MtpDrafter._draft` runs them from empty caches, teacher-forced: each
+    layer i runs rows 0..q reading layer i-1's carried outputs and ``tokens[j + i]``, the last layer then
+    runs on its own output past them."""
+    rows, out, g = feats[:q + 1], [], None
+    for i, layer in enumerate(layers):
+        cache = layer.new_cache(32)
+        g = layer.rows(rows, tokens[i:q + 1 + i], torch.arange(q + 1), cache)
+        cache.advance(q + 1)
+        out.append(g[-1])
+        rows = layer.carried(g, layer.normed(g))
+    g = g[-1:]
+    while len(out) < depths:
+        g = layer.rows(layer.carried(g, layer.normed(g)), tokens[q + len(out):q + len(out) + 1],
+                       torch.tensor([cache.length]), cache)
+        cache.advance(1)
+        out.append(g[0])
+    return out
+
+
+def test_unrolled_depths_of_two_layers_equal_the_drafter_rows(two_layers):  # noqa: F811
+    """Two MTP layers: depth 2 at row p is layer 1's row p - 1 (reading layer 0's output at that row and
+    x_{p+1}), depths 3 and 4 the second layer run again on its own output, the drafter's rows (to the
+    rounding of matrix products over other row counts: about 1e-5 on values near 10 here, where a wrong
+    row, token or cache gives O(1)); and a chain whose drafts the tokens follow drafts, through
+    :class:`MtpDrafter` itself, the unrolled depths' argmaxes."""
+    from types import SimpleNamespace
+
+    from mtpctl.decode.drafter import TargetStep
+    from mtpctl.drafters.mtp import MtpDrafter, MtpSettings, read_mtp_layers
+    from mtpctl.train.mtp import MtpChain
+    from mtpctl.train.target import TargetHead
+
+    target = TargetHead.from_folder(two_layers, torch.float32)
+    for settings in (MtpSettings(), MtpSettings(carry="normed", zero_first_embedding=True)):
+        layers = read_mtp_layers(target, two_layers, settings)
+        chain = MtpChain(layers)
+        gen = torch.Generator().manual_seed(1)
+        t, h = 9, layers[0].eh_proj.shape[0]
+        feats, tokens = torch.randn(1, t, h, generator=gen), torch.randint(0, 250, (1, t), generator=gen)
+        valid = torch.ones(1, t, dtype=torch.bool)
+        with torch.no_grad():
+            outs = chain(feats, tokens, valid, 4)
+            for q in range(t - 3):
+                for s, g in enumerate(_drafter_rows(layers, feats[0], tokens[0], q, 4)):
+                    torch.testing.assert_close(g, outs[s][0, q + s], rtol=1e-5, atol=1e-4)
+            # the drafter itself, after committed row q: with the tokens after the pending one set to its
+            # drafts, the teacher-forced depths read what it read
+            q, record = 3, []
+            step = TargetStep(SimpleNamespace(prompt_hidden_states=feats[0, :q + 1], hidden_states=None), row=q)
+            MtpDrafter(layers, 4, record=record).propose([0] + tokens[0, :q + 1].tolist(), 4, step)
+            drafted = record[0][1]
+            tokens[0, q + 1:q + 4] = torch.tensor(drafted[:3])
+            outs = chain(feats, tokens, valid, 4)
+            assert [int(chain.logits(outs[s][0, q + s], s + 1).argmax()) for s in range(4)] == drafted
 
 
 def test_recursive_depth_three_reports_each_depth(setup):
@@ -246,3 +306,46 @@ def test_write_back_leaves_the_source_shards_modes_as_they_were(tmp_path):
     for file in names:
         assert stat.S_IMODE((src / file).stat().st_mode) == 0o444
         assert (out / file).read_bytes() == (src / file).read_bytes()
+
+
+def test_two_layers_refresh_end_to_end(two_layers, tmp_path, capsys, monkeypatch):  # noqa: F811
+    """``add-heads --kind mtp`` on a checkpoint with two MTP layers: fewer depths than layers refused in
+    one line; by default both layers measured and trained (depth 2: the second layer's), held-out
+    acceptance at depth 2 raised; the write-back changes both layers' tensors and nothing else, and
+    decodes as plain greedy."""
+    from test_glm_deepseek_families import PROMPTS
+    from test_native_mtp import NEW, _load
+
+    rng = random.Random(1)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": " ".join(rng.choice(WORDS) for _ in range(4))}) + "\n"
+                            for _ in range(48)))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("version: 1\nsettings:\n  holdout: 0.25\n")
+    monkeypatch.setenv("MTPCTL_HOME", str(tmp_path / "home"))
+    base = ["add-heads", "--recipe", recipe, "--kind", "mtp", "-m", two_layers, "--data", data, "--self-distill",
+            "--response-tokens", 24, "--threads", 1, "--device", "cpu"]
+    code, out, err = cli(capsys, *base, "--num-heads", 1, "--out", tmp_path / "x")
+    assert_one_line_exit_2(code, out, err, "has 2 MTP layers, each drafting a depth of its own: measure and train "
+                                           "at least 2 depths (--num-heads 2), not 1")
+    code, out, err = cli(capsys, *base, "--steps", 40, "--lr", 1e-2, "--batch-tokens", 512, "--out", tmp_path / "out")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert len(lines) == 3 and lines[1].startswith("depth 1:") and lines[1].endswith("(MTP layer 1)")
+    assert lines[2].startswith("depth 2:") and lines[2].endswith("(MTP layer 2)"), out
+    notes = json.loads((tmp_path / "out" / "mtp_refresh.json").read_text())
+    before, after = notes["before"]["acceptance"], notes["after"]["acceptance"]
+    assert notes["layers"] == notes["depth"] == 2 and notes["before"]["chains"] > 100, notes
+    assert before[1] < 0.05 and after[1] > before[1] + 0.1 and after[0] > before[0] + 0.2, notes
+    second = f"model.layers.{LAYERS + 1}."
+    old, new = _tensors(two_layers), _tensors(tmp_path / "out")
+    assert _headers(tmp_path / "out") == _headers(two_layers)
+    changed = {n for n in old if not torch.equal(old[n], new[n])}
+    assert all(n.startswith((MTP, second)) for n in changed), changed
+    for prefix in (MTP, second):  # both layers trained; the copies and the score bias frozen
+        assert {prefix + "eh_proj.weight", prefix + "hnorm.weight", prefix + "self_attn.q_proj.weight"} <= changed
+        assert not changed & {prefix + "shared_head.head.weight", prefix + "embed_tokens.weight",
+                              prefix + "mlp.gate.e_score_correction_bias"}
+    expected = _load(two_layers).pipeline.generate(list(PROMPTS[0]), NEW).token_ids
+    llm = _load(tmp_path / "out", "mtp", speculate_policy="always", draft_len=3)
+    assert llm.pipeline.generate(list(PROMPTS[0]), NEW).token_ids == expected

@@ -249,7 +249,7 @@ def test_two_layers_and_recursion_past_them_equal_plain_decoding(two_layers):
         assert [r.token_ids for r in batch] == expected, depth
 
 
-def test_a_refresh_of_two_layers_is_depth_one_only(two_layers, tmp_path):
+def test_a_refresh_of_two_layers_trains_two_depths_at_least(two_layers, tmp_path):
     from mtpctl.drafters.mtp import MtpLayers
     from mtpctl.errors import BadInput
     from mtpctl.train.mtp_refresh import refresh_mtp
@@ -259,10 +259,11 @@ def test_a_refresh_of_two_layers_is_depth_one_only(two_layers, tmp_path):
     with pytest.raises(BadInput) as caught:
         MtpLayers(TargetHead.from_folder(two_layers, torch.float32), two_layers, index=2)
     assert "declares 2 MTP layer(s): there is no layer 2" in str(caught.value)
-    settings = TrainSettings(kind="mtp", num_heads=2, self_distill=True, response_tokens=8, steps=1, measure_prompts=0)
-    with pytest.raises(BadInput) as caught:
+    settings = TrainSettings(kind="mtp", num_heads=1, self_distill=True, response_tokens=8, steps=1, measure_prompts=0)
+    with pytest.raises(BadInput) as caught:  # refused before any work: the data is not read
         refresh_mtp(two_layers, [tmp_path / "unread.jsonl"], tmp_path / "out", settings, tmp_path / "home", device="cpu")
-    assert "has 2 MTP layers" in str(caught.value) and "--num-heads 1" in str(caught.value)
+    assert "has 2 MTP layers" in str(caught.value) and "at least 2 depths (--num-heads 2)" in str(caught.value)
+    assert caught.value.option == "num_heads"
 
 
 def test_positions_taken_back_rebuild_every_layer(two_layers):

@@ -93,14 +93,15 @@ Examples:
                    "vLLM, SGLang and TensorRT-LLM run: mtpctl export --format); mtp: the checkpoint's own MTP "
                    "layer (GLM-4.5, DeepSeek-V3, Qwen3.5, Qwen3-Next, MiMo, ERNIE-4.5-MoE): measure its "
                    "acceptance, refresh it on the current body and write a new checkpoint folder to --out where only its tensors change "
-                   "(a checkpoint with several MTP layers: the first only, at depth 1; the others are written "
-                   "unchanged) [default: medusa].")
+                   "(a checkpoint with several MTP layers: all of them, chained as --speculate mtp drafts with "
+                   "them) [default: medusa].")
 @click.option("--num-heads", type=int, default=None,
-              help="K heads; head k predicts k+1 tokens past the next; eagle and mtp: draft steps (depths) [default: 4; "
-                   "mtp: 1].")
+              help="K heads; head k predicts k+1 tokens past the next; eagle: draft steps; mtp: depths measured and "
+                   "trained, at least the checkpoint's MTP layers (its i-th layer drafts depth i, the last one also the "
+                   "depths past them, recursively) [default: 4; mtp: the checkpoint's MTP layers, 1 with --graft].")
 @click.option("--head-decay", type=float, default=None,
-              help="Loss weight of head (draft step) k is DECAY^(k-1); mtp: the weight of the recursive depths "
-                   "[default: 0.8].")
+              help="Loss weight of head (draft step) k is DECAY^(k-1); mtp: depth k past the checkpoint's L MTP "
+                   "layers weighs DECAY^(k-L), the layers' own depths 1 [default: 0.8].")
 @click.option("--steps", type=click.IntRange(min=0), default=None,
               help="Optimizer steps (0: from --epochs) [default: 0].")
 @click.option("--measure-only", is_flag=True,
@@ -170,14 +171,16 @@ def add_heads_cmd(recipe, model, data, out, resume, overwrite, bundle, device, t
     given = {k: v for k, v in options.items() if v is not None}
     # the CLI's options override the recipe's
     merged = {**spec["settings"], **given, "magpie": magpie}
+    depth_given = "num_heads" in merged
     if merged.get("kind") == "mtp":
-        merged.setdefault("num_heads", 1)
+        merged.setdefault("num_heads", 1)  # the checkpoint's layer count, once it is resolved (_refresh_mtp)
     settings = TrainSettings(**merged)
     model_name = model or spec.get("model") or DEFAULT_MODEL
     files = list(data) or spec["data"]
     set_threads(threads)
     if settings.kind == "mtp":
-        _refresh_mtp(model_name, files, out, settings, measure_only, overwrite, resume, device, as_json, graft)
+        _refresh_mtp(model_name, files, out, settings, measure_only, overwrite, resume, device, as_json, graft,
+                     depth_given)
         return
     if measure_only:
         raise BadInput("--measure-only measures a checkpoint's own MTP layer: use it with --kind mtp")
@@ -214,12 +217,15 @@ def add_heads_cmd(recipe, model, data, out, resume, overwrite, bundle, device, t
 
 
 def _refresh_mtp(model_name: str, files, out, settings: TrainSettings, measure_only: bool, overwrite: bool,
-                 resume: bool, device: str, as_json: bool, graft: bool) -> None:
+                 resume: bool, device: str, as_json: bool, graft: bool, depth_given: bool) -> None:
     """``add-heads --kind mtp`` (``--graft``: a new layer): progress on stderr, acceptance by depth on stdout
-    (or the summary as JSON)."""
-    from mtpctl.train.mtp_refresh import refresh_mtp
+    (or the summary as JSON); without ``depth_given`` the depth is the checkpoint's layer count."""
+    from mtpctl.train.mtp_refresh import layer_count, refresh_mtp
 
-    summary = refresh_mtp(resolve_model(model_name), resolve_data(files, mtpctl_home() / "hub"),
+    folder = resolve_model(model_name)
+    if not depth_given:
+        settings = dataclasses.replace(settings, num_heads=layer_count(folder, graft))
+    summary = refresh_mtp(folder, resolve_data(files, mtpctl_home() / "hub"),
                           Path(out) if out else None, settings, mtpctl_home(), measure_only=measure_only,
                           overwrite=overwrite, resume=resume, device=device, graft=graft)
     if as_json:
@@ -228,5 +234,8 @@ def _refresh_mtp(model_name: str, files, out, settings: TrainSettings, measure_o
     after = summary.get("after")
     click.echo(f"MTP acceptance by depth on {summary['before']['chains']} chains of {summary['measured_on']} sequences"
                + (f" (wrote {out})" if after else ""))
+    layers = summary["layers"]
     for j, before in enumerate(summary["before"]["acceptance"]):
-        click.echo(f"depth {j + 1}: acceptance {before:.4f}" + (f" -> {after['acceptance'][j]:.4f}" if after else ""))
+        which = "" if layers == 1 else f" (MTP layer {min(j + 1, layers)}{', recursively' if j >= layers else ''})"
+        click.echo(f"depth {j + 1}: acceptance {before:.4f}" + (f" -> {after['acceptance'][j]:.4f}" if after else "")
+                   + which)

@@ -154,17 +154,28 @@ class EagleTrainer(Trainer):
         batch = self._on_device(batch)
         sums = []
         with self.autocast():
-            outs = self.model(batch["feats"], self._token_embeds(batch["tokens"]), batch["valid"], self.s.num_heads)
+            outs = self._outputs(self.model, batch)
             for s, g in enumerate(outs):
                 keep = rows[s]
-                loss = F.cross_entropy(self.heads.logits(g[keep], self.lm_head), batch["labels"][keep], reduction="sum")
+                loss = F.cross_entropy(self._logits(s, g[keep]), batch["labels"][keep], reduction="sum")
                 if self.feature_loss_weight:
                     reg = F.smooth_l1_loss(g[keep].float(), batch["next_feats"][keep], reduction="none").mean(-1).sum()
                     loss = loss + self.feature_loss_weight * reg
                 sums.append(loss.float())
         per_step = torch.stack(sums) / counts.to(self.device).clamp(min=1) * distributed.world_size()
-        weights = self.s.head_decay ** torch.arange(self.s.num_heads, dtype=torch.float32, device=self.device)
-        return (per_step * weights).sum(), per_step.detach()
+        return (per_step * self._depth_weights()).sum(), per_step.detach()
+
+    def _depth_weights(self) -> torch.Tensor:
+        """``[K]`` the loss weight of each draft step: ``head_decay^(s-1)`` for step s."""
+        return self.s.head_decay ** torch.arange(self.s.num_heads, dtype=torch.float32, device=self.device)
+
+    def _outputs(self, module: torch.nn.Module, batch: dict) -> List[torch.Tensor]:
+        """``module``'s (the head, or its DDP wrapper) outputs ``[g_1, ..., g_K]`` over ``batch`` (on the device)."""
+        return module(batch["feats"], self._token_embeds(batch["tokens"]), batch["valid"], self.s.num_heads)
+
+    def _logits(self, step: int, g: torch.Tensor) -> torch.Tensor:
+        """Logits of draft step ``step``'s (0-based) outputs ``g``."""
+        return self.heads.logits(g, self.lm_head)
 
     def _token_embeds(self, tokens: torch.Tensor) -> torch.Tensor:
         """The embeddings ``[B, T, H]`` (float32) of the tokens ``[B, T]`` the rows read."""
@@ -181,8 +192,7 @@ class EagleTrainer(Trainer):
             rows = self._loss_rows(batch, labelled=False).to(self.device)
             batch = self._on_device(batch)
             with self.autocast():
-                yield batch, rows, self.heads(batch["feats"], self._token_embeds(batch["tokens"]), batch["valid"],
-                                              self.s.num_heads)
+                yield batch, rows, self._outputs(self.heads, batch)
 
     @torch.no_grad()
     def evaluate(self, ranks: int = EVAL_RANKS) -> List[List[float]]:
@@ -194,7 +204,7 @@ class EagleTrainer(Trainer):
             with self.autocast():
                 for s, g in enumerate(outs):
                     keep = rows[s]
-                    top = self.heads.logits(g[keep], self.lm_head).topk(ranks, dim=-1).indices
+                    top = self._logits(s, g[keep]).topk(ranks, dim=-1).indices
                     labels = batch["labels"][keep][:, None]
                     hits[s] += ((top == labels) & (labels >= 0)).sum(0).float().cpu()
                     counts[s] += keep.sum().cpu()
