@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from helpers import greedy_reference, random_decoder
 from mtpctl.cli.main import main
@@ -219,11 +220,15 @@ def test_resume_continues_where_an_interrupted_run_stopped(tiny_folder, tmp_path
     class Interrupt(Exception):
         pass
 
-    def stop_after_first_epoch(entry):
-        raise Interrupt()
+    evals = []
+
+    def stop_after_first_epoch(entry):  # the first epoch's eval runs before its checkpoint, the second's after it
+        evals.append(entry)
+        if len(evals) == 2:
+            raise Interrupt()
 
     original = Trainer.train
-    try:  # interrupt right after the first epoch's checkpoint
+    try:  # interrupt after the first epoch's checkpoint, at the second epoch's eval
         Trainer.train = lambda self, resume, on_eval=None: original(self, resume, stop_after_first_epoch)
         with pytest.raises(Interrupt):
             add_heads(tiny_folder, "tiny", [data], tmp_path / "resumed", TrainSettings(**SMALL), tmp_path / "home2")
@@ -231,6 +236,14 @@ def test_resume_continues_where_an_interrupted_run_stopped(tiny_folder, tmp_path
         Trainer.train = original
     assert not (tmp_path / "resumed").exists()  # nothing half-written
     assert not list(tmp_path.glob(".resumed*"))
+    [checkpoint] = (tmp_path / "home2").rglob("checkpoint.safetensors")
+    kept = checkpoint.read_bytes()  # a checkpoint of other tensors (an earlier mtpctl's names): one clear line
+    save_file({("model.renamed" if k.startswith("model.") else k) + str(i): v
+               for i, (k, v) in enumerate(load_file(str(checkpoint)).items())}, str(checkpoint))
+    with pytest.raises(BadInput, match="another set of trained tensors"):
+        add_heads(tiny_folder, "tiny", [data], tmp_path / "resumed", TrainSettings(**SMALL), tmp_path / "home2",
+                  resume=True)
+    checkpoint.write_bytes(kept)
     add_heads(tiny_folder, "tiny", [data], tmp_path / "resumed", TrainSettings(**SMALL), tmp_path / "home2",
               resume=True)
     straight, resumed = read_heads(tmp_path / "straight"), read_heads(tmp_path / "resumed")

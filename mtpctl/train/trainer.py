@@ -446,7 +446,12 @@ class Trainer:
             distributed.log("--resume: no checkpoint of this run yet; starting from the beginning")
             return
         tensors = load_file(str(path))
-        self.heads.load_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
+        saved = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+        expected = self.heads.state_dict()
+        if set(saved) != set(expected) or any(tuple(v.shape) != tuple(expected[k].shape) for k, v in saved.items()):
+            raise BadInput(f"{path} holds another set of trained tensors than this run trains (written by an "
+                           f"earlier mtpctl?): start afresh without resuming, or delete {self.work}", option="resume")
+        self.heads.load_state_dict(saved)
         for i, p in enumerate(self.params):
             state = {name.split(".", 2)[2]: v for name, v in tensors.items() if name.startswith(f"optim.{i}.")}
             if state:
