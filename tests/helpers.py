@@ -614,3 +614,14 @@ def assert_distilled_features_match(model: Decoder) -> None:
         out = TorchEngine(model, len(ids) + 1).verify(DraftTree.chain(ids))
         assert out.logits.argmax(-1).tolist() == ref.pred.tolist()
         torch.testing.assert_close(out.hidden_states.float(), ref.hidden.float(), atol=0.02, rtol=0.02)
+
+
+def accepted_by_position(results, chain: int) -> list:
+    """Accepted draft tokens at each position of a ``chain``-token draft, over every step of ``results``
+    (what vLLM's ``accepted_per_pos`` counts)."""
+    counts = [0] * chain
+    for r in results:
+        for committed in r.stats.accepted_per_step:
+            for j in range(min(committed - 1, chain)):
+                counts[j] += 1
+    return counts

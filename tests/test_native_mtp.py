@@ -123,20 +123,25 @@ def _load(folder, speculate="none", dtype="float32", **kw):
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_depth_one_drafts_equal_transformers_mtp_drafts(folders, model_type, monkeypatch):
-    from mtpctl.drafters.mtp import mtp_drafter
-
     folder = folders[model_type]
     llm = _load(folder, speculate_policy="always")
     for prompt in PROMPTS[:2]:
-        hf_tokens, hf_drafts = _transformers_drafts(folder, model_type, list(prompt), monkeypatch)
-        record = []
-        drafter = mtp_drafter(llm.session, 1, record=record)
-        ours = run(llm.session.model, drafter, max_new=NEW, prompt=list(prompt))
-        assert ours.token_ids == hf_tokens[:len(ours.token_ids)]
-        theirs = dict(hf_drafts)
-        common = [n for n, _ in record if n in theirs]
-        assert len(common) >= len(hf_drafts) - 1 and len(common) >= NEW // 4
-        assert [dict(record)[n] for n in common] == [theirs[n] for n in common]
+        assert_depth_one_drafts_match(llm, list(prompt), *_transformers_drafts(folder, model_type, list(prompt),
+                                                                               monkeypatch))
+
+
+def assert_depth_one_drafts_match(llm, prompt, hf_tokens, hf_drafts, new=NEW):
+    """mtpctl's greedy tokens with a depth-1 MTP drafter are transformers' ``hf_tokens``, and its draft at
+    every step both ran equals transformers' (``hf_drafts``: (position, drafts) pairs)."""
+    from mtpctl.drafters.mtp import mtp_drafter
+
+    record = []
+    ours = run(llm.session.model, mtp_drafter(llm.session, 1, record=record), max_new=new, prompt=prompt)
+    assert ours.token_ids == hf_tokens[:len(ours.token_ids)]
+    theirs = dict(hf_drafts)
+    common = [n for n, _ in record if n in theirs]
+    assert len(common) >= len(hf_drafts) - 1 and len(common) >= new // 4
+    assert [dict(record)[n] for n in common] == [theirs[n] for n in common]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -15,10 +15,10 @@ import json
 import pytest
 import torch
 
-from helpers import FAMILY_PROMPTS, copy_tokenizer_files, random_reference_model, run, write_tiny_checkpoint
+from helpers import FAMILY_PROMPTS, copy_tokenizer_files, random_reference_model, write_tiny_checkpoint
 
 from test_ernie4_5_moe import CONFIG
-from test_native_mtp import transformers_mtp_drafts
+from test_native_mtp import assert_depth_one_drafts_match, transformers_mtp_drafts
 
 transformers = pytest.importorskip("transformers")
 
@@ -78,18 +78,10 @@ def test_the_layer_is_read_from_the_released_names(folder):
 
 
 def test_depth_one_drafts_equal_transformers_mtp_drafts(folder, monkeypatch):
-    from mtpctl.drafters.mtp import mtp_drafter
-
     llm = _load(folder, speculate_policy="always")
     for prompt in FAMILY_PROMPTS[:2]:
-        hf_tokens, hf_drafts = transformers_mtp_drafts(folder, list(prompt), monkeypatch, new=NEW)
-        record = []
-        ours = run(llm.session.model, mtp_drafter(llm.session, 1, record=record), max_new=NEW, prompt=list(prompt))
-        assert ours.token_ids == hf_tokens[:len(ours.token_ids)]
-        theirs = dict(hf_drafts)
-        common = [n for n, _ in record if n in theirs]
-        assert len(common) >= len(hf_drafts) - 1 and len(common) >= NEW // 4
-        assert [dict(record)[n] for n in common] == [theirs[n] for n in common]
+        assert_depth_one_drafts_match(llm, list(prompt), *transformers_mtp_drafts(folder, list(prompt), monkeypatch,
+                                                                                  new=NEW), new=NEW)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

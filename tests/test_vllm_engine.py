@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import accepted_by_position
 from mtpctl.bench.harness import load_prompts
 from mtpctl.bench.vllm_peer import run_worker, vllm_python
 
@@ -70,16 +71,6 @@ def mtpctl_chain(session, heads_dir, prompts):
     return [session.generate(p, NEW_TOKENS, drafter=drafter) for p in prompts]
 
 
-def accepted_by_position(results):
-    """Accepted draft tokens at each chain position, over all steps of ``results``."""
-    counts = [0] * CHAIN
-    for r in results:
-        for committed in r.stats.accepted_per_step:
-            for j in range(min(committed - 1, CHAIN)):
-                counts[j] += 1
-    return counts
-
-
 @pytest.fixture(scope="module")
 def vllm_plain(trained, prompts):
     folder, _ = trained
@@ -95,7 +86,7 @@ def check_against_vllm(session, folder, heads_dir, export, prompts, plain, metho
     assert spec_ids == plain_ids  # lossless in vLLM too
     ours = mtpctl_chain(session, heads_dir, prompts)
     assert [r.token_ids for r in ours] == [session.generate(p, NEW_TOKENS).token_ids for p in prompts] == plain_ids
-    theirs, mine = reply["spec"]["accepted_per_pos"], accepted_by_position(ours)
+    theirs, mine = reply["spec"]["accepted_per_pos"], accepted_by_position(ours, CHAIN)
     assert reply["spec"]["drafts"] > 0 and sum(mine) > 0
     assert all(abs(a - b) <= len(prompts) for a, b in zip(theirs, mine)), (theirs, mine)
     return theirs, mine

@@ -19,7 +19,7 @@ import random
 import pytest
 import torch
 
-from helpers import cli, copy_tokenizer_files, random_reference_model, write_tiny_checkpoint
+from helpers import accepted_by_position, cli, copy_tokenizer_files, random_reference_model, write_tiny_checkpoint
 
 from mtpctl.bench.vllm_peer import run_worker, vllm_python
 
@@ -51,16 +51,6 @@ def _source(root):
     save_file({**tensors, **mtp}, str(one / "model.safetensors"), metadata={"format": "pt"})
     copy_tokenizer_files(write_tiny_checkpoint(root / "tokenizer"), one)
     return _shard(one, root / "source")
-
-
-def _accepted_by_position(results):
-    """Accepted draft tokens at each chain position, over every step of ``results``."""
-    counts = [0] * CHAIN
-    for r in results:
-        for committed in r.stats.accepted_per_step:
-            for j in range(min(committed - 1, CHAIN)):
-                counts[j] += 1
-    return counts
 
 
 def test_refreshed_mtp_layer_runs_in_vllm_losslessly_with_mtpctls_acceptance(tmp_path, capsys, monkeypatch):
@@ -96,6 +86,6 @@ def test_refreshed_mtp_layer_runs_in_vllm_losslessly_with_mtpctls_acceptance(tmp
     assert [r["token_ids"] for r in reply["results"]] == plain  # lossless in vLLM
     ours = [llm.generate(p, max_new_tokens=NEW) for p in prompts]
     assert [r.token_ids for r in ours] == plain  # and vLLM's greedy tokens are mtpctl's
-    theirs, mine = reply["spec"]["accepted_per_pos"], _accepted_by_position(ours)
+    theirs, mine = reply["spec"]["accepted_per_pos"], accepted_by_position(ours, CHAIN)
     assert reply["spec"]["drafts"] > 0 and theirs[0] > 0 and mine[0] > 0, (reply["spec"], mine)
     assert all(abs(a - b) <= len(prompts) for a, b in zip(theirs, mine)), (theirs, mine)

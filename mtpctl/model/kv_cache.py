@@ -50,6 +50,13 @@ class KVCache:
         held = sum(t.numel() * t.element_size() for t in self._tensors())
         return held + (self.linear.nbytes if self.linear is not None else 0)
 
+    def _end(self, n: int) -> int:
+        """The slot after ``n`` new ones from ``length``; ValueError where they do not fit in ``capacity``."""
+        end = self.length + n
+        if end > self.capacity:
+            raise ValueError(f"KV cache overflow: {end} slots needed, {self.capacity} allocated")
+        return end
+
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
         """Store ``k_new``/``v_new`` ``[batch, kv_heads, N, head_dim]`` at slots ``[length, length+N)``
         of ``layer`` and return views of all slots, ``[batch, kv_heads, capacity, head_dim]`` (slots
@@ -58,9 +65,7 @@ class KVCache:
         Raises:
             ValueError: the N new slots do not fit in ``capacity``.
         """
-        end = self.length + k_new.shape[2]
-        if end > self.capacity:
-            raise ValueError(f"KV cache overflow: {end} slots needed, {self.capacity} allocated")
+        end = self._end(k_new.shape[2])
         self.k[layer, :, :, self.length:end] = k_new
         self.v[layer, :, :, self.length:end] = v_new
         return self.k[layer], self.v[layer]
@@ -179,9 +184,7 @@ class LatentCache(KVCache):
         Raises:
             ValueError: the N new slots do not fit in ``capacity``.
         """
-        end = self.length + k_new.shape[2]
-        if end > self.capacity:
-            raise ValueError(f"KV cache overflow: {end} slots needed, {self.capacity} allocated")
+        end = self._end(k_new.shape[2])
         self.k[layer, :, :, self.length:end] = k_new
         return self.k[layer], self.k[layer, ..., :self.rank]
 
