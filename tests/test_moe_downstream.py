@@ -6,8 +6,8 @@ tokenizer: the tiny dense Llama, the target's own layers, Medusa and EAGLE-3 hea
 plain greedy decoding's tokens, and the deterministic ones seeded sampling's too; add-heads trains on
 the MoE target's hidden states (self-distillation's kept features equal a teacher-forced pass);
 ``export --format`` names the MoE verifier's architecture; the auto policy measures a table for the
-MoE target's shape rather than read the dense shipped one; ``bench`` runs on it; vLLM's CPU build is
-tried on an exported EAGLE-3 head (skipped, with its reason, where it cannot run the target)."""
+MoE target's shape rather than read the dense shipped one; ``bench`` runs on it. vLLM serving EAGLE-3
+heads trained on a Qwen3-MoE target: tests/test_vllm_moe_eagle3.py."""
 
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ import json
 import pytest
 import torch
 
-from helpers import (assert_distilled_features_match, cli, moe_reference_model, write_moe_checkpoints,
-                     write_tiny_checkpoint)
+from helpers import assert_distilled_features_match, cli, write_moe_checkpoints, write_tiny_checkpoint
 
 from mtpctl.decode.sampling import SamplingParams
 
@@ -254,43 +253,3 @@ def test_bench_runs_on_the_moe_target_and_measures_its_own_table(moe, tmp_path, 
     if table is not None:  # the torch kernels read no table
         assert table["source"] in ("measured-on-first-use", "cached")
         assert table["model"]["model_type"] == "qwen3_moe" and table["model"]["experts"] == 8
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_vllm_runs_exported_eagle3_heads_on_the_moe_target(moe, tmp_path):
-    """vLLM's CPU build (its unquantized CPU MoE experts) serves the Qwen3-MoE target with EAGLE-3 heads
-    add-heads trained on it, exported to the speculators layout, its weight check on: its greedy tokens
-    with speculation equal its own plain ones and mtpctl's. vLLM's CPU attention takes no head_dim of
-    16, so this target has heads of 32. Skipped, with vLLM's own reason, where the CPU build cannot run
-    the target (each vLLM start takes 30-60 s here)."""
-    import mtpctl
-
-    from mtpctl.bench.vllm_peer import run_worker, vllm_python
-    from mtpctl.bench.peer_process import PeerFailed
-    from mtpctl.export.serving import export_serving_heads
-    from mtpctl.train.add_heads import add_heads
-    from mtpctl.train.settings import TrainSettings
-
-    if vllm_python() is None:
-        pytest.skip("vLLM's environment (.venv-vllm) is absent: make vllm-env creates it")
-    target = write_moe_checkpoints(tmp_path, "qwen3_moe", moe_reference_model("qwen3_moe", head_dim=32),
-                                   tokenizer=moe[1])["per_expert"]
-    request = {"model": str(target), "prompts": [list(p) for p in PROMPTS], "max_new_tokens": NEW, "threads": 1,
-               "max_model_len": 128}
-    try:
-        plain = run_worker(request, log=tmp_path / "plain.log", timeout=900)
-    except PeerFailed as err:
-        pytest.skip(f"vLLM's CPU build cannot run the tiny Qwen3-MoE target: {err}")
-    plain_ids = [r["token_ids"] for r in plain["results"]]
-    ours = mtpctl.load(str(target), speculate="none", dtype="float32", threads=1)
-    assert [ours.pipeline.generate(list(p), NEW).token_ids for p in PROMPTS] == plain_ids
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"count: {i} {i + 1} {i + 2}"}) + "\n" for i in range(24)))
-    add_heads(target, "tiny-moe", [data], tmp_path / "eagle3", TrainSettings(kind="eagle3", **SMALL), tmp_path / "home")
-    export_serving_heads("speculators", target, tmp_path / "eagle3", tmp_path / "spec")
-    reply = run_worker({**request, "speculative_config": {"method": "eagle3", "model": str(tmp_path / "spec"),
-                                                          "num_speculative_tokens": 2}},
-                       log=tmp_path / "spec.log", timeout=900)
-    assert [r["token_ids"] for r in reply["results"]] == plain_ids
-    assert reply["spec"]["drafts"] > 0
