@@ -38,12 +38,13 @@ def _randomise(layer, seed):
                 p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-1]))
 
 
-def hf_layer(family="qwen3_5", seed=0):
-    """(transformers' layer, its config, our config, our weights), float32, seeded random weights."""
+def hf_layer(family="qwen3_5", seed=0, **overrides):
+    """(transformers' layer, its config, our config, our weights), float32, seeded random weights;
+    ``overrides``: config keys that replace TINY's (qwen3_5 only)."""
     if family == "qwen3_5":
         from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
         from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
-        hf_config, cls = Qwen3_5TextConfig(**TINY), Qwen3_5GatedDeltaNet
+        hf_config, cls = Qwen3_5TextConfig(**{**TINY, **overrides}), Qwen3_5GatedDeltaNet
     else:
         from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
         from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
@@ -126,11 +127,17 @@ def _start_state(cfg, weights, dtype, seed):
     return deltanet_prefill(torch.randn(23, cfg.hidden_size).to(dtype), weights, cfg).state
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_chain_at_once_equals_one_token_at_a_time(dtype):
-    _, _, cfg, weights = hf_layer(seed=1)
+#: Qwen3.5-0.8B's head dims (128 x 128 state per value head; BLAS-sized matrix-vector products in the step)
+WIDE_HEADS = dict(linear_key_head_dim=128, linear_value_head_dim=128)
+
+
+@pytest.mark.parametrize("dtype,overrides", [(torch.float32, {}), (torch.bfloat16, {}),
+                                             (torch.float32, WIDE_HEADS)])
+def test_a_chain_at_once_equals_one_token_at_a_time(dtype, overrides):
+    _, _, cfg, weights = hf_layer(seed=1, **overrides)
     weights = _cast(weights, dtype)
     start = _start_state(cfg, weights, dtype, 2)
+    kept = start.clone()
     for k in (1, 2, 3, 4, 5, 7, 9, 16):
         torch.manual_seed(100 + k)
         x = (torch.randn(k, cfg.hidden_size) * torch.tensor([0.01, 1.0, 30.0])[torch.randint(3, (k, 1))]).to(dtype)
@@ -145,6 +152,7 @@ def test_a_chain_at_once_equals_one_token_at_a_time(dtype):
         # the chain's prefix of j tokens, as a verifier that accepted j-1 drafts would commit
         j = (k + 1) // 2
         assert deltanet_step(x[:j], weights, cfg, start).state.equal(chain.positions[j - 1])
+    assert start.equal(kept)  # the step updates its own copy of the state in place, never the one given
 
 
 def _random_tree(n, rng):
@@ -177,6 +185,7 @@ def test_tree_node_states_equal_their_paths_as_chains(dtype):
             assert torch.equal(tree.out[i], chain.out[-1]), (n, i)
             assert tree.states[i].equal(chain.state), (n, i)
     assert not start.equal(LinearState.zeros(cfg))  # the input state was not written into
+    assert start.equal(_start_state(cfg, weights, dtype, 4))
 
 
 def test_tree_parents_are_checked_and_state_bytes():

@@ -356,11 +356,11 @@ def _token(proj: torch.Tensor, state: LinearState, weights: GatedDeltaNetWeights
     a = proj[c + vd + hv:]
     beta = torch.sigmoid(b).float()
     g = -weights.a_log.exp() * F.softplus(a.float() + weights.dt_bias)
-    s = state.recurrent * g.exp()[:, None, None]
-    kv = (s * k[:, :, None]).sum(dim=-2)  # S^T k, [Hv, dv]
+    s = state.recurrent * g.exp()[:, None, None]  # decayed, a new tensor: the given state stays as it is
+    kv = torch.bmm(k[:, None, :], s)[:, 0]  # S^T k, [Hv, dv]: one matrix-vector product per head
     delta = (v - kv) * beta[:, None]
-    s = s + k[:, :, None] * delta[:, None, :]
-    o = (s * q[:, :, None]).sum(dim=-2).to(dtype)  # S^T q, [Hv, dv]
+    s.addcmul_(k[:, :, None], delta[:, None, :])  # S += k delta^T in place, each entry rounded as s + k*delta
+    o = torch.bmm(q[:, None, :], s)[:, 0].to(dtype)  # S^T q, [Hv, dv]
     out = _gated_norm(o, z.reshape(hv, dv), weights, cfg).reshape(vd)
     return out, LinearState(conv=window[:, 1:].contiguous(), recurrent=s)
 
