@@ -325,11 +325,6 @@ def project_rows(linear: Union[torch.Tensor, nn.Module], x: torch.Tensor, rows: 
     return linear.forward(x)
 
 
-def _project(x: torch.Tensor, weights: GatedDeltaNetWeights, rows: int) -> torch.Tensor:
-    """The input projection of rows ``x [T, H]`` -> ``[T, proj_dim]`` (:func:`project_rows`)."""
-    return project_rows(weights.in_proj, x, rows)
-
-
 def _token(proj: torch.Tensor, state: LinearState, weights: GatedDeltaNetWeights,
            cfg: GatedDeltaNetConfig) -> Tuple[torch.Tensor, LinearState]:
     """One token: its projection row ``proj [proj_dim]`` and the state before it -> its gated, normed
@@ -421,7 +416,7 @@ def deltanet_step(x_rows: torch.Tensor, weights: GatedDeltaNetWeights, cfg: Gate
     decoding would. ``state`` itself is not changed.
     """
     _check_rows(x_rows, weights, cfg)
-    proj = _project(x_rows, weights, rows)
+    proj = project_rows(weights.in_proj, x_rows, rows)
     outs, positions = [], []
     for t in range(x_rows.shape[0]):
         o, state = _token(proj[t], state, weights, cfg)
@@ -448,7 +443,7 @@ def deltanet_tree(x_rows: torch.Tensor, parents: Sequence[int], weights: GatedDe
     if len(parents) != n or (n and parents[0] >= 0) or any(not 0 <= p < i for i, p in enumerate(parents) if i):
         raise ValueError(f"draft tree parents must start with the root (-1) and name earlier nodes, "
                          f"got {parents} for {n} nodes")
-    proj = _project(x_rows, weights, rows)
+    proj = project_rows(weights.in_proj, x_rows, rows)
     outs, states = [], []
     for i in range(n):
         o, after = _token(proj[i], states[parents[i]] if i else state, weights, cfg)
@@ -482,7 +477,7 @@ def deltanet_prefill(x_rows: torch.Tensor, weights: GatedDeltaNetWeights, cfg: G
         return StepResult(out=x_rows.new_zeros(0, cfg.hidden_size), state=state, positions=None)
     hk, hv, dk, dv, kk = cfg.num_k_heads, cfg.num_v_heads, cfg.k_head_dim, cfg.v_head_dim, cfg.conv_kernel
     c, vd = cfg.conv_dim, cfg.value_dim
-    proj = _project(x_rows, weights, rows)
+    proj = project_rows(weights.in_proj, x_rows, rows)
     seq = torch.cat((state.conv, proj[:, :c].float().T), dim=1)  # [conv_dim, K-1+T]
     windows = seq.unfold(1, kk, 1)  # [conv_dim, T, K]
     qkv = F.silu((windows * weights.conv[:, None, :]).sum(dim=-1).to(dtype)).float().T  # [T, conv_dim]
