@@ -15,6 +15,7 @@ more under load).
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import importlib.util
 import json
@@ -325,7 +326,28 @@ def assemble(old: str, fresh: dict, order: List[str]) -> str:
             "by up to 2x over hours (docs/decisions/measuring-on-a-shared-host.md): compare methods within one table, not tables measured at "
             "different times.", ""]
     body = [fresh.get(key) or kept.get(key, f"<!-- section:{key} -->\n## {key}\n\n(not measured yet)\n") for key in order]
-    return "\n".join(head) + "\n" + "\n".join(body)
+    return "\n".join(head + [provenance(dict(zip(order, body))), ""]) + "\n" + "\n".join(body)
+
+
+#: a section's "Measured" line: its date, the commit (with "(with uncommitted changes)" where so) and the CPU
+MEASURED = re.compile(r"^Measured (\S+)(?::.*?)? at commit (\w+)( \(with uncommitted changes\))?[^\n]*? on ([^,\n]+),", re.M)
+
+
+def provenance(sections: dict) -> str:
+    """One line saying where the file's figures come from: the commit and CPU most sections were measured
+    at, then every other section with its own (or "not measured" where a section has no Measured line)."""
+    found = {}
+    for key, text in sections.items():
+        match = MEASURED.search(text)
+        found[key] = (f"{match.group(2)}{match.group(3) or ''} on {match.group(4)}, {match.group(1)}"
+                      if match else None)
+    counts = collections.Counter(v for v in found.values() if v)
+    if not counts:
+        return "Provenance: no section is measured yet."
+    main_run, n = counts.most_common(1)[0]
+    others = [f"{key} ({where or 'not measured'})" for key, where in found.items() if where != main_run]
+    line = f"Provenance: {n} of {len(found)} sections measured at commit {main_run}"
+    return line + (f"; the others: {'; '.join(others)}." if others else ".")
 
 
 def gpu_present() -> bool:
@@ -359,7 +381,7 @@ def main(argv=None) -> int:
             p.error("the gpu section runs where torch sees a CUDA GPU; this machine has none")
         wanted.remove("gpu")
         print("bench_all.py: no CUDA GPU here: the gpu section stays as it is", file=sys.stderr)
-    needs_heads = [k for k in wanted if k not in ("cpu", "big", "gpu", "suffix", "recipes", "exactness", "mtprefresh", "cpupeer", "hybrid")]
+    needs_heads = [k for k in wanted if k not in ("cpu", "big", "gpu", "suffix", "recipes", "draft", "exactness", "mtprefresh", "cpupeer", "hybrid")]
     if needs_heads and not (Path(args.heads) / "mtp_config.json").is_file():
         p.error(f"no head folder at {args.heads}: train it with {MTPCTL} add-heads --recipe "
                 f"{args.recipe} --out {args.heads} (make bench does)")
@@ -373,6 +395,7 @@ def main(argv=None) -> int:
             f"What training the heads of the sections above (`{args.recipe}`) took here, and their figures on "
             "held-out prompts of the training data (from the head folder's `mtp_config.json`). The other "
             "sections' tau is on the benchmark's built-in prompts, which are unlike the training data.", "",
+            f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d} at commit {commit()} on {machine()}.", "",
             f"`{MTPCTL} add-heads --recipe {args.recipe} --out {args.heads}`", "",
             recipe_section(args.heads), ""])
     old = args.write.read_text(encoding="utf-8") if args.write and args.write.exists() else ""

@@ -5,8 +5,11 @@ For each pair the methods are (greedy, batch 1, float32, CPU): mtpctl plain, mtp
 model (fixed ``--draft-len`` and ``auto``; ids, an id map or the cross-tokenizer text mode, as
 ``mtpctl pair`` decides), HF ``generate`` and HF assisted generation with the draft as
 ``assistant_model`` and both tokenizers. They run interleaved on the same prompts of the built-in
-set (``mtpctl.bench``'s harness and figures). Prints one markdown table per pair on stdout; HF's tau
-and acceptance are not observable from outside ``generate``.
+set (``mtpctl.bench``'s harness and figures). The HF methods run in processes of their own
+(``mtpctl.bench.peer_process``): one that crashes or hangs (transformers' assisted generation has, on
+some prompts) gets a row "failed after N of M prompts" with its reason, and every other figure is still
+written. Prints one markdown table per pair on stdout; HF's tau and acceptance are not observable from
+outside ``generate``.
 
     .venv/bin/python benchmarks/bench_draft_pair.py --pairs gemma3-270m:smollm2-135m --limit 1 --threads 2
 """
@@ -16,9 +19,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+import torch
+
 from mtpctl.backends.torch import TorchSession, set_threads
 from mtpctl.bench.harness import load_prompts, run_interleaved, summarize
-from mtpctl.bench.peers import transformers_runner
+from mtpctl.bench.peer_process import start_peer
 from mtpctl.bench.report import select_prompts
 from mtpctl.decode.sampling import SamplingParams
 from mtpctl.drafters.build import DraftOptions, build
@@ -42,14 +47,26 @@ def run_pair(target_name: str, draft_name: str, prompts, args) -> str:
         runners[f"mtpctl draft (k={length or 'auto'})"] = (lambda d: lambda ids: target.generate(
             ids, args.max_new_tokens, greedy, d))(drafter)
     eos = target.codec.eos_ids
-    runners["HF generate"] = transformers_runner(target.folder, eos, args.max_new_tokens)
-    runners["HF assisted"] = transformers_runner(target.folder, eos, args.max_new_tokens, assistant=resolve_model(draft_name))
-    runs = run_interleaved(runners, encoded, 1, progress=lambda line: print(f"{target_name}<-{draft_name}: {line}",
-                                                                             file=sys.stderr))
+    request = {"peer": "transformers", "folder": str(target.folder), "threads": torch.get_num_threads(),
+               "max_new_tokens": args.max_new_tokens, "eos_ids": sorted(eos)}
+    opened = []
+    try:
+        runners["HF generate"], _ = start_peer("HF generate", request, eos, opened)
+        runners["HF assisted"], _ = start_peer(
+            "HF assisted", {**request, "assistant": str(resolve_model(draft_name))}, eos, opened)
+        runs = run_interleaved(runners, encoded, 1, progress=lambda line: print(
+            f"{target_name}<-{draft_name}: {line}", file=sys.stderr))
+    finally:
+        for peer in opened:
+            peer.close()
     lines = [f"target `{target_name}`, draft `{draft_name}`: {pairing.verdict}, drafting in {pairing.mode}", "",
              "| method | tokens/s | speedup vs mtpctl plain (p10-p90) | tau | acceptance | same tokens as mtpctl plain |",
              "|---|---:|---:|---:|---:|---|"]
     for name, run in runs.items():
+        if run.failed:
+            lines.append(f"| {name} | failed after {len(run.results)} of {len(encoded)} prompts: {run.failed} "
+                         "| - | - | - | - |")
+            continue
         s = summarize(run, runs["mtpctl plain"] if name != "mtpctl plain" else None)
         speed = "1.00 (baseline)" if name == "mtpctl plain" else \
             f"{s['speedup']:.2f} ({s['speedup_p10']:.2f}-{s['speedup_p90']:.2f})"
