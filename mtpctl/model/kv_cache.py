@@ -201,6 +201,8 @@ class PassSlots:
         caches: the sequences' caches, in pass order.
         counts: ``[S]`` tokens of each sequence in the pass.
         starts: ``[S]`` the first row of each sequence in the pass.
+        rows: the pass's tokens, ``sum(counts)``; a pass padded on the device path
+            (:meth:`mtpctl.model.decoder.Decoder.pass_rows`) carries more rows, whose results nobody reads.
         kv: ``[N, 4]`` long, per token the addresses of its cache's keys and values (layer 0), the
             elements between two layers and the slots per KV head: the native kernels' table
             (:func:`mtpctl.model.native.rotate_write`, :func:`mtpctl.model.native.attend`).
@@ -230,6 +232,7 @@ class PassSlots:
         self.kv_bf16 = caches[0].k.dtype == torch.bfloat16
         self.counts = [int(n) for n in counts]
         self.starts = [sum(self.counts[:s]) for s in range(len(self.counts))]
+        self.rows = sum(self.counts)
         rows = torch.tensor([[c.k.data_ptr(), c.v.data_ptr(), c.k[0].numel() if len(c.k) else 0, c.k.shape[3]]
                              for c in self.caches],  # no layers: a hybrid draft of Gated DeltaNet layers only
                             dtype=torch.long)
