@@ -135,3 +135,47 @@ def test_padded_passes_on_a_virtual_gpu_give_plain_tokens_alone_and_in_a_batch(t
     assert [o.token_ids for o in batch] == plain
     assert max(seen) > 64  # a pass of two blocks ran
     assert not [e for e in mode.events if e.kind == "mixup"]
+
+
+def test_a_prefill_on_a_virtual_gpu_reads_each_weight_once_and_attends_causally(tiny_folder, monkeypatch):
+    """On the device path a prompt of more than one 64-row block is prefilled free of the fixed shapes
+    (Decoder.free_prefill): each linear in one product (not two blocks, a pad and a cat), the
+    full-attention layers through torch's causal SDPA without a mask in the model's dtype; greedy
+    speculation after it still gives plain's tokens. The CPU's pure-torch path keeps the masked prefill."""
+    import torch
+    import torch.nn.functional as F
+
+    calls, sdpa = [], F.scaled_dot_product_attention
+
+    def recorded_sdpa(*args, **kwargs):
+        calls.append((args[0].dtype, kwargs.get("is_causal", False), kwargs.get("attn_mask") is None))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recorded_sdpa)
+    assert not torch_backend.TorchSession(tiny_folder, "bfloat16", device="cpu", kernels="torch").model.free_prefill
+    layer_ops = []
+    with virtual_cuda() as mode:
+        forward = decoder_module.DecoderLayer.forward
+
+        def counted_forward(self, *args, **kwargs):
+            with mode.counting() as ops:
+                out = forward(self, *args, **kwargs)
+            layer_ops.append(dict(ops))
+            return out
+
+        monkeypatch.setattr(decoder_module.DecoderLayer, "forward", counted_forward)
+        session = torch_backend.TorchSession(tiny_folder, "bfloat16", device="cuda", kernels="torch")
+        assert session.model.free_prefill
+        prompt = session.encode("count: " + " ".join(str(i % 7) for i in range(40)))
+        assert 64 < len(prompt) <= 128 - NEW_TOKENS
+        layers = session.model.cfg.num_hidden_layers
+        del layer_ops[:]
+        plain = session.generate(prompt, NEW_TOKENS).token_ids
+        prefill = layer_ops[:layers]
+        from mtpctl.drafters.build import DraftOptions, build, parse
+        drafter = build(session, parse("ngram"), DraftOptions())
+        assert session.generate(prompt, NEW_TOKENS, drafter=drafter).token_ids == plain
+    assert all(ops["linear"] == 4 and "pad" not in ops for ops in prefill), prefill
+    assert (torch.bfloat16, True, True) in calls  # causal, no mask, bfloat16
+    assert not [c for c in calls if not c[1]]  # no masked float32 SDPA on this dense body
+    assert not [e for e in mode.events if e.kind == "mixup"]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -17,7 +18,7 @@ from mtpctl.errors import UnsupportedModel
 from mtpctl.model.config import DecoderConfig
 from mtpctl.model.decoder import DTYPES, Decoder
 from mtpctl.model.device import Placement, clock, device_numerics, pin_device_numerics, resolve_placement
-from mtpctl.model.linears import PackedLinear, TiledLinear
+from mtpctl.model.linears import PackedLinear, TiledLinear, any_rows
 from mtpctl.model.kv_cache import PassSlots
 from mtpctl.model.native import check_plan, kernel_runs, matmul_isa
 from mtpctl.model.row_invariance import dtype_name, int4_path, int4_paths, path_of, verdicts
@@ -239,11 +240,17 @@ class TorchEngine:
 
     def _prefill_masked(self, prompt_ids: Sequence[int], aux: Optional[Dict[int, Optional[torch.Tensor]]]) -> torch.Tensor:
         """The prompt in one pass through torch's fused attention (masks); its hidden states ``[T, hidden]``."""
-        device = self.model.device
+        device, free = self.model.device, self.model.free_prefill
         depth = torch.arange(len(prompt_ids))
-        masks = plans_on(attention_masks(self.model.cfg.layer_windows, 0, depth, None, self.capacity), device)
-        hidden = self.model(torch.tensor([list(prompt_ids)], dtype=torch.long, device=device), depth[None].to(device),
-                            self.cache, masks, aux=aux)[0]
+        masks = attention_masks(self.model.cfg.layer_windows, 0, depth, None, self.capacity)
+        if free:  # the full-attention layers attend causally without a mask (Decoder.free_prefill)
+            masks.pop(None, None)
+        masks = plans_on(masks, device)
+        if free:
+            masks[None] = None
+        with any_rows() if free else contextlib.nullcontext():
+            hidden = self.model(torch.tensor([list(prompt_ids)], dtype=torch.long, device=device),
+                                depth[None].to(device), self.cache, masks, aux=aux)[0]
         self.cache.advance(len(prompt_ids))
         return hidden
 

@@ -562,6 +562,9 @@ class DecoderLayer(nn.Module):
             parts = [_attention(q[:, :, start:start + count], seq.k[i], seq.v[i], cfg.scale, seq_plan, self.sinks)
                      for seq, start, count, seq_plan in zip(cache.caches, cache.starts, cache.counts, plan)]
             attn = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)  # one sequence: no copy
+        elif mask is None:  # a free prefill's full-attention layer (Decoder.free_prefill): causal over its own rows
+            cache.write(self.cache_index, k, v)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=cfg.attention_scale)
         else:
             keys, values = cache.write(self.cache_index, k, v)
             used = cache.length + n
@@ -1327,11 +1330,11 @@ class Decoder(nn.Module):
         self.pass_block = rows if device_path and self.cfg.deltanet is None and self.cfg.mla is None \
             and not any(layer.moe is not None for layer in self.layers) else None
         if device_path:
-            self.final_norm = FUSED_NORMS[self.final_norm]
+            self.final_norm = FUSED_NORMS.get(self.final_norm, self.final_norm)  # held twice: still fused
         for layer in self.layers:
             layer.moe_rows = rows
             if device_path:
-                layer.norm = FUSED_NORMS[layer.norm]
+                layer.norm = FUSED_NORMS.get(layer.norm, layer.norm)
         for owner in (self, *self.layers):
             for name in LINEARS:
                 weight = owner._parameters.get(name)
@@ -1339,6 +1342,15 @@ class Decoder(nn.Module):
                     owner._parameters.pop(name)
                     setattr(owner, name, FixedRowsLinear(weight, rows))
         self._stack = None
+
+    @property
+    def free_prefill(self) -> bool:
+        """Whether a prefill may run free of the fixed shapes (the device path of a dense body without
+        attention sinks): its linears in one product each (:func:`~mtpctl.model.linears.any_rows`) and its
+        full-attention layers as torch's causal SDPA in the model's dtype, without a mask (flash attention
+        on a GPU), instead of float32 scores over a bool mask of the whole cache. A prefill feeds plain and
+        speculative decoding alike, so nothing it computes has to match another pass's rows."""
+        return self.pass_block is not None and not self.cfg.attention_sinks
 
     def pass_rows(self, rows: int) -> int:
         """How many rows a decode or verify pass of ``rows`` tokens carries: ``rows`` rounded up to the

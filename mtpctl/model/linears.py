@@ -22,8 +22,10 @@ Q8_0: |q| = 127), which they do by construction.
 
 from __future__ import annotations
 
+import contextlib
+from contextvars import ContextVar
 from functools import lru_cache
-from typing import List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -203,6 +205,24 @@ class TiledLinear(nn.Module):
         return self.blob.numel()
 
 
+#: True inside :func:`any_rows`: a :class:`FixedRowsLinear` computes all its rows in one product
+_ANY_ROWS: ContextVar[bool] = ContextVar("mtpctl_any_rows", default=False)
+
+
+@contextlib.contextmanager
+def any_rows() -> Iterator[None]:
+    """Within this block every :class:`FixedRowsLinear` computes its rows in one product of whatever
+    shape the pass has, reading its weight once, instead of in fixed blocks: for a prefill on the device
+    path (:meth:`mtpctl.backends.torch.TorchEngine.prefill`), which feeds plain and speculative decoding
+    alike, so its rows need not match a decode or verify pass's bit for bit; T/64 reads of every weight
+    become one."""
+    token = _ANY_ROWS.set(True)
+    try:
+        yield
+    finally:
+        _ANY_ROWS.reset(token)
+
+
 class FixedRowsLinear(nn.Module):
     """``y = x @ W.T`` for a dense weight ``[N, K]`` on torch's own matmul (any device), computed in
     blocks of exactly ``rows`` rows (the last one padded with zero rows): every row of every pass then
@@ -222,6 +242,8 @@ class FixedRowsLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _ANY_ROWS.get():  # a prefill (any_rows): one product, the weight read once
+            return torch.nn.functional.linear(x, self.weight)
         flat = x.reshape(-1, self.in_features)
         m = flat.shape[0]
         padded = -m % self.rows
