@@ -273,6 +273,18 @@ def bound_check(session, table: Table, new: int, on_gpu: bool) -> None:
               **({} if on_gpu else {"verdict": "on a GPU only"}))
 
 
+def free_device_memory() -> None:
+    """Collect what Python still holds and hand torch's cached GPU blocks back (before a child process,
+    such as ``mtpctl bench``, needs the device's memory)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def bound_session(args, work: Path, session, on_gpu: bool):
     """The session the bound row times: ``--bound-shape``'s synthetic checkpoint (default on a GPU:
     Llama-3.1-8B's shapes), or the checked one with ``--bound-shape session`` and on the CPU."""
@@ -426,8 +438,9 @@ def check(args, table: Table, device, work: Path) -> None:
         timed = step(table, "plain step against the bandwidth bound", bound_session, args, work, session, on_gpu)
         if timed is not None:
             step(table, "plain step against the bandwidth bound", bound_check, timed, table, new, on_gpu)
-            if timed is not session:
-                del timed  # its weights leave the device before the next steps
+            if timed is not session:  # its weights leave the device before the next steps
+                del timed
+                free_device_memory()
     if full:
         step(table, "bench", bench, model, heads, name, table, new, 180 if on_gpu else 600)
         step(table, "TensorRT engine", tensorrt, model, work, table, 240)

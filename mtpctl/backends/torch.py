@@ -242,10 +242,10 @@ class TorchEngine:
         """The prompt in one pass through torch's fused attention (masks); its hidden states ``[T, hidden]``."""
         device, free = self.model.device, self.model.free_prefill
         depth = torch.arange(len(prompt_ids))
-        masks = attention_masks(self.model.cfg.layer_windows, 0, depth, None, self.capacity)
-        if free:  # the full-attention layers attend causally without a mask (Decoder.free_prefill)
-            masks.pop(None, None)
-        masks = plans_on(masks, device)
+        windows = self.model.cfg.layer_windows
+        # free: the full-attention layers attend causally without a mask (Decoder.free_prefill), none is built
+        masks = plans_on(attention_masks([w for w in windows if w is not None or not free], 0, depth, None,
+                                         self.capacity), device)
         if free:
             masks[None] = None
         with any_rows() if free else contextlib.nullcontext():

@@ -131,7 +131,8 @@ def accept_rejection_sampling(tree: DraftTree, logits, params: SamplingParams,
         p = probs_from_logits(logits[node], params)
         for child in tree.children(node):
             token = tree.tokens[child]
-            q_row = tree.q[child] if tree.q is not None else None
+            # the drafter's row where p is (a draft model on a GPU keeps q there; the row read comes to the host)
+            q_row = tree.q[child].to(p.device) if tree.q is not None else None
             q_tok = float(q_row[token]) if q_row is not None else 1.0
             u = float(torch.rand((), generator=generator))
             if q_tok > 0 and u < min(1.0, float(p[token]) / q_tok):

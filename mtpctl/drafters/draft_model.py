@@ -197,6 +197,12 @@ class DraftModelDrafter(Drafter):
         self._to_draft[self._dst] = self._src
         self._from_draft = id_map
 
+    def _maps_on(self, device: torch.device) -> None:
+        """The id map's tensors that index the draft's logits and distributions (blocked ids, draft ids and
+        their target ids) where those are: moved once, for a draft model on a GPU."""
+        if self._blocked.device != device:
+            self._blocked, self._src, self._dst = (t.to(device) for t in (self._blocked, self._src, self._dst))
+
     def set_prompt(self, target_prompt: Sequence[int], draft_prompt: Sequence[int]) -> None:
         """Text mode: the draft's own ids for the target prompt ``target_prompt`` (e.g. the prompt
         through the draft's chat template), used while the context starts with that prompt. Without
@@ -315,6 +321,7 @@ class DraftModelDrafter(Drafter):
         """The next draft id from ``logits`` ``[draft_vocab]`` (argmax, or a sample whose distribution
         is appended to ``q_rows``); None when it ends the draft (text mode: the draft's EOS)."""
         if self._blocked is not None:
+            self._maps_on(logits.device)
             logits = logits.masked_fill(self._blocked, float("-inf"))
         if self.sampling.greedy or self.text is not None:
             token = greedy_token(logits)
@@ -387,7 +394,8 @@ class DraftModelDrafter(Drafter):
             if self._src is None:
                 probs = q
             else:
-                probs = torch.zeros(len(tokens), self.target_vocab, dtype=q.dtype)
+                self._maps_on(q.device)
+                probs = torch.zeros(len(tokens), self.target_vocab, dtype=q.dtype, device=q.device)
                 probs[:, self._dst] = q[:, self._src]
         if self._src is not None:
             tokens = [int(self._from_draft[t]) for t in tokens]

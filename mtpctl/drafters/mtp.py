@@ -171,25 +171,25 @@ class MtpLayers:
         self.offset = cfg.norm_offset if layout.offset_norms else 0.0
         self.stored = {name: t for name, t in tensors.items() if t.dim() == 1} if self.offset else {}
         self._norm = _rms_norm_float32_scale if self.offset else _rms_norm
-        dtype = model.dtype
+        dtype, device = model.dtype, model.device  # the layer's own tensors go where the body's are
         held = {attr: tensors.pop(name) for attr, name in self.names.items()}
-        self.eh_proj = held.pop("eh_proj").to(dtype)
+        self.eh_proj = held.pop("eh_proj").to(device, dtype)
         for attr, value in held.items():
-            setattr(self, attr, value.float() + self.offset if self.offset else value.to(dtype))
+            setattr(self, attr, value.to(device).float() + self.offset if self.offset else value.to(device, dtype))
         if "norm" not in held:  # the body's own final norm (held as the body holds it)
             self.norm = model.norm.detach()
         own_head, own_embed = (tensors.pop(name, None) if name else None for name in self.copies)
         use_own = self.settings.own_vocab
-        self.embed = own_embed.to(dtype) if use_own and own_embed is not None else model.embed.detach()
+        self.embed = own_embed.to(device, dtype) if use_own and own_embed is not None else model.embed.detach()
         self.head = None
         if use_own and own_head is not None:
-            head = own_head.to(dtype)
+            head = own_head.to(device, dtype)
             target = model.dense_lm_head()
             if not (head.shape == target.shape and torch.equal(head, target.to(dtype))):
                 self.head = head
         block = {self.block_name(name): t for name, t in tensors.items()}
         block["model.embed_tokens.weight"] = self.embed
-        block["model.norm.weight"] = torch.zeros(self.cfg.hidden_size, dtype=dtype)  # unused: self.norm norms
+        block["model.norm.weight"] = torch.zeros(self.cfg.hidden_size, dtype=dtype, device=device)  # unused
         self.block = Decoder(self.cfg, dtype, model.device, lazy=True)
         _Filler(self.block, _Source(block, shared=("model.embed_tokens.weight",)), False, False, None).run()
         self.block.layer_stack = False

@@ -247,14 +247,16 @@ def _pad_rows(x: torch.Tensor) -> torch.Tensor:
 def _head_product(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``x [b, kv_heads, m, k] @ y [b, kv_heads, k, s]`` -> ``[b, kv_heads, m, s]``, a row's result the same
     whatever ``m``: on the CPU in one product of at least ``MIN_ROWS`` rows (from 4 rows on its kernels
-    compute every row alike); elsewhere (a GPU) in blocks of exactly ``FIXED_ROWS["cuda"]`` rows, one
-    batched product of that fixed shape (cuBLAS picks its kernel and reduction order by shape)."""
+    compute every row alike); elsewhere (a GPU) one product per block of exactly ``FIXED_ROWS["cuda"]``
+    rows, each of the same shape whatever the pass (cuBLAS picks its kernel and reduction order by
+    shape, the batch count included), reading ``y`` in place."""
     m = x.shape[-2]
     if x.device.type == "cpu":
         return torch.matmul(_pad_rows(x), y)[:, :, :m]
     block = FIXED_ROWS["cuda"]
-    blocks = F.pad(x, (0, 0, 0, -m % block)).unflatten(2, (-1, block))  # [b, kv_heads, blocks, block, k]
-    return torch.matmul(blocks, y.unsqueeze(2)).flatten(2, 3)[:, :, :m]
+    padded = F.pad(x, (0, 0, 0, -m % block)) if m % block else x
+    parts = [torch.matmul(rows, y) for rows in padded.split(block, dim=2)]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))[:, :, :m]
 
 
 def _gather_tails(x: torch.Tensor, plan: AttentionPlan, tail: int) -> torch.Tensor:
