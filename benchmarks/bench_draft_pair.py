@@ -63,11 +63,11 @@ def run_pair(target_name: str, draft_name: str, prompts, args) -> str:
              "| method | tokens/s | speedup vs mtpctl plain (p10-p90) | tau | acceptance | same tokens as mtpctl plain |",
              "|---|---:|---:|---:|---:|---|"]
     for name, run in runs.items():
-        if run.failed:
-            lines.append(f"| {name} | failed after {len(run.results)} of {len(encoded)} prompts: {run.failed} "
+        s = summarize(run, runs["mtpctl plain"] if name != "mtpctl plain" else None)
+        if s.get("failed"):
+            lines.append(f"| {name} | failed after {s['runs']} of {len(encoded)} prompts: {s['failed']} "
                          "| - | - | - | - |")
             continue
-        s = summarize(run, runs["mtpctl plain"] if name != "mtpctl plain" else None)
         speed = "1.00 (baseline)" if name == "mtpctl plain" else \
             f"{s['speedup']:.2f} ({s['speedup_p10']:.2f}-{s['speedup_p90']:.2f})"
         same = "-" if name == "mtpctl plain" else f"{s['same_as_plain']}/{s['runs']}"

@@ -67,8 +67,10 @@ REPORTED = "reported"
 
 def status(passed) -> str:
     """A row's result in words: ok, FAILED, skipped (None) or reported."""
-    if passed is None or passed == REPORTED:
-        return "skipped" if passed is None else REPORTED
+    if passed is None:
+        return "skipped"
+    if passed == REPORTED:
+        return REPORTED
     return "ok" if passed else "FAILED"
 
 
@@ -172,15 +174,22 @@ def checkpoint(args, work: Path, on_gpu: bool) -> Path:
     """The model folder to check: ``--model``, else a synthetic one written under ``work`` with
     ``--tokenizer-from``'s tokenizer (rewritten when its config differs from :func:`shape`'s)."""
     from mtpctl.model.sources import resolve_model
-    from mtpctl.model.synthetic import write_synthetic_checkpoint
 
     if args.model:
         return resolve_model(args.model)
-    config, out = shape(args, on_gpu), work / "model"
-    tokenizer = resolve_model(args.tokenizer_from)
+    return synthetic(shape(args, on_gpu), work / "model", args.tokenizer_from, shards=2)
+
+
+def synthetic(config: dict, out: Path, tokenizer_from: str, shards: int) -> Path:
+    """A synthetic checkpoint of ``config`` at ``out`` with ``tokenizer_from``'s tokenizer: the one there
+    when its config is this one, else written (again)."""
+    from mtpctl.model.sources import resolve_model
+    from mtpctl.model.synthetic import write_synthetic_checkpoint
+
     if not (out / "config.json").exists() or json.loads((out / "config.json").read_text(encoding="utf-8")) != config:
         start = time.perf_counter()
-        write_synthetic_checkpoint(out, config, shards=2, seed=0, tokenizer_from=tokenizer, overwrite=True)
+        write_synthetic_checkpoint(out, config, shards=shards, seed=0, tokenizer_from=resolve_model(tokenizer_from),
+                                   overwrite=True)
         print(f"gpu_check: wrote {out} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return out
 
@@ -289,18 +298,12 @@ def bound_session(args, work: Path, session, on_gpu: bool):
     """The session the bound row times: ``--bound-shape``'s synthetic checkpoint (default on a GPU:
     Llama-3.1-8B's shapes), or the checked one with ``--bound-shape session`` and on the CPU."""
     from mtpctl.backends.torch import TorchSession
-    from mtpctl.model.sources import resolve_model
-    from mtpctl.model.synthetic import write_synthetic_checkpoint
 
     shape_file = args.bound_shape or (str(BOUND_SHAPE) if on_gpu else "session")
     if shape_file == "session":
         return session
-    config, out = json.loads(Path(shape_file).read_text(encoding="utf-8")), work / "bound-model"
-    if not (out / "config.json").exists() or json.loads((out / "config.json").read_text(encoding="utf-8")) != config:
-        start = time.perf_counter()
-        write_synthetic_checkpoint(out, config, shards=4, seed=0, tokenizer_from=resolve_model(args.tokenizer_from),
-                                   overwrite=True)
-        print(f"gpu_check: wrote {out} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    config = json.loads(Path(shape_file).read_text(encoding="utf-8"))
+    out = synthetic(config, work / "bound-model", args.tokenizer_from, shards=4)
     return TorchSession(out, "bfloat16", device=str(session.model.device), kernels="torch")
 
 
