@@ -4,12 +4,12 @@ On a machine whose torch sees a CUDA GPU it
 1. writes a synthetic checkpoint (``--shape``, random bfloat16 weights, a real tokenizer) unless
    ``--model`` names one;
 2. trains EAGLE-3 heads on the device, self-distilled on one prompt file (``mtpctl add-heads``);
-3. decodes plain, with prompt lookup and with lookahead on the device, alone and as one batch, and
-   with the heads (heads, heads+ngram), checking every greedy output against plain greedy (token
-   for token);
-4. times plain decoding's step against the memory-bandwidth bound (the weight bytes a step reads
-   over the copy bandwidth measured on the device) on an 8B-shaped checkpoint (``--bound-shape``):
-   within 2x passes;
+3. decodes plain (its decode steps also replayed as CUDA graphs: ``cuda_graphs=True``), with prompt
+   lookup and with lookahead on the device, alone and as one batch, and with the heads (heads,
+   heads+ngram), checking every greedy output against plain greedy (token for token);
+4. times plain decoding's step, eager and replayed as CUDA graphs, against the memory-bandwidth
+   bound (the weight bytes a step reads over the copy bandwidth measured on the device) on an
+   8B-shaped checkpoint (``--bound-shape``): within 2x passes;
 5. runs ``mtpctl bench`` on the device;
 6. builds and runs a TensorRT engine where the tensorrt package is installed (else says why not).
 Without a GPU (or with ``--device cpu``) it checks the same decoding on the CPU's pure-torch path
@@ -225,11 +225,33 @@ def drafter_check(session, table: Table, spec: str, heads: Optional[Path], base:
     table.add(f"{spec}, batch of {len(ids)}", same == len(ids), same_as_plain=f"{same}/{len(ids)}")
 
 
-def decode_checks(session, table: Table, heads: Optional[Path], new: int) -> None:
-    """Plain greedy per prompt, then each drafter alone and as one batch (each drafter its own rows)."""
+def graphs_check(session, table: Table, base: tuple, new: int) -> None:
+    """Plain greedy with its decode steps replayed as CUDA graphs (a second session on the same
+    checkpoint, ``cuda_graphs=True``): each prompt's tokens those of the eager steps, and its speed."""
+    from mtpctl.backends.torch import TorchSession
+
+    ids, plain, plain_speed = base
+    graphs = TorchSession(session.folder, "bfloat16", device=str(session.model.device), kernels="torch",
+                          cuda_graphs=True)
+    graphs.generate(ids[0], 4)  # warm-up
+    start = time.perf_counter()
+    got = [graphs.generate(i, new) for i in ids]
+    speed = sum(len(r.token_ids) for r in got) / (time.perf_counter() - start)
+    same = sum(g.token_ids == p.token_ids for g, p in zip(got, plain))
+    table.add("plain greedy, CUDA graphs", same == len(ids), same_as_eager=f"{same}/{len(ids)}",
+              tokens_per_s=round(speed, 1), speedup=round(speed / plain_speed, 2))
+
+
+def decode_checks(session, table: Table, heads: Optional[Path], new: int, on_gpu: bool) -> None:
+    """Plain greedy per prompt (on a GPU also replayed as CUDA graphs), then each drafter alone and as one
+    batch (each drafter its own rows)."""
     base = step(table, "plain greedy", plain_check, session, table, new)
     if base is None:
         return
+    if on_gpu:
+        step(table, "plain greedy, CUDA graphs", graphs_check, session, table, base, new)
+    else:
+        table.add("plain greedy, CUDA graphs", None, why="CUDA graphs need a CUDA device")
     for spec in ["ngram", "lookahead"] + (["heads", "heads+ngram"] if heads else []):
         step(table, spec, drafter_check, session, table, spec, heads, base, new)
 
@@ -260,22 +282,29 @@ def step_bytes(model) -> int:
     return model.weight_bytes - embed
 
 
-def bound_check(session, table: Table, new: int, on_gpu: bool) -> None:
-    """Plain greedy decoding's step time against the memory-bandwidth bound: the weight bytes a step
-    reads over the copy bandwidth measured on the device. On a GPU the row passes within 2x of the bound
-    (issue 48's goal, an 8B-shaped checkpoint); on the CPU's pure-torch path it only reports."""
+def plain_step_ms(session, new: int) -> float:
+    """Plain greedy's decode step on one prompt, ms: the best of three runs after a warm-up."""
     ids = session.encode(PROMPTS[1])
     session.generate(ids, 4)  # warm-up
     runs = [session.generate(ids, new) for _ in range(3)]
     steps = [(r.stats.total_ms - r.stats.ttft_ms) / (len(r.token_ids) - 1) for r in runs if len(r.token_ids) > 1]
     if not steps:
         raise ValueError("plain greedy stopped after one token: no decode step to time")
-    step_ms = min(steps)
+    return min(steps)
+
+
+def bound_check(session, table: Table, new: int, on_gpu: bool, graphs: bool = False) -> None:
+    """Plain greedy decoding's step time against the memory-bandwidth bound: the weight bytes a step
+    reads over the copy bandwidth measured on the device. On a GPU the row passes within 2x of the bound
+    (issue 48's goal, an 8B-shaped checkpoint); on the CPU's pure-torch path it only reports. ``graphs``:
+    the session replays its steps as CUDA graphs (the row says so)."""
+    step_ms = plain_step_ms(session, new)
     device = session.model.device
     bandwidth = copy_bandwidth(device, 1024 if on_gpu else 256)
     read = step_bytes(session.model)
     bound_ms = read / bandwidth * 1e3
-    table.add("plain step against the bandwidth bound", step_ms <= 2 * bound_ms if on_gpu else REPORTED,
+    check = "plain step against the bandwidth bound" + (", CUDA graphs" if graphs else "")
+    table.add(check, step_ms <= 2 * bound_ms if on_gpu else REPORTED,
               step_ms=float(f"{step_ms:.4g}"), bound_ms=float(f"{bound_ms:.4g}"), ratio=round(step_ms / bound_ms, 2),
               read_gib=round(read / 2**30, 3), copy_bandwidth_gb_s=round(bandwidth / 1e9, 1),
               layers=session.model.cfg.num_hidden_layers,
@@ -294,17 +323,32 @@ def free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def bound_session(args, work: Path, session, on_gpu: bool):
+def bound_session(args, work: Path, session, on_gpu: bool, graphs: bool = False):
     """The session the bound row times: ``--bound-shape``'s synthetic checkpoint (default on a GPU:
-    Llama-3.1-8B's shapes), or the checked one with ``--bound-shape session`` and on the CPU."""
+    Llama-3.1-8B's shapes), or the checked one with ``--bound-shape session`` and on the CPU; with
+    ``graphs`` a new session on it that replays its steps as CUDA graphs."""
     from mtpctl.backends.torch import TorchSession
 
     shape_file = args.bound_shape or (str(BOUND_SHAPE) if on_gpu else "session")
-    if shape_file == "session":
+    if shape_file == "session" and not graphs:
         return session
-    config = json.loads(Path(shape_file).read_text(encoding="utf-8"))
-    out = synthetic(config, work / "bound-model", args.tokenizer_from, shards=4)
-    return TorchSession(out, "bfloat16", device=str(session.model.device), kernels="torch")
+    out = session.folder if shape_file == "session" else \
+        synthetic(json.loads(Path(shape_file).read_text(encoding="utf-8")), work / "bound-model", args.tokenizer_from,
+                  shards=4)
+    return TorchSession(out, "bfloat16", device=str(session.model.device), kernels="torch", cuda_graphs=graphs)
+
+
+def bound_checks(args, work: Path, session, table: Table, new: int, on_gpu: bool) -> None:
+    """The bound row with eager steps, then (on a GPU) with CUDA graphs, each on its own session whose
+    weights leave the device before the next one loads."""
+    for graphs in (False, True) if on_gpu else (False,):
+        check = "plain step against the bandwidth bound" + (", CUDA graphs" if graphs else "")
+        timed = step(table, check, bound_session, args, work, session, on_gpu, graphs)
+        if timed is not None:
+            step(table, check, bound_check, timed, table, new, on_gpu, graphs)
+            if timed is not session:
+                del timed
+                free_device_memory()
 
 
 def run(table: Table, check: str, command: List[str], timeout: int) -> Optional[subprocess.CompletedProcess]:
@@ -437,13 +481,8 @@ def check(args, table: Table, device, work: Path) -> None:
         if full else None
     new = args.max_new_tokens or (64 if on_gpu else 24)
     if session is not None:
-        decode_checks(session, table, heads, new)
-        timed = step(table, "plain step against the bandwidth bound", bound_session, args, work, session, on_gpu)
-        if timed is not None:
-            step(table, "plain step against the bandwidth bound", bound_check, timed, table, new, on_gpu)
-            if timed is not session:  # its weights leave the device before the next steps
-                del timed
-                free_device_memory()
+        decode_checks(session, table, heads, new, on_gpu)
+        bound_checks(args, work, session, table, new, on_gpu)
     if full:
         step(table, "bench", bench, model, heads, name, table, new, 180 if on_gpu else 600)
         step(table, "TensorRT engine", tensorrt, model, work, table, 240)

@@ -112,7 +112,7 @@ def load(model: str = DEFAULTS.model, speculate: str = DEFAULTS.speculate, heads
          backend: str = DEFAULTS.backend, dtype: str = DEFAULTS.dtype, weights: str = DEFAULTS.weights,
          threads: Optional[int] = DEFAULTS.threads, device: str = DEFAULTS.device, kernels: str = DEFAULTS.kernels,
          sampling: SamplingParams = _SAMPLING, speculate_policy: str = DEFAULTS.speculate_policy,
-         acceptance: str = DEFAULTS.acceptance, **drafter_settings) -> LLM:
+         acceptance: str = DEFAULTS.acceptance, cuda_graphs: bool = DEFAULTS.cuda_graphs, **drafter_settings) -> LLM:
     """Load ``model`` (an alias, checkpoint folder, .gguf file or hub id; an ``mtpctl export`` folder
     for the ``onnxruntime`` and ``tensorrt`` backends) and the drafter ``speculate`` names
     (``none``, ``ngram``, ``heads``, ``retrieval``, ``suffix``, ``draft``, ``lookahead``, or several joined by
@@ -128,6 +128,7 @@ def load(model: str = DEFAULTS.model, speculate: str = DEFAULTS.speculate, heads
         speculate_policy: ``auto`` (a request drafts while its drafts are expected to pay, by the
             measured pass costs) or ``always`` (the drafter's whole budget every step).
         acceptance: ``exact`` (lossless) or ``typical`` (Medusa's typical acceptance when sampling).
+        cuda_graphs: replay plain decode steps as CUDA graphs (``device="cuda"``, a dense model).
         drafter_settings: the other drafter settings, by their :class:`~mtpctl.drafters.build.DraftOptions`
             names (``tree_nodes``, ``draft_len``, ``draft_model`` (``"self"`` or ``"self:0-11,20-29"``: the
             target's own layers), ``datastore``, ``lookahead`` (``(W, N, G)``), ...).
@@ -136,5 +137,5 @@ def load(model: str = DEFAULTS.model, speculate: str = DEFAULTS.speculate, heads
         BadInput, ModelNotFound, CorruptModel, UnsupportedModel: the model, heads or settings are unusable.
     """
     spec = PipelineSpec(model, backend, dtype, weights, threads, device, kernels, speculate,
-                        DraftOptions(heads_dir=heads, **drafter_settings), speculate_policy, acceptance)
+                        DraftOptions(heads_dir=heads, **drafter_settings), speculate_policy, acceptance, cuda_graphs)
     return LLM(assemble(spec, sampling))

@@ -132,3 +132,29 @@ def test_the_bound_row_counts_the_weights_a_step_reads_and_reports_on_the_cpu(ti
     assert row["ratio"] == pytest.approx(row["step_ms"] / row["bound_ms"], rel=0.02)
     assert abs(row["read_gib"] * 2**30 - gpu_check.step_bytes(model)) <= 2**30 * 0.0005
     assert gpu_check.copy_bandwidth(torch.device("cpu"), 8) > 1e8  # a CPU copies more than 100 MB/s
+
+
+def test_the_gpu_rows_of_cuda_graphs_run_on_a_virtual_gpu(tiny_folder, tmp_path, monkeypatch):
+    """The GPU half's CUDA-graph rows, run under the virtual CUDA device with the op tape for the graphs
+    (tests/virtual_cuda.py): plain greedy replayed gives the eager tokens (an ok row with its speed), and
+    the bound rows time the eager and the replayed session, each its own session."""
+    from types import SimpleNamespace
+
+    from mtpctl.backends import step_graphs
+    from mtpctl.backends.torch import TorchSession
+    from virtual_cuda import TapeCapture, virtual_cuda
+
+    with virtual_cuda() as mode:
+        monkeypatch.setattr(step_graphs, "CudaCapture", lambda: TapeCapture(mode))
+        session = TorchSession(tiny_folder, "bfloat16", device="cuda", kernels="torch")
+        table = gpu_check.Table()
+        base = gpu_check.plain_check(session, table, 20)
+        gpu_check.graphs_check(session, table, base, 20)
+        args = SimpleNamespace(bound_shape="session", tokenizer_from=None)
+        monkeypatch.setattr(gpu_check, "copy_bandwidth", lambda device, mib: 1e12)  # no copy timing on the tape
+        gpu_check.bound_checks(args, tmp_path, session, table, 8, on_gpu=True)
+    rows = {r["check"]: r for r in table.rows}
+    assert rows["plain greedy, CUDA graphs"]["same_as_eager"] == f"{len(gpu_check.PROMPTS)}/{len(gpu_check.PROMPTS)}"
+    assert rows["plain greedy, CUDA graphs"]["passed"] is True
+    assert rows["plain step against the bandwidth bound"]["step_ms"] > 0
+    assert rows["plain step against the bandwidth bound, CUDA graphs"]["step_ms"] > 0

@@ -171,7 +171,8 @@ class VirtualCuda(TorchFunctionMode):
                 if all(any(h is i for i in index) for h in host):
                     self._ev("h2d", f"host index tensor in {short}")
                 elif short in ("__setitem__", "copy_"):
-                    self._ev("h2d", f"host tensor copied in {short}")
+                    self._ev("h2d", f"host tensor copied in {short}"
+                                    + (" non_blocking" if kwargs.get("non_blocking") else ""))
                 elif short not in ("__set__", "_has_compatible_shallow_copy_type"):
                     self._ev("mixup", f"{short} of device and host tensors {[tuple(h.shape) for h in host][:3]}")
         out = func(*args, **kwargs)
@@ -245,3 +246,56 @@ def virtual_cuda():
     finally:
         for name, value in saved.items():
             setattr(torch.cuda, name, value)
+
+
+class _Tape(TorchFunctionMode):
+    """Records every torch call made inside it (the function, its arguments, what it returned)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.calls.append((func, args, kwargs, out))
+        return out
+
+
+def _into(recorded, new) -> None:
+    """A replayed call's result written where the recorded one lives (later calls read it there)."""
+    if isinstance(recorded, torch.Tensor) and isinstance(new, torch.Tensor):
+        same = (recorded.data_ptr() == new.data_ptr() and recorded.stride() == new.stride()
+                and recorded.shape == new.shape)
+        if not same:  # a view of what it was recorded from (or an in-place op's own tensor): nothing to copy
+            recorded.copy_(new)
+    elif isinstance(recorded, (list, tuple)) and isinstance(new, (list, tuple)):
+        for r, n in zip(recorded, new):
+            _into(r, n)
+
+
+class TapeCapture:
+    """A CUDA graph's stand-in for :class:`mtpctl.backends.step_graphs.StepGraphs`: capture runs the step
+    once, recording each torch call; a replay calls them again on the recorded tensors, each result
+    written into the tensor the recording returned, and runs no Python in between, as a graph
+    replays its kernels on fixed memory without the host code that launched them. A step that read a
+    value on the host, or sliced at a host int, that changes from step to step replays it stale and
+    computes the wrong token. ``mode``: the :class:`VirtualCuda` whose syncs and host-to-device copies
+    during a capture (which a real capture refuses) go to ``capture_events``."""
+
+    def __init__(self, mode: VirtualCuda):
+        self.mode = mode
+        self.capture_events: List[Event] = []
+
+    def __call__(self, step):
+        tape = _Tape()
+        seen = len(self.mode.events)
+        with tape:
+            out = step()
+        self.capture_events += self.mode.events[seen:]
+
+        def replay():
+            for func, args, kwargs, recorded in tape.calls:
+                _into(recorded, func(*args, **kwargs))
+
+        return replay, out

@@ -14,10 +14,12 @@ BACKENDS = ("torch", "onnxruntime", "tensorrt")
 
 
 def open_session(model: str, backend: str = "torch", dtype: str = "float32", weights: str = "dense",
-                 threads: Optional[int] = None, device: str = "auto", kernels: str = "auto") -> Session:
+                 threads: Optional[int] = None, device: str = "auto", kernels: str = "auto",
+                 cuda_graphs: bool = False) -> Session:
     """A session for ``model`` on ``backend``: a model (alias, folder, .gguf file, hub id) for
     ``torch``, an ``mtpctl export`` folder for the others. ``device`` and ``kernels`` place the torch
     backend (:func:`mtpctl.model.device.resolve_placement`); an exported graph's runtime picks its own.
+    ``cuda_graphs``: the torch backend replays plain decode steps as CUDA graphs (a CUDA device).
 
     Raises:
         BadInput: an unknown backend, an exported backend with a dtype or weights other than
@@ -32,11 +34,14 @@ def open_session(model: str, backend: str = "torch", dtype: str = "float32", wei
         from mtpctl.backends.torch import TorchSession
         from mtpctl.model.sources import resolve_model
 
-        return TorchSession(resolve_model(model), dtype, weights, device, kernels)
+        return TorchSession(resolve_model(model), dtype, weights, device, kernels, cuda_graphs)
     for setting, value in (("device", device), ("kernels", kernels)):
         if value != "auto":
             raise BadInput(f"the {backend} backend places the exported graph itself: {setting} takes auto there "
                            f"(not {value!r})", option=setting)
+    if cuda_graphs:
+        raise BadInput(f"CUDA graphs replay the torch backend's decode steps; the {backend} backend runs its own "
+                       "graph", option="cuda_graphs")
     if dtype != "float32" or weights != "dense":
         raise BadInput(f"the {backend} backend runs the exported float32 graph: its dtype and weights are "
                        "float32 and dense", option="dtype" if dtype != "float32" else "weights")

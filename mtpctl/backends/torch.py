@@ -11,6 +11,7 @@ import torch
 
 from mtpctl.decode.attention import (TAIL, attention_masks, pass_plans, plans_on, prefill_plan, to_device,
                                      tree_shape)
+from mtpctl.backends.step_graphs import StepGraphs
 from mtpctl.decode.engine import StepOutput
 from mtpctl.decode.session import Session
 from mtpctl.decode.tree import DraftTree
@@ -185,9 +186,12 @@ class TorchEngine:
             which runs).
         aux_layers: layer ids whose residual stream each pass's output also carries
             (``aux_hidden_states``, for EAGLE-3 drafters; see :meth:`Decoder.forward`).
+        cuda_graphs: replay one-token decode passes (without aux layers) as CUDA graphs
+            (:class:`~mtpctl.backends.step_graphs.StepGraphs`: a dense body on a GPU's pure-torch path).
     """
 
-    def __init__(self, model: Decoder, capacity: int, native: Optional[bool] = None, aux_layers: Sequence[int] = ()):
+    def __init__(self, model: Decoder, capacity: int, native: Optional[bool] = None, aux_layers: Sequence[int] = (),
+                 cuda_graphs: bool = False):
         self.model = model
         self.aux_layers = tuple(aux_layers)
         cfg = model.cfg
@@ -200,6 +204,7 @@ class TorchEngine:
                              f"heads, or the model is on {model.device}")
         # a lone token reads its tail in place (TAIL spare slots); the native kernels take a bfloat16 cache
         self.cache = model.new_cache(capacity, spare=TAIL, compact=self.native)
+        self.graphs = StepGraphs(model, self.cache) if cuda_graphs else None
 
     @property
     def length(self) -> int:
@@ -327,8 +332,13 @@ def verify_packed(engines: Sequence[TorchEngine], trees: Sequence[DraftTree]) ->
     if any(e.model is not model or e.native != native or e.aux_layers != aux_layers for e in engines):
         raise ValueError("engines verified together must share one model, one attention path and their aux layers")
     shapes = [(e.length,) + tree_shape(t) for e, t in zip(engines, trees)]
-    slots = PassSlots([e.cache for e in engines], [t.rows for t in trees], [t.parents for t in trees])
     plans = pass_plans(model.cfg.layer_windows, native, shapes)
+    if len(engines) == 1 and engines[0].graphs is not None and trees[0].rows == 1 and not aux_layers:
+        with torch.inference_mode():
+            hidden = engines[0].graphs.run(trees[0].pass_tokens[0], engines[0].length, plans)
+        if hidden is not None:  # a plain decode step, replayed (mtpctl.backends.step_graphs)
+            return [TorchStepOutput(PassLogits(model, hidden), 0, 1)]
+    slots = PassSlots([e.cache for e in engines], [t.rows for t in trees], [t.parents for t in trees])
     if native:
         for plan in plans.values():
             check_plan(plan, slots.kv)
@@ -368,6 +378,9 @@ class TorchSession(Session):
         kernels: ``"auto"`` (native on the CPU, torch elsewhere), ``"native"`` (the C kernels: CPU only)
             or ``"torch"`` (the pure-torch path, on any device: torch's attention ops and its matmuls in
             fixed-shape row blocks, :mod:`mtpctl.model.device`).
+        cuda_graphs: replay plain decode steps as CUDA graphs (:mod:`mtpctl.backends.step_graphs`): a
+            dense body on a CUDA device's pure-torch path. Off by default until a GPU run has checked it
+            (``benchmarks/gpu_check.sh`` compares its tokens and speed with the eager steps').
 
     Raises:
         BadInput: see :func:`mtpctl.model.device.resolve_placement`.
@@ -379,7 +392,7 @@ class TorchSession(Session):
     extra_rows = True  # a pass carries a tree's extra rows (lookahead's window) after its nodes
 
     def __init__(self, folder: Path, dtype: str = "float32", weights: str = "dense", device: str = "cpu",
-                 kernels: str = "auto"):
+                 kernels: str = "auto", cuda_graphs: bool = False):
         if dtype not in DTYPES:
             raise UnsupportedModel(f"dtype {dtype!r} is not supported (choose from {', '.join(DTYPES)})", option="dtype")
         if weights not in WEIGHTS:
@@ -398,6 +411,11 @@ class TorchSession(Session):
                                          native_int4=None if native else False, device=self.placement.device)
         if not native:
             self.model.hold_fixed_rows(self.placement.rows, device_path=self.placement.device.type != "cpu")
+        if cuda_graphs and (self.placement.device.type != "cuda" or self.model.pass_block is None):
+            raise UnsupportedModel(f"CUDA graphs replay the decode steps of a dense body on a CUDA device's torch "
+                                   f"kernels, not {self.placement.describe()} with {self.model.cfg.model_type}'s "
+                                   "body: run on a CUDA device, or without CUDA graphs", option="cuda_graphs")
+        self.cuda_graphs = cuda_graphs
         if weights == "int4" and not self.model.packed_weights:
             candidates = int4_paths(self.model.dtype, None if native else False)
             if int4_path(self.model.dtype, None if native else False) is None:
@@ -421,7 +439,8 @@ class TorchSession(Session):
         return self.model.weight_bytes
 
     def new_engine(self, capacity: int, aux_layers: Sequence[int] = ()) -> TorchEngine:
-        return TorchEngine(self.model, capacity, native=None if self.placement.native else False, aux_layers=aux_layers)
+        return TorchEngine(self.model, capacity, native=None if self.placement.native else False, aux_layers=aux_layers,
+                           cuda_graphs=self.cuda_graphs)
 
     def verify_together(self, engines: Sequence[TorchEngine], trees: Sequence[DraftTree]) -> List[TorchStepOutput]:
         """Every engine's draft tree in one packed pass (:func:`verify_packed`)."""

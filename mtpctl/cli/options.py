@@ -132,7 +132,8 @@ def device_options(f):
 
 
 def model_options(f):
-    """``--model``, ``--backend``, ``--dtype``, ``--weights``, ``--threads``, ``--device``, ``--kernels``."""
+    """``--model``, ``--backend``, ``--dtype``, ``--weights``, ``--threads``, ``--cuda-graphs``, ``--device``,
+    ``--kernels``."""
     return device_options(_apply([
         click.option("-m", "--model", default=DEFAULTS.model, show_default=True,
                      help="Alias, checkpoint folder, .gguf file or hub repo id (an export folder for an exported "
@@ -147,6 +148,9 @@ def model_options(f):
                      help="int4: keep GGUF Q4_1/Q8_0 weights packed for the int4 kernels (needs --dtype bfloat16)."),
         click.option("--threads", type=click.IntRange(min=1), default=DEFAULTS.threads,
                      help="CPU threads (default: torch's)."),
+        click.option("--cuda-graphs", is_flag=True, default=DEFAULTS.cuda_graphs,
+                     help="Replay plain decode steps as CUDA graphs (--device cuda, --kernels torch, a dense model): "
+                          "one launch a step instead of a few hundred. Not yet measured on a GPU."),
     ])(f))
 
 
@@ -256,7 +260,7 @@ def draft_options_from(options: dict) -> DraftOptions:
 
 #: the settings of :class:`PipelineSpec` that the CLI's shared options set, by the same names
 SPEC_OPTIONS = ("model", "backend", "dtype", "weights", "threads", "device", "kernels", "speculate_policy",
-                "acceptance")
+                "acceptance", "cuda_graphs")
 
 
 def pipeline_spec_from(options: dict, speculate: str = DEFAULTS.speculate) -> PipelineSpec:

@@ -52,6 +52,8 @@ class PipelineSpec:
         speculate_policy: ``auto`` (each request drafts while its drafts are expected to pay, by the
             measured pass costs) or ``always`` (the whole budget every step).
         acceptance: ``exact`` (lossless) or ``typical`` (Medusa's typical acceptance when sampling).
+        cuda_graphs: replay plain decode steps as CUDA graphs (the torch backend on a CUDA device,
+            :mod:`mtpctl.backends.step_graphs`).
     """
 
     model: str = DEFAULT_MODEL
@@ -65,6 +67,7 @@ class PipelineSpec:
     draft: DraftOptions = field(default_factory=DraftOptions)
     speculate_policy: str = "auto"
     acceptance: str = "exact"
+    cuda_graphs: bool = False
 
 
 #: the defaults, read by the library's signatures and the CLI's options
@@ -99,7 +102,8 @@ def open_target(spec: PipelineSpec) -> Session:
         BadInput, ModelNotFound, CorruptModel, UnsupportedModel: see :func:`mtpctl.backends.open_session`.
     """
     set_threads(spec.threads)
-    return open_session(spec.model, spec.backend, spec.dtype, spec.weights, spec.threads, spec.device, spec.kernels)
+    return open_session(spec.model, spec.backend, spec.dtype, spec.weights, spec.threads, spec.device, spec.kernels,
+                        spec.cuda_graphs)
 
 
 @dataclass

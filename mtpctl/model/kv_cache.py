@@ -70,6 +70,13 @@ class KVCache:
         self.v[layer, :, :, self.length:end] = v_new
         return self.k[layer], self.v[layer]
 
+    def write_at(self, layer: int, slots: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Store ``k_new``/``v_new`` ``[batch, kv_heads, N, head_dim]`` at ``slots`` ``[N]`` (long, where the
+        cache is) of ``layer``: :meth:`write` with the slots read on the device, not from :attr:`length`, so
+        that a captured decode step (:mod:`mtpctl.backends.step_graphs`) writes where its replay says."""
+        self.k[layer].index_copy_(2, slots, k_new.to(self.k.dtype))
+        self.v[layer].index_copy_(2, slots, v_new.to(self.v.dtype))
+
     def layer_for_write(self, layer: int, n: int):
         """Views ``[batch, kv_heads, capacity + spare, head_dim]`` of ``layer``'s keys and values for a
         pass of ``n`` new tokens that a kernel writes itself to slots ``[length, length+n)``
@@ -212,6 +219,9 @@ class PassSlots:
             verify pass: a hybrid model's Gated DeltaNet layers compute each node from its parent's
             state and stage every node's; None for a prefill pass (each sequence's tokens a chain, only
             the last token's state staged).
+        at: ``[N]`` long on the caches' device, the slots the tokens' keys and values go to, read on the
+            device (:meth:`KVCache.write_at`: a captured decode step, one sequence); None: from each
+            cache's length.
 
     Raises:
         ValueError: caches and counts of different lengths, caches of different dtypes, or a sequence
@@ -219,15 +229,18 @@ class PassSlots:
     """
 
     def __init__(self, caches: Sequence[KVCache], counts: Sequence[int],
-                 parents: Optional[Sequence[Sequence[int]]] = None):
+                 parents: Optional[Sequence[Sequence[int]]] = None, at: Optional[torch.Tensor] = None):
         if len(caches) != len(counts) or not caches:
             raise ValueError(f"{len(caches)} caches for {len(counts)} sequences")
+        if at is not None and len(caches) != 1:
+            raise ValueError(f"slots read on the device are for one sequence, not {len(caches)}")
         for cache, n in zip(caches, counts):
             if cache.length + n > cache.capacity:
                 raise ValueError(f"KV cache overflow: {cache.length + n} slots needed, {cache.capacity} allocated")
         if len({c.k.dtype for c in caches}) != 1:
             raise ValueError("the caches of one pass must share a dtype")
         self.caches = list(caches)
+        self.at = at
         self.parents = None if parents is None else [list(p) for p in parents]
         self.kv_bf16 = caches[0].k.dtype == torch.bfloat16
         self.counts = [int(n) for n in counts]
@@ -244,5 +257,8 @@ class PassSlots:
 
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Store ``k_new``/``v_new`` ``[1, kv_heads, N, head_dim]``, each sequence's rows in its own cache."""
+        if self.at is not None:
+            self.caches[0].write_at(layer, self.at, k_new, v_new)
+            return
         for cache, start, n in zip(self.caches, self.starts, self.counts):
             cache.write(layer, k_new[:, :, start:start + n], v_new[:, :, start:start + n])

@@ -1,0 +1,95 @@
+"""Plain decode steps replayed as CUDA graphs (mtpctl.backends.step_graphs), checked on the CPU under the
+virtual CUDA device with an op tape standing in for the graph (tests/virtual_cuda.py ``TapeCapture``:
+a replay reruns the recorded torch calls on the recorded tensors and no Python between them, so a step
+that depends on a host value that changes from step to step replays it stale)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mtpctl.backends import step_graphs
+from mtpctl.backends import torch as torch_backend
+from mtpctl.decode.attention import HEAD_BLOCK
+from mtpctl.errors import UnsupportedModel
+from virtual_cuda import TapeCapture, virtual_cuda
+
+NEW_TOKENS = 40  # past two head lengths after the prompt: three graphs
+
+
+def _graph_session(folder, monkeypatch, mode, dtype="float32"):
+    tape = TapeCapture(mode)
+    monkeypatch.setattr(step_graphs, "CudaCapture", lambda: tape)
+    return torch_backend.TorchSession(folder, dtype, device="cuda", kernels="torch", cuda_graphs=True), tape
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_replayed_steps_give_the_eager_steps_tokens(tiny_folder, monkeypatch, dtype):
+    """Plain greedy with its decode steps replayed from one graph per head length gives the eager steps'
+    tokens, over prompts whose steps cross head lengths; a capture neither syncs nor copies to the device,
+    and each step brings only its token's id to the host."""
+    with virtual_cuda() as mode:
+        eager = torch_backend.TorchSession(tiny_folder, dtype, device="cuda", kernels="torch")
+        graphs, tape = _graph_session(tiny_folder, monkeypatch, mode, dtype)
+        prompts = [graphs.encode(text) for text in ("count: 1 2 3 1 2 3", "a", "the quick brown fox jumps")]
+        want = [eager.generate(p, NEW_TOKENS).token_ids for p in prompts]
+        engines = []
+        new_engine = graphs.new_engine
+        monkeypatch.setattr(graphs, "new_engine", lambda *a, **k: engines.append(new_engine(*a, **k)) or engines[-1])
+        mode.events.clear()
+        got = [graphs.generate(p, NEW_TOKENS).token_ids for p in prompts]
+    assert got == want
+    for prompt, engine in zip(prompts, engines):
+        steps = NEW_TOKENS - 1
+        heads = {max(0, (p - HEAD_BLOCK) // HEAD_BLOCK) for p in range(len(prompt), len(prompt) + steps)}
+        assert engine.graphs.captures == len(heads) and engine.graphs.replays == steps - len(heads)
+    assert not [e for e in tape.capture_events if e.kind in ("sync", "h2d", "mixup")], tape.capture_events
+    syncs = [e for e in mode.events if e.kind == "sync"]
+    assert all(e.detail == "int64[1]" for e in syncs), {e.detail for e in syncs}
+    assert not [e for e in mode.events if e.kind == "mixup"]
+    copies = {e.what for e in mode.events if e.kind == "h2d" and "step_graphs" in e.site}
+    assert copies == {"host tensor copied in copy_ non_blocking"}, copies  # the buffers' fills
+
+
+def test_a_step_that_reads_the_cache_length_on_the_host_replays_stale(tiny_folder, monkeypatch):
+    """The tape catches what a graph would freeze: with the key and value written at the cache's host
+    length (the eager write) instead of the device slot, the replays overwrite the captured step's slot
+    and the tokens leave plain's."""
+    from mtpctl.model.kv_cache import PassSlots
+
+    with virtual_cuda() as mode:
+        eager = torch_backend.TorchSession(tiny_folder, "float32", device="cuda", kernels="torch")
+        graphs, _ = _graph_session(tiny_folder, monkeypatch, mode)
+        prompt = graphs.encode("count: 1 2 3 1 2 3")
+        want = eager.generate(prompt, NEW_TOKENS).token_ids
+        write = PassSlots.write
+
+        def host_length_write(self, layer, k_new, v_new):
+            self.at = None
+            return write(self, layer, k_new, v_new)
+
+        monkeypatch.setattr(PassSlots, "write", host_length_write)
+        got = graphs.generate(prompt, NEW_TOKENS).token_ids
+    assert got != want
+
+
+def test_speculation_beside_replayed_steps_equals_plain(tiny_folder, monkeypatch):
+    """ngram and lookahead with graphs on: their one-token passes replayed, their verify passes eager,
+    each request gives plain greedy's tokens."""
+    from mtpctl.drafters.build import DraftOptions, build, parse
+
+    with virtual_cuda() as mode:
+        eager = torch_backend.TorchSession(tiny_folder, "bfloat16", device="cuda", kernels="torch")
+        graphs, _ = _graph_session(tiny_folder, monkeypatch, mode, "bfloat16")
+        prompts = [graphs.encode(text) for text in ("count: 1 2 3 1 2 3 1 2 3", "abcabcabc abc")]
+        want = [eager.generate(p, NEW_TOKENS).token_ids for p in prompts]
+        for spec in ("ngram", "lookahead"):
+            drafter = build(graphs, parse(spec), DraftOptions())
+            assert [graphs.generate(p, NEW_TOKENS, drafter=drafter).token_ids for p in prompts] == want, spec
+    assert not [e for e in mode.events if e.kind == "mixup"]
+
+
+def test_cuda_graphs_refused_off_a_gpu_and_for_moe_bodies(tiny_folder, tmp_path):
+    """On the CPU, or for a body whose passes are not held to fixed blocks, one clear error."""
+    with pytest.raises(UnsupportedModel, match="CUDA graphs replay the decode steps of a dense body") as err:
+        torch_backend.TorchSession(tiny_folder, "float32", device="cpu", kernels="torch", cuda_graphs=True)
+    assert err.value.option == "cuda_graphs"
