@@ -50,6 +50,37 @@ def test_replayed_steps_give_the_eager_steps_tokens(tiny_folder, monkeypatch, dt
     assert copies == {"host tensor copied in copy_ non_blocking"}, copies  # the buffers' fills
 
 
+def test_a_replayed_step_launches_a_handful_of_kernels_from_the_host(tiny_folder, monkeypatch):
+    """What the host launches for a replayed plain step's pass (the buffers' fills, the graph, the hidden
+    state's copy: 6) against an eager pass's (28 a layer and the embedding, rotary tables and final
+    norm): the pass's cost on the host no longer grows with the layers (the lm_head, read after the
+    pass, is the same either way)."""
+    launches = {}
+    with virtual_cuda() as mode:
+        verify = torch_backend.verify_packed
+
+        def counted(*args, **kwargs):
+            with mode.counting() as ops:
+                out = verify(*args, **kwargs)
+            launches.setdefault(kwargs.get("label", args[0][0].graphs is not None), []).append(dict(ops))
+            return out
+
+        monkeypatch.setattr(torch_backend, "verify_packed", counted)
+        eager = torch_backend.TorchSession(tiny_folder, "float32", device="cuda", kernels="torch")
+        graphs, _ = _graph_session(tiny_folder, monkeypatch, mode)
+        prompt = graphs.encode("count: 1 2 3 1 2 3")
+        assert graphs.generate(prompt, NEW_TOKENS).token_ids == eager.generate(prompt, NEW_TOKENS).token_ids
+    stepped = launches[True]
+    assert len(stepped) == NEW_TOKENS - 1 and all(ops.get("graph replay") == 1 for ops in stepped)
+    recorded = sorted(stepped, key=lambda ops: sum(ops.values()))[-3:]  # a recording runs the step's kernels too
+    replayed = [ops for ops in stepped if ops not in recorded]
+    host = max(sum(ops.values()) for ops in replayed)
+    eager_step = min(sum(ops.values()) for ops in launches[False])
+    print("host launches of a replayed step", host, replayed[0], "of an eager step", eager_step)
+    assert host <= 6
+    assert eager_step >= 28 * graphs.model.cfg.num_hidden_layers
+
+
 def test_a_step_that_reads_the_cache_length_on_the_host_replays_stale(tiny_folder, monkeypatch):
     """The tape catches what a graph would freeze: with the key and value written at the cache's host
     length (the eager write) instead of the device slot, the replays overwrite the captured step's slot

@@ -281,7 +281,8 @@ class TapeCapture:
     replays its kernels on fixed memory without the host code that launched them. A step that read a
     value on the host, or sliced at a host int, that changes from step to step replays it stale and
     computes the wrong token. ``mode``: the :class:`VirtualCuda` whose syncs and host-to-device copies
-    during a capture (which a real capture refuses) go to ``capture_events``."""
+    during a capture (which a real capture refuses) go to ``capture_events``; while it counts, a replay
+    counts as one launch (``graph replay``), as a graph's launch is one call on the host."""
 
     def __init__(self, mode: VirtualCuda):
         self.mode = mode
@@ -295,7 +296,13 @@ class TapeCapture:
         self.capture_events += self.mode.events[seen:]
 
         def replay():
-            for func, args, kwargs, recorded in tape.calls:
-                _into(recorded, func(*args, **kwargs))
+            counting, self.mode.ops = self.mode.ops, None  # the host launches the graph, not its kernels
+            try:
+                for func, args, kwargs, recorded in tape.calls:
+                    _into(recorded, func(*args, **kwargs))
+            finally:
+                self.mode.ops = counting
+            if counting is not None:
+                counting["graph replay"] += 1
 
         return replay, out

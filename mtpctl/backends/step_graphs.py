@@ -125,7 +125,13 @@ class StepGraphs:
         """The hidden state ``[1, hidden]`` (a copy, after the final norm) of ``token`` at ``position``
         decoded after the cache's committed slots (its key and value written, uncommitted), from the
         graph of the plans' head length (recorded on first use); None where the host ``plans``
-        (:func:`~mtpctl.decode.attention.pass_plans`, not yet on the device) are not a graph's shape."""
+        (:func:`~mtpctl.decode.attention.pass_plans`, not yet on the device) are not a graph's shape.
+
+        Raises:
+            ValueError: the cache has no slot left for the token.
+        """
+        if self.cache.length + 1 > self.cache.capacity:
+            raise ValueError(f"KV cache overflow: {self.cache.length + 1} slots needed, {self.cache.capacity} allocated")
         head = graph_plan(plans)
         if head is None:
             return None
