@@ -119,8 +119,34 @@ def test_speculation_beside_replayed_steps_equals_plain(tiny_folder, monkeypatch
     assert not [e for e in mode.events if e.kind == "mixup"]
 
 
-def test_cuda_graphs_refused_off_a_gpu_and_for_moe_bodies(tiny_folder, tmp_path):
-    """On the CPU, or for a body whose passes are not held to fixed blocks, one clear error."""
-    with pytest.raises(UnsupportedModel, match="CUDA graphs replay the decode steps of a dense body") as err:
+def test_cuda_graphs_refused_off_a_gpu(tiny_folder, capsys):
+    """On the CPU: one clear error naming the flag (exit code 2); --json says whether graphs ran."""
+    import json
+
+    from helpers import cli
+
+    with pytest.raises(UnsupportedModel, match="CUDA graphs replay decode steps on a CUDA device, not cpu/torch") as err:
         torch_backend.TorchSession(tiny_folder, "float32", device="cpu", kernels="torch", cuda_graphs=True)
+    assert err.value.option == "cuda_graphs"
+    code, out, err_text = cli(capsys, "generate", "-m", tiny_folder, "--kernels", "torch", "--cuda-graphs",
+                              "--max-new-tokens", 4, "--no-chat", "abc")
+    assert code == 2 and out == "" and err_text.count("\n") == 1 and "(--cuda-graphs)" in err_text, err_text
+    code, out, _ = cli(capsys, "generate", "-m", tiny_folder, "--max-new-tokens", 4, "--no-chat", "--json", "abc")
+    assert code == 0 and json.loads(out)["cuda_graphs"] is False
+
+
+def test_cuda_graphs_refused_for_a_moe_body_on_a_virtual_gpu(tiny_folder, tmp_path):
+    """A body whose passes are not held to fixed blocks (MoE: routing decides its rows' experts on the
+    host) is refused at load, not decoded eagerly behind the user's back."""
+    from mtpctl.model.synthetic import write_synthetic_checkpoint
+
+    config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 512,
+              "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 4,
+              "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 16, "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+              "tie_word_embeddings": False, "decoder_sparse_step": 1, "norm_topk_prob": True}
+    folder = write_synthetic_checkpoint(tmp_path / "moe", config, tokenizer_from=tiny_folder)
+    with virtual_cuda():
+        with pytest.raises(UnsupportedModel, match="dense body; qwen3_moe's .* decodes eagerly") as err:
+            torch_backend.TorchSession(folder, "float32", device="cuda", kernels="torch", cuda_graphs=True)
     assert err.value.option == "cuda_graphs"

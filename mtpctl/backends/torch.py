@@ -411,10 +411,13 @@ class TorchSession(Session):
                                          native_int4=None if native else False, device=self.placement.device)
         if not native:
             self.model.hold_fixed_rows(self.placement.rows, device_path=self.placement.device.type != "cpu")
-        if cuda_graphs and (self.placement.device.type != "cuda" or self.model.pass_block is None):
-            raise UnsupportedModel(f"CUDA graphs replay the decode steps of a dense body on a CUDA device's torch "
-                                   f"kernels, not {self.placement.describe()} with {self.model.cfg.model_type}'s "
-                                   "body: run on a CUDA device, or without CUDA graphs", option="cuda_graphs")
+        if cuda_graphs and self.placement.device.type != "cuda":
+            raise UnsupportedModel(f"CUDA graphs replay decode steps on a CUDA device, not {self.placement.describe()}: "
+                                   "run on a CUDA device, or without CUDA graphs", option="cuda_graphs")
+        if cuda_graphs and self.model.pass_block is None:
+            raise UnsupportedModel(f"CUDA graphs replay the decode steps of a dense body; {self.model.cfg.model_type}'s "
+                                   "(mixture-of-experts, hybrid or latent attention) decodes eagerly: run it without "
+                                   "CUDA graphs", option="cuda_graphs")
         self.cuda_graphs = cuda_graphs
         if weights == "int4" and not self.model.packed_weights:
             candidates = int4_paths(self.model.dtype, None if native else False)

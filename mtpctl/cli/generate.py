@@ -244,6 +244,7 @@ def _settings(pipeline: Pipeline) -> dict:
             "int4_kernel": session.int4_kernel if torch_backend else None,
             "matmul_isa": session.matmul_isa if torch_backend else None,
             "device": session.device if torch_backend else None, "kernels": session.kernels if torch_backend else None,
+            "cuda_graphs": spec.cuda_graphs,
             "greedy_exactness": session.greedy_exactness if torch_backend else None,
         "device_numerics": session.device_numerics if torch_backend else None,
             "matmul_paths": session.matmul_paths if torch_backend else None,
