@@ -103,6 +103,32 @@ def test_a_step_that_reads_the_cache_length_on_the_host_replays_stale(tiny_folde
     assert got != want
 
 
+def test_graphs_outlive_the_rotary_tables_another_cache_grows(tmp_path, monkeypatch):
+    """Another engine with a longer cache grows the model's rotary tables mid-generation (reserve_rope
+    replaces them); the recorded graphs read the old tables' memory, so they keep them alive (the tape
+    holds what it read weakly, as a graph does, and a replay of a freed tensor raises) and the tokens stay
+    the eager steps'."""
+    from helpers import write_tiny_checkpoint
+    from mtpctl.decode.tree import DraftTree
+
+    folder = write_tiny_checkpoint(tmp_path / "long", max_position_embeddings=8192)
+    tokens = {}
+    with virtual_cuda() as mode:
+        eager = torch_backend.TorchSession(folder, "float32", device="cuda", kernels="torch")
+        graphs, _ = _graph_session(folder, monkeypatch, mode)
+        for name, session in (("eager", eager), ("graphs", graphs)):
+            engine, before = session.new_engine(300), session.model.rope_cos
+            out, tokens[name] = engine.prefill(list(range(40, 60))), []
+            for i in range(NEW_TOKENS):
+                if i == 5:
+                    session.new_engine(5000)  # the tables grow from 4096 positions to 8192
+                tokens[name].append(int(out[0].argmax()))
+                out = engine.verify(DraftTree(tokens[name][-1]))
+                engine.commit([0])
+            assert session.model.rope_cos is not before and session.model.rope_positions == 8192
+    assert tokens["graphs"] == tokens["eager"]
+
+
 def test_speculation_beside_replayed_steps_equals_plain(tiny_folder, monkeypatch):
     """ngram and lookahead with graphs on: their one-token passes replayed, their verify passes eager,
     each request gives plain greedy's tokens."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import sys
+import weakref
 from pathlib import Path
 from typing import List, NamedTuple
 
@@ -89,7 +90,7 @@ class VirtualCuda(TorchFunctionMode):
 
     def __init__(self):
         super().__init__()
-        self.keep: list = []  # tagged tensors stay alive, so their storages are not reused untagged
+        self.keep: list = []  # tagged tensors' storages stay alive, so they are not reused untagged
         self.ptrs: set = set()
         self.bytes: dict = {}  # storage pointer -> its bytes, for every tagged storage
         self.events: List[Event] = []
@@ -109,7 +110,7 @@ class VirtualCuda(TorchFunctionMode):
         for t in _flat(out, []):
             p = self._ptr(t)
             if p is not None:
-                self.keep.append(t)
+                self.keep.append(t.untyped_storage())  # the memory, not the tensor: a tensor may still die
                 self.ptrs.add(p)
                 self.bytes[p] = t.untyped_storage().nbytes()
         return out
@@ -248,18 +249,59 @@ def virtual_cuda():
             setattr(torch.cuda, name, value)
 
 
+class _Weak:
+    """A tensor the recording read but did not make, held weakly: a graph keeps no tensor alive."""
+
+    def __init__(self, t: torch.Tensor):
+        base = t._base if t._base is not None else t  # a view keeps its base alive: freed when the base dies
+        self.ref, self.base, self.what = weakref.ref(t), weakref.ref(base), _shape(t)
+        self.view = (t.shape, t.stride(), t.storage_offset())
+
+    def get(self) -> torch.Tensor:
+        t, base = self.ref(), self.base()
+        if t is None and base is not None:  # the view died, its memory did not: the graph reads it still
+            return base.as_strided(*self.view)
+        if t is None:
+            raise RuntimeError(f"a replay reads a {self.what} tensor freed since the capture (on a GPU its memory "
+                               "may hold another tensor's values by then)")
+        return t
+
+
 class _Tape(TorchFunctionMode):
-    """Records every torch call made inside it (the function, its arguments, what it returned)."""
+    """Records every torch call made inside it (the function, its arguments, what it returned); the
+    tensors it read that no recorded call made are held weakly (:class:`_Weak`)."""
 
     def __init__(self):
         super().__init__()
         self.calls: list = []
+        self.made: set = set()  # ids of the recorded calls' results (held by the recording)
+
+    def _hold(self, x):
+        if isinstance(x, torch.Tensor):
+            return x if id(x) in self.made else _Weak(x)
+        if isinstance(x, (list, tuple)):
+            return type(x)(self._hold(y) for y in x) if not hasattr(x, "_fields") else x
+        if isinstance(x, dict):
+            return {k: self._hold(v) for k, v in x.items()}
+        return x
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self.calls.append((func, args, kwargs, out))
+        self.calls.append((func, self._hold(args), self._hold(kwargs), out))
+        self.made.update(id(t) for t in _flat(out, []))
         return out
+
+
+def _resolve(x):
+    """A recorded argument with its weakly held tensors taken back."""
+    if isinstance(x, _Weak):
+        return x.get()
+    if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+        return type(x)(_resolve(y) for y in x)
+    if isinstance(x, dict):
+        return {k: _resolve(v) for k, v in x.items()}
+    return x
 
 
 def _into(recorded, new) -> None:
@@ -280,7 +322,8 @@ class TapeCapture:
     written into the tensor the recording returned, and runs no Python in between, as a graph
     replays its kernels on fixed memory without the host code that launched them. A step that read a
     value on the host, or sliced at a host int, that changes from step to step replays it stale and
-    computes the wrong token. ``mode``: the :class:`VirtualCuda` whose syncs and host-to-device copies
+    computes the wrong token; a replay that reads a tensor freed since the capture (the graph keeps
+    none alive) raises. ``mode``: the :class:`VirtualCuda` whose syncs and host-to-device copies
     during a capture (which a real capture refuses) go to ``capture_events``; while it counts, a replay
     counts as one launch (``graph replay``), as a graph's launch is one call on the host."""
 
@@ -299,7 +342,7 @@ class TapeCapture:
             counting, self.mode.ops = self.mode.ops, None  # the host launches the graph, not its kernels
             try:
                 for func, args, kwargs, recorded in tape.calls:
-                    _into(recorded, func(*args, **kwargs))
+                    _into(recorded, func(*_resolve(args), **_resolve(kwargs)))
             finally:
                 self.mode.ops = counting
             if counting is not None:

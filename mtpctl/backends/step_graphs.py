@@ -31,7 +31,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from mtpctl.model.decoder import AttentionGroup, AttentionPlan, Decoder
+from mtpctl.model.decoder import ROPE_TABLES, AttentionGroup, AttentionPlan, Decoder
 from mtpctl.model.kv_cache import KVCache, PassSlots
 
 
@@ -70,6 +70,10 @@ class _Step:
         biases: attention window -> ``[1, 1, 1, 1, head + TAIL]`` float32 score bias.
         replay: runs the recorded kernels.
         out: ``[1, hidden]`` the replays' hidden state (after the final norm).
+        tables: the model's rotary tables when the graph was recorded, kept alive: the graph reads their
+            memory, and :meth:`Decoder.reserve_rope` replaces (not extends) them when another cache
+            needs more positions, after which torch would hand their memory to other tensors. The
+            rows a graph reads (its cache's positions) are the same in the old and the new tables.
     """
 
     ids: torch.Tensor
@@ -79,6 +83,7 @@ class _Step:
     biases: Dict[Optional[int], torch.Tensor]
     replay: Callable[[], None] = None
     out: torch.Tensor = None
+    tables: Tuple[torch.Tensor, ...] = ()
 
 
 def graph_plan(plans: dict) -> Optional[int]:
@@ -140,6 +145,7 @@ class StepGraphs:
             step = self._steps[head] = self._new_step(plans)
         self._fill(step, token, position, plans)
         if step.replay is None:
+            step.tables = tuple(t for t in (getattr(self.model, name) for name in ROPE_TABLES) if t is not None)
             step.replay, step.out = self.capture(lambda: self._forward(step, head))
             self.captures += 1
         else:
