@@ -13,7 +13,7 @@ graph owns (:class:`_Step`):
 What stays fixed is the attention's split into head and tail (:class:`~mtpctl.model.decoder.AttentionPlan`):
 the head length is a function of the position that changes every ``HEAD_BLOCK`` positions
 (:func:`~mtpctl.decode.attention.head_length`), so one graph serves the steps of one head length and
-a new one is recorded when the head grows (16 steps a graph). The graph computes exactly the kernels
+a new one is recorded when the head grows (16 steps a graph; the two latest are kept). The graph computes exactly the kernels
 the eager step launches, on the same shapes, so a replayed step gives the eager step's bits, and
 speculation's verify passes (eager) still reproduce plain decoding.
 
@@ -36,24 +36,31 @@ from mtpctl.model.kv_cache import KVCache, PassSlots
 
 
 class CudaCapture:
-    """Records a step as a CUDA graph; the graphs of one engine share one memory pool."""
+    """Records a step as a CUDA graph on a stream of its own; the graphs of one engine share one memory
+    pool. ``CUDAGraph.capture_begin``/``capture_end`` directly rather than ``torch.cuda.graph``, whose
+    entry waits for the device and empties torch's device and pinned-memory caches at every capture
+    (every 16 steps here: the eager verify passes and the buffers' pinned copies would allocate anew)."""
 
     def __init__(self):
         self.pool = None
+        self.stream = None
 
     def __call__(self, step: Callable[[], torch.Tensor]) -> Tuple[Callable[[], None], torch.Tensor]:
-        """(replay, the output tensor the replays write) of ``step``: run once on a side stream (cuBLAS's
-        handles and workspaces, the allocator's blocks), then recorded."""
+        """(replay, the output tensor the replays write) of ``step``: run once eagerly (cuBLAS's handles
+        and workspaces for the new shapes, the allocator's blocks), then recorded, both on the capture
+        stream after the work queued before them."""
         if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
+            self.pool, self.stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+        self.stream.wait_stream(torch.cuda.current_stream())
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = step()
+        with torch.cuda.stream(self.stream):
+            step()
+            graph.capture_begin(pool=self.pool)
+            try:
+                out = step()
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(self.stream)
         return graph.replay, out
 
 
@@ -142,6 +149,8 @@ class StepGraphs:
             return None
         step = self._steps.get(head)
         if step is None:
+            for old in list(self._steps)[:-1]:  # a decode's positions only grow: keep the last graph but one
+                del self._steps[old]
             step = self._steps[head] = self._new_step(plans)
         self._fill(step, token, position, plans)
         if step.replay is None:
