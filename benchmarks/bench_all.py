@@ -161,8 +161,10 @@ SECTIONS = [
                        f"--threads {THREADS}"], tables_only=False),
     Section("gpu", "On a GPU: the pipeline's check",
             "`benchmarks/gpu_check.sh` on a CUDA machine: a synthetic Llama-3.2-1B-like checkpoint (bfloat16), "
-            "plain greedy and every drafter alone and batched against it (token for token), EAGLE-3 heads trained "
-            "on the device, plain decoding's step on Llama-3.1-8B's shapes against the memory-bandwidth bound (the "
+            "plain greedy (also with its steps replayed as CUDA graphs, `--cuda-graphs`) and every drafter alone "
+            "and batched against it (token for token), EAGLE-3 heads trained "
+            "on the device, plain decoding's step on Llama-3.1-8B's shapes, eager and as CUDA graphs, against the "
+            "memory-bandwidth bound (the "
             "weight bytes a step reads over the copy bandwidth measured on the card, printed beside it; within 2x "
             "passes), `mtpctl bench --profile` on the device (each phase timed after the GPU's queued work, the "
             "device's peak memory in the table), and a TensorRT engine where tensorrt is installed. It "
