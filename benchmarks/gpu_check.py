@@ -243,17 +243,18 @@ def graphs_check(session, table: Table, base: tuple, new: int) -> None:
 
 
 def decode_checks(session, table: Table, heads: Optional[Path], new: int, on_gpu: bool) -> None:
-    """Plain greedy per prompt (on a GPU also replayed as CUDA graphs), then each drafter alone and as one
-    batch (each drafter its own rows)."""
+    """Plain greedy per prompt, each drafter alone and as one batch (each drafter its own rows), then (on a
+    GPU) plain greedy replayed as CUDA graphs: last, so that a graph gone wrong on its first run costs no
+    other row of the decoding checks."""
     base = step(table, "plain greedy", plain_check, session, table, new)
     if base is None:
         return
+    for spec in ["ngram", "lookahead"] + (["heads", "heads+ngram"] if heads else []):
+        step(table, spec, drafter_check, session, table, spec, heads, base, new)
     if on_gpu:
         step(table, "plain greedy, CUDA graphs", graphs_check, session, table, base, new)
     else:
         table.add("plain greedy, CUDA graphs", None, why="CUDA graphs need a CUDA device")
-    for spec in ["ngram", "lookahead"] + (["heads", "heads+ngram"] if heads else []):
-        step(table, spec, drafter_check, session, table, spec, heads, base, new)
 
 
 def copy_bandwidth(device, mib: int) -> float:
@@ -338,10 +339,10 @@ def bound_session(args, work: Path, session, on_gpu: bool, graphs: bool = False)
     return TorchSession(out, "bfloat16", device=str(session.model.device), kernels="torch", cuda_graphs=graphs)
 
 
-def bound_checks(args, work: Path, session, table: Table, new: int, on_gpu: bool) -> None:
-    """The bound row with eager steps, then (on a GPU) with CUDA graphs, each on its own session whose
-    weights leave the device before the next one loads."""
-    for graphs in (False, True) if on_gpu else (False,):
+def bound_checks(args, work: Path, session, table: Table, new: int, on_gpu: bool, kinds=(False, True)) -> None:
+    """The bound row with eager steps (``kinds`` holds False), then with CUDA graphs (True; on a GPU only),
+    each on its own session whose weights leave the device before the next one loads."""
+    for graphs in [g for g in kinds if on_gpu or not g]:
         check = "plain step against the bandwidth bound" + (", CUDA graphs" if graphs else "")
         timed = step(table, check, bound_session, args, work, session, on_gpu, graphs)
         if timed is not None:
@@ -482,10 +483,12 @@ def check(args, table: Table, device, work: Path) -> None:
     new = args.max_new_tokens or (64 if on_gpu else 24)
     if session is not None:
         decode_checks(session, table, heads, new, on_gpu)
-        bound_checks(args, work, session, table, new, on_gpu)
+        bound_checks(args, work, session, table, new, on_gpu, kinds=(False,))
     if full:
         step(table, "bench", bench, model, heads, name, table, new, 180 if on_gpu else 600)
         step(table, "TensorRT engine", tensorrt, model, work, table, 240)
+    if session is not None:  # CUDA graphs' bound row last: a graph gone wrong on its first run costs no other row
+        bound_checks(args, work, session, table, new, on_gpu, kinds=(True,))
     if not on_gpu:
         table.add("CUDA checks", None, why=f"{cpu_reason()}: run this script where torch sees a CUDA GPU")
 
