@@ -69,9 +69,10 @@ class _Step:
     """One head length's graph and the buffers it reads (on the model's device).
 
     Attributes:
+        inputs: ``[2 rows + 1]`` long, what the three views below read, filled in one copy.
         ids: ``[1, rows]`` long, the token then padding.
         positions: ``[1, rows]`` long, the token's position repeated.
-        slot: ``[1]`` long, the cache slot of the token's key and value.
+        slot: ``[1]`` long, the cache slot of the token's key and value (its position).
         tail_slots: ``[1, TAIL]`` long zeros: a lone token reads its tail in place from the head's end,
             so only this tensor's shape is read (the tail's length).
         biases: attention window -> ``[1, 1, 1, 1, head + TAIL]`` float32 score bias.
@@ -83,6 +84,7 @@ class _Step:
             rows a graph reads (its cache's positions) are the same in the old and the new tables.
     """
 
+    inputs: torch.Tensor
     ids: torch.Tensor
     positions: torch.Tensor
     slot: torch.Tensor
@@ -133,9 +135,9 @@ class StepGraphs:
         self.captures = 0  # graphs recorded
         self.replays = 0  # steps replayed
 
-    def run(self, token: int, position: int, plans: dict) -> Optional[torch.Tensor]:
-        """The hidden state ``[1, hidden]`` (a copy, after the final norm) of ``token`` at ``position``
-        decoded after the cache's committed slots (its key and value written, uncommitted), from the
+    def run(self, token: int, plans: dict) -> Optional[torch.Tensor]:
+        """The hidden state ``[1, hidden]`` (a copy, after the final norm) of ``token`` decoded after the
+        cache's committed slots (at the position and slot after them) (its key and value written, uncommitted), from the
         graph of the plans' head length (recorded on first use); None where the host ``plans``
         (:func:`~mtpctl.decode.attention.pass_plans`, not yet on the device) are not a graph's shape.
 
@@ -152,7 +154,7 @@ class StepGraphs:
             for old in list(self._steps)[:-1]:  # a decode's positions only grow: keep the last graph but one
                 del self._steps[old]
             step = self._steps[head] = self._new_step(plans)
-        self._fill(step, token, position, plans)
+        self._fill(step, token, plans)
         if step.replay is None:
             step.tables = tuple(t for t in (getattr(self.model, name) for name in ROPE_TABLES) if t is not None)
             step.replay, step.out = self.capture(lambda: self._forward(step, head))
@@ -166,19 +168,19 @@ class StepGraphs:
         device, rows = self.model.device, self.model.pass_rows(1)
         first = next(iter(plans.values()))[0]
         biases = {window: torch.empty_like(plan[0].groups[0].bias, device=device) for window, plan in plans.items()}
-        return _Step(ids=torch.zeros(1, rows, dtype=torch.long, device=device),
-                     positions=torch.zeros(1, rows, dtype=torch.long, device=device),
-                     slot=torch.zeros(1, dtype=torch.long, device=device),
-                     tail_slots=torch.zeros_like(first.tail_slots, device=device), biases=biases)
+        inputs = torch.zeros(2 * rows + 1, dtype=torch.long, device=device)
+        return _Step(inputs=inputs, ids=inputs[:rows].view(1, rows), positions=inputs[rows:2 * rows].view(1, rows),
+                     slot=inputs[2 * rows:], tail_slots=torch.zeros_like(first.tail_slots, device=device),
+                     biases=biases)
 
-    def _fill(self, step: _Step, token: int, position: int, plans: dict) -> None:
-        """The step's inputs into the graph's buffers, copied from pinned host memory without blocking."""
+    def _fill(self, step: _Step, token: int, plans: dict) -> None:
+        """The step's inputs into the graph's buffers, copied from pinned host memory without blocking: the
+        token's id (then padding zeros), its position (the cache's length) repeated and its slot (the same)."""
         rows = step.ids.shape[1]
-        ids = torch.zeros(1, rows, dtype=torch.long)
-        ids[0, 0] = token
-        host = [(step.ids, ids), (step.positions, torch.full((1, rows), position, dtype=torch.long)),
-                (step.slot, torch.tensor([self.cache.length]))]
-        host += [(step.biases[window], plan[0].groups[0].bias) for window, plan in plans.items()]
+        inputs = torch.full((2 * rows + 1,), self.cache.length, dtype=torch.long)
+        inputs[:rows] = 0
+        inputs[0] = token
+        host = [(step.inputs, inputs)] + [(step.biases[window], plan[0].groups[0].bias) for window, plan in plans.items()]
         for buffer, values in host:
             buffer.copy_(values.pin_memory(), non_blocking=True)
 

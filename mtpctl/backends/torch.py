@@ -335,7 +335,7 @@ def verify_packed(engines: Sequence[TorchEngine], trees: Sequence[DraftTree]) ->
     plans = pass_plans(model.cfg.layer_windows, native, shapes)
     if len(engines) == 1 and engines[0].graphs is not None and trees[0].rows == 1 and not aux_layers:
         with torch.inference_mode():
-            hidden = engines[0].graphs.run(trees[0].pass_tokens[0], engines[0].length, plans)
+            hidden = engines[0].graphs.run(trees[0].pass_tokens[0], plans)
         if hidden is not None:  # a plain decode step, replayed (mtpctl.backends.step_graphs)
             return [TorchStepOutput(PassLogits(model, hidden), 0, 1)]
     slots = PassSlots([e.cache for e in engines], [t.rows for t in trees], [t.parents for t in trees])
