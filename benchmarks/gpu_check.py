@@ -294,6 +294,11 @@ def plain_step_ms(session, new: int) -> float:
     return min(steps)
 
 
+def bound_name(graphs: bool) -> str:
+    """The bound row's check, eager or with CUDA graphs."""
+    return "plain step against the bandwidth bound" + (", CUDA graphs" if graphs else "")
+
+
 def bound_check(session, table: Table, new: int, on_gpu: bool, graphs: bool = False) -> None:
     """Plain greedy decoding's step time against the memory-bandwidth bound: the weight bytes a step
     reads over the copy bandwidth measured on the device. On a GPU the row passes within 2x of the bound
@@ -304,8 +309,7 @@ def bound_check(session, table: Table, new: int, on_gpu: bool, graphs: bool = Fa
     bandwidth = copy_bandwidth(device, 1024 if on_gpu else 256)
     read = step_bytes(session.model)
     bound_ms = read / bandwidth * 1e3
-    check = "plain step against the bandwidth bound" + (", CUDA graphs" if graphs else "")
-    table.add(check, step_ms <= 2 * bound_ms if on_gpu else REPORTED,
+    table.add(bound_name(graphs), step_ms <= 2 * bound_ms if on_gpu else REPORTED,
               step_ms=float(f"{step_ms:.4g}"), bound_ms=float(f"{bound_ms:.4g}"), ratio=round(step_ms / bound_ms, 2),
               read_gib=round(read / 2**30, 3), copy_bandwidth_gb_s=round(bandwidth / 1e9, 1),
               layers=session.model.cfg.num_hidden_layers,
@@ -339,17 +343,16 @@ def bound_session(args, work: Path, session, on_gpu: bool, graphs: bool = False)
     return TorchSession(out, "bfloat16", device=str(session.model.device), kernels="torch", cuda_graphs=graphs)
 
 
-def bound_checks(args, work: Path, session, table: Table, new: int, on_gpu: bool, kinds=(False, True)) -> None:
-    """The bound row with eager steps (``kinds`` holds False), then with CUDA graphs (True; on a GPU only),
-    each on its own session whose weights leave the device before the next one loads."""
-    for graphs in [g for g in kinds if on_gpu or not g]:
-        check = "plain step against the bandwidth bound" + (", CUDA graphs" if graphs else "")
-        timed = step(table, check, bound_session, args, work, session, on_gpu, graphs)
-        if timed is not None:
-            step(table, check, bound_check, timed, table, new, on_gpu, graphs)
-            if timed is not session:
-                del timed
-                free_device_memory()
+def bound_row(args, work: Path, session, table: Table, new: int, on_gpu: bool, graphs: bool = False) -> None:
+    """The bound row (with ``graphs``, its steps replayed as CUDA graphs) on its session, whose weights
+    leave the device afterwards where it is not the checked one."""
+    check = bound_name(graphs)
+    timed = step(table, check, bound_session, args, work, session, on_gpu, graphs)
+    if timed is not None:
+        step(table, check, bound_check, timed, table, new, on_gpu, graphs)
+        if timed is not session:
+            del timed
+            free_device_memory()
 
 
 def run(table: Table, check: str, command: List[str], timeout: int) -> Optional[subprocess.CompletedProcess]:
@@ -483,12 +486,12 @@ def check(args, table: Table, device, work: Path) -> None:
     new = args.max_new_tokens or (64 if on_gpu else 24)
     if session is not None:
         decode_checks(session, table, heads, new, on_gpu)
-        bound_checks(args, work, session, table, new, on_gpu, kinds=(False,))
+        bound_row(args, work, session, table, new, on_gpu)
     if full:
         step(table, "bench", bench, model, heads, name, table, new, 180 if on_gpu else 600)
         step(table, "TensorRT engine", tensorrt, model, work, table, 240)
-    if session is not None:  # CUDA graphs' bound row last: a graph gone wrong on its first run costs no other row
-        bound_checks(args, work, session, table, new, on_gpu, kinds=(True,))
+    if session is not None and on_gpu:  # CUDA graphs' bound row last: a graph gone wrong costs no other row
+        bound_row(args, work, session, table, new, on_gpu, graphs=True)
     if not on_gpu:
         table.add("CUDA checks", None, why=f"{cpu_reason()}: run this script where torch sees a CUDA GPU")
 

@@ -152,7 +152,8 @@ def test_the_gpu_rows_of_cuda_graphs_run_on_a_virtual_gpu(tiny_folder, tmp_path,
         gpu_check.graphs_check(session, table, base, 20)
         args = SimpleNamespace(bound_shape="session", tokenizer_from=None)
         monkeypatch.setattr(gpu_check, "copy_bandwidth", lambda device, mib: 1e12)  # no copy timing on the tape
-        gpu_check.bound_checks(args, tmp_path, session, table, 8, on_gpu=True)
+        gpu_check.bound_row(args, tmp_path, session, table, 8, on_gpu=True)
+        gpu_check.bound_row(args, tmp_path, session, table, 8, on_gpu=True, graphs=True)
     rows = {r["check"]: r for r in table.rows}
     assert rows["plain greedy, CUDA graphs"]["same_as_eager"] == f"{len(gpu_check.PROMPTS)}/{len(gpu_check.PROMPTS)}"
     assert rows["plain greedy, CUDA graphs"]["passed"] is True
