@@ -53,8 +53,8 @@ def test_replayed_steps_give_the_eager_steps_tokens(tiny_folder, monkeypatch, dt
 
 def test_a_replayed_step_launches_a_handful_of_kernels_from_the_host(tiny_folder, monkeypatch):
     """What the host launches for a replayed plain step's pass (two fills: the ids, positions and slot in
-    one, the window's bias; the graph; the hidden state's copy: 4) against an eager pass's (28 a layer and the embedding, rotary tables and final
-    norm): the pass's cost on the host no longer grows with the layers (the lm_head, read after the
+    one, the window's bias; the graph; the hidden state's copy: 4) against an eager pass's (20 to 23 a layer
+    and the embedding, rotary tables and final norm): the pass's cost on the host no longer grows with the layers (the lm_head, read after the
     pass, is the same either way)."""
     launches = {}
     with virtual_cuda() as mode:
@@ -79,7 +79,7 @@ def test_a_replayed_step_launches_a_handful_of_kernels_from_the_host(tiny_folder
     eager_step = min(sum(ops.values()) for ops in launches[False])
     print("host launches of a replayed step", host, replayed[0], "of an eager step", eager_step)
     assert host <= 4
-    assert eager_step >= 28 * graphs.model.cfg.num_hidden_layers
+    assert eager_step >= 20 * graphs.model.cfg.num_hidden_layers
 
 
 def test_a_step_that_reads_the_cache_length_on_the_host_replays_stale(tiny_folder, monkeypatch):

@@ -42,6 +42,8 @@ FACTORIES = {"zeros", "empty", "ones", "arange", "full", "tensor", "as_tensor", 
 SYNCS = {"__int__", "__float__", "__bool__", "__index__", "item", "tolist", "nonzero", "unique", "masked_select",
          "__format__", "__repr__", "argwhere", "numpy"}
 INPLACE = {"__setitem__", "__iadd__", "__imul__", "__isub__", "__itruediv__"}
+#: tensor methods that allocate without a kernel (memory as it is)
+ALLOCATIONS = {"new_empty", "new_empty_strided"}
 
 
 class Event(NamedTuple):
@@ -180,8 +182,8 @@ class VirtualCuda(TorchFunctionMode):
         inplace = short in INPLACE or (short.endswith("_") and not short.startswith("__"))
         if dev and short not in SYNCS and not (inplace and not self.tagged(args[0])):
             self.tag(out)
-        if self.ops is not None and dev and short not in SYNCS:
-            if short == "__setitem__" or isinstance(out, torch.Tensor) and (
+        if self.ops is not None and dev and short not in SYNCS and short not in ALLOCATIONS:
+            if short == "__setitem__" or kwargs.get("out") is not None or isinstance(out, torch.Tensor) and (
                     inplace or self._ptr(out) not in {self._ptr(t) for t in tensors}):
                 self.ops[short] += 1
         return out

@@ -274,7 +274,8 @@ def _gather_tails(x: torch.Tensor, plan: AttentionPlan, tail: int) -> torch.Tens
 
 
 def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-               plan: AttentionPlan, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+               plan: AttentionPlan, sinks: Optional[torch.Tensor] = None,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Grouped-query attention in float32, computed so that a token's result does not depend on the
     other tokens of its pass (batch-invariant): a verify pass gives bit for bit what plain decoding of
     each token's path gives, wherever the linear layers are batch-invariant too (bfloat16, int4, and
@@ -282,7 +283,9 @@ def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
 
     q ``[batch, heads, N, head_dim]``; keys ``[batch, kv_heads, slots, head_dim]``, values ``[batch, kv_heads,
     slots, value_dim]`` (``value_dim``: ``head_dim`` but for latent attention's); ``scale`` multiplies q.k
-    (usually ``head_dim ** -0.5``). Returns ``[batch, heads, N, value_dim]``.
+    (usually ``head_dim ** -0.5``). Returns ``[batch, heads, N, value_dim]``, written into ``out``
+    ``[batch, N, heads, value_dim]`` (any float dtype: the float32 result is cast as it is written) when
+    given, else into a new tensor of ``q``'s dtype; either way a transposed view of it.
 
     Each token attends over its head and tail (:class:`AttentionPlan`) as one softmax:
     - head: ``q @ K[:head]`` and ``P @ V[:head]`` for all tokens with that head length in one matmul
@@ -300,10 +303,13 @@ def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
     after (:func:`_softmax_with_sinks`).
     """
     b, heads, n, d = q.shape
-    kv_heads = keys.shape[1]
+    kv_heads, vd = keys.shape[1], values.shape[-1]
     group = heads // kv_heads
     tail = plan.tail_slots.shape[1]
     qg = q.reshape(b, kv_heads, group, n, d).float().transpose(2, 3)  # [b, kv_heads, N, group, d]
+    if out is None:
+        out = q.new_empty((b, n, heads, vd))
+    dest = out.view(b, n, kv_heads, group, vd).transpose(1, 2)  # [b, kv_heads, N, group, vd], out's memory
     if n == 1:  # one token: its tail slots are consecutive, read in place (the same values a gather gives)
         start = plan.tail_start if plan.tail_start is not None else int(plan.tail_slots[0, 0])
         tail_k, tail_v = keys[:, :, None, start:start + tail], values[:, :, None, start:start + tail]
@@ -311,7 +317,7 @@ def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
         tail_k = _gather_tails(keys, plan, tail)  # [b, kv_heads, N, TAIL, d]
         tail_v = _gather_tails(values, plan, tail)
     tail_scores = torch.matmul(qg, tail_k.transpose(-1, -2))  # [b, kv_heads, N, group, TAIL]
-    out = None if len(plan.groups) == 1 else qg.new_empty((*qg.shape[:-1], values.shape[-1]))
+    staged = None if len(plan.groups) == 1 else qg.new_empty(dest.shape)  # groups' results, then cast once
     for g in plan.groups:
         pick = (lambda t: t) if g.rows is None else (lambda t: t[:, :, g.rows])
         n_g = n if g.rows is None else len(g.rows)
@@ -320,16 +326,39 @@ def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
         if g.head:
             head_scores = _head_product(pick(qg).reshape(b, kv_heads, m, d), keys[:, :, :g.head].transpose(-1, -2))
             scores = torch.cat((head_scores.reshape(b, kv_heads, n_g, group, g.head), scores), dim=-1)
-        probs = _softmax_with_sinks(torch.add(g.bias, scores, alpha=scale), sinks, kv_heads, group)
-        o = torch.matmul(probs[..., g.head:], pick(tail_v))  # [b, kv_heads, n_g, group, d]
-        if g.head:
-            o = _head_product(probs[..., :g.head].reshape(b, kv_heads, m, g.head), values[:, :, :g.head]).reshape(
-                o.shape) + o
-        if out is None:
-            out = o
-        else:
-            out[:, :, g.rows] = o
-    return out.transpose(2, 3).reshape(b, heads, n, values.shape[-1]).to(q.dtype)
+        probs = _probs(g.bias, scores, scale, sinks, kv_heads, group, blocked=g.head > 0)  # [b, kv, rows, S]
+        o = torch.matmul(probs[:, :, :m, g.head:].reshape(scores.shape[:-1] + (tail,)), pick(tail_v))
+        if g.head:  # the head's weighted sum plus the tail's, with one group written where the result goes
+            head = _head_product(probs[..., :g.head], values[:, :, :g.head])[:, :, :m].reshape(o.shape)
+            o = torch.add(head, o, out=dest) if staged is None else head + o
+        if staged is not None:
+            staged[:, :, g.rows] = o
+        elif not g.head:
+            dest.copy_(o)
+    if staged is not None:
+        dest.copy_(staged)
+    return out.transpose(1, 2)
+
+
+def _probs(bias: torch.Tensor, scores: torch.Tensor, scale: float, sinks: Optional[torch.Tensor], kv_heads: int,
+           group: int, blocked: bool) -> torch.Tensor:
+    """``softmax(bias + scale * scores)`` over the last dim of ``scores [b, kv_heads, n, group, S]`` (bias
+    ``[1, 1, n, 1, S]``), as ``[b, kv_heads, rows, S]`` whose first ``n * group`` rows are the result.
+
+    Off the CPU, ``blocked`` (the head's product follows, in blocks of ``FIXED_ROWS["cuda"]`` rows) and
+    without sinks: ``rows`` is ``n * group`` rounded up to the block, the scaled scores written into the
+    first rows of an uninitialized tensor of that many, so that the head's product reads the softmax's
+    output as it is instead of a padded copy (one launch less a layer). The other rows hold whatever the
+    memory held and come out as whatever the softmax makes of it: each row is its own softmax and its
+    own row of every product after, and nobody reads them. Elsewhere ``rows`` is ``n * group``."""
+    b, kv, n, group, s = scores.shape
+    m = n * group
+    block = FIXED_ROWS["cuda"]
+    if not blocked or sinks is not None or scores.device.type == "cpu" or m % block == 0:
+        return _softmax_with_sinks(torch.add(bias, scores, alpha=scale), sinks, kv_heads, group).reshape(b, kv, m, s)
+    padded = scores.new_empty((b, kv, m + -m % block, s))
+    torch.add(bias, scores, alpha=scale, out=padded[:, :, :m].view(b, kv, n, group, s))
+    return torch.softmax(padded, dim=-1)
 
 
 def _softmax_with_sinks(logits: torch.Tensor, sinks: Optional[torch.Tensor], kv_heads: int,
@@ -362,7 +391,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     """Apply rotary embedding to ``x`` ``[batch, N, heads, head_dim]``; cos/sin ``[batch, N, 1, head_dim]``."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    if x.device.type != "cpu":  # the second product and the sum in one launch (rounded once)
+        return torch.addcmul(x * cos, rotated, sin)
+    return x * cos + rotated * sin  # the CPU's bits, as transformers' ops round them
 
 
 def _rotate_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -543,13 +574,16 @@ class DecoderLayer(nn.Module):
         if self.output_gate:
             qkv, gate = split_output_gate(qkv, heads, cfg.head_dim)
         q, k, v = qkv_heads(self, qkv, cos, sin, norm, positions)
-        attn = self._attend(q, k, v, cache, mask, plan, x.dtype)
+        attn = self._attend(q, k, v, cache, mask, plan, x.dtype, n)
         return self._attention_out_and_mlp(x, attn, b, real, norm, gate)
 
-    def _attend(self, q, k, v, cache, mask, plan, dtype):
+    def _attend(self, q, k, v, cache, mask, plan, dtype, rows: int):
         """Attention of queries ``q [batch, heads, N, head_dim]`` over the cache after writing keys and
         values ``k``/``v`` ``[batch, kv_heads, N, head_dim]`` (see :meth:`forward`), ``[batch, heads, N,
-        head_dim]`` in ``dtype``."""
+        head_dim]`` in ``dtype``; on torch's batch-invariant path (one :class:`AttentionPlan` a sequence)
+        ``[batch, heads, rows, head_dim]``, the pass's ``rows`` (a padded pass's, :meth:`Decoder.pass_rows`),
+        each sequence's written in place and the padding rows left as the memory held them (nobody reads
+        them: every op after attention treats each row on its own)."""
         cfg = self.cfg
         n = q.shape[2]
         native = isinstance(plan, SlotPlan)
@@ -561,9 +595,11 @@ class DecoderLayer(nn.Module):
         elif plan is not None:  # one plan per sequence of the pass, each over its own cache
             cache.write(self.cache_index, k, v)
             i = self.cache_index
-            parts = [_attention(q[:, :, start:start + count], seq.k[i], seq.v[i], cfg.scale, seq_plan, self.sinks)
-                     for seq, start, count, seq_plan in zip(cache.caches, cache.starts, cache.counts, plan)]
-            attn = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)  # one sequence: no copy
+            out = q.new_empty((q.shape[0], rows, q.shape[1], cfg.head_dim), dtype=dtype)
+            for seq, start, count, seq_plan in zip(cache.caches, cache.starts, cache.counts, plan):
+                _attention(q[:, :, start:start + count], seq.k[i], seq.v[i], cfg.scale, seq_plan, self.sinks,
+                           out[:, start:start + count])
+            attn = out.transpose(1, 2)
         elif mask is None:  # a free prefill's full-attention layer (Decoder.free_prefill): causal over its own rows
             cache.write(self.cache_index, k, v)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=cfg.attention_scale)
@@ -579,13 +615,16 @@ class DecoderLayer(nn.Module):
         return attn
 
     def _attention_out_and_mlp(self, x, attn, b: int, n: int, norm, gate: Optional[torch.Tensor] = None):
-        """The rest of the block after attention ``attn [batch, heads, N, head_dim]``
-        (:func:`attention_out_and_mlp`), times ``sigmoid(gate)`` first where the layer has an output gate."""
-        attn = attn.transpose(1, 2).reshape(b, n, self.q_size)
+        """The rest of the block after attention ``attn [batch, heads, rows, head_dim]`` of the pass's
+        ``n`` tokens (:func:`attention_out_and_mlp`), times ``sigmoid(gate)`` first where the layer has an
+        output gate; ``rows`` is ``n`` or, attention written into a padded pass's rows already, the pass's."""
         if gate is not None:
+            attn = attn[:, :, :n].transpose(1, 2).reshape(b, n, self.q_size)
             attn = attn * elementwise(torch.sigmoid, gate.reshape(-1, self.q_size)).reshape(attn.shape)
-        if n < x.shape[1]:  # a padded pass: the padding rows' attention is zeros, one shape on for the rest
-            attn = F.pad(attn, (0, 0, 0, x.shape[1] - n))
+        else:
+            attn = attn.transpose(1, 2).reshape(b, attn.shape[2], self.q_size)
+        if attn.shape[1] < x.shape[1]:  # a padded pass: the padding rows' attention is zeros, one shape on
+            attn = F.pad(attn, (0, 0, 0, x.shape[1] - attn.shape[1]))
         return attention_out_and_mlp(self, x, attn, norm)
 
     @property
@@ -773,33 +812,50 @@ def latent_attention(layer: DecoderLayer, qkv: torch.Tensor, cos: torch.Tensor, 
 def attention_out_and_mlp(layer: DecoderLayer, x: torch.Tensor, attn: torch.Tensor, norm) -> torch.Tensor:
     """The rest of the block after attention ``attn [batch, N, heads * head_dim]``: output projection
     (normed first with sandwich norms) and residual, then the gated MLP and its residual."""
-    return mixer_out_and_mlp(layer, x, _linear(attn, layer.o_proj, getattr(layer, "o_bias", None)), norm)
+    return mlp_and_residual(layer, _add_projection(layer, x, attn, layer.o_proj, getattr(layer, "o_bias", None),
+                                                   layer.attn_out_norm, norm), norm)
 
 
 def mixer_out_and_mlp(layer: DecoderLayer, x: torch.Tensor, out: torch.Tensor, norm) -> torch.Tensor:
-    """The block after its token mixer's projected output ``out [batch, N, hidden]`` (attention's after
-    ``o_proj``, a Gated DeltaNet layer's): sandwich norm where the family has it and the residual, then
-    the gated MLP and its residual."""
-    eps = layer.cfg.rms_norm_eps
+    """The block after its token mixer's projected output ``out [batch, N, hidden]`` (a Gated DeltaNet
+    layer's): sandwich norm where the family has it and the residual, then the gated MLP and its residual."""
     if layer.attn_out_norm is not None:
-        out = norm(out, layer.attn_out_norm, eps)
-    x = x + out
+        out = norm(out, layer.attn_out_norm, layer.cfg.rms_norm_eps)
+    return mlp_and_residual(layer, x + out, norm)
+
+
+def mlp_and_residual(layer: DecoderLayer, x: torch.Tensor, norm) -> torch.Tensor:
+    """``x`` plus the layer's gated MLP (or MoE) of ``norm(x)``, normed first with sandwich norms."""
+    eps = layer.cfg.rms_norm_eps
     moe = getattr(layer, "moe", None)
-    if moe is not None:  # each row's experts computed alike in any pass (mtpctl.model.moe)
-        weights = MoeWeights(router=layer.router, gate_up=layer.experts_gate_up, down=layer.experts_down,
-                             score_bias=getattr(layer, "router_bias", None),
-                             shared_gate_up=getattr(layer, "shared_gate_up", None),
-                             shared_down=getattr(layer, "shared_down", None),
-                             router_bias=getattr(layer, "router_logit_bias", None),
-                             gate_up_bias=getattr(layer, "experts_gate_up_bias", None),
-                             down_bias=getattr(layer, "experts_down_bias", None),
-                             shared_gate=getattr(layer, "shared_expert_gate", None))
-        out = moe_mlp(norm(x, layer.post_attention_norm, eps), moe, weights, layer.moe_rows)
-    else:
+    if moe is None:
         gate, up = _linear(norm(x, layer.post_attention_norm, eps), layer.gate_up, layer.gate_up_bias).chunk(2, dim=2)
-        out = _linear(layer.act(gate) * up, layer.down, layer.down_bias)
+        return _add_projection(layer, x, layer.act(gate) * up, layer.down, layer.down_bias, layer.mlp_out_norm, norm)
+    weights = MoeWeights(router=layer.router, gate_up=layer.experts_gate_up, down=layer.experts_down,
+                         score_bias=getattr(layer, "router_bias", None),
+                         shared_gate_up=getattr(layer, "shared_gate_up", None),
+                         shared_down=getattr(layer, "shared_down", None),
+                         router_bias=getattr(layer, "router_logit_bias", None),
+                         gate_up_bias=getattr(layer, "experts_gate_up_bias", None),
+                         down_bias=getattr(layer, "experts_down_bias", None),
+                         shared_gate=getattr(layer, "shared_expert_gate", None))
+    out = moe_mlp(norm(x, layer.post_attention_norm, eps), moe, weights, layer.moe_rows)  # each row's experts alike
     if layer.mlp_out_norm is not None:
         out = norm(out, layer.mlp_out_norm, eps)
+    return x + out
+
+
+def _add_projection(layer: DecoderLayer, x: torch.Tensor, inp: torch.Tensor, weight, bias: Optional[torch.Tensor],
+                    out_norm: Optional[torch.Tensor], norm) -> torch.Tensor:
+    """The residual ``x`` plus ``inp``'s projection by ``weight`` (and ``bias``), normed by ``out_norm``
+    first where the family has a sandwich norm. Off the CPU a :class:`FixedRowsLinear` with neither bias
+    nor norm adds ``x`` in its product (:meth:`FixedRowsLinear.add_to`: one launch instead of two); the
+    CPU keeps the product and the add apart, whose bits the tests against transformers hold."""
+    if isinstance(weight, FixedRowsLinear) and bias is None and out_norm is None and x.device.type != "cpu":
+        return weight.add_to(inp, x)
+    out = _linear(inp, weight, bias)
+    if out_norm is not None:
+        out = norm(out, out_norm, layer.cfg.rms_norm_eps)
     return x + out
 
 
@@ -1279,8 +1335,8 @@ class Decoder(nn.Module):
             x = x * self.embed_scale
         if aux is not None and 0 in aux:
             aux[0] = x
-        rot = tuple(t.unsqueeze(2) for t in self.rope(position_ids))  # 2 x [batch, N, 1, rope_dim]
-        local = rot if self.rope_local_cos is None else tuple(t.unsqueeze(2) for t in self.rope(position_ids, True))
+        rot = self._pass_rope(position_ids, False, plans is not None)  # 2 x [batch, N, 1, rope_dim]
+        local = rot if self.rope_local_cos is None else self._pass_rope(position_ids, True, plans is not None)
         for index, (layer, window, is_local) in enumerate(zip(self.layers, self.cfg.layer_windows, self.local_rope), 1):
             cos, sin = local if is_local else rot
             if plans is not None:
@@ -1292,6 +1348,16 @@ class Decoder(nn.Module):
         native = plans is not None and any(isinstance(p, SlotPlan) for p in plans.values()) \
             and norm_takes(self.cfg.hidden_size)
         return (rms_norm if native else self.final_norm)(x, self.norm, self.cfg.rms_norm_eps)
+
+    def _pass_rope(self, positions: torch.Tensor, local: bool, planned: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[batch, N, 1, rope_dim]`` of a pass's ``positions`` (:meth:`rope`). A decode or
+        verify pass (``planned``) of the device path's dense body (:meth:`hold_fixed_rows`) gets them in
+        float32, once a pass: its queries and keys come out of the rotary embedding in float32, the dtype
+        attention reads them in, so no layer casts them."""
+        cos, sin = self.rope(positions, local)
+        if planned and self.pass_block is not None:
+            cos, sin = cos.float(), sin.float()
+        return cos.unsqueeze(2), sin.unsqueeze(2)
 
     def _stacked(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: PassSlots,
                  plan: SlotPlan, aux: Optional[Dict[int, Optional[torch.Tensor]]] = None) -> torch.Tensor:

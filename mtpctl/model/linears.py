@@ -253,6 +253,19 @@ class FixedRowsLinear(nn.Module):
         y = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
         return y[:m].reshape(*x.shape[:-1], self.out_features)
 
+    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + x @ W.T`` (``residual [..., N]`` the shape of the output), the sum made in each
+        block's product (``torch.addmm``: one launch where :meth:`forward` and an add are two, and the
+        sum rounded once). Blocks as :meth:`forward`'s; an input whose rows fill no whole block is
+        projected, then added."""
+        flat, res = x.reshape(-1, self.in_features), residual.reshape(-1, self.out_features)
+        if _ANY_ROWS.get():
+            return torch.addmm(res, flat, self.weight.t()).reshape(residual.shape)
+        if flat.shape[0] % self.rows:
+            return residual + self.forward(x)
+        blocks = [torch.addmm(r, f, self.weight.t()) for r, f in zip(res.split(self.rows), flat.split(self.rows))]
+        return (blocks[0] if len(blocks) == 1 else torch.cat(blocks)).reshape(residual.shape)
+
     def dense(self) -> torch.Tensor:
         """The weight ``[N, K]``."""
         return self.weight
