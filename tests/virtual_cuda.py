@@ -178,6 +178,9 @@ class VirtualCuda(TorchFunctionMode):
                                     + (" non_blocking" if kwargs.get("non_blocking") else ""))
                 elif short not in ("__set__", "_has_compatible_shallow_copy_type"):
                     self._ev("mixup", f"{short} of device and host tensors {[tuple(h.shape) for h in host][:3]}")
+        out_dtype = kwargs.pop("out_dtype", None) if dev else None
+        if out_dtype is not None:  # a product into a wider dtype (CUDA's alone): the operands widened, exactly
+            args = tuple(a.to(out_dtype) if isinstance(a, torch.Tensor) else a for a in args)
         out = func(*args, **kwargs)
         inplace = short in INPLACE or (short.endswith("_") and not short.startswith("__"))
         if dev and short not in SYNCS and not (inplace and not self.tagged(args[0])):

@@ -255,8 +255,21 @@ def _head_product(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return torch.matmul(_pad_rows(x), y)[:, :, :m]
     block = FIXED_ROWS["cuda"]
     padded = F.pad(x, (0, 0, 0, -m % block)) if m % block else x
-    parts = [torch.matmul(rows, y) for rows in padded.split(block, dim=2)]
+    parts = [_product(rows, y) for rows in padded.split(block, dim=2)]
     return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))[:, :, :m]
+
+
+def _product(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x @ y`` over their batch dims, in float32: ``torch.matmul`` of float32 operands; bfloat16 ones
+    (queries, probabilities and a bfloat16 cache's keys and values, off the CPU) multiply into float32
+    (``torch.bmm(..., out_dtype=torch.float32)``: each product exact, the sums in float32), so that
+    nothing the cache holds is widened into a copy first."""
+    if x.dtype == torch.float32:
+        return torch.matmul(x, y)
+    batch = torch.broadcast_shapes(x.shape[:-2], y.shape[:-2])
+    x3 = x.expand(*batch, *x.shape[-2:]).reshape(-1, *x.shape[-2:])
+    y3 = y.expand(*batch, *y.shape[-2:]).reshape(-1, *y.shape[-2:])
+    return torch.bmm(x3, y3, out_dtype=torch.float32).reshape(*batch, x.shape[-2], y.shape[-1])
 
 
 def _gather_tails(x: torch.Tensor, plan: AttentionPlan, tail: int) -> torch.Tensor:
@@ -306,7 +319,9 @@ def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
     kv_heads, vd = keys.shape[1], values.shape[-1]
     group = heads // kv_heads
     tail = plan.tail_slots.shape[1]
-    qg = q.reshape(b, kv_heads, group, n, d).float().transpose(2, 3)  # [b, kv_heads, N, group, d]
+    # [b, kv_heads, N, group, d] in the cache's dtype: float32, or a bfloat16 cache's (off the CPU), whose
+    # products give float32 (_product)
+    qg = q.reshape(b, kv_heads, group, n, d).to(keys.dtype).transpose(2, 3)
     if out is None:
         out = q.new_empty((b, n, heads, vd))
     dest = out.view(b, n, kv_heads, group, vd).transpose(1, 2)  # [b, kv_heads, N, group, vd], out's memory
@@ -316,8 +331,8 @@ def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
     else:
         tail_k = _gather_tails(keys, plan, tail)  # [b, kv_heads, N, TAIL, d]
         tail_v = _gather_tails(values, plan, tail)
-    tail_scores = torch.matmul(qg, tail_k.transpose(-1, -2))  # [b, kv_heads, N, group, TAIL]
-    staged = None if len(plan.groups) == 1 else qg.new_empty(dest.shape)  # groups' results, then cast once
+    tail_scores = _product(qg, tail_k.transpose(-1, -2))  # [b, kv_heads, N, group, TAIL] float32
+    staged = None if len(plan.groups) == 1 else tail_scores.new_empty(dest.shape)  # groups' results, cast once
     for g in plan.groups:
         pick = (lambda t: t) if g.rows is None else (lambda t: t[:, :, g.rows])
         n_g = n if g.rows is None else len(g.rows)
@@ -327,7 +342,8 @@ def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
             head_scores = _head_product(pick(qg).reshape(b, kv_heads, m, d), keys[:, :, :g.head].transpose(-1, -2))
             scores = torch.cat((head_scores.reshape(b, kv_heads, n_g, group, g.head), scores), dim=-1)
         probs = _probs(g.bias, scores, scale, sinks, kv_heads, group, blocked=g.head > 0)  # [b, kv, rows, S]
-        o = torch.matmul(probs[:, :, :m, g.head:].reshape(scores.shape[:-1] + (tail,)), pick(tail_v))
+        probs = probs.to(values.dtype)  # a bfloat16 cache's values take bfloat16 weights, as flash attention's
+        o = _product(probs[:, :, :m, g.head:].reshape(scores.shape[:-1] + (tail,)), pick(tail_v))
         if g.head:  # the head's weighted sum plus the tail's, with one group written where the result goes
             head = _head_product(probs[..., :g.head], values[:, :, :g.head])[:, :, :m].reshape(o.shape)
             o = torch.add(head, o, out=dest) if staged is None else head + o
@@ -390,9 +406,13 @@ def _masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Apply rotary embedding to ``x`` ``[batch, N, heads, head_dim]``; cos/sin ``[batch, N, 1, head_dim]``."""
     half = x.shape[-1] // 2
+    if x.device.type != "cpu":  # each half's second product and sum in one launch (rounded once): 3 launches
+        turned = x * cos
+        out = torch.empty_like(turned)
+        torch.addcmul(turned[..., :half], x[..., half:], sin[..., :half], value=-1, out=out[..., :half])
+        torch.addcmul(turned[..., half:], x[..., :half], sin[..., half:], out=out[..., half:])
+        return out
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    if x.device.type != "cpu":  # the second product and the sum in one launch (rounded once)
-        return torch.addcmul(x * cos, rotated, sin)
     return x * cos + rotated * sin  # the CPU's bits, as transformers' ops round them
 
 
@@ -1277,15 +1297,18 @@ class Decoder(nn.Module):
     def new_cache(self, capacity: int, batch: int = 1, spare: int = 0, compact: bool = False) -> KVCache:
         """An empty KV cache for ``capacity`` tokens and ``spare`` never-written slots (a
         :class:`LatentCache` for multi-head latent attention). Attention runs in
-        float32 in every dtype, so the cache is float32 (torch's ops read it without converting), or
-        with ``compact`` in a bfloat16 model's dtype: its keys and values are bfloat16 values, so
-        nothing is rounded, and the native kernels, which widen what they read, read half the bytes
-        (a pass's attention reads every committed slot of its sequences).
+        float32 in every dtype, so on the CPU the cache is float32 (torch's ops read it without
+        converting), or with ``compact`` in a bfloat16 model's dtype: its keys and values are bfloat16
+        values, so nothing is rounded, and the native kernels, which widen what they read, read half the
+        bytes (a pass's attention reads every committed slot of its sequences). Off the CPU a bfloat16
+        model's cache is bfloat16 always: attention's products there take bfloat16 operands and give
+        float32 (:func:`_product`).
 
         The rotary tables grow to hold the positions of its slots, one past them included (an MTP
         layer's row at slot s sits at position s + 1), here on the host rather than at each pass."""
         c = self.cfg
         self.reserve_rope(capacity + spare + 1)
+        compact = compact or self.device.type != "cpu"
         dtype = torch.bfloat16 if compact and self.dtype == torch.bfloat16 else torch.float32
         linear = [layer.index for layer in self.layers if layer.deltanet is not None]
         if c.mla is not None:  # the compressed rows of multi-head latent attention (latent attention)
@@ -1335,8 +1358,8 @@ class Decoder(nn.Module):
             x = x * self.embed_scale
         if aux is not None and 0 in aux:
             aux[0] = x
-        rot = self._pass_rope(position_ids, False, plans is not None)  # 2 x [batch, N, 1, rope_dim]
-        local = rot if self.rope_local_cos is None else self._pass_rope(position_ids, True, plans is not None)
+        rot = tuple(t.unsqueeze(2) for t in self.rope(position_ids))  # 2 x [batch, N, 1, rope_dim]
+        local = rot if self.rope_local_cos is None else tuple(t.unsqueeze(2) for t in self.rope(position_ids, True))
         for index, (layer, window, is_local) in enumerate(zip(self.layers, self.cfg.layer_windows, self.local_rope), 1):
             cos, sin = local if is_local else rot
             if plans is not None:
@@ -1348,16 +1371,6 @@ class Decoder(nn.Module):
         native = plans is not None and any(isinstance(p, SlotPlan) for p in plans.values()) \
             and norm_takes(self.cfg.hidden_size)
         return (rms_norm if native else self.final_norm)(x, self.norm, self.cfg.rms_norm_eps)
-
-    def _pass_rope(self, positions: torch.Tensor, local: bool, planned: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[batch, N, 1, rope_dim]`` of a pass's ``positions`` (:meth:`rope`). A decode or
-        verify pass (``planned``) of the device path's dense body (:meth:`hold_fixed_rows`) gets them in
-        float32, once a pass: its queries and keys come out of the rotary embedding in float32, the dtype
-        attention reads them in, so no layer casts them."""
-        cos, sin = self.rope(positions, local)
-        if planned and self.pass_block is not None:
-            cos, sin = cos.float(), sin.float()
-        return cos.unsqueeze(2), sin.unsqueeze(2)
 
     def _stacked(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: PassSlots,
                  plan: SlotPlan, aux: Optional[Dict[int, Optional[torch.Tensor]]] = None) -> torch.Tensor:
