@@ -479,7 +479,7 @@ def check(args, table: Table, device, work: Path) -> None:
     session = step(table, "load", lambda: TorchSession(model, "bfloat16", device=name, kernels="torch"))
     if session is not None:
         table.add("load", True, weights_gib=round(session.weight_bytes / 2**30, 2), device=session.device,
-                  greedy_exactness=session.greedy_exactness,
+                  greedy_exactness=session.greedy_exactness, kv_cache=str(session.new_engine(1).cache.k.dtype)[6:],
                   **({"no_tf32": session.device_numerics["float32_matmul"] == "ieee"} if on_gpu else {}))
     heads = step(table, "add-heads", train_heads, model, work, name, table, args, 240 if on_gpu else 1200) \
         if full else None

@@ -92,6 +92,21 @@ def test_a_bfloat16_model_keeps_a_bfloat16_cache_on_the_device(tiny_folder):
         assert engine.kv_cache_bytes * 2 == cpu.new_engine(64).kv_cache_bytes
 
 
+def test_a_device_without_widening_products_keeps_a_float32_cache(tiny_folder, monkeypatch):
+    """Where torch cannot multiply bfloat16 into float32 on the device (before torch 2.8), a bfloat16
+    model's cache stays float32 there, and speculation still gives plain's tokens."""
+    from mtpctl.drafters.build import DraftOptions, build, parse
+
+    monkeypatch.setattr(decoder_module, "widening_products", lambda device: False)
+    with virtual_cuda():
+        session = torch_backend.TorchSession(tiny_folder, "bfloat16", device="cuda", kernels="torch")
+        assert session.new_engine(64).cache.k.dtype == torch.float32
+        prompt = session.encode("count: 1 2 3 1 2 3")
+        plain = session.generate(prompt, NEW_TOKENS).token_ids
+        drafter = build(session, parse("ngram"), DraftOptions())
+        assert session.generate(prompt, NEW_TOKENS, drafter=drafter).token_ids == plain
+
+
 def test_speculation_on_a_virtual_gpu_mixes_no_host_tensors_and_equals_plain(tiny_folder):
     from mtpctl.drafters.build import DraftOptions, build, parse
 

@@ -31,7 +31,7 @@ from mtpctl.model.kv_cache import KVCache, LatentCache, PassSlots
 from mtpctl.model.native import (SlotPlan, StackWeights, attend, kernel_takes, layer_stack, stack_part,
                                  norm_takes, rms_norm, rotate_write)
 from mtpctl.model.linears import BlockedLinear, FixedRowsLinear, PackedLinear, TiledLinear, pack_exact
-from mtpctl.model.device import FIXED_ROWS
+from mtpctl.model.device import FIXED_ROWS, widening_products
 from mtpctl.model.gated_deltanet import GatedDeltaNetWeights, deltanet_prefill, deltanet_tree, grouped_rows
 from mtpctl.model.linear_cache import LinearCache
 from mtpctl.model.moe import MoeWeights, elementwise, moe_mlp
@@ -1301,14 +1301,14 @@ class Decoder(nn.Module):
         converting), or with ``compact`` in a bfloat16 model's dtype: its keys and values are bfloat16
         values, so nothing is rounded, and the native kernels, which widen what they read, read half the
         bytes (a pass's attention reads every committed slot of its sequences). Off the CPU a bfloat16
-        model's cache is bfloat16 always: attention's products there take bfloat16 operands and give
-        float32 (:func:`_product`).
+        model's cache is bfloat16 wherever attention's products can take bfloat16 operands and give
+        float32 there (:func:`_product`, :func:`~mtpctl.model.device.widening_products`: CUDA), else float32.
 
         The rotary tables grow to hold the positions of its slots, one past them included (an MTP
         layer's row at slot s sits at position s + 1), here on the host rather than at each pass."""
         c = self.cfg
         self.reserve_rope(capacity + spare + 1)
-        compact = compact or self.device.type != "cpu"
+        compact = compact or widening_products(self.device)
         dtype = torch.bfloat16 if compact and self.dtype == torch.bfloat16 else torch.float32
         linear = [layer.index for layer in self.layers if layer.deltanet is not None]
         if c.mla is not None:  # the compressed rows of multi-head latent attention (latent attention)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from functools import lru_cache
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -83,6 +84,22 @@ def device_numerics(device: torch.device) -> dict:
     return {"float32_matmul": matmul.fp32_precision, "float32_conv": torch.backends.cudnn.fp32_precision,
             "float16_reduced_precision_reduction": matmul.allow_fp16_reduced_precision_reduction,
             "bfloat16_reduced_precision_reduction": matmul.allow_bf16_reduced_precision_reduction}
+
+
+@lru_cache(maxsize=None)
+def widening_products(device: torch.device) -> bool:
+    """Whether products of bfloat16 operands into float32 (``torch.bmm(..., out_dtype=torch.float32)``) run
+    on ``device``: on CUDA in torch 2.8 and later, not on a CPU. Where they run, a bfloat16 model keeps a
+    bfloat16 KV cache (:meth:`mtpctl.model.decoder.Decoder.new_cache`); tried once per device on a
+    1x1 product."""
+    if device.type == "cpu":
+        return False
+    one = torch.ones(1, 1, 1, dtype=torch.bfloat16, device=device)
+    try:
+        torch.bmm(one, one, out_dtype=torch.float32)
+    except (NotImplementedError, RuntimeError, TypeError):  # this torch or device has no such product
+        return False
+    return True
 
 
 def resolve_device(name: str = "auto") -> torch.device:
