@@ -615,7 +615,7 @@ class DecoderLayer(nn.Module):
         elif plan is not None:  # one plan per sequence of the pass, each over its own cache
             cache.write(self.cache_index, k, v)
             i = self.cache_index
-            out = q.new_empty((q.shape[0], rows, q.shape[1], cfg.head_dim), dtype=dtype)
+            out = q.new_empty((q.shape[0], rows, q.shape[1], v.shape[-1]), dtype=dtype)
             for seq, start, count, seq_plan in zip(cache.caches, cache.starts, cache.counts, plan):
                 _attention(q[:, :, start:start + count], seq.k[i], seq.v[i], cfg.scale, seq_plan, self.sinks,
                            out[:, start:start + count])

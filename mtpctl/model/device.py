@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from functools import lru_cache
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -86,12 +85,11 @@ def device_numerics(device: torch.device) -> dict:
             "bfloat16_reduced_precision_reduction": matmul.allow_bf16_reduced_precision_reduction}
 
 
-@lru_cache(maxsize=None)
 def widening_products(device: torch.device) -> bool:
     """Whether products of bfloat16 operands into float32 (``torch.bmm(..., out_dtype=torch.float32)``) run
     on ``device``: on CUDA in torch 2.8 and later, not on a CPU. Where they run, a bfloat16 model keeps a
-    bfloat16 KV cache (:meth:`mtpctl.model.decoder.Decoder.new_cache`); tried once per device on a
-    1x1 product."""
+    bfloat16 KV cache (:meth:`mtpctl.model.decoder.Decoder.new_cache`); tried on a 1x1 product each
+    time it is asked (once a cache), so no answer outlives the torch or device it was found on."""
     if device.type == "cpu":
         return False
     one = torch.ones(1, 1, 1, dtype=torch.bfloat16, device=device)

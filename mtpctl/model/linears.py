@@ -256,15 +256,17 @@ class FixedRowsLinear(nn.Module):
     def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + x @ W.T`` (``residual [..., N]`` the shape of the output), the sum made in each
         block's product (``torch.addmm``: one launch where :meth:`forward` and an add are two, and the
-        sum rounded once). Blocks as :meth:`forward`'s; an input whose rows fill no whole block is
-        projected, then added."""
+        sum rounded once). Blocks as :meth:`forward`'s, the residual's padded alike, so that a row is summed
+        the same way in a pass of any row count (a multiple of the block or not)."""
         flat, res = x.reshape(-1, self.in_features), residual.reshape(-1, self.out_features)
         if _ANY_ROWS.get():
             return torch.addmm(res, flat, self.weight.t()).reshape(residual.shape)
-        if flat.shape[0] % self.rows:
-            return residual + self.forward(x)
+        m = flat.shape[0]
+        padded = -m % self.rows
+        if padded:
+            flat, res = (torch.nn.functional.pad(t, (0, 0, 0, padded)) for t in (flat, res))
         blocks = [torch.addmm(r, f, self.weight.t()) for r, f in zip(res.split(self.rows), flat.split(self.rows))]
-        return (blocks[0] if len(blocks) == 1 else torch.cat(blocks)).reshape(residual.shape)
+        return (blocks[0] if len(blocks) == 1 else torch.cat(blocks))[:m].reshape(residual.shape)
 
     def dense(self) -> torch.Tensor:
         """The weight ``[N, K]``."""
