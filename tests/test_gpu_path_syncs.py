@@ -77,6 +77,38 @@ def test_plain_greedy_on_a_virtual_gpu_makes_one_sync_a_step(tiny_folder, monkey
     assert max(decode_layers) <= MAX_LAUNCHES_PER_LAYER[dtype]
 
 
+#: kernel-launching ops per decoder layer of a verify pass, by how many head lengths its tokens have
+#: (one softmax each): its tails gathered and its rows' tails read apart cost the few over a plain step's
+MAX_VERIFY_LAUNCHES_PER_LAYER = {"float32": {1: 25, 2: 41}, "bfloat16": {1: 28, 2: 45}}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_verify_passes_on_a_virtual_gpu_launch_a_bounded_number_of_kernels(tiny_folder, monkeypatch, dtype):
+    layer_ops = []
+    with virtual_cuda() as mode:
+        forward = decoder_module.DecoderLayer.forward
+
+        def counted_forward(self, *args, **kwargs):
+            with mode.counting() as ops:
+                out = forward(self, *args, **kwargs)
+            layer_ops.append(dict(ops))
+            return out
+
+        session = torch_backend.TorchSession(tiny_folder, dtype, device="cuda", kernels="torch")
+        prompt = session.encode("count: 1 2 3 1 2 3")
+        plain = session.generate(prompt, 2 * NEW_TOKENS).token_ids
+        monkeypatch.setattr(decoder_module.DecoderLayer, "forward", counted_forward)
+        drafter = ScriptedDrafter(len(prompt), plain, session.vocab_size, corrupt_every=3, budget=5)
+        assert session.generate(prompt, 2 * NEW_TOKENS, drafter=drafter).token_ids == plain
+    verify = [ops for ops in layer_ops if "softmax" in ops]  # prefill runs SDPA, not this softmax
+    by_heads = collections.defaultdict(list)
+    for ops in verify:
+        by_heads[ops["softmax"]].append(sum(ops.values()))
+    print("launches per verify layer by head lengths", {k: max(v) for k, v in by_heads.items()})
+    assert set(by_heads) == {1, 2}  # passes within one head length and across a step of it
+    assert all(max(by_heads[k]) <= MAX_VERIFY_LAUNCHES_PER_LAYER[dtype][k] for k in by_heads), dict(by_heads)
+
+
 def test_a_bfloat16_model_keeps_a_bfloat16_cache_on_the_device(tiny_folder):
     """Off the CPU a bfloat16 model's keys and values are held in bfloat16 (half the bytes of float32,
     the dtype they are computed in there) and attention multiplies them into float32; the CPU's
