@@ -54,3 +54,30 @@ def test_a_mapped_draft_model_drafts_greedy_and_sampled_on_the_device(variants, 
         result = session.generate(prompt, NEW, sampling, sampled)
     assert len(result.token_ids) == NEW and result.stats.draft_tokens > 0
     assert not mixups(mode), mixups(mode)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_eagle_heads_draft_on_the_device(tiny_folder, tmp_path, dynamic):
+    """EAGLE heads loaded onto the device (static and dynamic trees) draft there: their own KV (which
+    starts empty and grows), positions and masks go where the layer is, and greedy speculation gives plain
+    greedy's tokens. Before the virtual device knew empty tensors, the heads' empty KV looked like host
+    memory and this would have been reported as a mix-up."""
+    from helpers import random_eagle
+    from mtpctl.drafters.heads.folder import save_heads
+
+    cpu = TorchSession(tiny_folder, "float32", device="cpu", kernels="torch")
+    head = random_eagle(cpu.model, depth=4, seed=2)
+    head.cfg.target, head.cfg.target_hash = str(tiny_folder), cpu.target_hash()
+    (tmp_path / "eagle").mkdir()
+    save_heads(head, tmp_path / "eagle")
+    with virtual_cuda() as mode:
+        session = TorchSession(tiny_folder, "bfloat16", device="cuda", kernels="torch")
+        prompt = session.encode("count: 1 2 3 1 2 3")
+        plain = session.generate(prompt, NEW).token_ids
+        drafter = build(session, "heads", DraftOptions(heads_dir=str(tmp_path / "eagle"), tree_nodes=20,
+                                                       dynamic_tree=dynamic))
+        assert drafter.keys.device.type == "cuda"
+        result = session.generate(prompt, NEW, drafter=drafter)
+    assert result.token_ids == plain
+    assert result.stats.draft_tokens > 0
+    assert not mixups(mode), mixups(mode)

@@ -94,6 +94,7 @@ class VirtualCuda(TorchFunctionMode):
         super().__init__()
         self.keep: list = []  # tagged tensors' storages stay alive, so they are not reused untagged
         self.ptrs: set = set()
+        self.empty: dict = {}  # id -> weak reference of each empty device tensor (no memory to know it by)
         self.bytes: dict = {}  # storage pointer -> its bytes, for every tagged storage
         self.events: List[Event] = []
         self.step = 0
@@ -106,12 +107,17 @@ class VirtualCuda(TorchFunctionMode):
 
     def tagged(self, t) -> bool:
         p = self._ptr(t)
-        return p is not None and p in self.ptrs
+        if p is None:  # an empty tensor has no memory to know it by: known by the tensor itself
+            held = self.empty.get(id(t))
+            return held is not None and held() is t
+        return p in self.ptrs
 
     def tag(self, out):
         for t in _flat(out, []):
             p = self._ptr(t)
-            if p is not None:
+            if p is None and not t.is_meta:
+                self.empty[id(t)] = weakref.ref(t)
+            elif p is not None:
                 self.keep.append(t.untyped_storage())  # the memory, not the tensor: a tensor may still die
                 self.ptrs.add(p)
                 self.bytes[p] = t.untyped_storage().nbytes()
