@@ -77,6 +77,19 @@ def test_plain_greedy_on_a_virtual_gpu_makes_one_sync_a_step(tiny_folder, monkey
     assert max(decode_layers) <= MAX_LAUNCHES_PER_LAYER[dtype]
 
 
+def _count_layer_ops(mode, monkeypatch, layer_ops: list) -> None:
+    """From here on, each decoder layer's kernel-launching ops (a dict) are appended to ``layer_ops``."""
+    forward = decoder_module.DecoderLayer.forward
+
+    def counted_forward(self, *args, **kwargs):
+        with mode.counting() as ops:
+            out = forward(self, *args, **kwargs)
+        layer_ops.append(dict(ops))
+        return out
+
+    monkeypatch.setattr(decoder_module.DecoderLayer, "forward", counted_forward)
+
+
 #: kernel-launching ops per decoder layer of a verify pass, by how many head lengths its tokens have
 #: (one softmax each): its tails gathered and its rows' tails read apart cost the few over a plain step's
 MAX_VERIFY_LAUNCHES_PER_LAYER = {"float32": {1: 25, 2: 41}, "bfloat16": {1: 28, 2: 45}}
@@ -86,18 +99,10 @@ MAX_VERIFY_LAUNCHES_PER_LAYER = {"float32": {1: 25, 2: 41}, "bfloat16": {1: 28, 
 def test_verify_passes_on_a_virtual_gpu_launch_a_bounded_number_of_kernels(tiny_folder, monkeypatch, dtype):
     layer_ops = []
     with virtual_cuda() as mode:
-        forward = decoder_module.DecoderLayer.forward
-
-        def counted_forward(self, *args, **kwargs):
-            with mode.counting() as ops:
-                out = forward(self, *args, **kwargs)
-            layer_ops.append(dict(ops))
-            return out
-
         session = torch_backend.TorchSession(tiny_folder, dtype, device="cuda", kernels="torch")
         prompt = session.encode("count: 1 2 3 1 2 3")
         plain = session.generate(prompt, 2 * NEW_TOKENS).token_ids
-        monkeypatch.setattr(decoder_module.DecoderLayer, "forward", counted_forward)
+        _count_layer_ops(mode, monkeypatch, layer_ops)
         drafter = ScriptedDrafter(len(prompt), plain, session.vocab_size, corrupt_every=3, budget=5)
         assert session.generate(prompt, 2 * NEW_TOKENS, drafter=drafter).token_ids == plain
     verify = [ops for ops in layer_ops if "softmax" in ops]  # prefill runs SDPA, not this softmax
@@ -221,15 +226,7 @@ def test_a_prefill_on_a_virtual_gpu_reads_each_weight_once_and_attends_causally(
     assert not torch_backend.TorchSession(tiny_folder, "bfloat16", device="cpu", kernels="torch").model.free_prefill
     layer_ops = []
     with virtual_cuda() as mode:
-        forward = decoder_module.DecoderLayer.forward
-
-        def counted_forward(self, *args, **kwargs):
-            with mode.counting() as ops:
-                out = forward(self, *args, **kwargs)
-            layer_ops.append(dict(ops))
-            return out
-
-        monkeypatch.setattr(decoder_module.DecoderLayer, "forward", counted_forward)
+        _count_layer_ops(mode, monkeypatch, layer_ops)
         session = torch_backend.TorchSession(tiny_folder, "bfloat16", device="cuda", kernels="torch")
         assert session.model.free_prefill
         prompt = session.encode("count: " + " ".join(str(i % 7) for i in range(40)))
