@@ -244,14 +244,8 @@ class FixedRowsLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _ANY_ROWS.get():  # a prefill (any_rows): one product, the weight read once
             return torch.nn.functional.linear(x, self.weight)
-        flat = x.reshape(-1, self.in_features)
-        m = flat.shape[0]
-        padded = -m % self.rows
-        if padded:  # zero rows appended in one op (the values of a cat with zeros)
-            flat = torch.nn.functional.pad(flat, (0, 0, 0, padded))
-        blocks = [torch.nn.functional.linear(block, self.weight) for block in flat.split(self.rows)]
-        y = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
-        return y[:m].reshape(*x.shape[:-1], self.out_features)
+        y = self._in_blocks(lambda block: torch.nn.functional.linear(block, self.weight), x.reshape(-1, self.in_features))
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + x @ W.T`` (``residual [..., N]`` the shape of the output), the sum made in each
@@ -261,12 +255,19 @@ class FixedRowsLinear(nn.Module):
         flat, res = x.reshape(-1, self.in_features), residual.reshape(-1, self.out_features)
         if _ANY_ROWS.get():
             return torch.addmm(res, flat, self.weight.t()).reshape(residual.shape)
-        m = flat.shape[0]
+        y = self._in_blocks(lambda block, added: torch.addmm(added, block, self.weight.t()), flat, res)
+        return y.reshape(residual.shape)
+
+    def _in_blocks(self, product, *rows: torch.Tensor) -> torch.Tensor:
+        """``product`` of blocks of exactly ``self.rows`` rows of the 2-D ``rows`` tensors (each padded
+        alike with zero rows appended in one op: the values of a cat with zeros), the blocks' results
+        stacked and cut back to the rows given."""
+        m = rows[0].shape[0]
         padded = -m % self.rows
         if padded:
-            flat, res = (torch.nn.functional.pad(t, (0, 0, 0, padded)) for t in (flat, res))
-        blocks = [torch.addmm(r, f, self.weight.t()) for r, f in zip(res.split(self.rows), flat.split(self.rows))]
-        return (blocks[0] if len(blocks) == 1 else torch.cat(blocks))[:m].reshape(residual.shape)
+            rows = tuple(torch.nn.functional.pad(t, (0, 0, 0, padded)) for t in rows)
+        blocks = [product(*block) for block in zip(*(t.split(self.rows) for t in rows))]
+        return (blocks[0] if len(blocks) == 1 else torch.cat(blocks))[:m]
 
     def dense(self) -> torch.Tensor:
         """The weight ``[N, K]``."""
